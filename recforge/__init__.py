@@ -1,0 +1,3 @@
+"""recforge: train, evaluate and serve generative recommenders."""
+
+__version__ = "0.1.0"

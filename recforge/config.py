@@ -1,0 +1,236 @@
+"""Typed run configuration: dataclasses, YAML files, ``key=value`` overrides.
+
+Every problem found (unknown key, wrong type, invalid value) is collected and
+reported together in one ``ConfigError``.
+
+Example:
+    >>> cfg = load_config("configs/ml1m-hstu.yaml", ["train.epochs=10", "model.num_blocks=4"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems, all listed in the message."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # canonical dataset directory (see `recforge data prepare`)
+    protocol: str = "paper"  # paper | clean (see recforge.data.sequences)
+    max_seq_len: int = 200  # most recent items a model sees
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "hstu"  # hstu | sasrec
+    dim: int = 50  # embedding / model width
+    num_blocks: int = 2
+    num_heads: int = 1
+    dqk: int = 50  # HSTU per-head query/key width
+    dv: int = 50  # HSTU per-head value width
+    ffn_dim: int = 50  # SASRec feed-forward width
+    dropout: float = 0.2
+    num_time_buckets: int = 128  # HSTU time bias; ignored when the data has no timestamps
+    kernel: str = "auto"  # attention backend: auto | pytorch | triton
+
+
+@dataclass
+class LossConfig:
+    negatives: str = "per_position"  # per_position | shared | full (softmax over the whole catalogue)
+    num_negatives: int = 128  # uniformly sampled negatives (per_position / shared)
+    in_batch_negatives: bool = False  # also use the batch's other target items as negatives
+    temperature: float = 0.05
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    weight_decay: float = 0.0
+    grad_clip: float = 0.0  # max gradient norm; 0 disables clipping
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 100
+    batch_size: int = 128  # sequences per step
+    seed: int = 42
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    eval_every: int = 5  # epochs between evaluations (0: only at the end)
+    checkpoint_every: int = 0  # steps between checkpoints (0: at each epoch end)
+    keep_checkpoints: int = 2  # most recent checkpoints kept (plus the best)
+    max_steps: int = 0  # stop after this many steps (0: no limit)
+    max_minutes: float = 0.0  # stop after this much wall time (0: no limit)
+    log_every: int = 20  # steps between TensorBoard scalars
+    output_dir: str = "runs/{name}"
+    threads: int = 0  # torch CPU threads (0: PyTorch's default)
+
+
+@dataclass
+class EvalConfig:
+    ks: list[int] = field(default_factory=lambda: [1, 5, 10, 50, 200])
+    batch_size: int = 1024  # users per evaluation batch
+    select_metric: str = "ndcg@10"  # validation metric choosing the best checkpoint (clean protocol)
+
+
+@dataclass
+class RunConfig:
+    recipe: str = "retrieval"
+    name: str = "run"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.train.output_dir.format(name=self.name))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+CHOICES = {
+    "recipe": ("retrieval",),
+    "data.protocol": ("paper", "clean"),
+    "model.kind": ("hstu", "sasrec"),
+    "model.kernel": ("auto", "pytorch", "triton"),
+    "loss.negatives": ("per_position", "shared", "full"),
+}
+POSITIVE = (
+    "data.max_seq_len", "model.dim", "model.num_blocks", "model.num_heads", "model.dqk", "model.dv",
+    "model.ffn_dim", "train.epochs", "train.batch_size", "eval.batch_size", "train.keep_checkpoints",
+)  # fmt: skip
+
+
+def _check_type(value: Any, hint: Any, where: str, problems: list[str]) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (inner,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            problems.append(f"{where}: expected a list, got {value!r}")
+            return value
+        return [_check_type(v, inner, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and (not isinstance(value, hint) or (hint is int and isinstance(value, bool))):
+        problems.append(f"{where}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls: type, raw: dict, prefix: str, problems: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        where = f"{prefix}{key}"
+        if key not in hints:
+            known = ", ".join(hints)
+            problems.append(f"{where}: unknown key (known: {known})")
+            continue
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                problems.append(f"{where}: expected a mapping, got {value!r}")
+                continue
+            kwargs[key] = _build(hint, value, f"{where}.", problems)
+        else:
+            kwargs[key] = _check_type(value, hint, where, problems)
+    return cls(**kwargs)
+
+
+def _lookup(cfg: RunConfig, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: RunConfig) -> list[str]:
+    """Return every value-level problem of ``cfg`` (empty when valid)."""
+    problems = []
+    for key, allowed in CHOICES.items():
+        if _lookup(cfg, key) not in allowed:
+            problems.append(f"{key}: {_lookup(cfg, key)!r} is not one of {allowed}")
+    for key in POSITIVE:
+        if _lookup(cfg, key) <= 0:
+            problems.append(f"{key}: must be > 0, got {_lookup(cfg, key)}")
+    if cfg.loss.negatives != "full" and cfg.loss.num_negatives <= 0:
+        problems.append("loss.num_negatives: must be > 0 unless loss.negatives=full")
+    if cfg.loss.temperature <= 0:
+        problems.append(f"loss.temperature: must be > 0, got {cfg.loss.temperature}")
+    if len(cfg.optim.betas) != 2:
+        problems.append(f"optim.betas: expected two numbers, got {cfg.optim.betas}")
+    if not 0.0 <= cfg.model.dropout < 1.0:
+        problems.append(f"model.dropout: must be in [0, 1), got {cfg.model.dropout}")
+    if cfg.model.kind == "sasrec" and cfg.model.dim % cfg.model.num_heads:
+        problems.append(f"model.dim {cfg.model.dim} must be divisible by model.num_heads {cfg.model.num_heads} for SASRec")
+    if not cfg.data.path:
+        problems.append("data.path: required (a directory written by `recforge data prepare`)")
+    return problems
+
+
+def parse_overrides(overrides: list[str], problems: list[str]) -> dict:
+    """``["train.epochs=5", "model.kind=sasrec"]`` -> nested dict (values parsed as YAML scalars)."""
+    nested: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            problems.append(f"override {item!r}: expected key=value, e.g. train.epochs=5")
+            continue
+        key, value = item.split("=", 1)
+        node = nested
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = yaml.safe_load(value) if value else ""
+    return nested
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def config_from_dict(raw: dict, overrides: list[str] | None = None, source: str = "config") -> RunConfig:
+    """Build and validate a ``RunConfig``; raise ``ConfigError`` listing all problems."""
+    problems: list[str] = []
+    merged = _merge(raw or {}, parse_overrides(overrides or [], problems))
+    cfg = _build(RunConfig, merged, "", problems)
+    if not problems:
+        problems = validate(cfg)
+    if problems:
+        raise ConfigError(f"{source}: {len(problems)} problem(s):\n  - " + "\n  - ".join(problems))
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config file, apply ``key=value`` overrides, validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist (see configs/ for examples)")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections (data:, model:, ...)")
+    return config_from_dict(raw, overrides, str(path))
+
+
+def save_config(cfg: RunConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,1 @@
+"""Data: the canonical Parquet layout, converters, synthetic data, sequences and batches."""

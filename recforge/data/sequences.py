@@ -1,0 +1,135 @@
+"""Per-user item sequences for next-item retrieval, with leave-one-out holdouts.
+
+Protocols (how many of each user's last items are held out of training):
+
+- ``paper`` (holdout 1): train on everything but the last item, evaluate the last item
+  with the rest as history: what the HSTU reference code does, evaluating the test
+  target during training.
+- ``clean`` (holdout 2): train on everything but the last two items; the second-to-last
+  is the validation target (model selection), the last is the test target, reported once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch import Tensor
+
+from recforge.data.batch import JaggedBatch
+from recforge.data.dataset import Dataset
+from recforge.ops.jagged import gather_sequences, lengths_from_offsets, trim_sequences
+
+PROTOCOL_HOLDOUT = {"paper": 1, "clean": 2}
+
+
+@dataclass
+class EvalBatch:
+    """Inputs and answers for ranking one held-out item per user.
+
+    Attributes:
+        inputs: the last ``max_seq_len`` history items per user (model input).
+        targets: (B,) the held-out item index per user.
+        seen_index: (S,) item indices of each user's full history (excluded from ranking).
+        seen_offsets: (B+1,) offsets of ``seen_index``.
+    """
+
+    inputs: JaggedBatch
+    targets: Tensor
+    seen_index: Tensor
+    seen_offsets: Tensor
+
+    def to(self, device: torch.device | str) -> EvalBatch:
+        return EvalBatch(self.inputs.to(device), self.targets.to(device), self.seen_index.to(device), self.seen_offsets.to(device))
+
+
+@dataclass
+class UserSequences:
+    """All users' chronological item sequences as one jagged tensor.
+
+    Item IDs are mapped to dense indices 1..num_items (0 is padding); ``item_vocab[i]``
+    is the raw ID of index i.
+    """
+
+    item_ids: Tensor  # (T,) int64 dense item indices
+    timestamps: Tensor | None  # (T,) int64 seconds, None when the data has none
+    offsets: Tensor  # (U+1,) int64
+    user_ids: np.ndarray  # (U,) raw user IDs
+    item_vocab: np.ndarray  # (num_items + 1,) raw item IDs, [0] = -1
+
+    @property
+    def num_items(self) -> int:
+        return len(self.item_vocab) - 1
+
+    @property
+    def num_users(self) -> int:
+        return len(self.user_ids)
+
+    @property
+    def lengths(self) -> Tensor:
+        return lengths_from_offsets(self.offsets)
+
+    @staticmethod
+    def from_dataset(dataset: Dataset) -> UserSequences:
+        """Group the events table into per-user sequences (vectorised; rows are already grouped)."""
+        events = dataset.events
+        users = events.column("user_id").to_numpy()
+        raw_items = events.column("item_id").to_numpy()
+        vocab, dense = np.unique(raw_items, return_inverse=True)
+        starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]]) if len(users) else np.zeros(0, np.int64)
+        offsets = pa.array(np.r_[starts, len(users)].astype(np.int32))
+        columns = {"item_ids": pa.ListArray.from_arrays(offsets, pa.array(dense.astype(np.int64) + 1))}
+        if dataset.has_timestamps:
+            ts = events.column("timestamp").combine_chunks()
+            if ts.null_count:
+                raise ValueError(f"{ts.null_count} events have no timestamp while others do; fill or drop them")
+            columns["timestamps"] = pa.ListArray.from_arrays(offsets, ts)
+        batch = JaggedBatch.from_arrow(columns)
+        return UserSequences(
+            item_ids=batch.item_ids,
+            timestamps=batch.timestamps,
+            offsets=batch.seq_offsets,
+            user_ids=users[starts],
+            item_vocab=np.r_[-1, vocab].astype(np.int64),
+        )
+
+    def trainable_users(self, holdout: int) -> Tensor:
+        """Users whose training part has at least two items (one input, one target)."""
+        return torch.nonzero(self.lengths - holdout >= 2).flatten()
+
+    def evaluable_users(self, holdout: int) -> Tensor:
+        """Users with at least one history item before the held-out position."""
+        return torch.nonzero(self.lengths - holdout >= 1).flatten()
+
+    def item_counts(self, holdout: int) -> Tensor:
+        """(num_items + 1,) interaction counts in the training part (the popularity baseline)."""
+        index, _ = trim_sequences(self.offsets, drop_last=holdout)
+        return torch.bincount(self.item_ids[index], minlength=self.num_items + 1)
+
+    def _window(self, users: Tensor, drop_last: int, keep_last: int | None) -> tuple[Tensor, Tensor]:
+        sel, sel_offsets = gather_sequences(self.offsets, users)
+        index, offsets = trim_sequences(sel_offsets, drop_last=drop_last, keep_last=keep_last)
+        return sel[index], offsets
+
+    def _features(self, index: Tensor) -> dict[str, Tensor]:
+        features = {"item_ids": self.item_ids[index]}
+        if self.timestamps is not None:
+            features["timestamps"] = self.timestamps[index]
+        return features
+
+    def training_batch(self, users: Tensor, max_seq_len: int, holdout: int) -> JaggedBatch:
+        """Next-item training batch: inputs are the last ``max_seq_len`` training items but one,
+        ``labels["next_item"]`` the item after each input position."""
+        index, offsets = self._window(users, drop_last=holdout + 1, keep_last=max_seq_len)
+        batch = JaggedBatch(offsets, self._features(index), max_seq_len)
+        batch.labels["next_item"] = self.item_ids[index + 1]
+        return batch
+
+    def eval_batch(self, users: Tensor, max_seq_len: int, target_from_end: int) -> EvalBatch:
+        """Rank the item ``target_from_end`` positions from the end (1 = last) given all before it."""
+        index, offsets = self._window(users, drop_last=target_from_end, keep_last=max_seq_len)
+        seen, seen_offsets = self._window(users, drop_last=target_from_end, keep_last=None)
+        targets = self.item_ids[self.offsets[1:][users] - target_from_end]
+        return EvalBatch(JaggedBatch(offsets, self._features(index), max_seq_len), targets, self.item_ids[seen], seen_offsets)

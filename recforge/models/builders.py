@@ -1,0 +1,51 @@
+"""Builders: turn a ``ModelConfig`` into flat constructor arguments."""
+
+from __future__ import annotations
+
+from recforge.config import ModelConfig
+from recforge.models.hstu import HSTUConfig, HSTUEncoder
+from recforge.models.retrieval import ItemPrefix, L2NormPostfix, RetrievalModel
+from recforge.models.sasrec import SASRecConfig, SASRecEncoder
+
+
+def build_retrieval_model(cfg: ModelConfig, num_items: int, max_seq_len: int) -> RetrievalModel:
+    """Retrieval model of ``cfg.kind`` (hstu | sasrec) over a catalogue of ``num_items`` items."""
+    if cfg.kind == "hstu":
+        encoder = HSTUEncoder(
+            HSTUConfig(
+                dim=cfg.dim,
+                num_blocks=cfg.num_blocks,
+                num_heads=cfg.num_heads,
+                dqk=cfg.dqk,
+                dv=cfg.dv,
+                dropout=cfg.dropout,
+                max_seq_len=max_seq_len,
+                num_time_buckets=cfg.num_time_buckets,
+                kernel=cfg.kernel,
+            )
+        )
+    elif cfg.kind == "sasrec":
+        encoder = SASRecEncoder(
+            SASRecConfig(
+                dim=cfg.dim,
+                num_blocks=cfg.num_blocks,
+                num_heads=cfg.num_heads,
+                ffn_dim=cfg.ffn_dim,
+                dropout=cfg.dropout,
+                max_seq_len=max_seq_len,
+                kernel=cfg.kernel,
+            )
+        )
+    else:
+        raise ValueError(f"model.kind={cfg.kind!r}: expected hstu or sasrec")
+    return RetrievalModel(ItemPrefix(num_items, cfg.dim, max_seq_len, cfg.dropout), encoder, L2NormPostfix())
+
+
+def hstu_small(num_items: int, max_seq_len: int = 200) -> RetrievalModel:
+    """The HSTU paper's ML-1M configuration: 2 blocks x 1 head, d = 50."""
+    return build_retrieval_model(ModelConfig(kind="hstu"), num_items, max_seq_len)
+
+
+def hstu_large(num_items: int, max_seq_len: int = 200) -> RetrievalModel:
+    """The HSTU paper's HSTU-large: 8 blocks x 2 heads of width 25, d = 50."""
+    return build_retrieval_model(ModelConfig(kind="hstu", num_blocks=8, num_heads=2, dqk=25, dv=25), num_items, max_seq_len)

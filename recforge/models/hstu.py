@@ -1,0 +1,102 @@
+"""HSTU: Hierarchical Sequential Transduction Units (Zhai et al., arXiv 2402.17152).
+
+One block, on jagged tokens x of shape (T, d)::
+
+    u, v, q, k = split(SiLU(W_uvqk · LayerNorm(x)))
+    a          = HSTUAttention(q, k, v)          # SiLU(qk^T + rab) / max_seq_len, masked
+    x          = x + W_o · Dropout(LayerNorm(a) ⊙ u)
+
+The relative attention bias (rab) is a learned weight per causal distance plus, when
+timestamps exist, a learned weight per log-spaced time-difference bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from recforge.ops.hstu_attention import hstu_attention
+from recforge.ops.mask import AttentionMask
+
+
+@dataclass
+class HSTUConfig:
+    """HSTU encoder hyper-parameters."""
+
+    dim: int = 50  # model (embedding) width d
+    num_blocks: int = 2
+    num_heads: int = 1
+    dqk: int = 50  # per-head query/key width
+    dv: int = 50  # per-head value/gate width
+    dropout: float = 0.2  # on the block output projection input
+    max_seq_len: int = 200  # attention normaliser and position-bias range
+    num_time_buckets: int = 128  # 0 disables the time bias; unused when data has no timestamps
+    kernel: str = "auto"  # attention backend: auto | pytorch | triton
+
+
+class HSTUBlock(nn.Module):
+    """One HSTU layer on jagged (T, d) tokens."""
+
+    def __init__(self, cfg: HSTUConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.num_heads
+        self.split_sizes = [h * cfg.dv, h * cfg.dv, h * cfg.dqk, h * cfg.dqk]
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.uvqk = nn.Linear(cfg.dim, sum(self.split_sizes))
+        self.attn_norm = nn.LayerNorm(h * cfg.dv)
+        self.out = nn.Linear(h * cfg.dv, cfg.dim)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.pos_weights = nn.Parameter(torch.zeros(cfg.max_seq_len))
+        self.time_weights = nn.Parameter(torch.zeros(cfg.num_time_buckets + 1)) if cfg.num_time_buckets else None
+
+    def forward(self, x: Tensor, seq_offsets: Tensor, max_seq_len: int, mask: AttentionMask, timestamps: Tensor | None) -> Tensor:
+        cfg = self.cfg
+        tokens = x.shape[0]
+        u, v, q, k = F.silu(self.uvqk(self.norm(x))).split(self.split_sizes, dim=-1)  # each (T, H*D)
+        attn = hstu_attention(
+            q.view(tokens, cfg.num_heads, cfg.dqk),
+            k.view(tokens, cfg.num_heads, cfg.dqk),
+            v.view(tokens, cfg.num_heads, cfg.dv),
+            seq_offsets,
+            max_seq_len,
+            mask,
+            scale=1.0 / cfg.max_seq_len,
+            pos_weights=self.pos_weights,
+            timestamps=timestamps if self.time_weights is not None else None,
+            time_weights=self.time_weights if timestamps is not None else None,
+            kernel=cfg.kernel,
+        )  # (T, H, Dv)
+        gated = self.attn_norm(attn.reshape(tokens, -1)) * u  # (T, H*Dv)
+        return x + self.out(self.dropout(gated))
+
+
+class HSTUEncoder(nn.Module):
+    """A stack of HSTU blocks over jagged token embeddings.
+
+    Example:
+        >>> enc = HSTUEncoder(HSTUConfig(dim=64, num_blocks=2, num_heads=2, dqk=32, dv=32))
+        >>> y = enc(x, seq_offsets, max_seq_len=200, mask=AttentionMask())  # (T, 64)
+    """
+
+    def __init__(self, cfg: HSTUConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.blocks = nn.ModuleList(HSTUBlock(cfg) for _ in range(cfg.num_blocks))
+
+    def forward(
+        self,
+        x: Tensor,
+        seq_offsets: Tensor,
+        max_seq_len: int,
+        mask: AttentionMask,
+        timestamps: Tensor | None = None,
+    ) -> Tensor:
+        if max_seq_len > self.cfg.max_seq_len:
+            raise ValueError(f"batch max_seq_len {max_seq_len} exceeds the encoder's max_seq_len {self.cfg.max_seq_len}")
+        for block in self.blocks:
+            x = block(x, seq_offsets, max_seq_len, mask, timestamps)
+        return x

@@ -1,0 +1,131 @@
+"""HSTU pointwise attention on jagged sequences.
+
+    out_i = sum_j  mask_ij * SiLU(q_i . k_j + rab_ij) * scale * v_j
+
+with ``rab_ij = pos_weights[clamp(i - j)] + time_weights[bucket(ts_i - ts_j)]``.
+``scale`` is a constant (1 / max_seq_len in HSTU): dividing by each sequence's own
+length would leak how many future tokens exist into earlier positions.
+"""
+
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from recforge.ops.dispatch import resolve_kernel
+from recforge.ops.jagged import jagged_to_padded, lengths_from_offsets, padded_to_jagged
+from recforge.ops.mask import AttentionMask
+
+TIME_BUCKET_LOG_BASE = 0.301  # bucket width in log-seconds: each bucket spans x1.35 in time
+
+
+def time_buckets(delta_seconds: Tensor, num_buckets: int) -> Tensor:
+    """Map time differences (seconds) to log-spaced bucket indices in [0, num_buckets]."""
+    d = delta_seconds.abs().clamp(min=1).to(torch.float32)
+    return (torch.log(d) / TIME_BUCKET_LOG_BASE).floor().long().clamp(0, num_buckets)
+
+
+def relative_bias(
+    offsets: Tensor,
+    max_len: int,
+    pos_weights: Tensor | None,
+    timestamps: Tensor | None,
+    time_weights: Tensor | None,
+) -> Tensor | None:
+    """Dense (B, N, N) relative position + time bias for the reference implementations."""
+    bias = None
+    if pos_weights is not None:
+        pos = torch.arange(max_len, device=offsets.device)
+        dist = (pos.view(-1, 1) - pos.view(1, -1)).clamp(0, pos_weights.numel() - 1)
+        bias = pos_weights[dist].unsqueeze(0)  # (1, N, N)
+    if time_weights is not None and timestamps is not None:
+        ts = jagged_to_padded(timestamps, offsets, max_len)  # (B, N)
+        buckets = time_buckets(ts.unsqueeze(2) - ts.unsqueeze(1), time_weights.numel() - 1)
+        time_bias = time_weights[buckets]  # (B, N, N)
+        bias = time_bias if bias is None else bias + time_bias
+    return bias
+
+
+def hstu_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    seq_offsets: Tensor,
+    max_seq_len: int,
+    mask: AttentionMask,
+    scale: float,
+    pos_weights: Tensor | None = None,
+    timestamps: Tensor | None = None,
+    time_weights: Tensor | None = None,
+) -> Tensor:
+    """PyTorch reference: pads the batch, materialises mask and bias, unpads."""
+    qp = jagged_to_padded(q, seq_offsets, max_seq_len)  # (B, N, H, Dqk)
+    kp = jagged_to_padded(k, seq_offsets, max_seq_len)  # (B, N, H, Dqk)
+    vp = jagged_to_padded(v, seq_offsets, max_seq_len)  # (B, N, H, Dv)
+    scores = torch.einsum("bihd,bjhd->bhij", qp, kp)  # (B, H, N, N)
+    bias = relative_bias(seq_offsets, max_seq_len, pos_weights, timestamps, time_weights)
+    if bias is not None:
+        scores = scores + bias.unsqueeze(1).to(scores.dtype)
+    visible = mask.dense(seq_offsets, max_seq_len)  # (B, N, N)
+    lengths = lengths_from_offsets(seq_offsets).view(-1, 1, 1)
+    pos = torch.arange(max_seq_len, device=q.device)
+    visible = visible & (pos.view(1, -1, 1) < lengths)  # padding rows contribute nothing
+    weights = F.silu(scores) * scale * visible.unsqueeze(1)
+    out = torch.einsum("bhij,bjhd->bihd", weights, vp)  # (B, N, H, Dv)
+    return padded_to_jagged(out, seq_offsets)
+
+
+def hstu_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    seq_offsets: Tensor,
+    max_seq_len: int,
+    mask: AttentionMask,
+    *,
+    scale: float | None = None,
+    pos_weights: Tensor | None = None,
+    timestamps: Tensor | None = None,
+    time_weights: Tensor | None = None,
+    kernel: str = "auto",
+) -> Tensor:
+    """HSTU attention over jagged sequences.
+
+    Args:
+        q: (T, H, Dqk) queries, T = total tokens of the batch.
+        k: (T, H, Dqk) keys.
+        v: (T, H, Dv) values.
+        seq_offsets: (B+1,) int64 sequence boundaries.
+        max_seq_len: upper bound on sequence lengths in this batch.
+        mask: the mask description.
+        scale: multiplies SiLU scores; default 1 / max_seq_len.
+        pos_weights: (P,) learned bias per causal distance i - j (clamped to P - 1).
+        timestamps: (T,) int64 seconds, required with ``time_weights``.
+        time_weights: (num_buckets + 1,) learned bias per log time-difference bucket.
+        kernel: "auto" | "pytorch" | "triton".
+
+    Returns:
+        (T, H, Dv) attention output.
+
+    Example:
+        >>> out = hstu_attention(q, k, v, offsets, 200, AttentionMask(), pos_weights=w)
+    """
+    resolve_kernel("hstu_attention", kernel)
+    if scale is None:
+        scale = 1.0 / max_seq_len
+    if time_weights is not None and timestamps is None:
+        raise ValueError("hstu_attention: time_weights given without timestamps")
+    return hstu_attention_reference(
+        q, k, v, seq_offsets, max_seq_len, mask, scale, pos_weights, timestamps, time_weights
+    )
+
+
+def hstu_attention_flops(lengths: Tensor, num_heads: int, dqk: int, dv: int) -> int:
+    """Forward FLOPs of causal attention: two matmuls over the visible half of each L x L."""
+    pairs = (lengths * (lengths + 1) // 2).sum().item()
+    return int(2 * pairs * num_heads * (dqk + dv))
+
+
+__all__ = ["hstu_attention", "hstu_attention_reference", "relative_bias", "time_buckets", "hstu_attention_flops"]

@@ -1,0 +1,84 @@
+"""Vectorised helpers for jagged (values + offsets) tensors. No per-sequence Python loops."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def lengths_from_offsets(offsets: Tensor) -> Tensor:
+    """(B+1,) offsets -> (B,) lengths."""
+    return offsets[1:] - offsets[:-1]
+
+
+def offsets_from_lengths(lengths: Tensor) -> Tensor:
+    """(B,) lengths -> (B+1,) int64 offsets starting at 0."""
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, 0, out=out[1:])
+    return out
+
+
+def positions_in_sequence(offsets: Tensor, total: int | None = None) -> Tensor:
+    """Index of every token inside its own sequence: (T,) int64, 0 at each sequence start."""
+    lengths = lengths_from_offsets(offsets)
+    total = int(offsets[-1]) if total is None else total
+    starts = torch.repeat_interleave(offsets[:-1], lengths, output_size=total)
+    return torch.arange(total, device=offsets.device) - starts
+
+
+def sequence_ids(offsets: Tensor, total: int | None = None) -> Tensor:
+    """Which sequence every token belongs to: (T,) int64."""
+    lengths = lengths_from_offsets(offsets)
+    total = int(offsets[-1]) if total is None else total
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=total)
+
+
+def trim_sequences(offsets: Tensor, *, drop_last: int = 0, keep_last: int | None = None) -> tuple[Tensor, Tensor]:
+    """Select, per sequence, a contiguous window ending ``drop_last`` tokens before its end.
+
+    The window holds at most ``keep_last`` tokens (all when None). Sequences shorter than
+    ``drop_last`` become empty.
+
+    Returns:
+        (index, new_offsets): ``values[index]`` is the trimmed values tensor, (T',) int64,
+        and ``new_offsets`` (B+1,) its offsets.
+    """
+    lengths = lengths_from_offsets(offsets)
+    ends = offsets[1:] - torch.clamp(lengths, max=drop_last)
+    new_lengths = ends - offsets[:-1]
+    if keep_last is not None:
+        new_lengths = torch.clamp(new_lengths, max=keep_last)
+    starts = ends - new_lengths
+    new_offsets = offsets_from_lengths(new_lengths)
+    total = int(new_offsets[-1])
+    index = torch.repeat_interleave(starts - new_offsets[:-1], new_lengths, output_size=total)
+    index += torch.arange(total, device=offsets.device)
+    return index, new_offsets
+
+
+def jagged_to_padded(values: Tensor, offsets: Tensor, max_len: int, pad_value: float = 0.0) -> Tensor:
+    """(T, *rest) jagged values -> (B, max_len, *rest) right-padded dense tensor."""
+    batch = offsets.numel() - 1
+    out = values.new_full((batch, max_len, *values.shape[1:]), pad_value)
+    total = values.shape[0]
+    out[sequence_ids(offsets, total), positions_in_sequence(offsets, total)] = values
+    return out
+
+
+def padded_to_jagged(padded: Tensor, offsets: Tensor) -> Tensor:
+    """(B, N, *rest) right-padded dense tensor -> (T, *rest) jagged values."""
+    total = int(offsets[-1])
+    return padded[sequence_ids(offsets, total), positions_in_sequence(offsets, total)]
+
+
+def gather_sequences(offsets: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """Select whole sequences ``rows`` (in that order) from a jagged tensor.
+
+    Returns:
+        (index, new_offsets): ``values[index]`` holds the selected sequences back to back.
+    """
+    lengths = lengths_from_offsets(offsets)[rows]
+    new_offsets = offsets_from_lengths(lengths)
+    total = int(new_offsets[-1])
+    index = torch.repeat_interleave(offsets[:-1][rows] - new_offsets[:-1], lengths, output_size=total)
+    return index + torch.arange(total, device=offsets.device), new_offsets

@@ -1,0 +1,35 @@
+"""Scaled dot-product (softmax) attention on jagged sequences, as SASRec uses it."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from recforge.ops.dispatch import resolve_kernel
+from recforge.ops.jagged import jagged_to_padded, padded_to_jagged
+from recforge.ops.mask import AttentionMask
+
+
+def softmax_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    seq_offsets: Tensor,
+    max_seq_len: int,
+    mask: AttentionMask,
+    *,
+    dropout: float = 0.0,
+    kernel: str = "auto",
+) -> Tensor:
+    """Softmax attention over jagged (T, H, D) q/k/v with the visibility of ``mask``.
+
+    The reference pads to (B, H, N, D) and calls ``F.scaled_dot_product_attention`` with the
+    materialised boolean mask. Returns (T, H, D).
+    """
+    resolve_kernel("softmax_attention", kernel)
+    qp = jagged_to_padded(q, seq_offsets, max_seq_len).transpose(1, 2)  # (B, H, N, D)
+    kp = jagged_to_padded(k, seq_offsets, max_seq_len).transpose(1, 2)
+    vp = jagged_to_padded(v, seq_offsets, max_seq_len).transpose(1, 2)
+    visible = mask.dense(seq_offsets, max_seq_len).unsqueeze(1)  # (B, 1, N, N)
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=visible, dropout_p=dropout)
+    return padded_to_jagged(out.transpose(1, 2), seq_offsets)

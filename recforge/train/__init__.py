@@ -1,0 +1,1 @@
+"""Training recipes, losses, metrics and checkpoints."""

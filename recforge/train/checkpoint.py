@@ -1,0 +1,142 @@
+"""Checkpoints: safetensors tensors + a JSON manifest, written atomically.
+
+Layout inside a run directory::
+
+    checkpoints/
+      step_00000480/            one directory per checkpoint, renamed into place when complete
+        model.safetensors
+        optimizer.safetensors   AdamW moments and step counts, flattened by parameter index
+        manifest.json           step, epoch, config, optimizer param_groups, metrics, files
+      latest.json               {"step_dir": "step_00000480"}   replaced atomically
+      best.json                 same, for the best validation checkpoint (clean protocol)
+
+Nothing is unpickled on load: safetensors and JSON only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+FORMAT_VERSION = 1
+
+
+def _atomic_write_json(path: Path, payload: dict) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    state = optimizer.state_dict()
+    tensors = {}
+    for index, param_state in state["state"].items():
+        for key, value in param_state.items():
+            tensors[f"state.{index}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, state["param_groups"]
+
+
+def save_checkpoint(
+    run_dir: Path,
+    *,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    manifest: dict,
+    keep: int = 2,
+    best: bool = False,
+) -> Path:
+    """Write ``checkpoints/step_XXXXXXXX`` atomically, move the ``latest`` pointer, prune old ones.
+
+    Args:
+        run_dir: the run directory.
+        step: global step, names the checkpoint.
+        model: module whose ``state_dict`` is saved.
+        optimizer: optimizer to save alongside (None for weights only).
+        manifest: JSON-serialisable training state (epoch, config, metrics...).
+        keep: how many most recent checkpoints to keep (the best one is always kept).
+        best: also point ``best.json`` at this checkpoint.
+    """
+    ckpt_root = Path(run_dir) / "checkpoints"
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    name = f"step_{step:08d}"
+    final = ckpt_root / name
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=ckpt_root))
+    try:
+        weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        save_file(weights, tmp / "model.safetensors")
+        full_manifest = {"format_version": FORMAT_VERSION, "step": step, "files": {"model": "model.safetensors"}, **manifest}
+        if optimizer is not None:
+            tensors, groups = _optimizer_tensors(optimizer)
+            save_file(tensors, tmp / "optimizer.safetensors")
+            full_manifest["files"]["optimizer"] = "optimizer.safetensors"
+            full_manifest["optimizer_param_groups"] = groups
+        _atomic_write_json(tmp / "manifest.json", full_manifest)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _atomic_write_json(ckpt_root / "latest.json", {"step_dir": name})
+    if best:
+        _atomic_write_json(ckpt_root / "best.json", {"step_dir": name})
+    _prune(ckpt_root, keep)
+    return final
+
+
+def _pointer(ckpt_root: Path, which: str) -> str | None:
+    path = ckpt_root / f"{which}.json"
+    return json.loads(path.read_text())["step_dir"] if path.is_file() else None
+
+
+def _prune(ckpt_root: Path, keep: int) -> None:
+    protected = {_pointer(ckpt_root, "best"), _pointer(ckpt_root, "latest")}
+    steps = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
+    for old in steps[:-keep]:
+        if old.name not in protected:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def find_checkpoint(run_dir: Path, which: str = "latest") -> Path | None:
+    """Path of the ``latest`` or ``best`` checkpoint of a run, or None when there is none."""
+    ckpt_root = Path(run_dir) / "checkpoints"
+    name = _pointer(ckpt_root, which)
+    return ckpt_root / name if name else None
+
+
+def load_checkpoint(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, device: str | torch.device = "cpu"
+) -> dict:
+    """Load weights (and optimizer state) from a checkpoint directory; return its manifest."""
+    path = Path(path)
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        raise ValueError(f"{path} is not a recforge checkpoint (no manifest.json)")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: checkpoint format {manifest.get('format_version')} is not supported")
+    weights = load_file(path / manifest["files"]["model"], device=str(device))
+    model.load_state_dict(weights)
+    if optimizer is not None:
+        if "optimizer" not in manifest["files"]:
+            raise ValueError(f"{path} holds no optimizer state; cannot resume training from it")
+        flat = load_file(path / manifest["files"]["optimizer"], device=str(device))
+        state: dict[int, dict] = {}
+        for key, value in flat.items():
+            _, index, name = key.split(".", 2)
+            if name == "step":
+                value = value.cpu()  # AdamW keeps non-capturable step counts on the CPU
+            state.setdefault(int(index), {})[name] = value
+        optimizer.load_state_dict({"state": state, "param_groups": manifest["optimizer_param_groups"]})
+    return manifest
