@@ -9,6 +9,7 @@ length would leak how many future tokens exist into earlier positions.
 
 from __future__ import annotations
 
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,12 @@ def time_buckets(delta_seconds: Tensor, num_buckets: int) -> Tensor:
     return (torch.log(d) / TIME_BUCKET_LOG_BASE).floor().long().clamp(0, num_buckets)
 
 
+@functools.lru_cache(maxsize=16)
+def _distance_index(max_len: int, num_weights: int, device: torch.device) -> Tensor:
+    pos = torch.arange(max_len, device=device)
+    return (pos.view(-1, 1) - pos.view(1, -1)).clamp(0, num_weights - 1)  # (N, N) causal distance i - j
+
+
 def relative_bias(
     offsets: Tensor,
     max_len: int,
@@ -37,9 +44,7 @@ def relative_bias(
     """Dense (B, N, N) relative position + time bias for the reference implementations."""
     bias = None
     if pos_weights is not None:
-        pos = torch.arange(max_len, device=offsets.device)
-        dist = (pos.view(-1, 1) - pos.view(1, -1)).clamp(0, pos_weights.numel() - 1)
-        bias = pos_weights[dist].unsqueeze(0)  # (1, N, N)
+        bias = pos_weights[_distance_index(max_len, pos_weights.numel(), offsets.device)].unsqueeze(0)  # (1, N, N)
     if time_weights is not None and timestamps is not None:
         ts = jagged_to_padded(timestamps, offsets, max_len)  # (B, N)
         buckets = time_buckets(ts.unsqueeze(2) - ts.unsqueeze(1), time_weights.numel() - 1)
@@ -74,7 +79,7 @@ def hstu_attention_reference(
     visible = visible & (pos.view(1, -1, 1) < lengths)  # padding rows contribute nothing
     weights = F.silu(scores) * scale * visible.unsqueeze(1)
     out = torch.einsum("bhij,bjhd->bihd", weights, vp)  # (B, N, H, Dv)
-    return padded_to_jagged(out, seq_offsets)
+    return padded_to_jagged(out, seq_offsets, q.shape[0])
 
 
 def hstu_attention(

@@ -56,19 +56,39 @@ def trim_sequences(offsets: Tensor, *, drop_last: int = 0, keep_last: int | None
     return index, new_offsets
 
 
+_padding_index_cache: list = [None, -1, 0, None]  # [offsets, offsets._version, total, (seq_ids, positions)]
+
+
+def padding_index(offsets: Tensor, total: int) -> tuple[Tensor, Tensor]:
+    """(sequence id, position) of every token: the scatter/gather index between jagged and padded.
+
+    Every layer of an encoder pads and unpads the same batch, so the last result is kept.
+    The cache holds a reference to ``offsets`` and checks identity and version, so a new or
+    modified offsets tensor can never hit a stale entry.
+    """
+    cache = _padding_index_cache
+    if cache[0] is offsets and cache[1] == offsets._version and cache[2] == total:
+        return cache[3]
+    result = (sequence_ids(offsets, total), positions_in_sequence(offsets, total))
+    cache[:] = [offsets, offsets._version, total, result]
+    return result
+
+
 def jagged_to_padded(values: Tensor, offsets: Tensor, max_len: int, pad_value: float = 0.0) -> Tensor:
     """(T, *rest) jagged values -> (B, max_len, *rest) right-padded dense tensor."""
     batch = offsets.numel() - 1
     out = values.new_full((batch, max_len, *values.shape[1:]), pad_value)
-    total = values.shape[0]
-    out[sequence_ids(offsets, total), positions_in_sequence(offsets, total)] = values
+    out[padding_index(offsets, values.shape[0])] = values
     return out
 
 
-def padded_to_jagged(padded: Tensor, offsets: Tensor) -> Tensor:
-    """(B, N, *rest) right-padded dense tensor -> (T, *rest) jagged values."""
-    total = int(offsets[-1])
-    return padded[sequence_ids(offsets, total), positions_in_sequence(offsets, total)]
+def padded_to_jagged(padded: Tensor, offsets: Tensor, total: int | None = None) -> Tensor:
+    """(B, N, *rest) right-padded dense tensor -> (T, *rest) jagged values.
+
+    Pass ``total`` (= offsets[-1]) when known to avoid a device-to-host sync.
+    """
+    total = int(offsets[-1]) if total is None else total
+    return padded[padding_index(offsets, total)]
 
 
 def gather_sequences(offsets: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:

@@ -46,8 +46,17 @@ class AttentionMask:
     def dense(self, offsets: Tensor, max_len: int) -> Tensor:
         """Materialise the (B, max_len, max_len) boolean mask, True where query i sees key j.
 
-        Padding rows see only themselves, so a softmax over them stays finite.
+        Padding rows see only themselves, so a softmax over them stays finite. The result
+        is kept on this (per-batch) object, since every layer asks for the same mask.
         """
+        cached = self.__dict__.get("_dense")
+        if cached is not None and cached[0] is offsets and cached[1] == (offsets._version, max_len):
+            return cached[2]
+        result = self._build_dense(offsets, max_len)
+        self.__dict__["_dense"] = (offsets, (offsets._version, max_len), result)
+        return result
+
+    def _build_dense(self, offsets: Tensor, max_len: int) -> Tensor:
         lengths = lengths_from_offsets(offsets)
         device = offsets.device
         pos = torch.arange(max_len, device=device)

@@ -32,4 +32,4 @@ def softmax_attention(
     vp = jagged_to_padded(v, seq_offsets, max_seq_len).transpose(1, 2)
     visible = mask.dense(seq_offsets, max_seq_len).unsqueeze(1)  # (B, 1, N, N)
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=visible, dropout_p=dropout)
-    return padded_to_jagged(out.transpose(1, 2), seq_offsets)
+    return padded_to_jagged(out.transpose(1, 2), seq_offsets, q.shape[0])
