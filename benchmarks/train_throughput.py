@@ -29,16 +29,16 @@ CONFIGS = ["configs/ml1m-sasrec.yaml", "configs/ml1m-hstu.yaml", "configs/ml1m-h
 def bench(config: str, device: str, steps: int, warmup: int, data: str | None) -> dict:
     overrides = [f"train.device={device}"] + ([f"data.path={data}"] if data else [])
     s = setup(load_config(config, overrides))
-    users = s.seqs.trainable_users(s.holdout)
-    order = users[torch.randperm(users.numel(), generator=torch.Generator().manual_seed(0))]
+    samples = s.seqs.training_samples(s.holdout, s.cfg.data.max_seq_len, s.cfg.data.train_windows)
+    order = samples[torch.randperm(samples.shape[0], generator=torch.Generator().manual_seed(0))]
     bs = s.cfg.train.batch_size
     times, tokens = [], []
     for i in range(warmup + steps):
-        batch_users = order[(i * bs) % users.numel() :][:bs]
+        batch_samples = order[(i * bs) % samples.shape[0] :][:bs]
         if s.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        _, n = _train_step(s, batch_users)
+        _, n = _train_step(s, batch_samples)
         if s.device.type == "cuda":
             torch.cuda.synchronize()
         if i >= warmup:

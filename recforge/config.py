@@ -28,6 +28,7 @@ class DataConfig:
     path: str = ""  # canonical dataset directory (see `recforge data prepare`)
     protocol: str = "paper"  # paper | clean (see recforge.data.sequences)
     max_seq_len: int = 200  # most recent items a model sees
+    train_windows: str = "last"  # last: each user's most recent window; all: also older history in windows
 
 
 @dataclass
@@ -105,6 +106,7 @@ class RunConfig:
 CHOICES = {
     "recipe": ("retrieval",),
     "data.protocol": ("paper", "clean"),
+    "data.train_windows": ("last", "all"),
     "model.kind": ("hstu", "sasrec"),
     "model.kernel": ("auto", "pytorch", "triton"),
     "loss.negatives": ("per_position", "shared", "full"),

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from recforge.data.batch import JaggedBatch
 from recforge.data.dataset import Dataset
-from recforge.ops.jagged import gather_sequences, lengths_from_offsets, trim_sequences
+from recforge.ops.jagged import gather_sequences, lengths_from_offsets, offsets_from_lengths, trim_sequences
 
 PROTOCOL_HOLDOUT = {"paper": 1, "clean": 2}
 
@@ -95,9 +95,29 @@ class UserSequences:
             item_vocab=np.r_[-1, vocab].astype(np.int64),
         )
 
-    def trainable_users(self, holdout: int) -> Tensor:
-        """Users whose training part has at least two items (one input, one target)."""
-        return torch.nonzero(self.lengths - holdout >= 2).flatten()
+    def training_samples(self, holdout: int, max_seq_len: int, windows: str = "last") -> Tensor:
+        """Training samples as (S, 2) int64 rows of (user, end): the user's first ``end`` items.
+
+        Args:
+            holdout: items at the end of each sequence kept out of training.
+            max_seq_len: inputs per sample; a sample of ``end`` items trains on its last
+                ``max_seq_len + 1`` (``max_seq_len`` inputs, each predicting the next item).
+            windows: ``last`` takes each user's most recent window only (the HSTU reference);
+                ``all`` also cuts the older history into consecutive windows, so every
+                training transition of long histories is used once per epoch.
+        """
+        n = self.lengths - holdout  # training items per user
+        users = torch.nonzero(n >= 2).flatten()
+        n = n[users]
+        if windows == "last":
+            return torch.stack([users, n], dim=1)
+        if windows != "all":
+            raise ValueError(f"windows={windows!r}: expected last or all")
+        count = torch.div(n - 2, max_seq_len, rounding_mode="floor") + 1  # windows covering n - 1 transitions
+        owner = torch.repeat_interleave(torch.arange(users.numel()), count)
+        starts = torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
+        k = torch.arange(owner.numel()) - starts  # 0 = most recent window
+        return torch.stack([users[owner], n[owner] - k * max_seq_len], dim=1)
 
     def evaluable_users(self, holdout: int) -> Tensor:
         """Users with at least one history item before the held-out position."""
@@ -119,10 +139,15 @@ class UserSequences:
             features["timestamps"] = self.timestamps[index]
         return features
 
-    def training_batch(self, users: Tensor, max_seq_len: int, holdout: int) -> JaggedBatch:
-        """Next-item training batch: inputs are the last ``max_seq_len`` training items but one,
-        ``labels["next_item"]`` the item after each input position."""
-        index, offsets = self._window(users, drop_last=holdout + 1, keep_last=max_seq_len)
+    def training_batch(self, samples: Tensor, max_seq_len: int) -> JaggedBatch:
+        """Next-item batch for (user, end) ``samples``: inputs are up to ``max_seq_len`` items
+        before position ``end - 1``; ``labels["next_item"]`` is the item after each input."""
+        users, ends = samples[:, 0], samples[:, 1]
+        lengths = torch.clamp(ends - 1, max=max_seq_len)
+        first = self.offsets[users] + ends - 1 - lengths  # global index of each sample's first input
+        offsets = offsets_from_lengths(lengths)
+        total = int(offsets[-1])
+        index = torch.repeat_interleave(first - offsets[:-1], lengths, output_size=total) + torch.arange(total)
         batch = JaggedBatch(offsets, self._features(index), max_seq_len)
         batch.labels["next_item"] = self.item_ids[index + 1]
         return batch

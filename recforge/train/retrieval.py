@@ -78,9 +78,9 @@ def _evaluate(s: Setup, target_from_end: int) -> dict[str, float]:
     return metrics
 
 
-def _train_step(s: Setup, users: torch.Tensor) -> tuple[float, int]:
+def _train_step(s: Setup, samples: torch.Tensor) -> tuple[float, int]:
     cfg = s.cfg
-    batch = s.seqs.training_batch(users, cfg.data.max_seq_len, s.holdout).to(s.device)
+    batch = s.seqs.training_batch(samples, cfg.data.max_seq_len).to(s.device)
     user_vectors = s.model(batch)  # (T, d)
     loss = sampled_softmax_loss(
         user_vectors,
@@ -139,8 +139,8 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
             path.unlink(missing_ok=True)
     save_config(cfg, run_dir / "config.yaml")
 
-    users = s.seqs.trainable_users(s.holdout)
-    steps_per_epoch = math.ceil(users.numel() / cfg.train.batch_size)
+    samples = s.seqs.training_samples(s.holdout, cfg.data.max_seq_len, cfg.data.train_windows)
+    steps_per_epoch = math.ceil(samples.shape[0] / cfg.train.batch_size)
     writer = SummaryWriter(str(run_dir / "tb"))
     started = time.monotonic()
     stop = False
@@ -155,7 +155,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     s.model.train()
     while state["epoch"] < cfg.train.epochs and not stop:
         epoch = state["epoch"]
-        order = users[torch.randperm(users.numel(), generator=torch.Generator().manual_seed(cfg.train.seed * 7919 + epoch))]
+        order = samples[torch.randperm(samples.shape[0], generator=torch.Generator().manual_seed(cfg.train.seed * 7919 + epoch))]
         bar = tqdm(
             range(state["step_in_epoch"], steps_per_epoch), desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
             disable=not progress, leave=False, dynamic_ncols=True,
@@ -163,8 +163,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
         for step_in_epoch in bar:
             torch.manual_seed(cfg.train.seed * 1_000_003 + state["global_step"])
             t0 = time.perf_counter()
-            batch_users = order[step_in_epoch * cfg.train.batch_size : (step_in_epoch + 1) * cfg.train.batch_size]
-            loss, tokens = _train_step(s, batch_users)
+            loss, tokens = _train_step(s, order[step_in_epoch * cfg.train.batch_size : (step_in_epoch + 1) * cfg.train.batch_size])
             tokens_per_s = tokens / (time.perf_counter() - t0)
             state["global_step"] += 1
             state["step_in_epoch"] = step_in_epoch + 1
