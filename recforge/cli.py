@@ -50,9 +50,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     from recforge.train.retrieval import evaluate_run
 
-    result = evaluate_run(args.run_dir, checkpoint=args.checkpoint, split=args.split, progress=not args.no_progress)
-    result["command"] = "recforge " + " ".join(sys.argv[1:])
-    (Path(args.run_dir) / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    command = "recforge " + " ".join(sys.argv[1:])
+    result = evaluate_run(args.run_dir, checkpoint=args.checkpoint, split=args.split, progress=not args.no_progress, command=command)
     print(f"{args.run_dir}: {result['split']} split, {result['protocol']} protocol, {result['num_users']:,} users, "
           f"checkpoint {result['checkpoint']}")  # fmt: skip
     _print_metrics(result)

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +35,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from recforge.io import atomic_directory, atomic_write_json
 
 FORMAT_VERSION = 1
 EVENTS_FILE = "events.parquet"
@@ -127,19 +127,11 @@ def write_dataset(
         "label_columns": label_columns,
         "item_feature_columns": [c for c in items.column_names if c != "item_id"] if items is not None else [],
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         pq.write_table(events, tmp / EVENTS_FILE, row_group_size=1 << 20)
         if items is not None:
             pq.write_table(items, tmp / ITEMS_FILE)
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        atomic_write_json(tmp / META_FILE, meta)
     return out
 
 

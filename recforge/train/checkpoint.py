@@ -16,25 +16,16 @@ Nothing is unpickled on load: safetensors and JSON only.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from recforge.io import atomic_directory, atomic_write_json
+
 FORMAT_VERSION = 1
-
-
-def _atomic_write_json(path: Path, payload: dict) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -70,9 +61,7 @@ def save_checkpoint(
     ckpt_root = Path(run_dir) / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
-    final = ckpt_root / name
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=ckpt_root))
-    try:
+    with atomic_directory(ckpt_root / name) as tmp:
         weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
         save_file(weights, tmp / "model.safetensors")
         full_manifest = {"format_version": FORMAT_VERSION, "step": step, "files": {"model": "model.safetensors"}, **manifest}
@@ -81,18 +70,12 @@ def save_checkpoint(
             save_file(tensors, tmp / "optimizer.safetensors")
             full_manifest["files"]["optimizer"] = "optimizer.safetensors"
             full_manifest["optimizer_param_groups"] = groups
-        _atomic_write_json(tmp / "manifest.json", full_manifest)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _atomic_write_json(ckpt_root / "latest.json", {"step_dir": name})
+        atomic_write_json(tmp / "manifest.json", full_manifest)
+    atomic_write_json(ckpt_root / "latest.json", {"step_dir": name})
     if best:
-        _atomic_write_json(ckpt_root / "best.json", {"step_dir": name})
+        atomic_write_json(ckpt_root / "best.json", {"step_dir": name})
     _prune(ckpt_root, keep)
-    return final
+    return ckpt_root / name
 
 
 def _pointer(ckpt_root: Path, which: str) -> str | None:

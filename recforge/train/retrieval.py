@@ -219,7 +219,9 @@ def format_metrics(metrics: dict, keys: tuple[str, ...] | None = None) -> str:
     return "  ".join(f"{k}={metrics[k]:.4f}" for k in keys if k in metrics)
 
 
-def evaluate_run(run_dir: str | Path, *, checkpoint: str = "auto", split: str = "test", progress: bool = True) -> dict:
+def evaluate_run(
+    run_dir: str | Path, *, checkpoint: str = "auto", split: str = "test", progress: bool = True, command: str | None = None
+) -> dict:
     """Evaluate a trained run on the test (or validation) target and write ``eval.json``.
 
     Args:
@@ -227,6 +229,8 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str = "auto", split: str = 
         checkpoint: ``auto`` (best for the clean protocol, latest for the paper one), ``best``,
             ``latest`` or a checkpoint directory.
         split: ``test`` (each user's last item) or ``valid`` (second-to-last).
+        progress: unused for now (evaluation takes seconds); kept for a uniform recipe API.
+        command: the command line that asked for this evaluation, recorded in ``eval.json``.
     """
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -252,6 +256,7 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str = "auto", split: str = 
         "checkpoint": ckpt.name,
         "step": manifest["step"],
         "eval_seconds": time.perf_counter() - started,
+        "command": command or f"recforge.train.retrieval.evaluate_run({str(run_dir)!r})",
     }
     (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -1,0 +1,83 @@
+"""Plain-Python oracles shared by the ops tests: written per element / per sequence, independent
+of the vectorised code under test."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def random_lengths(gen: torch.Generator, batch: int, max_len: int) -> list[int]:
+    """Random sequence lengths in [0, max_len]; always includes a 0 and a 1 when batch >= 2."""
+    lengths = torch.randint(0, max_len + 1, (batch,), generator=gen).tolist()
+    if batch >= 2:
+        lengths[0], lengths[-1] = 0, 1
+    if batch >= 3:
+        lengths[1] = max_len
+    perm = torch.randperm(batch, generator=gen).tolist()
+    return [lengths[p] for p in perm]
+
+
+def offsets_of(lengths: list[int]) -> torch.Tensor:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def random_split(gen: torch.Generator, lengths: list[int]) -> tuple[list[int], list[int]]:
+    """Random (num_contextual, num_targets) per sequence with c + t <= n."""
+    cs, ts = [], []
+    for n in lengths:
+        c = int(torch.randint(0, n + 1, (1,), generator=gen))
+        t = int(torch.randint(0, n - c + 1, (1,), generator=gen))
+        cs.append(c)
+        ts.append(t)
+    return cs, ts
+
+
+def visible_ref(i: int, j: int, n: int, c: int, t: int, causal: bool, window: int | None) -> bool:
+    """Does query i see key j in a sequence of n tokens with c contextual and t target tokens?
+
+    Layout: | contextual c | history n - c - t | targets t |.
+    """
+    if i >= n or j >= n:  # padding: a padding row sees only itself, nobody sees padding
+        return i == j
+    if i < c:  # contextual queries: full attention inside the prefix, nothing else
+        return j < c
+    if j < c:  # the contextual prefix is visible to every later token
+        return True
+    history_end = n - t
+    if j >= history_end:  # a target key: only the target itself sees it
+        return i == j
+    # j is a history token; a target query sees what the last history token sees
+    q = i if i < history_end else history_end - 1
+    ok = j <= q if causal else True
+    if window is not None:
+        ok = ok and (q - j < window)
+    return ok
+
+
+def dense_ref(
+    lengths: list[int],
+    max_len: int,
+    causal: bool = True,
+    contextual: list[int] | None = None,
+    targets: list[int] | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    out = torch.zeros(len(lengths), max_len, max_len, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        c = contextual[b] if contextual is not None else 0
+        t = targets[b] if targets is not None else 0
+        for i in range(max_len):
+            for j in range(max_len):
+                out[b, i, j] = visible_ref(i, j, n, c, t, causal, window)
+    return out
+
+
+def time_bucket_ref(delta: int, num_buckets: int) -> int:
+    """floor(ln(max(|delta|, 1)) / 0.301), clamped to [0, num_buckets]."""
+    d = max(abs(delta), 1)
+    return min(max(math.floor(math.log(d) / 0.301), 0), num_buckets)
