@@ -51,7 +51,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from recforge.train.retrieval import evaluate_run
 
     command = "recforge " + " ".join(sys.argv[1:])
-    result = evaluate_run(args.run_dir, checkpoint=args.checkpoint, split=args.split, progress=not args.no_progress, command=command)
+    result = evaluate_run(args.run_dir, checkpoint=args.checkpoint, split=args.split, command=command)
     print(f"{args.run_dir}: {result['split']} split, {result['protocol']} protocol, {result['num_users']:,} users, "
           f"checkpoint {result['checkpoint']}")  # fmt: skip
     _print_metrics(result)

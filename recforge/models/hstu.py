@@ -70,7 +70,7 @@ class HSTUBlock(nn.Module):
             time_weights=self.time_weights if timestamps is not None else None,
             kernel=cfg.kernel,
         )  # (T, H, Dv)
-        gated = self.attn_norm(attn.reshape(tokens, -1)) * u  # (T, H*Dv)
+        gated = self.attn_norm(attn.reshape(tokens, cfg.num_heads * cfg.dv)) * u  # (T, H*Dv)
         return x + self.out(self.dropout(gated))
 
 

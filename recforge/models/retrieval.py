@@ -70,4 +70,6 @@ class RetrievalModel(nn.Module):
 
     def last_token_vectors(self, batch: JaggedBatch) -> Tensor:
         """(B, d) the user vector at each sequence's last token: what to score the next item with."""
+        if bool((batch.lengths == 0).any()):
+            raise ValueError("last_token_vectors: the batch has empty sequences, which have no last token")
         return self(batch)[batch.seq_offsets[1:] - 1]

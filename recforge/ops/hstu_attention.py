@@ -127,10 +127,4 @@ def hstu_attention(
     )
 
 
-def hstu_attention_flops(lengths: Tensor, num_heads: int, dqk: int, dv: int) -> int:
-    """Forward FLOPs of causal attention: two matmuls over the visible half of each L x L."""
-    pairs = (lengths * (lengths + 1) // 2).sum().item()
-    return int(2 * pairs * num_heads * (dqk + dv))
-
-
-__all__ = ["hstu_attention", "hstu_attention_reference", "relative_bias", "time_buckets", "hstu_attention_flops"]
+__all__ = ["hstu_attention", "hstu_attention_reference", "relative_bias", "time_buckets"]

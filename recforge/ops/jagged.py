@@ -66,6 +66,8 @@ def padding_index(offsets: Tensor, total: int) -> tuple[Tensor, Tensor]:
     The cache holds a reference to ``offsets`` and checks identity and version, so a new or
     modified offsets tensor can never hit a stale entry.
     """
+    if offsets.is_inference():  # inference tensors have no version counter: don't cache
+        return sequence_ids(offsets, total), positions_in_sequence(offsets, total)
     cache = _padding_index_cache
     if cache[0] is offsets and cache[1] == offsets._version and cache[2] == total:
         return cache[3]

@@ -49,11 +49,16 @@ class AttentionMask:
         Padding rows see only themselves, so a softmax over them stays finite. The result
         is kept on this (per-batch) object, since every layer asks for the same mask.
         """
+        tensors = (offsets, self.num_targets, self.num_contextual)
+        if any(t is not None and t.is_inference() for t in tensors):  # no version counters: don't cache
+            return self._build_dense(offsets, max_len)
+        # identity + version of every tensor the mask depends on, and the plain fields
+        key = (max_len, self.causal, self.max_attn_len, *((None, None) if t is None else (id(t), t._version) for t in tensors))
         cached = self.__dict__.get("_dense")
-        if cached is not None and cached[0] is offsets and cached[1] == (offsets._version, max_len):
+        if cached is not None and cached[0] == key and cached[1] is offsets:
             return cached[2]
         result = self._build_dense(offsets, max_len)
-        self.__dict__["_dense"] = (offsets, (offsets._version, max_len), result)
+        self.__dict__["_dense"] = (key, offsets, result)  # holding offsets keeps its id unique
         return result
 
     def _build_dense(self, offsets: Tensor, max_len: int) -> Tensor:

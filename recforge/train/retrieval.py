@@ -190,7 +190,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
             best = _log_eval(s, state, writer, evals_log, progress)
         checkpoint(best=best)
     writer.close()
-    summary = evaluate_run(run_dir, progress=progress)
+    summary = evaluate_run(run_dir)
     summary["train_minutes"] = (time.monotonic() - started) / 60
     return summary
 
@@ -220,7 +220,7 @@ def format_metrics(metrics: dict, keys: tuple[str, ...] | None = None) -> str:
 
 
 def evaluate_run(
-    run_dir: str | Path, *, checkpoint: str = "auto", split: str = "test", progress: bool = True, command: str | None = None
+    run_dir: str | Path, *, checkpoint: str = "auto", split: str = "test", command: str | None = None
 ) -> dict:
     """Evaluate a trained run on the test (or validation) target and write ``eval.json``.
 
@@ -229,7 +229,6 @@ def evaluate_run(
         checkpoint: ``auto`` (best for the clean protocol, latest for the paper one), ``best``,
             ``latest`` or a checkpoint directory.
         split: ``test`` (each user's last item) or ``valid`` (second-to-last).
-        progress: unused for now (evaluation takes seconds); kept for a uniform recipe API.
         command: the command line that asked for this evaluation, recorded in ``eval.json``.
     """
     run_dir = Path(run_dir)

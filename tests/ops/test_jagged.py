@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _oracles import single_thread  # noqa: F401  (autouse fixture)
 from _oracles import offsets_of, random_lengths
 
 from recforge.ops import gather_sequences, jagged_to_padded, padded_to_jagged, positions_in_sequence, trim_sequences
@@ -176,12 +177,6 @@ def test_padding_index_cache_different_total() -> None:
     assert padding_index(other, 6)[0].tolist() == [0, 0, 1, 1, 1, 2]
 
 
-@pytest.mark.xfail(
-    reason="padding_index reads offsets._version, which inference tensors do not have: "
-    "jagged_to_padded/padded_to_jagged raise RuntimeError under torch.inference_mode()",
-    raises=RuntimeError,
-    strict=True,
-)
 def test_jagged_to_padded_under_inference_mode() -> None:
     with torch.inference_mode():
         offsets = offsets_of([2, 0, 3])
