@@ -50,7 +50,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     from recforge.train.retrieval import evaluate_run
 
-    command = "recforge " + " ".join(sys.argv[1:])
+    command = "recforge " + " ".join(args.argv)
     result = evaluate_run(args.run_dir, checkpoint=args.checkpoint, split=args.split, command=command)
     print(f"{args.run_dir}: {result['split']} split, {result['protocol']} protocol, {result['num_users']:,} users, "
           f"checkpoint {result['checkpoint']}")  # fmt: skip
@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         args.func(args)

@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -96,6 +97,12 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     @property
+    def eval_ks(self) -> list[int]:
+        """``eval.ks`` plus the cut-off of ``eval.select_metric``, so model selection always has it."""
+        extra = [int(self.eval.select_metric.split("@")[1])] if "@" in self.eval.select_metric else []
+        return sorted(set(self.eval.ks) | set(extra))
+
+    @property
     def run_dir(self) -> Path:
         return Path(self.train.output_dir.format(name=self.name))
 
@@ -113,8 +120,11 @@ CHOICES = {
 }
 POSITIVE = (
     "data.max_seq_len", "model.dim", "model.num_blocks", "model.num_heads", "model.dqk", "model.dv",
-    "model.ffn_dim", "train.epochs", "train.batch_size", "eval.batch_size", "train.keep_checkpoints",
+    "model.ffn_dim", "train.epochs", "train.batch_size", "eval.batch_size", "train.keep_checkpoints", "train.log_every",
 )  # fmt: skip
+
+
+_INVALID = object()  # marks a value that failed its type check: the field keeps its default
 
 
 def _check_type(value: Any, hint: Any, where: str, problems: list[str]) -> Any:
@@ -123,14 +133,21 @@ def _check_type(value: Any, hint: Any, where: str, problems: list[str]) -> Any:
         (inner,) = typing.get_args(hint)
         if not isinstance(value, list):
             problems.append(f"{where}: expected a list, got {value!r}")
-            return value
-        return [_check_type(v, inner, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+            return _INVALID
+        items = [_check_type(v, inner, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+        return _INVALID if any(v is _INVALID for v in items) else items
     if origin in (typing.Union, types.UnionType):
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-3" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     if hint in (int, float, str, bool) and (not isinstance(value, hint) or (hint is int and isinstance(value, bool))):
         problems.append(f"{where}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+        return _INVALID
     return value
 
 
@@ -150,7 +167,9 @@ def _build(cls: type, raw: dict, prefix: str, problems: list[str]) -> Any:
                 continue
             kwargs[key] = _build(hint, value, f"{where}.", problems)
         else:
-            kwargs[key] = _check_type(value, hint, where, problems)
+            checked = _check_type(value, hint, where, problems)
+            if checked is not _INVALID:
+                kwargs[key] = checked
     return cls(**kwargs)
 
 
@@ -180,6 +199,12 @@ def validate(cfg: RunConfig) -> list[str]:
         problems.append(f"model.dropout: must be in [0, 1), got {cfg.model.dropout}")
     if cfg.model.kind == "sasrec" and cfg.model.dim % cfg.model.num_heads:
         problems.append(f"model.dim {cfg.model.dim} must be divisible by model.num_heads {cfg.model.num_heads} for SASRec")
+    if not re.fullmatch(r"(hr|ndcg)@[1-9][0-9]*|mrr", cfg.eval.select_metric):
+        problems.append(f"eval.select_metric: {cfg.eval.select_metric!r} is not a metric; use hr@K, ndcg@K or mrr")
+    if any(k <= 0 for k in cfg.eval.ks):
+        problems.append(f"eval.ks: cut-offs must be > 0, got {cfg.eval.ks}")
+    if cfg.train.checkpoint_every < 0 or cfg.train.eval_every < 0 or cfg.train.max_steps < 0:
+        problems.append("train.checkpoint_every, train.eval_every and train.max_steps must be >= 0")
     if not cfg.data.path:
         problems.append("data.path: required (a directory written by `recforge data prepare`)")
     return problems
@@ -197,7 +222,11 @@ def parse_overrides(overrides: list[str], problems: list[str]) -> dict:
         parts = key.strip().split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(value) if value else ""
+            if not isinstance(node, dict):
+                problems.append(f"override {item!r}: {part!r} was already given a value by another override")
+                break
+        else:
+            node[parts[-1]] = yaml.safe_load(value) if value else ""
     return nested
 
 
@@ -212,9 +241,8 @@ def config_from_dict(raw: dict, overrides: list[str] | None = None, source: str 
     """Build and validate a ``RunConfig``; raise ``ConfigError`` listing all problems."""
     problems: list[str] = []
     merged = _merge(raw or {}, parse_overrides(overrides or [], problems))
-    cfg = _build(RunConfig, merged, "", problems)
-    if not problems:
-        problems = validate(cfg)
+    cfg = _build(RunConfig, merged, "", problems)  # invalid fields keep their defaults...
+    problems += validate(cfg)  # ...so value checks run too and everything is reported at once
     if problems:
         raise ConfigError(f"{source}: {len(problems)} problem(s):\n  - " + "\n  - ".join(problems))
     return cfg

@@ -135,6 +135,13 @@ def write_dataset(
     return out
 
 
+def _read_parquet(path: Path) -> pa.Table:
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowException, OSError) as err:
+        raise ValueError(f"{path}: cannot read Parquet ({err}); the file is corrupt or truncated, re-run `recforge data prepare`") from err
+
+
 def load_dataset(path: str | os.PathLike) -> Dataset:
     """Read a canonical dataset directory written by ``write_dataset``."""
     root = Path(path)
@@ -143,13 +150,14 @@ def load_dataset(path: str | os.PathLike) -> Dataset:
             f"{root} is not a recforge dataset (no {META_FILE} / {EVENTS_FILE}); "
             f"create one with `recforge data prepare FORMAT SOURCE --out {root}`"
         )
-    meta = json.loads((root / META_FILE).read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{root}: dataset format {meta.get('format_version')} is not supported (need {FORMAT_VERSION})")
     try:
-        events = pq.read_table(root / EVENTS_FILE)
-        items = pq.read_table(root / ITEMS_FILE) if (root / ITEMS_FILE).is_file() else None
-    except (pa.ArrowInvalid, OSError) as err:
-        raise ValueError(f"{root}: cannot read Parquet ({err}); re-run `recforge data prepare`") from err
+        meta = json.loads((root / META_FILE).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{root / META_FILE}: not valid JSON ({err}); re-run `recforge data prepare`") from err
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise ValueError(f"{root / META_FILE}: dataset format {version} is not supported (need {FORMAT_VERSION})")
+    events = _read_parquet(root / EVENTS_FILE)
+    items = _read_parquet(root / ITEMS_FILE) if (root / ITEMS_FILE).is_file() else None
     validate_events(events, str(root / EVENTS_FILE))
     return Dataset(events=events, items=items, meta=meta)

@@ -71,7 +71,7 @@ def _evaluate(s: Setup, target_from_end: int) -> dict[str, float]:
         model_scorer(s.model),
         target_from_end=target_from_end,
         max_seq_len=s.cfg.data.max_seq_len,
-        ks=s.cfg.eval.ks,
+        ks=s.cfg.eval_ks,
         batch_size=s.cfg.eval.batch_size,
         device=s.device,
     )
