@@ -14,3 +14,12 @@ def cuda_device() -> torch.device:
     if not torch.cuda.is_available():
         pytest.skip(f"needs {CUDA_REQUIREMENT}")
     return torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """Unit tests use tiny tensors: one intra-op thread is fastest and keeps a busy 2-core machine usable."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -14,15 +14,6 @@ MAX_LEN = 10
 LENGTHS = [5, 0, 1, 8, 3, 6]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny tensors: one intra-op thread is fastest, and avoids thrashing on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _offsets(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
 

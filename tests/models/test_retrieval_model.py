@@ -13,15 +13,6 @@ from recforge.models.builders import build_retrieval_model, hstu_large, hstu_sma
 NUM_ITEMS = 30
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny tensors: one intra-op thread is fastest, and avoids thrashing on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_batch(lengths: list[int], seed: int = 0, max_seq_len: int = 8) -> JaggedBatch:
     gen = torch.Generator().manual_seed(seed)
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)

@@ -5,17 +5,7 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny tensors: one intra-op thread is fastest, and avoids thrashing on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def random_lengths(gen: torch.Generator, batch: int, max_len: int) -> list[int]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _oracles import single_thread  # noqa: F401  (autouse fixture)
 from _oracles import offsets_of, random_lengths, random_split, time_bucket_ref, visible_ref
 
 from recforge.ops import AttentionMask, hstu_attention

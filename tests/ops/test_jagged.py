@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _oracles import single_thread  # noqa: F401  (autouse fixture)
 from _oracles import offsets_of, random_lengths
 
 from recforge.ops import gather_sequences, jagged_to_padded, padded_to_jagged, positions_in_sequence, trim_sequences

@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 import torch
-from _oracles import single_thread  # noqa: F401  (autouse fixture)
 from _oracles import dense_ref, offsets_of, random_lengths, random_split
 
 from recforge.ops import AttentionMask

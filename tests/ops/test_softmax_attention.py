@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from _oracles import single_thread  # noqa: F401  (autouse fixture)
 from _oracles import offsets_of, random_lengths, random_split, visible_ref
 
 from recforge.ops import AttentionMask, softmax_attention

@@ -15,15 +15,6 @@ from recforge.train import checkpoint as ckpt_mod
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors run much faster single-threaded on a busy machine; restore the setting after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
 

@@ -13,15 +13,6 @@ from recforge.train.losses import sampled_softmax_loss
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors run much faster single-threaded on a busy machine; restore the setting after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _setup(num_positions: int = 9, num_items: int = 30, dim: int = 8):
     user = F.normalize(torch.randn(num_positions, dim, dtype=torch.float64), dim=-1)
     table = F.normalize(torch.randn(num_items + 1, dim, dtype=torch.float64), dim=-1)

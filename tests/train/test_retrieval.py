@@ -19,15 +19,6 @@ from recforge.train.evaluate import evaluate_ranking, popularity_scorer
 from recforge.train.retrieval import evaluate_run, train
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run much faster single-threaded on a busy machine; restore the setting after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """40 users, 50 items: about 4 steps per epoch at batch size 12."""
