@@ -101,28 +101,7 @@ class SyntheticConfig:
         successor_prob: chance per step that the next item is the current item's
             fixed successor (when the user has not seen it yet).
         seed: random seed; equal configs give identical data.
-        seq_len_sigma: sigma of the lognormal sequence-length distribution.
-        clusters_per_user: mean number of preferred clusters per user.
-        max_clusters_per_user: most preferred clusters a user can have.
-        user_concentration: Dirichlet concentration of a user's cluster weights
-            (small = one dominant cluster, large = even weights).
-        cluster_popularity_exponent: Zipf exponent of cluster popularity, used when
-            users pick their preferred clusters (0 = all clusters equally popular).
-        max_redraws: rejection-sampling rounds for already-seen items before the
-            exact draw over unseen items takes over (a speed knob; results stay exact).
-        session_break_prob: chance that an event (after the first) starts a new session.
-        within_session_gap_s: mean gap in seconds between events of one session.
-        between_session_gap_s: mean gap in seconds between sessions (exponential,
-            added to ``min_session_gap_s``).
-        min_session_gap_s: smallest gap in seconds between sessions.
-        start_time: unix seconds of the earliest possible first event.
-        start_spread_s: users' first events are uniform in
-            ``[start_time, start_time + start_spread_s)``.
-        action_names: action types written to the ``action`` column.
-        action_probs_low: action probabilities at affinity 0 (item outside the
-            user's clusters); same order as ``action_names``, sums to 1.
-        action_probs_high: action probabilities at affinity 1 (the user's favourite
-            cluster); sums to 1. In between they are interpolated linearly.
+        (the remaining fields are documented where they are declared)
     """
 
     num_users: int = 3000
@@ -148,8 +127,8 @@ class SyntheticConfig:
     start_time: int = _EPOCH_2024  # 2024-01-01 UTC
     start_spread_s: int = 14 * 86_400  # first events spread over two weeks
     action_names: tuple[str, ...] = ("view", "click", "like", "purchase")  # action vocabulary
-    action_probs_low: tuple[float, ...] = (0.75, 0.20, 0.04, 0.01)  # at affinity 0
-    action_probs_high: tuple[float, ...] = (0.35, 0.35, 0.20, 0.10)  # at affinity 1
+    action_probs_low: tuple[float, ...] = (0.75, 0.20, 0.04, 0.01)  # at affinity 0 (outside the user's clusters)
+    action_probs_high: tuple[float, ...] = (0.35, 0.35, 0.20, 0.10)  # at affinity 1; linear in between
 
     def __post_init__(self) -> None:
         problems = []
