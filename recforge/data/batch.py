@@ -113,7 +113,9 @@ class JaggedBatch:
             raise ValueError("invalid JaggedBatch: " + "; ".join(problems))
 
     @staticmethod
-    def from_arrow(columns: dict[str, pa.ListArray | pa.ChunkedArray], max_seq_len: int | None = None) -> JaggedBatch:
+    def from_arrow(
+        columns: dict[str, pa.ListArray | pa.LargeListArray | pa.ChunkedArray], max_seq_len: int | None = None
+    ) -> JaggedBatch:
         """Build a batch from Arrow list columns that share one offsets layout.
 
         Args:

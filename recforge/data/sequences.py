@@ -79,13 +79,13 @@ class UserSequences:
         raw_items = events.column("item_id").to_numpy()
         vocab, dense = np.unique(raw_items, return_inverse=True)
         starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]]) if len(users) else np.zeros(0, np.int64)
-        offsets = pa.array(np.r_[starts, len(users)].astype(np.int32))
-        columns = {"item_ids": pa.ListArray.from_arrays(offsets, pa.array(dense.astype(np.int64) + 1))}
+        offsets = pa.array(np.r_[starts, len(users)].astype(np.int64))  # int64: no 2^31-event limit
+        columns = {"item_ids": pa.LargeListArray.from_arrays(offsets, pa.array(dense.astype(np.int64) + 1))}
         if dataset.has_timestamps:
             ts = events.column("timestamp").combine_chunks()
             if ts.null_count:
                 raise ValueError(f"{ts.null_count} events have no timestamp while others do; fill or drop them")
-            columns["timestamps"] = pa.ListArray.from_arrays(offsets, ts)
+            columns["timestamps"] = pa.LargeListArray.from_arrays(offsets, ts)
         batch = JaggedBatch.from_arrow(columns)
         return UserSequences(
             item_ids=batch.item_ids,

@@ -47,7 +47,7 @@ def save_checkpoint(
     keep: int = 2,
     best: bool = False,
 ) -> Path:
-    """Write ``checkpoints/step_XXXXXXXX`` atomically, move the ``latest`` pointer, prune old ones.
+    """Write ``checkpoints/step_<8-digit step>`` atomically, move the ``latest`` pointer, prune old ones.
 
     Args:
         run_dir: the run directory.
