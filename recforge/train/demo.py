@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from recforge.config import config_from_dict
+from recforge.config import RunConfig, config_from_dict
 from recforge.data.dataset import load_dataset
 from recforge.data.sequences import UserSequences
 from recforge.data.synthetic import SyntheticConfig, write_synthetic
@@ -24,7 +24,7 @@ from recforge.train.retrieval import setup, train
 DEMO_MODEL = {"kind": "hstu", "dim": 64, "num_blocks": 2, "num_heads": 2, "dqk": 32, "dv": 32, "dropout": 0.1}
 
 
-def demo_config(out_dir: Path, minutes: float, overrides: list[str] | None = None):
+def demo_config(out_dir: Path, minutes: float, overrides: list[str] | None = None) -> RunConfig:
     raw = {
         "name": "demo",
         "data": {"path": str(out_dir / "data"), "protocol": "paper", "max_seq_len": 100},
@@ -53,7 +53,8 @@ def run_demo(out_dir: str | Path = "runs/demo", *, minutes: float = 2.0, overrid
     write_synthetic(out_dir / "data", SyntheticConfig(), overwrite=True)
     if cfg.run_dir.exists():
         shutil.rmtree(cfg.run_dir)
-    print(f"[2/4] training a {cfg.model.num_blocks}-block HSTU (d={cfg.model.dim}) for up to {minutes:g} min -> {cfg.run_dir}")
+    model_name = cfg.model.kind.upper() if cfg.model.kind == "hstu" else "SASRec"
+    print(f"[2/4] training a {cfg.model.num_blocks}-block {model_name} (d={cfg.model.dim}) for up to {minutes:g} min -> {cfg.run_dir}")
     model_metrics = train(cfg, progress=progress)
     print("[3/4] evaluating against the most-popular baseline (leave-one-out, all items, seen items excluded)")
     dataset = load_dataset(cfg.data.path)
@@ -64,7 +65,7 @@ def run_demo(out_dir: str | Path = "runs/demo", *, minutes: float = 2.0, overrid
     )  # fmt: skip
     keys = ["hr@10", "ndcg@10", "hr@50", "ndcg@50", "mrr"]
     print(f"\n  {'model':<12}" + "".join(f"{k:>10}" for k in keys))
-    for name, m in (("popularity", pop_metrics), ("HSTU", model_metrics)):
+    for name, m in (("popularity", pop_metrics), (model_name, model_metrics)):
         print(f"  {name:<12}" + "".join(f"{m[k]:>10.4f}" for k in keys))
     print(f"\n[4/4] top-10 recommendations for user {int(seqs.user_ids[0])}")
     _show_user(cfg, seqs, dataset)
