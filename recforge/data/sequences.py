@@ -20,7 +20,15 @@ from torch import Tensor
 
 from recforge.data.batch import JaggedBatch
 from recforge.data.dataset import Dataset
-from recforge.ops.jagged import gather_sequences, lengths_from_offsets, offsets_from_lengths, trim_sequences
+from recforge.ops.jagged import (
+    gather_sequences,
+    lengths_from_offsets,
+    offsets_from_lengths,
+    positions_in_sequence,
+    range_index,
+    sequence_ids,
+    trim_sequences,
+)
 
 PROTOCOL_HOLDOUT = {"paper": 1, "clean": 2}
 
@@ -114,9 +122,9 @@ class UserSequences:
         if windows != "all":
             raise ValueError(f"windows={windows!r}: expected last or all")
         count = torch.div(n - 2, max_seq_len, rounding_mode="floor") + 1  # windows covering n - 1 transitions
-        owner = torch.repeat_interleave(torch.arange(users.numel()), count)
-        starts = torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
-        k = torch.arange(owner.numel()) - starts  # 0 = most recent window
+        window_offsets = offsets_from_lengths(count)
+        owner = sequence_ids(window_offsets)  # which user each window belongs to
+        k = positions_in_sequence(window_offsets)  # 0 = most recent window
         return torch.stack([users[owner], n[owner] - k * max_seq_len], dim=1)
 
     def evaluable_users(self, holdout: int) -> Tensor:
@@ -145,9 +153,7 @@ class UserSequences:
         users, ends = samples[:, 0], samples[:, 1]
         lengths = torch.clamp(ends - 1, max=max_seq_len)
         first = self.offsets[users] + ends - 1 - lengths  # global index of each sample's first input
-        offsets = offsets_from_lengths(lengths)
-        total = int(offsets[-1])
-        index = torch.repeat_interleave(first - offsets[:-1], lengths, output_size=total) + torch.arange(total)
+        index, offsets = range_index(first, lengths)
         batch = JaggedBatch(offsets, self._features(index), max_seq_len)
         batch.labels["next_item"] = self.item_ids[index + 1]
         return batch

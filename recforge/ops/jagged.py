@@ -33,6 +33,18 @@ def sequence_ids(offsets: Tensor, total: int | None = None) -> Tensor:
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=total)
 
 
+def range_index(starts: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """Concatenate the index ranges ``[starts[b], starts[b] + lengths[b])`` without a loop.
+
+    Returns:
+        (index, offsets): (sum(lengths),) int64 index and the (B+1,) offsets of its ranges.
+    """
+    offsets = offsets_from_lengths(lengths)
+    total = int(offsets[-1])
+    index = torch.repeat_interleave(starts - offsets[:-1], lengths, output_size=total)
+    return index + torch.arange(total, device=starts.device), offsets
+
+
 def trim_sequences(offsets: Tensor, *, drop_last: int = 0, keep_last: int | None = None) -> tuple[Tensor, Tensor]:
     """Select, per sequence, a contiguous window ending ``drop_last`` tokens before its end.
 
@@ -48,12 +60,7 @@ def trim_sequences(offsets: Tensor, *, drop_last: int = 0, keep_last: int | None
     new_lengths = ends - offsets[:-1]
     if keep_last is not None:
         new_lengths = torch.clamp(new_lengths, max=keep_last)
-    starts = ends - new_lengths
-    new_offsets = offsets_from_lengths(new_lengths)
-    total = int(new_offsets[-1])
-    index = torch.repeat_interleave(starts - new_offsets[:-1], new_lengths, output_size=total)
-    index += torch.arange(total, device=offsets.device)
-    return index, new_offsets
+    return range_index(ends - new_lengths, new_lengths)
 
 
 _padding_index_cache: list = [None, -1, 0, None]  # [offsets, offsets._version, total, (seq_ids, positions)]
@@ -99,8 +106,4 @@ def gather_sequences(offsets: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
     Returns:
         (index, new_offsets): ``values[index]`` holds the selected sequences back to back.
     """
-    lengths = lengths_from_offsets(offsets)[rows]
-    new_offsets = offsets_from_lengths(lengths)
-    total = int(new_offsets[-1])
-    index = torch.repeat_interleave(offsets[:-1][rows] - new_offsets[:-1], lengths, output_size=total)
-    return index + torch.arange(total, device=offsets.device), new_offsets
+    return range_index(offsets[:-1][rows], lengths_from_offsets(offsets)[rows])
