@@ -37,10 +37,22 @@ def random_split(gen: torch.Generator, lengths: list[int]) -> tuple[list[int], l
     return cs, ts
 
 
-def visible_ref(i: int, j: int, n: int, c: int, t: int, causal: bool, window: int | None) -> bool:
+def visible_ref(
+    i: int,
+    j: int,
+    n: int,
+    c: int,
+    t: int,
+    causal: bool,
+    window: int | None,
+    segments: list[int] | None = None,
+    segment_full: list[bool] | None = None,
+    ts: list[int] | None = None,
+) -> bool:
     """Does query i see key j in a sequence of n tokens with c contextual and t target tokens?
 
-    Layout: | contextual c | history n - c - t | targets t |.
+    Layout: | contextual c | history n - c - t (segments, then the rest) | targets t |.
+    ``ts``: per-token times of this sequence; a target sees only history strictly before it.
     """
     if i >= n or j >= n:  # padding: a padding row sees only itself, nobody sees padding
         return i == j
@@ -51,11 +63,24 @@ def visible_ref(i: int, j: int, n: int, c: int, t: int, causal: bool, window: in
     history_end = n - t
     if j >= history_end:  # a target key: only the target itself sees it
         return i == j
+    if i == j:
+        return True
     # j is a history token; a target query sees what the last history token sees
     q = i if i < history_end else history_end - 1
-    ok = j <= q if causal else True
-    if window is not None:
+    bounds = [c]  # segment start positions
+    for length in segments or []:
+        bounds.append(bounds[-1] + length)
+    flags = list(segment_full or []) + [not causal]
+
+    def seg_of(p: int) -> int:
+        return sum(1 for end in bounds[1:] if p >= end)
+
+    sq, sj = seg_of(q), seg_of(j)
+    ok = sj < sq or (sj == sq and (flags[sq] or j <= q))
+    if window is not None and j < q:
         ok = ok and (q - j < window)
+    if ts is not None and i >= history_end:
+        ok = ok and ts[j] < ts[i]
     return ok
 
 
@@ -66,14 +91,33 @@ def dense_ref(
     contextual: list[int] | None = None,
     targets: list[int] | None = None,
     window: int | None = None,
+    segments: list[list[int]] | None = None,
+    segment_full: list[bool] | None = None,
+    timestamps: list[list[int]] | None = None,
 ) -> torch.Tensor:
     out = torch.zeros(len(lengths), max_len, max_len, dtype=torch.bool)
     for b, n in enumerate(lengths):
         c = contextual[b] if contextual is not None else 0
         t = targets[b] if targets is not None else 0
+        seg = segments[b] if segments is not None else None
+        ts = timestamps[b] if timestamps is not None else None
         for i in range(max_len):
             for j in range(max_len):
-                out[b, i, j] = visible_ref(i, j, n, c, t, causal, window)
+                out[b, i, j] = visible_ref(i, j, n, c, t, causal, window, seg, segment_full, ts)
+    return out
+
+
+def random_segments(gen: torch.Generator, lengths: list[int], contextual: list[int], targets: list[int], num: int) -> list[list[int]]:
+    """``num`` random segment lengths per sequence covering part or all of its history."""
+    out = []
+    for n, c, t in zip(lengths, contextual, targets):
+        left = n - c - t
+        segs = []
+        for _ in range(num):
+            s = int(torch.randint(0, left + 1, (1,), generator=gen))
+            segs.append(s)
+            left -= s
+        out.append(segs)
     return out
 
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from _oracles import dense_ref, offsets_of, random_lengths, random_split
+from _oracles import dense_ref, offsets_of, random_lengths, random_segments, random_split
 
 from recforge.ops import AttentionMask
 
@@ -187,3 +187,86 @@ def test_dense_under_inference_mode() -> None:
     with torch.inference_mode():
         got = AttentionMask().dense(offsets_of([2, 3]), 3)
     assert torch.equal(got, dense_ref([2, 3], 3))
+
+
+def test_segments_example() -> None:
+    """n = 7: contextual 1 | full segment of 2 | causal segment of 2 | rest (causal) 1 | 1 target."""
+    o, x = 1, 0
+    expected = [
+        [o, x, x, x, x, x, x],
+        [o, o, o, x, x, x, x],  # full segment: sees its later member
+        [o, o, o, x, x, x, x],
+        [o, o, o, o, x, x, x],  # causal segment sees the whole full segment
+        [o, o, o, o, o, x, x],
+        [o, o, o, o, o, o, x],
+        [o, o, o, o, o, o, o],  # target
+    ]
+    mask = AttentionMask(
+        num_contextual=torch.tensor([1]),
+        num_targets=torch.tensor([1]),
+        segment_lengths=torch.tensor([[2, 2]]),
+        segment_full=(True, False),
+    )
+    mask.validate(offsets_of([7]))
+    assert mask.dense(offsets_of([7]), 7)[0].int().tolist() == expected
+    assert dense_ref([7], 7, contextual=[1], targets=[1], segments=[[2, 2]], segment_full=[True, False])[0].int().tolist() == expected
+
+
+def test_timestamps_example() -> None:
+    """Aggregated sample: history at t = 1, 2, 3, 5; impressions at t = 3 and 6."""
+    o, x = 1, 0
+    expected = [
+        [o, x, x, x, x, x],
+        [o, o, x, x, x, x],
+        [o, o, o, x, x, x],
+        [o, o, o, o, x, x],
+        [o, o, x, x, o, x],  # impression at t=3 sees only events at t=1, 2
+        [o, o, o, o, x, o],  # impression at t=6 sees all history
+    ]
+    ts = torch.tensor([1, 2, 3, 5, 3, 6])
+    mask = AttentionMask(num_targets=torch.tensor([2]), timestamps=ts)
+    assert mask.dense(offsets_of([6]), 6)[0].int().tolist() == expected
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, 2])
+@pytest.mark.parametrize("use_ts", [False, True])
+def test_dense_segments_and_timestamps_against_oracle(seed, causal, window, use_ts) -> None:
+    gen = torch.Generator().manual_seed(100 + seed)
+    lengths = random_lengths(gen, 6, 9)
+    contextual, targets = random_split(gen, lengths)
+    segments = random_segments(gen, lengths, contextual, targets, 2)
+    flags = [bool(torch.randint(0, 2, (1,), generator=gen)) for _ in range(2)]
+    ts = [torch.randint(0, 5, (n,), generator=gen).tolist() for n in lengths]
+    offsets = offsets_of(lengths)
+    mask = AttentionMask(
+        causal=causal,
+        num_targets=torch.tensor(targets),
+        num_contextual=torch.tensor(contextual),
+        max_attn_len=window,
+        segment_lengths=torch.tensor(segments),
+        segment_full=tuple(flags),
+        timestamps=torch.tensor(sum(ts, []), dtype=torch.int64) if use_ts else None,
+    )
+    mask.validate(offsets)
+    expected = dense_ref(lengths, max(lengths) + 1, causal, contextual, targets, window, segments, flags, ts if use_ts else None)
+    assert torch.equal(mask.dense(offsets, max(lengths) + 1), expected)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_targets": torch.tensor([1, 2])}, "num_targets has shape"),
+        ({"num_targets": torch.tensor([-1])}, "negative"),
+        ({"num_targets": torch.tensor([3]), "num_contextual": torch.tensor([2])}, "add up to 5"),
+        ({"segment_lengths": torch.tensor([[2, 1]])}, "one flag per segment"),
+        ({"segment_lengths": torch.tensor([[3, 2]]), "segment_full": (True, False)}, "add up to 5"),
+        ({"segment_full": (True,)}, "without segment_lengths"),
+        ({"timestamps": torch.tensor([1, 2])}, "one time per token"),
+        ({"max_attn_len": 0}, "max_attn_len"),
+    ],
+)
+def test_validate_rejects_inconsistent_descriptions(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        AttentionMask(**kwargs).validate(offsets_of([4]))
