@@ -5,6 +5,7 @@ A dataset is a directory::
     DIR/
       events.parquet   one row per user action, sorted by (user_id, timestamp, source order)
       items.parquet    optional: one row per item with content features
+      users.parquet    optional: one row per user with profile features (contextual features)
       dataset.json     name, source, counts and which optional columns exist
 
 ``events.parquet`` columns:
@@ -18,7 +19,8 @@ A dataset is a directory::
 
 Rows of one user are contiguous and in the order the user acted, so a user's
 sequence is a run of rows; readers rely on this and ``validate_events`` checks it.
-``items.parquet`` has an int64 ``item_id`` column plus any feature columns.
+``items.parquet`` has an int64 ``item_id`` column plus any feature columns;
+``users.parquet`` likewise with ``user_id``.
 
 Writes are atomic: everything goes into a temporary sibling directory that is
 renamed into place only when complete, so a failed conversion leaves nothing behind.
@@ -41,6 +43,7 @@ from recforge.io import atomic_directory, atomic_write_json
 FORMAT_VERSION = 1
 EVENTS_FILE = "events.parquet"
 ITEMS_FILE = "items.parquet"
+USERS_FILE = "users.parquet"
 META_FILE = "dataset.json"
 REQUIRED_EVENT_COLUMNS = {"user_id": pa.int64(), "item_id": pa.int64(), "timestamp": pa.int64()}
 
@@ -53,11 +56,13 @@ class Dataset:
         events: the events table (see module docstring).
         items: the items table, or None when the source has no item features.
         meta: the contents of ``dataset.json``.
+        users: the users table, or None when the source has no user features.
     """
 
     events: pa.Table
     items: pa.Table | None
     meta: dict
+    users: pa.Table | None = None
 
     @property
     def has_timestamps(self) -> bool:
@@ -93,6 +98,7 @@ def write_dataset(
     name: str,
     source: str,
     overwrite: bool = False,
+    users: pa.Table | None = None,
 ) -> Path:
     """Validate and atomically write a canonical dataset directory.
 
@@ -103,6 +109,7 @@ def write_dataset(
         name: short dataset name recorded in ``dataset.json``.
         source: where the data came from (path or generator description).
         overwrite: replace an existing dataset directory.
+        users: optional users table with an int64 ``user_id`` column.
 
     Returns:
         The path written.
@@ -113,6 +120,8 @@ def write_dataset(
     validate_events(events)
     if items is not None and ("item_id" not in items.column_names or items.schema.field("item_id").type != pa.int64()):
         raise ValueError("items table needs an int64 'item_id' column")
+    if users is not None and ("user_id" not in users.column_names or users.schema.field("user_id").type != pa.int64()):
+        raise ValueError("users table needs an int64 'user_id' column")
     ts = events.column("timestamp")
     label_columns = [c for c in events.column_names if c not in REQUIRED_EVENT_COLUMNS and c != "action"]
     meta = {
@@ -126,11 +135,14 @@ def write_dataset(
         "has_actions": "action" in events.column_names,
         "label_columns": label_columns,
         "item_feature_columns": [c for c in items.column_names if c != "item_id"] if items is not None else [],
+        "user_feature_columns": [c for c in users.column_names if c != "user_id"] if users is not None else [],
     }
     with atomic_directory(out) as tmp:
         pq.write_table(events, tmp / EVENTS_FILE, row_group_size=1 << 20)
         if items is not None:
             pq.write_table(items, tmp / ITEMS_FILE)
+        if users is not None:
+            pq.write_table(users, tmp / USERS_FILE)
         atomic_write_json(tmp / META_FILE, meta)
     return out
 
@@ -159,5 +171,6 @@ def load_dataset(path: str | os.PathLike) -> Dataset:
         raise ValueError(f"{root / META_FILE}: dataset format {version} is not supported (need {FORMAT_VERSION})")
     events = _read_parquet(root / EVENTS_FILE)
     items = _read_parquet(root / ITEMS_FILE) if (root / ITEMS_FILE).is_file() else None
+    users = _read_parquet(root / USERS_FILE) if (root / USERS_FILE).is_file() else None
     validate_events(events, str(root / EVENTS_FILE))
-    return Dataset(events=events, items=items, meta=meta)
+    return Dataset(events=events, items=items, meta=meta, users=users)

@@ -135,13 +135,27 @@ def test_recbole(tmp_path):
          "score": 6.25},
         {"item_id": 103, "movie_title": ["Untitled"], "release_year": None, "class": None, "score": None},
     ]
+    assert ds.users.to_pylist() == [
+        {"user_id": 5, "age": "24", "gender": "M", "occupation": "technician"},
+        {"user_id": 7, "age": "53", "gender": "F", "occupation": "other"},
+    ]
+    assert ds.meta["user_feature_columns"] == ["age", "gender", "occupation"]
+
+
+def test_recbole_duplicate_user_is_rejected(tmp_path):
+    src = tmp_path / "src"
+    write(src / "x.inter", "user_id:token\titem_id:token\n5\t2\n")
+    write(src / "x.user", "user_id:token\tage:token\n5\t20\n5\t30\n")
+    with pytest.raises(DataFormatError, match="user 5 is listed twice"):
+        prepare("recbole", src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_recbole_inter_file_without_timestamp_or_item_file(tmp_path):
     inter = write(tmp_path / "src" / "x.inter", "item_id:token\tuser_id:token\n5\t2\n6\t1\n7\t2\n")
     ds = load_dataset(prepare("recbole", inter, tmp_path / "out"))
     assert rows(ds.events, "user_id", "item_id") == [(1, 6), (2, 5), (2, 7)]
-    assert ds.events.column("timestamp").null_count == 3 and ds.items is None
+    assert ds.events.column("timestamp").null_count == 3 and ds.items is None and ds.users is None
 
 
 def test_taobao(tmp_path):

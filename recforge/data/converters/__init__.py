@@ -100,4 +100,4 @@ def prepare(fmt: str, source: str | Path, out: str | Path, *, overwrite: bool = 
         raise ValueError(f"{out} already exists; pass --overwrite to replace it")
     converted = spec.convert(src)
     return write_dataset(out, converted.events, converted.items, name=converted.name,
-                         source=f"{fmt}:{converted.path.resolve()}", overwrite=overwrite)
+                         source=f"{fmt}:{converted.path.resolve()}", overwrite=overwrite, users=converted.users)

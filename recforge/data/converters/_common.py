@@ -38,6 +38,7 @@ class Converted:
     items: pa.Table | None
     name: str
     path: Path
+    users: pa.Table | None = None
 
 
 def read_nonempty(path: Path) -> bytes:
@@ -214,15 +215,16 @@ def build_events(user, item, timestamp=None, extra: dict | None = None) -> pa.Ta
     return table.take(order)
 
 
-def build_items(path: Path, columns: dict[str, pa.Array], lines: list[int] | None = None) -> pa.Table:
-    """Assemble an items table sorted by item_id; duplicate IDs raise ``DataFormatError``."""
+def build_items(path: Path, columns: dict[str, pa.Array], lines: list[int] | None = None, key: str = "item_id") -> pa.Table:
+    """Assemble a feature table sorted by ``key``; duplicate IDs raise ``DataFormatError``."""
     table = pa.table(columns)
-    ids = table.column("item_id").to_numpy()
+    ids = table.column(key).to_numpy()
     order = np.argsort(ids, kind="stable")
     dup = np.flatnonzero(ids[order][1:] == ids[order][:-1])
     if len(dup):
         row = int(order[dup[0] + 1])
-        raise DataFormatError(path, f"item {ids[row]} is listed twice", lines[row] if lines else None)
+        what = key.removesuffix("_id")
+        raise DataFormatError(path, f"{what} {ids[row]} is listed twice", lines[row] if lines else None)
     return table.take(pa.array(order))
 
 

@@ -1,4 +1,4 @@
-"""RecBole atomic files: ``NAME.inter`` (required) and ``NAME.item`` (optional), tab-separated, typed headers."""
+"""RecBole atomic files: ``NAME.inter`` (required), ``NAME.item`` and ``NAME.user`` (optional), tab-separated, typed headers."""
 
 from __future__ import annotations
 
@@ -63,24 +63,24 @@ def _read_inter(path: Path) -> pa.Table:
     return build_events(table["user_id"], table["item_id"], timestamp, labels)
 
 
-def read_item_file(path: Path) -> pa.Table:
-    """Read a RecBole ``.item`` file into an items table.
+def read_item_file(path: Path, key: str = "item_id") -> pa.Table:
+    """Read a RecBole ``.item`` (or, with ``key="user_id"``, ``.user``) file into a feature table.
 
-    ``item_id`` becomes int64, ``token`` string, ``token_seq`` list<string> (split on spaces),
+    The ``key`` column becomes int64, ``token`` string, ``token_seq`` list<string> (split on spaces),
     ``float`` float64 and ``float_seq`` list<float64>; empty values become null.
 
     Raises:
-        DataFormatError: on a bad header, a non-integer item ID or a duplicate item.
+        DataFormatError: on a bad header, a non-integer ID or a duplicate ID.
     """
     data = read_nonempty(path)
-    header = parse_header(path, data, ("item_id",))
+    header = parse_header(path, data, (key,))
     kinds = {"token": "str?", "token_seq": "str?", "float": "float?", "float_seq": "str?"}
-    fields = [(name, "int" if name == "item_id" else kinds[kind]) for name, kind in header]
+    fields = [(name, "int" if name == key else kinds[kind]) for name, kind in header]
     table = read_delimited(path, data, "\t", fields, skip_rows=1, int_hint=_ID_HINT)
-    columns = {"item_id": table["item_id"]}
+    columns = {key: table[key]}
     for name, kind in header:
         col = table[name]
-        if name == "item_id":
+        if name == key:
             continue
         if kind.endswith("_seq"):
             col = pc.utf8_split_whitespace(col)
@@ -90,7 +90,7 @@ def read_item_file(path: Path) -> pa.Table:
                 except pa.ArrowInvalid as err:
                     raise DataFormatError(path, f"field {name!r} holds a non-number ({err})") from err
         columns[name] = col
-    return build_items(path, columns, row_lines(data, skip_rows=1))
+    return build_items(path, columns, row_lines(data, skip_rows=1), key=key)
 
 
 def convert_recbole(source: Path) -> Converted:
@@ -98,9 +98,10 @@ def convert_recbole(source: Path) -> Converted:
 
     ``rating`` and any other float field become float32 label columns, ``timestamp`` (float seconds)
     becomes int64; other token fields of ``.inter`` are dropped. ``NAME.item`` beside it becomes
-    items.parquet.
+    items.parquet, ``NAME.user`` users.parquet.
     """
     path = pick_file(source, ["*.inter"], "RecBole .inter file")
-    item_file = path.with_suffix(".item")
+    item_file, user_file = path.with_suffix(".item"), path.with_suffix(".user")
     items = read_item_file(item_file) if item_file.is_file() else None
-    return Converted(_read_inter(path), items, path.stem, path)
+    users = read_item_file(user_file, key="user_id") if user_file.is_file() else None
+    return Converted(_read_inter(path), items, path.stem, path, users)
