@@ -7,7 +7,8 @@ shares ``seq_offsets``::
     seq_offsets   [0, 3, 3, 7]                      (B + 1,) int64
     item_ids      [a b c d e f g]                   (T,)  T = seq_offsets[-1]
     timestamps    [. . . . . . .]                   (T,)  optional
-    labels        {"next_item": (T,), ...}          token-aligned, or (B, ...) per sequence
+    labels        {"next_item": (T,), ...}          token-aligned, (B, ...) per sequence, or
+                                                      (sum(num_targets), ...) per ranking target
 
 Arrow list columns have exactly this layout, so ``from_arrow`` is zero-copy for the
 values and offsets of a contiguous ListArray.
@@ -103,12 +104,21 @@ class JaggedBatch:
             for name, t in self.dense.items():
                 if t.shape[0] != batch:
                     problems.append(f"dense feature {name!r} has {t.shape[0]} rows, batch has {batch} sequences")
+            targets = int(self.mask.num_targets.sum()) if self.mask.num_targets is not None else None
             for name, t in self.labels.items():
-                if t.shape[0] not in (total, batch):
-                    problems.append(f"label {name!r} has {t.shape[0]} rows: neither {total} tokens nor {batch} sequences")
+                if t.shape[0] not in (total, batch, targets):
+                    problems.append(
+                        f"label {name!r} has {t.shape[0]} rows: neither {total} tokens, {batch} sequences "
+                        f"nor {targets} targets"
+                    )
             for name, t in (("num_targets", self.mask.num_targets), ("num_contextual", self.mask.num_contextual)):
                 if t is not None and (t.shape != (batch,) or (t < 0).any() or (t > lengths).any()):
                     problems.append(f"mask.{name} must be (B,) with 0 <= value <= sequence length")
+        if not problems:
+            try:
+                self.mask.validate(off)
+            except ValueError as err:
+                problems.append(str(err))
         if problems:
             raise ValueError("invalid JaggedBatch: " + "; ".join(problems))
 

@@ -12,31 +12,21 @@ run would have taken, with no RNG state to save.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.tensorboard import SummaryWriter
-from tqdm import tqdm
 
-from recforge.config import RunConfig, load_config, save_config
+from recforge.config import RunConfig, load_config
 from recforge.data.dataset import load_dataset
 from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences
 from recforge.models.builders import build_retrieval_model
 from recforge.models.retrieval import RetrievalModel
-from recforge.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from recforge.train.checkpoint import find_checkpoint, load_checkpoint
 from recforge.train.evaluate import evaluate_ranking, model_scorer
+from recforge.train.loop import prepare_run_dir, resolve_device, run_loop
 from recforge.train.losses import sampled_softmax_loss
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"train.device={name!r} but CUDA is not available; use train.device=cpu")
-    return torch.device(name)
 
 
 @dataclass
@@ -100,18 +90,6 @@ def _train_step(s: Setup, samples: torch.Tensor) -> tuple[float, int]:
     return loss.item(), batch.num_tokens
 
 
-def _append_jsonl(path: Path, row: dict) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
-def _truncate_jsonl(path: Path, max_step: int) -> None:
-    """Drop log rows written after the checkpoint we resume from (they will be replayed)."""
-    if path.is_file():
-        rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= max_step]
-        path.write_text("".join(r + "\n" for r in rows))
-
-
 def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict:
     """Train per ``cfg``; return a summary with the final evaluation.
 
@@ -120,103 +98,31 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
         resume: continue from the run directory's latest checkpoint.
         progress: show tqdm progress bars.
     """
-    run_dir = cfg.run_dir
-    if not resume and find_checkpoint(run_dir) is not None:
-        raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it or choose another name/output_dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = prepare_run_dir(cfg, resume)
     s = setup(cfg)
-    steps_log, evals_log = run_dir / "train_log.jsonl", run_dir / "evals.jsonl"
-    state = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "best_value": None}
-    if resume:
-        ckpt = find_checkpoint(run_dir)
-        if ckpt is None:
-            raise ValueError(f"--resume: {run_dir} has no checkpoint to resume from")
-        state.update(load_checkpoint(ckpt, s.model, s.optimizer, s.device)["train_state"])
-        _truncate_jsonl(steps_log, state["global_step"])
-        _truncate_jsonl(evals_log, state["global_step"])
-    else:
-        for path in (steps_log, evals_log):
-            path.unlink(missing_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-
     samples = s.seqs.training_samples(s.holdout, cfg.data.max_seq_len, cfg.data.train_windows)
-    steps_per_epoch = math.ceil(samples.shape[0] / cfg.train.batch_size)
-    writer = SummaryWriter(str(run_dir / "tb"))
-    started = time.monotonic()
-    stop = False
-
-    def checkpoint(best: bool = False) -> None:
-        manifest = {"train_state": dict(state), "config": cfg.to_dict(), "num_items": s.seqs.num_items}
-        save_checkpoint(
-            run_dir, step=state["global_step"], model=s.model, optimizer=s.optimizer,
-            manifest=manifest, keep=cfg.train.keep_checkpoints, best=best,
-        )  # fmt: skip
-
-    s.model.train()
-    while state["epoch"] < cfg.train.epochs and not stop:
-        epoch = state["epoch"]
-        order = samples[torch.randperm(samples.shape[0], generator=torch.Generator().manual_seed(cfg.train.seed * 7919 + epoch))]
-        bar = tqdm(
-            range(state["step_in_epoch"], steps_per_epoch), desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
-            disable=not progress, leave=False, dynamic_ncols=True,
-        )  # fmt: skip
-        for step_in_epoch in bar:
-            torch.manual_seed(cfg.train.seed * 1_000_003 + state["global_step"])
-            t0 = time.perf_counter()
-            loss, tokens = _train_step(s, order[step_in_epoch * cfg.train.batch_size : (step_in_epoch + 1) * cfg.train.batch_size])
-            tokens_per_s = tokens / (time.perf_counter() - t0)
-            state["global_step"] += 1
-            state["step_in_epoch"] = step_in_epoch + 1
-            _append_jsonl(steps_log, {"step": state["global_step"], "epoch": epoch, "loss": loss, "tokens_per_s": tokens_per_s})
-            if state["global_step"] % cfg.train.log_every == 0:
-                writer.add_scalar("train/loss", loss, state["global_step"])
-                writer.add_scalar("train/tokens_per_s", tokens_per_s, state["global_step"])
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
-            out_of_budget = (cfg.train.max_steps and state["global_step"] >= cfg.train.max_steps) or (
-                cfg.train.max_minutes and time.monotonic() - started >= cfg.train.max_minutes * 60
-            )
-            if out_of_budget:
-                stop = True
-                break
-            if cfg.train.checkpoint_every and state["global_step"] % cfg.train.checkpoint_every == 0:
-                checkpoint()
-        if state["step_in_epoch"] >= steps_per_epoch:
-            state["epoch"] += 1
-            state["step_in_epoch"] = 0
-        finished = stop or state["epoch"] >= cfg.train.epochs
-        due = cfg.train.eval_every and state["epoch"] % cfg.train.eval_every == 0
-        best = False
-        if finished or due:
-            best = _log_eval(s, state, writer, evals_log, progress)
-        checkpoint(best=best)
-    writer.close()
+    state = run_loop(
+        cfg,
+        model=s.model,
+        optimizer=s.optimizer,
+        device=s.device,
+        num_samples=samples.shape[0],
+        step=lambda ids: _train_step(s, samples[ids]),
+        evaluate=lambda: _eval_during_training(s),
+        manifest={"num_items": s.seqs.num_items},
+        resume=resume,
+        progress=progress,
+        show_keys=("hr@10", "ndcg@10", "mrr"),
+    )
     summary = evaluate_run(run_dir)
-    summary["train_minutes"] = (time.monotonic() - started) / 60
+    summary["train_minutes"] = state["train_minutes"]
     return summary
 
 
-def _log_eval(s: Setup, state: dict, writer: SummaryWriter, evals_log: Path, progress: bool) -> bool:
-    """Evaluate during training; return whether this is the best checkpoint so far.
-
-    Paper protocol: the test target (as the HSTU reference code does). Clean: validation.
-    """
+def _eval_during_training(s: Setup) -> tuple[str, dict[str, float]]:
+    """Paper protocol: the test target (as the HSTU reference code does). Clean: validation."""
     split = "test" if s.cfg.data.protocol == "paper" else "valid"
-    metrics = _evaluate(s, target_from_end=1 if split == "test" else 2)
-    for key, value in metrics.items():
-        writer.add_scalar(f"{split}/{key}", value, state["global_step"])
-    _append_jsonl(evals_log, {"step": state["global_step"], "epoch": state["epoch"], "split": split, **metrics})
-    if progress:
-        tqdm.write(f"epoch {state['epoch']} step {state['global_step']} {split}: " + format_metrics(metrics, ("hr@10", "ndcg@10", "mrr")))
-    value = metrics[s.cfg.eval.select_metric]
-    is_best = state["best_value"] is None or value > state["best_value"]
-    if is_best:
-        state["best_value"] = value
-    return is_best
-
-
-def format_metrics(metrics: dict, keys: tuple[str, ...] | None = None) -> str:
-    keys = keys or tuple(k for k in metrics if k != "num_users")
-    return "  ".join(f"{k}={metrics[k]:.4f}" for k in keys if k in metrics)
+    return split, _evaluate(s, target_from_end=1 if split == "test" else 2)
 
 
 def evaluate_run(

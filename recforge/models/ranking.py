@@ -1,0 +1,391 @@
+"""Multi-task ranking: Prefix -> encoder -> Postfix, with each part saved as its own slice.
+
+    prefix   per-token encoder: (features of T tokens) -> (T, d). It must not mix tokens, so a
+             serving engine can compute (and cache) history tokens once.
+    encoder  the framework's sequence encoder (HSTU), or ``ContextPool`` for a non-sequential
+             DLRM-style baseline: (T, d) tokens + offsets + mask -> (T, d).
+    postfix  task heads on the target tokens: (N, d) -> (N, K) logits / predictions.
+
+``RankingModel.split_inputs`` is the one place that turns a batch into the three parts'
+inputs; prefix and postfix are ordinary ``nn.Module``s a user can replace. A slice is any
+module with ``slice_config()`` (JSON constructor arguments); ``save_slices`` writes
+``prefix/ encoder/ postfix/`` (safetensors + config.json each) plus a ``manifest.json``
+saying how they connect, and ``load_slices`` rebuilds the model from it.
+
+Example:
+    >>> model = RankingModel(RankingPrefix(num_items=1682, num_actions=5, num_context_values=1027, dim=64),
+    ...                      HSTUEncoder(HSTUConfig(dim=64, max_seq_len=256)),
+    ...                      MultiTaskMLP(dim=64, num_tasks=2))
+    >>> logits = model(batch)                 # (targets in batch, 2)
+    >>> save_slices(model, "runs/x/model", tasks=[...]); model = load_slices("runs/x/model")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from recforge.data.batch import JaggedBatch
+from recforge.io import atomic_directory, atomic_write_json
+from recforge.models.hstu import HSTUConfig, HSTUEncoder
+from recforge.ops.jagged import range_index, sequence_ids
+from recforge.ops.mask import AttentionMask
+
+SLICES = ("prefix", "encoder", "postfix")
+SLICE_FORMAT = 1
+
+
+class RankingPrefix(nn.Module):
+    """Default per-token encoder: item + item side features + action + contextual feature embeddings.
+
+    Every token sums the embeddings of the ids it carries (0 = none for each kind), then
+    LayerNorm and dropout. Item side features are a fixed (num_items + 1, F) id table kept
+    as a buffer, so a slice holds everything needed to embed an item.
+    """
+
+    def __init__(
+        self,
+        num_items: int,
+        num_actions: int,
+        num_context_values: int,
+        dim: int,
+        item_feature_width: int = 0,
+        num_item_feature_values: int = 0,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.kwargs = {
+            "num_items": num_items, "num_actions": num_actions, "num_context_values": num_context_values, "dim": dim,
+            "item_feature_width": item_feature_width, "num_item_feature_values": num_item_feature_values,
+            "dropout": dropout,
+        }  # fmt: skip
+        self.dim = dim
+        self.item = nn.Embedding(num_items + 1, dim, padding_idx=0)
+        self.action = nn.Embedding(num_actions + 1, dim, padding_idx=0)
+        self.context = nn.Embedding(num_context_values + 1, dim, padding_idx=0)
+        self.register_buffer("item_features", torch.zeros(num_items + 1, item_feature_width, dtype=torch.int64))
+        self.item_feature = nn.Embedding(num_item_feature_values + 1, dim, padding_idx=0) if item_feature_width else None
+        self.norm = nn.LayerNorm(dim)
+        self.dropout = nn.Dropout(dropout)
+        for emb in (self.item, self.action, self.context, self.item_feature):
+            if emb is not None:
+                nn.init.normal_(emb.weight, std=0.02)
+                emb.weight.data[0] = 0
+
+    def slice_config(self) -> dict:
+        return dict(self.kwargs)
+
+    def forward(self, features: dict[str, Tensor]) -> Tensor:
+        items = features["item_ids"]
+        x = self.item(items) + self.action(features["actions"]) + self.context(features["context_ids"])
+        if self.item_feature is not None:
+            x = x + self.item_feature(self.item_features[items]).sum(1)  # (T, F, d) -> (T, d); row 0 of the table is all 0
+        return self.dropout(self.norm(x))
+
+
+class MultiTaskMLP(nn.Module):
+    """Shared MLP tower, one output per task."""
+
+    def __init__(self, dim: int, num_tasks: int, hidden: int = 128, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.kwargs = {"dim": dim, "num_tasks": num_tasks, "hidden": hidden, "dropout": dropout}
+        self.net = nn.Sequential(
+            nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.SiLU(), nn.Dropout(dropout), nn.Linear(hidden, num_tasks)
+        )
+
+    def slice_config(self) -> dict:
+        return dict(self.kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+def _expert(dim: int, hidden: int, dropout: float) -> nn.Module:
+    return nn.Sequential(nn.Linear(dim, hidden), nn.SiLU(), nn.Dropout(dropout))
+
+
+class MMoE(nn.Module):
+    """Multi-gate mixture of experts (Ma et al. 2018): shared experts, one softmax gate and tower per task."""
+
+    def __init__(self, dim: int, num_tasks: int, num_experts: int = 4, hidden: int = 128, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.kwargs = {"dim": dim, "num_tasks": num_tasks, "num_experts": num_experts, "hidden": hidden, "dropout": dropout}
+        self.norm = nn.LayerNorm(dim)
+        self.experts = nn.ModuleList(_expert(dim, hidden, dropout) for _ in range(num_experts))
+        self.gates = nn.Linear(dim, num_tasks * num_experts)
+        self.towers = nn.ModuleList(nn.Linear(hidden, 1) for _ in range(num_tasks))
+        self.num_tasks, self.num_experts = num_tasks, num_experts
+
+    def slice_config(self) -> dict:
+        return dict(self.kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.norm(x)
+        experts = torch.stack([e(x) for e in self.experts], 1)  # (N, E, h)
+        gates = self.gates(x).view(-1, self.num_tasks, self.num_experts).softmax(-1)  # (N, K, E)
+        mixed = torch.einsum("nke,neh->nkh", gates, experts)
+        return torch.cat([tower(mixed[:, k]) for k, tower in enumerate(self.towers)], 1)
+
+
+class PLE(nn.Module):
+    """Progressive layered extraction (Tang et al. 2020), one extraction layer (CGC).
+
+    Each task mixes its own experts with the shared ones through its own gate; task-specific
+    experts reduce the negative transfer of MMoE's fully shared pool.
+    """
+
+    def __init__(
+        self, dim: int, num_tasks: int, shared_experts: int = 2, task_experts: int = 1, hidden: int = 128,
+        dropout: float = 0.0,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.kwargs = {
+            "dim": dim, "num_tasks": num_tasks, "shared_experts": shared_experts, "task_experts": task_experts,
+            "hidden": hidden, "dropout": dropout,
+        }  # fmt: skip
+        self.norm = nn.LayerNorm(dim)
+        self.shared = nn.ModuleList(_expert(dim, hidden, dropout) for _ in range(shared_experts))
+        self.specific = nn.ModuleList(
+            nn.ModuleList(_expert(dim, hidden, dropout) for _ in range(task_experts)) for _ in range(num_tasks)
+        )
+        self.gates = nn.ModuleList(nn.Linear(dim, shared_experts + task_experts) for _ in range(num_tasks))
+        self.towers = nn.ModuleList(nn.Linear(hidden, 1) for _ in range(num_tasks))
+
+    def slice_config(self) -> dict:
+        return dict(self.kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.norm(x)
+        shared = [e(x) for e in self.shared]
+        outs = []
+        for specific, gate, tower in zip(self.specific, self.gates, self.towers):
+            experts = torch.stack(shared + [e(x) for e in specific], 1)  # (N, E, h)
+            weights = gate(x).softmax(-1).unsqueeze(2)  # (N, E, 1)
+            outs.append(tower((weights * experts).sum(1)))
+        return torch.cat(outs, 1)
+
+
+HEADS = {"mlp": MultiTaskMLP, "mmoe": MMoE, "ple": PLE}
+
+
+class ContextPool(nn.Module):
+    """Non-sequential encoder for a DLRM-style baseline: each target sees only the contextual
+    tokens (user features) and itself, never the history.
+
+    out_target = MLP([x_target, mean(contextual), x_target * mean(contextual)]); other tokens pass through.
+    """
+
+    def __init__(self, dim: int, hidden: int = 256, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.kwargs = {"dim": dim, "hidden": hidden, "dropout": dropout}
+        self.mlp = nn.Sequential(
+            nn.Linear(3 * dim, hidden), nn.SiLU(), nn.Dropout(dropout), nn.Linear(hidden, hidden), nn.SiLU(),
+            nn.Linear(hidden, dim),
+        )  # fmt: skip
+
+    def slice_config(self) -> dict:
+        return dict(self.kwargs)
+
+    def forward(
+        self, x: Tensor, seq_offsets: Tensor, max_seq_len: int, mask: AttentionMask, timestamps: Tensor | None = None
+    ) -> Tensor:
+        batch = seq_offsets.numel() - 1
+        c = mask.num_contextual if mask.num_contextual is not None else torch.zeros(batch, dtype=torch.int64)
+        t = mask.num_targets if mask.num_targets is not None else torch.zeros(batch, dtype=torch.int64)
+        ctx_index, ctx_off = range_index(seq_offsets[:-1], c)
+        ctx_sum = torch.zeros(batch, x.shape[1], dtype=x.dtype, device=x.device)
+        ctx_sum.index_add_(0, sequence_ids(ctx_off, ctx_index.numel()), x[ctx_index])
+        ctx_mean = ctx_sum / c.clamp(min=1).unsqueeze(1).to(x.dtype)
+        tgt_index, tgt_off = range_index(seq_offsets[1:] - t, t)
+        target = x[tgt_index]
+        context = ctx_mean[sequence_ids(tgt_off, tgt_index.numel())]
+        out = x.clone()
+        out[tgt_index] = target + self.mlp(torch.cat([target, context, target * context], 1))
+        return out
+
+
+class RankingModel(nn.Module):
+    """Prefix -> encoder -> postfix over ranking batches (see ``recforge.data.ranking``)."""
+
+    def __init__(self, prefix: nn.Module, encoder: nn.Module, postfix: nn.Module) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.encoder = encoder
+        self.postfix = postfix
+
+    @staticmethod
+    def split_inputs(batch: JaggedBatch) -> tuple[dict[str, Tensor], dict[str, Any], Tensor]:
+        """(prefix features, encoder keyword arguments, target token positions) of a ranking batch."""
+        num_targets = batch.mask.num_targets
+        if num_targets is None:
+            raise ValueError("a ranking batch needs mask.num_targets (the candidate tokens at the end of each sequence)")
+        targets, _ = range_index(batch.seq_offsets[1:] - num_targets, num_targets)
+        encoder_args = {
+            "seq_offsets": batch.seq_offsets,
+            "max_seq_len": batch.max_seq_len,
+            "mask": batch.mask,
+            "timestamps": batch.features.get("timestamps"),
+        }
+        return batch.features, encoder_args, targets
+
+    def forward(self, batch: JaggedBatch) -> Tensor:
+        """(sum of num_targets, K) task outputs, in target order."""
+        features, encoder_args, targets = self.split_inputs(batch)
+        tokens = self.prefix(features)
+        encoded = self.encoder(tokens, **encoder_args)
+        return self.postfix(encoded[targets])
+
+
+# ----------------------------------------------------------------------------------- slices
+
+
+def _slice_config(module: nn.Module) -> dict:
+    if isinstance(module, HSTUEncoder):
+        return dataclasses.asdict(module.cfg)
+    if not hasattr(module, "slice_config"):
+        raise TypeError(
+            f"{type(module).__name__} cannot be saved as a slice: give it a slice_config() method returning its "
+            "constructor arguments as a JSON-serialisable dict"
+        )
+    return module.slice_config()
+
+
+def _build_slice(class_path: str, kwargs: dict) -> nn.Module:
+    module_name, _, qualname = class_path.partition(":")
+    try:
+        cls: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"slice class {class_path!r} cannot be imported ({err}); install the package that defines it") from err
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"slice class {class_path!r} is not an nn.Module")
+    if cls is HSTUEncoder:
+        return HSTUEncoder(HSTUConfig(**kwargs))
+    return cls(**kwargs)
+
+
+def save_slices(model: RankingModel, out_dir: str | Path, *, tasks: list[dict] | None = None, extra: dict | None = None) -> Path:
+    """Write the model as three slices plus a manifest, atomically.
+
+    Layout: ``out_dir/{prefix,encoder,postfix}/{model.safetensors,config.json}`` and
+    ``out_dir/manifest.json`` (slice classes, the order they run in, the width each passes on,
+    the tasks the postfix outputs).
+    """
+    out = Path(out_dir)
+    dims = {}
+    with atomic_directory(out) as tmp:
+        for name in SLICES:
+            module = getattr(model, name)
+            cls = type(module)
+            config = {"class": f"{cls.__module__}:{cls.__qualname__}", "kwargs": _slice_config(module)}
+            json.dumps(config)  # fail here, not at load time, when the config is not JSON
+            (tmp / name).mkdir()
+            weights = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+            save_file(weights, tmp / name / "model.safetensors")
+            atomic_write_json(tmp / name / "config.json", config)
+            dims[name] = config["kwargs"].get("dim")
+        manifest = {
+            "format": "recforge-ranking-slices",
+            "format_version": SLICE_FORMAT,
+            "slices": list(SLICES),
+            "connections": [
+                {"from": "inputs", "to": "prefix", "carries": "per-token feature ids: item_ids, actions, context_ids"},
+                {"from": "prefix", "to": "encoder", "carries": "token embeddings (T, dim)", "dim": dims["prefix"]},
+                {"from": "encoder", "to": "postfix", "carries": "target token states (N, dim)", "dim": dims["encoder"]},
+            ],
+            "tasks": tasks or [],
+            **(extra or {}),
+        }
+        atomic_write_json(tmp / "manifest.json", manifest)
+    return out
+
+
+def load_slice(slice_dir: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """Rebuild one slice (prefix, encoder or postfix) from its directory."""
+    slice_dir = Path(slice_dir)
+    config_path = slice_dir / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{slice_dir} is not a recforge slice (no config.json)")
+    config = json.loads(config_path.read_text())
+    module = _build_slice(config["class"], config["kwargs"])
+    module.load_state_dict(load_file(slice_dir / "model.safetensors", device=str(device)))
+    return module.to(device)
+
+
+def load_slices(model_dir: str | Path, device: str | torch.device = "cpu") -> tuple[RankingModel, dict]:
+    """Rebuild a ``RankingModel`` saved by ``save_slices``; returns (model, manifest)."""
+    model_dir = Path(model_dir)
+    manifest_path = model_dir / "manifest.json"
+    if not manifest_path.is_file():
+        raise ValueError(f"{model_dir} holds no manifest.json; it is not a model written by save_slices")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("format") != "recforge-ranking-slices" or manifest.get("format_version") != SLICE_FORMAT:
+        raise ValueError(f"{manifest_path}: unsupported slice format {manifest.get('format')} v{manifest.get('format_version')}")
+    parts = [load_slice(model_dir / name, device) for name in SLICES]
+    return RankingModel(*parts).eval(), manifest
+
+
+def pointwise_loss(outputs: Tensor, labels: Tensor, kinds: list[str], weights: list[float]) -> tuple[Tensor, list[float]]:
+    """Weighted sum over tasks of BCE-with-logits (binary) or MSE (regression), ignoring NaN labels.
+
+    Returns the total loss and each task's unweighted mean loss.
+    """
+    total = outputs.new_zeros(())
+    per_task = []
+    for k, (kind, weight) in enumerate(zip(kinds, weights)):
+        known = ~torch.isnan(labels[:, k])
+        if not bool(known.any()):
+            per_task.append(float("nan"))
+            continue
+        y, z = labels[known, k], outputs[known, k]
+        loss = F.binary_cross_entropy_with_logits(z, y) if kind == "binary" else F.mse_loss(z, y)
+        per_task.append(float(loss.detach()))
+        total = total + weight * loss
+    return total, per_task
+
+
+def listwise_loss(outputs: Tensor, labels: Tensor, num_targets: Tensor) -> Tensor:
+    """Softmax cross-entropy over each sample's candidates, per binary task column given.
+
+    ``outputs``/``labels`` are (N, K'); a sample's loss is ``-sum_i y_i log softmax(z)_i / sum_i y_i``,
+    averaged over samples with at least one positive (samples without one carry no list signal).
+    """
+    offsets = torch.cat([num_targets.new_zeros(1), torch.cumsum(num_targets, 0)])
+    seq = sequence_ids(offsets, outputs.shape[0])
+    batch = num_targets.numel()
+    y = torch.nan_to_num(labels, nan=0.0)
+    # log-softmax within each sample: subtract the per-sample max, then log-sum-exp by index_add
+    zmax = torch.full((batch, outputs.shape[1]), float("-inf"), device=outputs.device, dtype=outputs.dtype)
+    zmax = zmax.scatter_reduce(0, seq.unsqueeze(1).expand_as(outputs), outputs.detach(), "amax")
+    shifted = outputs - zmax[seq]
+    denom = torch.zeros_like(zmax).index_add_(0, seq, shifted.exp())
+    log_p = shifted - denom.clamp_min(1e-30).log()[seq]
+    positives = torch.zeros_like(zmax).index_add_(0, seq, y)
+    per_sample = -torch.zeros_like(zmax).index_add_(0, seq, y * log_p) / positives.clamp_min(1)
+    has_pos = positives > 0
+    return per_sample[has_pos].mean() if bool(has_pos.any()) else outputs.sum() * 0
+
+
+__all__ = [
+    "HEADS",
+    "MMoE",
+    "PLE",
+    "ContextPool",
+    "MultiTaskMLP",
+    "RankingModel",
+    "RankingPrefix",
+    "listwise_loss",
+    "load_slice",
+    "load_slices",
+    "pointwise_loss",
+    "save_slices",
+]
