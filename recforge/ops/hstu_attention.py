@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recforge.ops.dispatch import resolve_kernel
+from recforge.ops.dispatch import resolve_kernel, unsupported_by_triton
 from recforge.ops.jagged import jagged_to_padded, lengths_from_offsets, padded_to_jagged
 from recforge.ops.mask import AttentionMask
 
@@ -109,7 +109,9 @@ def hstu_attention(
         pos_weights: (P,) learned bias per causal distance i - j (clamped to P - 1).
         timestamps: (T,) int64 seconds, required with ``time_weights``.
         time_weights: (num_buckets + 1,) learned bias per log time-difference bucket.
-        kernel: "auto" | "pytorch" | "triton".
+        kernel: "auto" | "pytorch" | "triton"; "auto" runs the Triton kernel on CUDA
+            inputs it supports (float16/bfloat16/float32, head dims <= 256), else the
+            reference, and logs which once (``recforge.ops.dispatch``).
 
     Returns:
         (T, H, Dv) attention output.
@@ -117,11 +119,17 @@ def hstu_attention(
     Example:
         >>> out = hstu_attention(q, k, v, offsets, 200, AttentionMask(), pos_weights=w)
     """
-    resolve_kernel("hstu_attention", kernel)
-    if scale is None:
-        scale = 1.0 / max_seq_len
     if time_weights is not None and timestamps is None:
         raise ValueError("hstu_attention: time_weights given without timestamps")
+    if scale is None:
+        scale = 1.0 / max_seq_len
+    unsupported = unsupported_by_triton(q, k, v, head_dims=(q.shape[-1], v.shape[-1]))
+    if resolve_kernel("hstu_attention", kernel, q.device, unsupported) == "triton":
+        from recforge.ops.triton.hstu import hstu_attention_triton  # defined on first use: see recforge.ops.triton
+
+        return hstu_attention_triton(
+            q, k, v, seq_offsets, max_seq_len, mask, scale, pos_weights, timestamps, time_weights
+        )
     return hstu_attention_reference(
         q, k, v, seq_offsets, max_seq_len, mask, scale, pos_weights, timestamps, time_weights
     )

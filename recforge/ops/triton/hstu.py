@@ -1,0 +1,384 @@
+"""Triton HSTU attention on jagged sequences: forward, dQ and dK/dV(/d bias) kernels.
+
+    out_i = sum_j visible_ij * SiLU(q_i . k_j + rab_ij) * scale * v_j
+
+One program per (query block or key block, sequence, head); tiles a row block cannot see
+are never visited, and fully visible tiles skip the mask arithmetic (``recforge.ops.triton._common``).
+The bias gradients (position and time-bucket weights, shared by all heads) are summed
+with atomics in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from recforge.ops.mask import AttentionMask
+from recforge.ops.triton._common import (
+    MaskArgs,
+    free_tile_span,
+    key_block_ranges,
+    mask_args,
+    max_len_bucket,
+    query_block_ranges,
+    time_bucket,
+    time_thresholds,
+    visible,
+)
+from recforge.ops.triton.tuning import fixed_config, is_interpreting, tuned
+
+
+@triton.jit
+def _scores(q, kT, i, j, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, seq_end_mask,
+            HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, DOT_PREC: tl.constexpr):
+    """q . k + rab for one tile; i, j positions broadcast to the tile's shape."""
+    s = tl.dot(q, kT, input_precision=DOT_PREC)
+    if HAS_POS:
+        s += tl.load(pos_w + tl.minimum(tl.maximum(i - j, 0), P - 1)).to(tl.float32)
+    if HAS_TIME:
+        ts_i = tl.load(ts_bias + start_tok + i, mask=seq_end_mask & (i >= 0), other=0)
+        ts_j = tl.load(ts_bias + start_tok + j, mask=seq_end_mask & (j >= 0), other=0)
+        s += tl.load(time_w + time_bucket(ts_i - ts_j, time_thr, NB)).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _hstu_fwd(
+    Q, K, V, O, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
+    offsets, num_targets, num_contextual, seg_ends, ts_mask, ts_bias, pos_w, time_w, time_thr,
+    scale, window, P, NB, num_heads, len_key,
+    S: tl.constexpr, FULL_BITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr, HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
+    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # longest key walks first
+    b = tl.program_id(0) // num_heads
+    h = tl.program_id(0) % num_heads
+    start_tok = tl.load(offsets + b)
+    n = (tl.load(offsets + b + 1) - start_tok).to(tl.int32)
+    i0 = pid_m * BLOCK_M
+    if i0 >= n:
+        return
+    c = tl.load(num_contextual + b) if HAS_CONTEXT else 0
+    he = n - (tl.load(num_targets + b) if HAS_TARGETS else 0)
+    ends = seg_ends + b * S
+    i1 = tl.minimum(i0 + BLOCK_M, n)
+    ctx_end, start, end, free_lo, free_hi = query_block_ranges(
+        i0, i1, n, c, he, ends, window, S, FULL_BITS, CAUSAL, HAS_WINDOW)
+
+    offs_m = i0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    dq_ = tl.arange(0, BD_QK)
+    dv_ = tl.arange(0, BD_V)
+    row_ok = offs_m < n
+    q = tl.load(Q + (start_tok + offs_m)[:, None].to(tl.int64) * sq_t + h * sq_h + dq_[None, :],
+                mask=row_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
+    ts_i = tl.load(ts_mask + start_tok + offs_m, mask=row_ok, other=0) if HAS_TS else offs_m
+    acc = tl.zeros((BLOCK_M, BD_V), dtype=tl.float32)
+    i = offs_m[:, None]
+    K_h = K + h * sk_h
+    V_h = V + h * sv_h
+
+    m_lo, m_hi = free_tile_span(start, free_lo, free_hi, BLOCK_N)
+    num_tiles = tl.cdiv(end - start, BLOCK_N)
+    for phase in tl.static_range(4):
+        # 0: contextual prefix; 1: masked tiles before the free span; 2: free span; 3: masked rest
+        if phase == 0:
+            lo_t, hi_t, base, khi = 0, tl.cdiv(ctx_end, BLOCK_N), 0, ctx_end
+        elif phase == 1:
+            lo_t, hi_t, base, khi = 0, m_lo, start, end
+        elif phase == 2:
+            lo_t, hi_t, base, khi = m_lo, m_hi, start, end
+        else:
+            lo_t, hi_t, base, khi = m_hi, num_tiles, start, end
+        for t in range(lo_t, hi_t):
+            j_vec = base + t * BLOCK_N + offs_n
+            key_ok = j_vec < khi
+            tok = (start_tok + j_vec).to(tl.int64)
+            kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
+            v = tl.load(V_h + tok[:, None] * sv_t + dv_[None, :], mask=key_ok[:, None] & (dv_[None, :] < DV), other=0.0)
+            j = j_vec[None, :]
+            s = _scores(q, kT, i, j, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
+                        HAS_POS, HAS_TIME, DOT_PREC)
+            a = s * tl.sigmoid(s) * scale
+            if phase != 2:
+                ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
+                vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
+                              S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
+                a = tl.where(vis, a, 0.0)
+            acc += tl.dot(a.to(v.dtype), v, input_precision=DOT_PREC)
+    tl.store(O + (start_tok + offs_m)[:, None].to(tl.int64) * so_t + h * so_h + dv_[None, :],
+             acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv_[None, :] < DV))
+
+
+@triton.jit
+def _hstu_bwd_dq(
+    Q, K, V, DO, DQ, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sdq_t, sdq_h,
+    offsets, num_targets, num_contextual, seg_ends, ts_mask, ts_bias, pos_w, time_w, time_thr,
+    scale, window, P, NB, num_heads, len_key,
+    S: tl.constexpr, FULL_BITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr, HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
+    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = tl.program_id(0) // num_heads
+    h = tl.program_id(0) % num_heads
+    start_tok = tl.load(offsets + b)
+    n = (tl.load(offsets + b + 1) - start_tok).to(tl.int32)
+    i0 = pid_m * BLOCK_M
+    if i0 >= n:
+        return
+    c = tl.load(num_contextual + b) if HAS_CONTEXT else 0
+    he = n - (tl.load(num_targets + b) if HAS_TARGETS else 0)
+    ends = seg_ends + b * S
+    i1 = tl.minimum(i0 + BLOCK_M, n)
+    ctx_end, start, end, free_lo, free_hi = query_block_ranges(
+        i0, i1, n, c, he, ends, window, S, FULL_BITS, CAUSAL, HAS_WINDOW)
+
+    offs_m = i0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    dq_ = tl.arange(0, BD_QK)
+    dv_ = tl.arange(0, BD_V)
+    row_ok = offs_m < n
+    rows = (start_tok + offs_m)[:, None].to(tl.int64)
+    q = tl.load(Q + rows * sq_t + h * sq_h + dq_[None, :], mask=row_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
+    do = tl.load(DO + rows * so_t + h * so_h + dv_[None, :], mask=row_ok[:, None] & (dv_[None, :] < DV), other=0.0)
+    ts_i = tl.load(ts_mask + start_tok + offs_m, mask=row_ok, other=0) if HAS_TS else offs_m
+    dq = tl.zeros((BLOCK_M, BD_QK), dtype=tl.float32)
+    i = offs_m[:, None]
+    K_h = K + h * sk_h
+    V_h = V + h * sv_h
+
+    m_lo, m_hi = free_tile_span(start, free_lo, free_hi, BLOCK_N)
+    num_tiles = tl.cdiv(end - start, BLOCK_N)
+    for phase in tl.static_range(4):
+        if phase == 0:
+            lo_t, hi_t, base, khi = 0, tl.cdiv(ctx_end, BLOCK_N), 0, ctx_end
+        elif phase == 1:
+            lo_t, hi_t, base, khi = 0, m_lo, start, end
+        elif phase == 2:
+            lo_t, hi_t, base, khi = m_lo, m_hi, start, end
+        else:
+            lo_t, hi_t, base, khi = m_hi, num_tiles, start, end
+        for t in range(lo_t, hi_t):
+            j_vec = base + t * BLOCK_N + offs_n
+            key_ok = j_vec < khi
+            tok = (start_tok + j_vec).to(tl.int64)
+            kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
+            vT = tl.load(V_h + tok[None, :] * sv_t + dv_[:, None], mask=key_ok[None, :] & (dv_[:, None] < DV), other=0.0)
+            j = j_vec[None, :]
+            s = _scores(q, kT, i, j, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
+                        HAS_POS, HAS_TIME, DOT_PREC)
+            sig = tl.sigmoid(s)
+            da = tl.dot(do, vT, input_precision=DOT_PREC)
+            ds = da * (scale * sig * (1.0 + s * (1.0 - sig)))
+            if phase != 2:
+                ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
+                vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
+                              S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
+                ds = tl.where(vis, ds, 0.0)
+            dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=DOT_PREC)
+    tl.store(DQ + rows * sdq_t + h * sdq_h + dq_[None, :], dq.to(DQ.dtype.element_ty),
+             mask=row_ok[:, None] & (dq_[None, :] < DQK))
+
+
+@triton.jit
+def _hstu_bwd_dkdv(
+    Q, K, V, DO, DK, DV_, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sdk_t, sdk_h, sdv_t, sdv_h,
+    offsets, num_targets, num_contextual, seg_ends, ts_mask, ts_bias, pos_w, time_w, time_thr, dpos, dtime,
+    scale, window, P, NB, num_heads, len_key,
+    S: tl.constexpr, FULL_BITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr, HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
+    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(1)  # the first keys are seen by the most rows: they run first
+    b = tl.program_id(0) // num_heads
+    h = tl.program_id(0) % num_heads
+    start_tok = tl.load(offsets + b)
+    n = (tl.load(offsets + b + 1) - start_tok).to(tl.int32)
+    j0 = pid_n * BLOCK_N
+    if j0 >= n:
+        return
+    c = tl.load(num_contextual + b) if HAS_CONTEXT else 0
+    he = n - (tl.load(num_targets + b) if HAS_TARGETS else 0)
+    ends = seg_ends + b * S
+    j1 = tl.minimum(j0 + BLOCK_N, n)
+    lo, hi, free_lo, free_hi = key_block_ranges(j0, j1, n, c, he, ends, window, S, FULL_BITS, CAUSAL, HAS_WINDOW)
+
+    offs_n = j0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    dq_ = tl.arange(0, BD_QK)
+    dv_ = tl.arange(0, BD_V)
+    key_ok = offs_n < n
+    keys = (start_tok + offs_n)[:, None].to(tl.int64)
+    k = tl.load(K + keys * sk_t + h * sk_h + dq_[None, :], mask=key_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
+    v = tl.load(V + keys * sv_t + h * sv_h + dv_[None, :], mask=key_ok[:, None] & (dv_[None, :] < DV), other=0.0)
+    ts_j = tl.load(ts_mask + start_tok + offs_n, mask=key_ok, other=0) if HAS_TS else offs_n
+    dk = tl.zeros((BLOCK_N, BD_QK), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BD_V), dtype=tl.float32)
+    j = offs_n[:, None]  # tiles here are (keys, queries)
+    Q_h = Q + h * sq_h
+    DO_h = DO + h * so_h
+
+    m_lo, m_hi = free_tile_span(lo, free_lo, free_hi, BLOCK_M)
+    num_tiles = tl.cdiv(hi - lo, BLOCK_M)
+    for phase in tl.static_range(3):
+        if phase == 0:
+            lo_t, hi_t = 0, m_lo
+        elif phase == 1:
+            lo_t, hi_t = m_lo, m_hi
+        else:
+            lo_t, hi_t = m_hi, num_tiles
+        for t in range(lo_t, hi_t):
+            i_vec = lo + t * BLOCK_M + offs_m
+            row_ok = i_vec < hi
+            tok = (start_tok + i_vec).to(tl.int64)
+            qT = tl.load(Q_h + tok[None, :] * sq_t + dq_[:, None], mask=row_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
+            doT = tl.load(DO_h + tok[None, :] * so_t + dv_[:, None], mask=row_ok[None, :] & (dv_[:, None] < DV), other=0.0)
+            i = i_vec[None, :]
+            sT = _scores(k, qT, i, j, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
+                         HAS_POS, HAS_TIME, DOT_PREC)  # (BLOCK_N, BLOCK_M)
+            sig = tl.sigmoid(sT)
+            aT = sT * sig * scale
+            daT = tl.dot(v, doT, input_precision=DOT_PREC)
+            dsT = daT * (scale * sig * (1.0 + sT * (1.0 - sig)))
+            if phase != 1:
+                ts_i = tl.load(ts_mask + start_tok + i_vec, mask=row_ok, other=0) if HAS_TS else i_vec
+                vis = visible(i, j, n, c, he, ends, ts_i[None, :], ts_j[:, None], window,
+                              S, FULL_BITS, HAS_WINDOW, HAS_TS) & (i < hi)
+                aT = tl.where(vis, aT, 0.0)
+                dsT = tl.where(vis, dsT, 0.0)
+            dv += tl.dot(aT.to(doT.dtype), tl.trans(doT), input_precision=DOT_PREC)
+            dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
+            if POS_GRAD:
+                dist = i - j
+                if tl.min(dist) >= P - 1:  # every pair of the tile uses the last weight
+                    tl.atomic_add(dpos + P - 1, tl.sum(dsT))
+                else:
+                    tl.atomic_add(dpos + tl.minimum(tl.maximum(dist, 0), P - 1), dsT, mask=dsT != 0.0)
+            if TIME_GRAD:
+                in_seq = (i < n) & (j < n)
+                ts_bi = tl.load(ts_bias + start_tok + i, mask=in_seq, other=0)
+                ts_bj = tl.load(ts_bias + start_tok + j, mask=in_seq, other=0)
+                tl.atomic_add(dtime + time_bucket(ts_bi - ts_bj, time_thr, NB), dsT, mask=dsT != 0.0)
+    tl.store(DK + keys * sdk_t + h * sdk_h + dq_[None, :], dk.to(DK.dtype.element_ty),
+             mask=key_ok[:, None] & (dq_[None, :] < DQK))
+    tl.store(DV_ + keys * sdv_t + h * sdv_h + dv_[None, :], dv.to(DV_.dtype.element_ty),
+             mask=key_ok[:, None] & (dv_[None, :] < DV))
+
+
+_fwd = tuned(_hstu_fwd, kind="fwd")
+_bwd_dq = tuned(_hstu_bwd_dq, kind="bwd_dq")
+_bwd_dkdv = tuned(_hstu_bwd_dkdv, kind="bwd_dkdv", reset_to_zero=["dpos", "dtime"])
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _meta(ma: MaskArgs, dqk: int, dv: int, has_pos: bool, has_time: bool, dtype: torch.dtype) -> dict:
+    return dict(
+        S=ma.num_segments, FULL_BITS=ma.full_bits, CAUSAL=ma.causal, HAS_TARGETS=ma.has_targets,
+        HAS_CONTEXT=ma.has_contextual, HAS_WINDOW=ma.has_window, HAS_TS=ma.has_ts, HAS_POS=has_pos,
+        HAS_TIME=has_time, DQK=dqk, DV=dv, BD_QK=max(16, triton.next_power_of_2(dqk)),
+        BD_V=max(16, triton.next_power_of_2(dv)), DOT_PREC=_dot_precision(dtype),
+    )
+
+
+def _launch(kernel, grid_blocks: str, batch: int, heads: int, max_seq_len: int, args: tuple, meta: dict) -> None:
+    """Run a kernel: autotuned on long sequences, a fixed tile otherwise (and in the interpreter)."""
+    if is_interpreting() or max_seq_len <= 256:
+        cfg = fixed_config(grid_blocks, meta["BD_QK"], meta["BD_V"], max_seq_len)
+        block = cfg.kwargs["BLOCK_M" if grid_blocks == "m" else "BLOCK_N"]
+        grid = (batch * heads, triton.cdiv(max_seq_len, block))
+        kernel.fn[grid](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        block_key = "BLOCK_M" if grid_blocks == "m" else "BLOCK_N"
+        kernel[lambda m: (batch * heads, triton.cdiv(max_seq_len, m[block_key]))](*args, **meta)
+
+
+class _HSTUAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets):
+        total, heads, dqk = q.shape
+        dv = v.shape[2]
+        batch = offsets.numel() - 1
+        out = torch.empty(total, heads, dv, dtype=q.dtype, device=q.device)
+        has_pos, has_time = pos_w is not None, time_w is not None
+        dummy_f = torch.zeros(1, dtype=torch.float32, device=q.device)
+        thr = time_thresholds(num_buckets, q.device) if has_time else torch.zeros(2, dtype=torch.int64, device=q.device)
+        pos_arg = pos_w if has_pos else dummy_f
+        time_arg = time_w if has_time else dummy_f
+        ts_arg = ts_bias if has_time else ma.ts
+        P = pos_w.numel() if has_pos else 1
+        meta = _meta(ma, dqk, dv, has_pos, has_time, q.dtype)
+        common = (offsets, ma.num_targets, ma.num_contextual, ma.segment_ends, ma.ts, ts_arg, pos_arg, time_arg, thr)
+        scalars = (scale, ma.window, P, num_buckets, heads, max_len_bucket(max_seq_len))
+        if total > 0 and batch > 0:
+            _launch(_fwd, "m", batch, heads, max_seq_len,
+                    (q, k, v, out, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2], *common, *scalars), meta)
+        ctx.save_for_backward(q, k, v, offsets, pos_arg, time_arg, ts_arg, thr)
+        ctx.stuff = (max_seq_len, ma, scale, P, num_buckets, meta, common, scalars, has_pos, has_time)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, offsets, pos_arg, time_arg, ts_arg, thr = ctx.saved_tensors
+        max_seq_len, ma, scale, P, num_buckets, meta, common, scalars, has_pos, has_time = ctx.stuff
+        common = (offsets, ma.num_targets, ma.num_contextual, ma.segment_ends, ma.ts, ts_arg, pos_arg, time_arg, thr)
+        do = grad_out.contiguous()
+        total, heads, _ = q.shape
+        batch = offsets.numel() - 1
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        pos_grad = has_pos and ctx.needs_input_grad[7]
+        time_grad = has_time and ctx.needs_input_grad[9]
+        dpos = torch.zeros(P if pos_grad else 1, dtype=torch.float32, device=q.device)
+        dtime = torch.zeros(num_buckets + 1 if time_grad else 1, dtype=torch.float32, device=q.device)
+        if total > 0 and batch > 0:
+            strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2])
+            _launch(_bwd_dq, "m", batch, heads, max_seq_len,
+                    (q, k, v, do, dq, *strides, *dq.stride()[:2], *common, *scalars), meta)
+            _launch(_bwd_dkdv, "n", batch, heads, max_seq_len,
+                    (q, k, v, do, dk, dv, *strides, *dk.stride()[:2], *dv.stride()[:2], *common, dpos, dtime, *scalars),
+                    dict(meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad))
+        else:
+            dq.zero_(), dk.zero_(), dv.zero_()
+        d_pos = dpos.to(pos_arg.dtype) if pos_grad else None
+        d_time = dtime.to(time_arg.dtype) if time_grad else None
+        return dq, dk, dv, None, None, None, None, d_pos, None, d_time, None
+
+
+def hstu_attention_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    seq_offsets: Tensor,
+    max_seq_len: int,
+    mask: AttentionMask,
+    scale: float,
+    pos_weights: Tensor | None = None,
+    timestamps: Tensor | None = None,
+    time_weights: Tensor | None = None,
+) -> Tensor:
+    """Triton HSTU attention; same contract as ``hstu_attention_reference``.
+
+    q/k/v may be strided views (last dimension contiguous), e.g. slices of one fused projection.
+    """
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    offsets = seq_offsets.contiguous()
+    ma = mask_args(mask, offsets)
+    has_time = time_weights is not None and timestamps is not None
+    ts_bias = timestamps.to(torch.int64).contiguous() if has_time else None
+    num_buckets = time_weights.numel() - 1 if has_time else 0
+    return _HSTUAttention.apply(
+        q, k, v, offsets, max_seq_len, ma, float(scale), pos_weights, ts_bias,
+        time_weights if has_time else None, num_buckets,
+    )

@@ -1,0 +1,77 @@
+"""Tile sizes: autotuned per (sequence-length bucket, head dims, dtype) on long sequences.
+
+Short sequences (<= 256 tokens, e.g. ML-1M) and the interpreter use one fixed tile, so
+a training run or a test never pays for autotuning many kernel variants.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import triton
+
+
+def is_interpreting() -> bool:
+    """Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, read when kernels are defined)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+
+
+# (BLOCK_M, BLOCK_N, warps, stages) candidates for Hopper, by the larger padded head dim
+_FWD = {
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3)],
+    128: [(128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3)],
+    256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (128, 64, 8, 1)],
+}
+_BWD = {
+    64: [(64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 3)],
+    128: [(64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 1)],
+    256: [(32, 64, 4, 1), (16, 64, 4, 2), (32, 32, 4, 2), (64, 64, 8, 1)],
+}
+
+
+def _dim_class(bd: int) -> int:
+    return 64 if bd <= 64 else (128 if bd <= 128 else 256)
+
+
+def _prune(kind: str):
+    table = _FWD if kind == "fwd" else _BWD
+
+    def prune(configs, named_args, **kwargs):
+        bd = _dim_class(max(named_args.get("BD_QK", kwargs.get("BD_QK", 64)), kwargs.get("BD_V", named_args.get("BD_V", 64))))
+        wanted = {(c[0], c[1], c[2], c[3]) for c in table[bd]}
+        return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
+
+    return prune
+
+
+def tuned(kernel, kind: str, reset_to_zero: list[str] | None = None):
+    """The kernel behind a Triton autotuner (``.fn`` is the plain kernel for fixed launches)."""
+    if is_interpreting():
+        return SimpleNamespace(fn=kernel)
+    table = _FWD if kind == "fwd" else _BWD
+    configs = [_cfg(*c) for cs in table.values() for c in dict.fromkeys(cs)]
+    configs = list({(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c for c in configs}.values())
+
+    def bench(fn, quantiles):
+        return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+    return triton.autotune(
+        configs,
+        key=["len_key", "BD_QK", "BD_V", "DOT_PREC"],
+        prune_configs_by={"early_config_prune": _prune(kind)},
+        reset_to_zero=reset_to_zero,
+        do_bench=bench,
+    )(kernel)
+
+
+def fixed_config(grid_blocks: str, bd_qk: int, bd_v: int, max_seq_len: int) -> triton.Config:
+    if is_interpreting():
+        return _cfg(16, 16, 4, 1)
+    if max(bd_qk, bd_v) > 128:
+        return _cfg(32, 32, 4, 2)
+    return _cfg(64, 64, 4, 2)
