@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from recforge.ops.dispatch import resolve_kernel
+from recforge.ops.dispatch import resolve_kernel, unsupported_by_triton
 from recforge.ops.jagged import jagged_to_padded, padded_to_jagged
 from recforge.ops.mask import AttentionMask
 
@@ -24,9 +24,16 @@ def softmax_attention(
     """Softmax attention over jagged (T, H, D) q/k/v with the visibility of ``mask``.
 
     The reference pads to (B, H, N, D) and calls ``F.scaled_dot_product_attention`` with the
-    materialised boolean mask. Returns (T, H, D).
+    materialised boolean mask. ``kernel="auto"`` runs the Triton kernel on CUDA inputs it
+    supports (no dropout; float16/bfloat16/float32; head dims <= 256). Returns (T, H, D).
     """
-    resolve_kernel("softmax_attention", kernel)
+    unsupported = unsupported_by_triton(q, k, v, head_dims=(q.shape[-1], v.shape[-1]))
+    if dropout > 0.0:
+        unsupported = f"attention dropout ({dropout})"
+    if resolve_kernel("softmax_attention", kernel, q.device, unsupported) == "triton":
+        from recforge.ops.triton.softmax import softmax_attention_triton  # defined on first use: see recforge.ops.triton
+
+        return softmax_attention_triton(q, k, v, seq_offsets, max_seq_len, mask)
     qp = jagged_to_padded(q, seq_offsets, max_seq_len).transpose(1, 2)  # (B, H, N, D)
     kp = jagged_to_padded(k, seq_offsets, max_seq_len).transpose(1, 2)
     vp = jagged_to_padded(v, seq_offsets, max_seq_len).transpose(1, 2)
