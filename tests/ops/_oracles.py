@@ -125,3 +125,36 @@ def time_bucket_ref(delta: int, num_buckets: int) -> int:
     """floor(ln(max(|delta|, 1)) / 0.301), clamped to [0, num_buckets]."""
     d = max(abs(delta), 1)
     return min(max(math.floor(math.log(d) / 0.301), 0), num_buckets)
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """||got - expected|| / ||expected|| in float64 (0 when both are empty or zero)."""
+    got, expected = got.double(), expected.double()
+    denom = float(expected.norm())
+    diff = float((got - expected).norm())
+    return diff / denom if denom > 0 else diff
+
+
+def random_mask(kind: str, gen: torch.Generator, lengths: list[int], timestamps: torch.Tensor | None = None):
+    """An AttentionMask of one kind over ``lengths``: causal, full, contextual, targets, window,
+    segments, timestamps, or all (everything at once)."""
+    from recforge.ops.mask import AttentionMask
+
+    contextual, targets = random_split(gen, lengths)
+    c = torch.tensor(contextual) if kind in ("contextual", "all") else None
+    t = torch.tensor(targets) if kind in ("targets", "timestamps", "all") else None
+    segs = None
+    if kind in ("segments", "all"):
+        segs = torch.tensor(
+            random_segments(gen, lengths, contextual if c is not None else [0] * len(lengths),
+                            targets if t is not None else [0] * len(lengths), 3)
+        )
+    return AttentionMask(
+        causal=kind != "full",
+        num_targets=t,
+        num_contextual=c,
+        max_attn_len=5 if kind in ("window", "all") else None,
+        segment_lengths=segs,
+        segment_full=(True, False, True) if segs is not None else None,
+        timestamps=timestamps if kind in ("timestamps", "all") else None,
+    )

@@ -1,0 +1,269 @@
+"""Attention kernels on jagged bf16 batches: TFLOP/s and share of the measured bf16 matmul peak.
+
+Usage:
+    PYTHONPATH=. python benchmarks/attention.py --out benchmarks/results/attention-h100.json \
+        [--gr-path /path/to/generative-recommenders] [--head-dims 64 128] [--seq-lens 512 1024 2048 4096 8192]
+
+For each head dim and maximum sequence length L, one jagged batch of ~``--tokens`` tokens:
+the first sequence has L tokens, the others N(0.6 L, 0.25 L) clipped to [1, L] (histories are
+rarely all full length). Causal mask, 4 heads, no relative bias. FLOPs are counted as in the
+generative-recommenders benchmark: causal = half of n^2 per sequence, forward = 2 matmuls,
+forward+backward = 7, i.e. fwd = 2 n^2 D H, fwd+bwd = 7 n^2 D H, summed over sequences.
+
+HSTU variants: recforge Triton, the PyTorch reference (padded), torch.compile of the reference
+(dynamic shapes: one compile for all lengths), and the generative-recommenders Triton kernel
+(``--gr-path``, run in a child process so that an illegal memory access is reported per case).
+Softmax variants: recforge Triton, the PyTorch reference (padded SDPA with a dense mask), and
+FlexAttention with a block mask over the packed batch (document + causal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import triton
+
+from recforge.ops.hstu_attention import hstu_attention, hstu_attention_reference
+from recforge.ops.jagged import offsets_from_lengths
+from recforge.ops.mask import AttentionMask
+from recforge.ops.softmax_attention import softmax_attention
+
+HEADS = 4
+
+
+def make_lengths(max_len: int, tokens: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed + max_len)
+    lengths = [max_len]
+    while True:
+        n = int(torch.normal(0.6 * max_len, 0.25 * max_len, (1,), generator=gen).clamp(1, max_len))
+        if sum(lengths) + n > tokens:
+            break
+        lengths.append(n)
+    return lengths
+
+
+def flops(lengths: list[int], dim: int) -> tuple[float, float]:
+    half = sum(n * n / 2 for n in lengths)
+    per_matmul = 2 * half * dim * HEADS
+    return 2 * per_matmul, 7 * per_matmul
+
+
+def bench(fn, backward: bool, inputs: list[torch.Tensor]) -> float:
+    """Median ms of fn() (and its backward) via triton.testing.do_bench."""
+    if backward:
+        out = fn()
+        grad = torch.randn_like(out)
+
+        def step():
+            fn().backward(grad)
+
+        return triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=inputs, return_mode="median")
+    with torch.no_grad():
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def matmul_peak() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+    return 2 * 8192**3 / ms / 1e9
+
+
+def inputs_for(lengths: list[int], dim: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    total = sum(lengths)
+    qkv = [torch.randn(total, HEADS, dim, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.5 for _ in range(3)]
+    offsets = offsets_from_lengths(torch.tensor(lengths)).cuda()
+    return [x.requires_grad_() for x in qkv], offsets
+
+
+def hstu_variants(lengths, dim, seed, compiled_ref):
+    (q, k, v), offsets = inputs_for(lengths, dim, seed)
+    L, mask, scale = max(lengths), AttentionMask(), 1.0 / max(lengths)
+    return [q, k, v], {
+        "recforge triton": lambda: hstu_attention(q, k, v, offsets, L, mask, scale=scale, kernel="triton"),
+        "pytorch reference": lambda: hstu_attention_reference(q, k, v, offsets, L, mask, scale),
+        "torch.compile(reference)": lambda: compiled_ref(q, k, v, offsets, L, mask, scale),
+    }
+
+
+def softmax_variants(lengths, dim, seed, tokens, flex):
+    (q, k, v), offsets = inputs_for(lengths, dim, seed)
+    L, mask = max(lengths), AttentionMask()
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    total = sum(lengths)
+    packed = tokens  # fixed packed length: FlexAttention compiles once for every L
+    doc = torch.full((packed,), -1, dtype=torch.int64, device="cuda")
+    doc[:total] = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"), torch.tensor(lengths, device="cuda"))
+    pad = packed - total
+
+    def mask_mod(b, h, qi, ki):
+        return (doc[qi] == doc[ki]) & (qi >= ki)
+
+    block_mask = create_block_mask(mask_mod, 1, 1, packed, packed, device="cuda")
+
+    def run_flex():
+        qp, kp, vp = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        out = flex(qp, kp, vp, block_mask=block_mask)  # (1, H, packed, D)
+        return out[0, :, :total].transpose(0, 1)
+
+    return [q, k, v], {
+        "recforge triton (softmax)": lambda: softmax_attention(q, k, v, offsets, L, mask, kernel="triton"),
+        "pytorch reference (softmax, SDPA)": lambda: softmax_attention(q, k, v, offsets, L, mask, kernel="pytorch"),
+        "FlexAttention (softmax, block mask)": run_flex,
+    }
+
+
+def measure(name, fn, inputs, fl_fwd, fl_bwd, peak) -> dict:
+    row = {"variant": name}
+    for label, backward, fl in (("fwd", False, fl_fwd), ("fwd_bwd", True, fl_bwd)):
+        try:
+            ms = bench(fn, backward, inputs)
+            row[f"{label}_ms"] = ms
+            row[f"{label}_tflops"] = fl / ms / 1e9
+            row[f"{label}_share_of_peak"] = fl / ms / 1e9 / peak
+        except torch.cuda.OutOfMemoryError:
+            row[f"{label}_error"] = "out of memory"
+        except Exception as e:  # noqa: BLE001 - a failing baseline is reported, not fatal
+            row[f"{label}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        torch.cuda.empty_cache()
+    return row
+
+
+def gr_worker(gr_path: str, cases: list[dict], seed: int) -> None:
+    """Child process: the generative-recommenders kernel, one JSON line per case; exit on a CUDA error."""
+    sys.path.insert(0, gr_path)
+    from generative_recommenders.ops.triton import triton_hstu_attention as gr
+    from triton.runtime.autotuner import Autotuner
+
+    # Their Hopper candidate lists hold ~20-30 configs per kernel; keep the 8 largest tiles of each
+    # so that autotuning fits a lease.
+    for obj in vars(gr).values():
+        if isinstance(obj, Autotuner) and len(obj.configs) > 8:
+            obj.configs = sorted(obj.configs, key=lambda c: (-c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], -c.num_warps))[:8]
+    peak = cases[0]["peak"]
+    for case in cases:
+        lengths, dim = case["lengths"], case["dim"]
+        (q, k, v), offsets = inputs_for(lengths, dim, seed)
+        L = max(lengths)
+        fl_fwd, fl_bwd = flops(lengths, dim)
+        fn = lambda: gr.triton_hstu_mha(L, 1.0, q, k, v, offsets)  # noqa: E731
+        row = measure("generative-recommenders triton", fn, [q, k, v], fl_fwd, fl_bwd, peak)
+        row.update(dim=dim, max_len=L)
+        print("GRROW " + json.dumps(row), flush=True)
+        if any("error" in key for key in row):
+            sys.exit(3)  # the CUDA context may be broken: the parent starts a fresh process
+
+
+def run_gr(gr_path: str, cases: list[dict], seed: int) -> list[dict]:
+    rows, todo = [], list(cases)
+    while todo:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--_gr-worker", json.dumps({"path": gr_path, "cases": todo, "seed": seed})],
+            capture_output=True, text=True, env=dict(os.environ),
+        )
+        got = [json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("GRROW ")]
+        rows += got
+        if len(got) < len(todo) and proc.returncode not in (0, 3):
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:160]
+            c = todo[len(got)]
+            rows.append({"variant": "generative-recommenders triton", "dim": c["dim"], "max_len": max(c["lengths"]),
+                         "fwd_error": f"process died: {tail}", "fwd_bwd_error": "not run"})
+            got.append(None)
+        todo = todo[len(got):]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-lens", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--head-dims", type=int, nargs="*", default=[64, 128])
+    parser.add_argument("--tokens", type=int, default=65536, help="tokens per jagged batch")
+    parser.add_argument("--gr-path", default=None, help="checkout of facebookresearch/generative-recommenders")
+    parser.add_argument("--skip", nargs="*", default=[], help="variant names to skip")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="JSON output path")
+    parser.add_argument("--_gr-worker", dest="gr_worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.gr_worker:
+        spec = json.loads(args.gr_worker)
+        gr_worker(spec["path"], spec["cases"], spec["seed"])
+        return
+
+    peak = matmul_peak()
+    compiled_ref = torch.compile(hstu_attention_reference, dynamic=True)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = torch.compile(flex_attention)
+    rows, gr_cases = [], []
+    for dim in args.head_dims:
+        for L in args.seq_lens:
+            lengths = make_lengths(L, args.tokens, args.seed)
+            fl_fwd, fl_bwd = flops(lengths, dim)
+            for family in ("hstu", "softmax"):
+                if family == "hstu":
+                    inputs, variants = hstu_variants(lengths, dim, args.seed, compiled_ref)
+                else:
+                    inputs, variants = softmax_variants(lengths, dim, args.seed, args.tokens, flex)
+                for name, fn in variants.items():
+                    if name in args.skip:
+                        continue
+                    row = measure(name, fn, inputs, fl_fwd, fl_bwd, peak)
+                    row.update(dim=dim, max_len=L, batch=len(lengths), tokens=sum(lengths))
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                del inputs, variants
+            gr_cases.append({"lengths": lengths, "dim": dim, "peak": peak})
+    if args.gr_path:
+        for row in run_gr(args.gr_path, gr_cases, args.seed):
+            case = next(c for c in gr_cases if c["dim"] == row["dim"] and max(c["lengths"]) == row["max_len"])
+            row.update(batch=len(case["lengths"]), tokens=sum(case["lengths"]))
+            rows.append(row)
+    machine = torch.cuda.get_device_name()
+    print(f"\nattention on {machine}, torch {torch.__version__}, triton {triton.__version__}, bf16, {HEADS} heads, "
+          f"causal, jagged ~{args.tokens} tokens/batch; measured bf16 matmul peak {peak:.0f} TFLOP/s")
+    print_table(rows)
+    if args.out:
+        payload = {
+            "benchmark": "attention",
+            "command": "PYTHONPATH=. python benchmarks/attention.py " + " ".join(sys.argv[1:]),
+            "machine": machine,
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "date": datetime.date.today().isoformat(),
+            "matmul_peak_tflops": peak,
+            "rows": rows,
+        }
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(payload, f, indent=1)
+
+
+def print_table(rows: list[dict]) -> None:
+    def cell(row, label):
+        if f"{label}_tflops" in row:
+            return f"{row[f'{label}_tflops']:6.0f} ({100 * row[f'{label}_share_of_peak']:2.0f}%)"
+        return row.get(f"{label}_error", "-")[:28]
+
+    print(f"| D | L | batch | variant | fwd TFLOP/s (% peak) | fwd+bwd TFLOP/s (% peak) | ours / this, fwd | fwd+bwd |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in sorted(rows, key=lambda r: (r["dim"], r["max_len"], "softmax" in r["variant"], r["variant"])):
+        ours_name = "recforge triton (softmax)" if ("softmax" in row["variant"] or "Flex" in row["variant"]) else "recforge triton"
+        ours = next((r for r in rows if r["variant"] == ours_name and r["dim"] == row["dim"] and r["max_len"] == row["max_len"]), {})
+        ratios = []
+        for label in ("fwd", "fwd_bwd"):
+            a, b = ours.get(f"{label}_ms"), row.get(f"{label}_ms")
+            ratios.append(f"{b / a:.2f}x" if a and b and row is not ours else "")
+        print(f"| {row['dim']} | {row['max_len']} | {row.get('batch', '')} | {row['variant']} | {cell(row, 'fwd')} | "
+              f"{cell(row, 'fwd_bwd')} | {ratios[0]} | {ratios[1]} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Triton HSTU and softmax attention against the float64 PyTorch reference, forward and every gradient.
+
+CPU: Triton's interpreter (TRITON_INTERPRET=1) on tiny float32 shapes, one case per mask kind.
+GPU (``pytest -m gpu``): every mask kind, float32/bfloat16/float16, head dims 32..256 and an
+odd one, long jagged batches that take the autotuned path. Fresh random inputs each run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from _oracles import offsets_of, random_lengths, random_mask, relative_error
+
+from recforge.ops.hstu_attention import hstu_attention, hstu_attention_reference
+from recforge.ops.softmax_attention import softmax_attention
+
+MASK_KINDS = ["causal", "full", "contextual", "targets", "window", "segments", "timestamps", "all"]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+NUM_POS = 6
+NUM_BUCKETS = 12
+
+
+def _timestamps(gen: torch.Generator, total: int) -> torch.Tensor:
+    gaps = torch.exp(torch.rand(total, dtype=torch.float64, generator=gen) * 9).long()
+    gaps = gaps * (torch.rand(total, generator=gen) < 0.8)  # a fifth share a second
+    return 1_600_000_000 + torch.cumsum(gaps, 0)
+
+
+def _case(op: str, kind: str, seed: int, batch: int, max_len: int, heads: int, dqk: int, dv: int,
+          dtype: torch.dtype, device: torch.device | str, bias: bool = True):
+    """Run Triton and the float64 reference on the same fresh inputs; return {name: relative error}."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = random_lengths(gen, batch, max_len)
+    total = sum(lengths)
+    offsets = offsets_of(lengths)
+    ts = _timestamps(gen, total)
+    mask = random_mask(kind, gen, lengths, ts)
+    if op == "softmax":
+        dv = dqk
+    q, k = (torch.randn(total, heads, dqk, generator=gen) for _ in range(2))
+    v = torch.randn(total, heads, dv, generator=gen)
+    grad_out = torch.randn(total, heads, dv, generator=gen)
+    pos_w = torch.randn(NUM_POS, generator=gen) if bias and op == "hstu" else None
+    time_w = torch.randn(NUM_BUCKETS + 1, generator=gen) if bias and op == "hstu" else None
+    leaves_in = [x for x in (q, k, v, pos_w, time_w) if x is not None]
+    names = ["q", "k", "v", "pos_weights", "time_weights"][: len(leaves_in)]
+
+    def run(leaves, dev, kernel):
+        q_, k_, v_, *w = leaves
+        off, m = offsets.to(dev), mask.to(dev)
+        if op == "hstu":
+            pw, tw = (w + [None, None])[:2]
+            tsd = ts.to(dev) if tw is not None else None
+            if kernel == "reference":
+                return hstu_attention_reference(q_, k_, v_, off, max_len, m, 0.7, pw, tsd, tw)
+            return hstu_attention(q_, k_, v_, off, max_len, m, scale=0.7, pos_weights=pw, timestamps=tsd,
+                                  time_weights=tw, kernel="triton")
+        return softmax_attention(q_, k_, v_, off, max_len, m, kernel="pytorch" if kernel == "reference" else "triton")
+
+    # the kernel sees inputs rounded to its dtype; the reference gets the same rounded values
+    low = [x.to(device=device, dtype=dtype if i < 3 else torch.float32).requires_grad_() for i, x in enumerate(leaves_in)]
+    ref_low = [x.detach().cpu().double().requires_grad_() for x in low]
+    ref = run(ref_low, "cpu", "reference")
+    out = run(low, device, "triton")
+    assert out.shape == ref.shape and out.dtype == dtype
+    errors = {"out": relative_error(out.detach().cpu(), ref.detach())}
+    assert torch.isfinite(out).all()
+    if total:
+        grads = torch.autograd.grad(out, low, grad_out.to(device=device, dtype=dtype), allow_unused=True)
+        ref_grads = torch.autograd.grad(ref, ref_low, grad_out.double(), allow_unused=True)
+        for name, g, e in zip(names, grads, ref_grads):
+            e = torch.zeros_like(ref_low[names.index(name)]) if e is None else e
+            assert g is not None, f"no gradient for {name}"
+            assert torch.isfinite(g).all(), f"non-finite gradient for {name}"
+            errors[name] = relative_error(g.cpu(), e)
+    return errors
+
+
+def _check(errors: dict, tol: float, where: str) -> None:
+    bad = {k: e for k, e in errors.items() if not e <= tol}
+    assert not bad, f"{where}: relative errors over {tol:g}: {bad}"
+
+
+# ----------------------------------------------------------------------------------------- CPU
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    """Triton's CPU interpreter; the kernel modules are first imported under it (CPU-only machines)."""
+    if not HAS_TRITON:
+        pytest.skip("needs the triton package (pip install triton) for its interpreter")
+    if torch.cuda.is_available():
+        pytest.skip("interpreter tests run on CPU-only machines; GPU machines run the gpu-marked tests")
+    pytest.importorskip("numpy")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import recforge.ops.triton.hstu as hstu_mod
+
+    if not hasattr(hstu_mod._fwd, "fn") or type(hstu_mod._fwd).__name__ == "Autotuner":
+        pytest.skip("Triton kernels were already built for a GPU in this process")
+
+
+@pytest.mark.parametrize("op", ["hstu", "softmax"])
+@pytest.mark.parametrize("kind", ["causal", "full", "targets", "window", "segments", "all"])
+def test_interpreter_matches_reference(interpreter, op: str, kind: str) -> None:
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    errors = _case(op, kind, seed, batch=4, max_len=37, heads=2, dqk=24, dv=20, dtype=torch.float32, device="cpu")
+    _check(errors, 1e-5, f"{op}/{kind} seed {seed}")
+
+
+def test_triton_on_cpu_without_interpreter_raises(monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q = torch.randn(3, 1, 4)
+    with pytest.raises(ValueError, match="needs (CUDA tensors|the triton package)"):
+        hstu_attention(q, q, q, offsets_of([1, 2]), 2, random_mask("causal", torch.Generator(), [1, 2]), kernel="triton")
+
+
+def test_softmax_dropout_is_refused_by_triton_kernel(interpreter) -> None:
+    q = torch.randn(3, 1, 4)
+    with pytest.raises(ValueError, match="does not support attention dropout"):
+        softmax_attention(q, q, q, offsets_of([1, 2]), 2, random_mask("causal", torch.Generator(), [1, 2]),
+                          dropout=0.1, kernel="triton")
+
+
+# ----------------------------------------------------------------------------------------- GPU
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["hstu", "softmax"])
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_gpu_every_mask_float32(cuda_device, op: str, kind: str) -> None:
+    for trial in range(2):
+        seed = int(torch.randint(0, 2**31 - 1, (1,)))
+        errors = _case(op, kind, seed, batch=9, max_len=[150, 256][trial], heads=2, dqk=40, dv=72,
+                       dtype=torch.float32, device=cuda_device)
+        _check(errors, TOL[torch.float32], f"{op}/{kind} seed {seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["hstu", "softmax"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dim", [32, 64, 128, 256])
+def test_gpu_low_precision_head_dims(cuda_device, op: str, dtype: torch.dtype, dim: int) -> None:
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    errors = _case(op, "all" if dim == 64 else "targets", seed, batch=6, max_len=200, heads=2, dqk=dim, dv=dim,
+                   dtype=dtype, device=cuda_device)
+    _check(errors, TOL[dtype], f"{op}/{dtype}/d{dim} seed {seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["hstu", "softmax"])
+@pytest.mark.parametrize("kind", ["causal", "all"])
+def test_gpu_long_jagged_autotuned(cuda_device, op: str, kind: str) -> None:
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    errors = _case(op, kind, seed, batch=5, max_len=1100, heads=2, dqk=128, dv=128, dtype=torch.bfloat16,
+                   device=cuda_device)
+    _check(errors, TOL[torch.bfloat16], f"{op}/{kind}/long seed {seed}")
+
+
+@pytest.mark.gpu
+def test_gpu_strided_inputs_and_empty_batch(cuda_device) -> None:
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    lengths = random_lengths(gen, 7, 90)
+    total, heads, d = sum(lengths), 2, 32
+    fused = torch.randn(total, 3 * heads * d, generator=gen).to(cuda_device)
+    q, k, v = (x.view(total, heads, d) for x in fused.split(heads * d, dim=1))  # strided views, as in the encoder
+    offsets = offsets_of(lengths).to(cuda_device)
+    mask = random_mask("targets", gen, lengths).to(cuda_device)
+    out = hstu_attention(q, k, v, offsets, 90, mask, kernel="triton")
+    ref = hstu_attention(q, k, v, offsets, 90, mask, kernel="pytorch")
+    assert relative_error(out, ref) < 1e-5
+    empty = torch.zeros(0, heads, d, device=cuda_device)
+    assert hstu_attention(empty, empty, empty, offsets_of([0, 0]).to(cuda_device), 4, mask.__class__(), kernel="triton").shape == (0, heads, d)
