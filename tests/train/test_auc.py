@@ -191,3 +191,13 @@ def test_errors_say_what_is_wrong() -> None:
         ranking_metrics(torch.zeros(3, 1), torch.zeros(3, 1), torch.arange(4), ["click"])
     with pytest.raises(ValueError, match="label_mask has shape"):
         ranking_metrics(torch.zeros(3, 1), torch.zeros(3, 1), torch.arange(3), ["click"], torch.ones(3, 2, dtype=torch.bool))
+
+
+def test_inputs_are_not_modified() -> None:
+    scores, labels, groups = _random_rows(9, 500, 20, 1)
+    labels = labels.long()
+    for s, u in ((scores, groups), (scores.double(), groups + 2**40)):
+        copies = (s.clone(), labels.clone(), u.clone())
+        gauc(s, labels, u)
+        auc(s, labels)
+        assert all(torch.equal(a, b) for a, b in zip(copies, (s, labels, u)))
