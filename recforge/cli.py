@@ -37,21 +37,62 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     print(f"wrote {out}: {meta['num_users']:,} users, {meta['num_items']:,} items, {meta['num_events']:,} events")
 
 
+def _print_ranking_metrics(metrics: dict) -> None:
+    names = ("auc", "gauc", "logloss", "rmse", "bayes_auc", "bayes_gauc")
+    print(f"{'task':<12}" + "".join(f"{n:>11}" for n in names))
+    for task in dict.fromkeys(k.split("/")[0] for k in metrics if "/" in k):
+        cells = [metrics.get(f"{task}/{n}") for n in names]
+        print(f"{task:<12}" + "".join(f"{c:>11.4f}" if c is not None else f"{'-':>11}" for c in cells))
+
+
+def _recipe_module(recipe: str):
+    if recipe == "ranking":
+        from recforge.train import ranking
+
+        return ranking
+    from recforge.train import retrieval
+
+    return retrieval
+
+
+def cmd_synthetic(args: argparse.Namespace) -> None:
+    from recforge.data.synthetic import SyntheticConfig, write_synthetic
+
+    config = SyntheticConfig(num_users=args.users, num_items=args.items, seed=args.seed)
+    out = write_synthetic(args.out, config, overwrite=args.overwrite, impressions=args.impressions)
+    meta = json.loads((Path(out) / "dataset.json").read_text())
+    print(f"wrote {out}: {meta['num_users']:,} users, {meta['num_items']:,} items, {meta['num_events']:,} events")
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from recforge.config import load_config
-    from recforge.train.retrieval import train
 
     cfg = load_config(args.config, args.overrides)
-    summary = train(cfg, resume=args.resume, progress=not args.no_progress)
+    summary = _recipe_module(cfg.recipe).train(cfg, resume=args.resume, progress=not args.no_progress)
+    if cfg.recipe == "ranking":
+        print(f"run {cfg.run_dir}: {summary['split']} split, {int(summary['impressions']):,} impressions, "
+              f"checkpoint {summary['checkpoint']}; model slices in {cfg.run_dir / 'model'}")  # fmt: skip
+        _print_ranking_metrics(summary)
+        return
     print(f"run {cfg.run_dir}: {summary['split']} metrics ({summary['protocol']} protocol, checkpoint {summary['checkpoint']})")
     _print_metrics(summary)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from recforge.train.retrieval import evaluate_run
+    from recforge.config import load_config
 
+    config_path = Path(args.run_dir) / "config.yaml"
+    if not config_path.is_file():
+        raise ValueError(f"{args.run_dir} is not a recforge run directory (no config.yaml)")
+    recipe = load_config(config_path).recipe
     command = "recforge " + " ".join(args.argv)
-    result = evaluate_run(args.run_dir, checkpoint=args.checkpoint, split=args.split, command=command)
+    result = _recipe_module(recipe).evaluate_run(args.run_dir, checkpoint=args.checkpoint, split=args.split, command=command)
+    if recipe == "ranking":
+        print(f"{args.run_dir}: {result['split']} split, {int(result['impressions']):,} impressions, "
+              f"checkpoint {result['checkpoint']}")  # fmt: skip
+        _print_ranking_metrics(result)
+        print(f"wrote {Path(args.run_dir) / 'eval.json'}")
+        return
     print(f"{args.run_dir}: {result['split']} split, {result['protocol']} protocol, {result['num_users']:,} users, "
           f"checkpoint {result['checkpoint']}")  # fmt: skip
     _print_metrics(result)
@@ -76,6 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output dataset directory")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.set_defaults(func=cmd_prepare)
+
+    p = data.add_parser("synthetic", help="generate the built-in synthetic dataset")
+    p.add_argument("--out", required=True, help="output dataset directory")
+    p.add_argument("--impressions", action="store_true",
+                   help="ranking data: click/like/purchase labels with their generating probabilities")
+    p.add_argument("--users", type=int, default=3000, help="number of users (default: 3000)")
+    p.add_argument("--items", type=int, default=1500, help="number of items (default: 1500)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.set_defaults(func=cmd_synthetic)
 
     p = sub.add_parser("train", help="train from a YAML config")
     p.add_argument("config", help="YAML config, e.g. configs/ml1m-hstu.yaml")

@@ -33,8 +33,25 @@ class DataConfig:
 
 
 @dataclass
+class RankingConfig:
+    """Ranking recipe data: tasks, action signals, contextual features, aggregation, splits."""
+
+    tasks: list[str] = field(default_factory=list)  # e.g. ["like:rating>=4", "rating:rating"] (see data.ranking.Task)
+    task_weights: list[float] = field(default_factory=list)  # loss weight per task (empty: all 1)
+    action_column: str = ""  # events column used as the history's action signal ("" for none)
+    action_encoding: str = "sum"  # sum: item + action embedding per token | interleave: item token, action token
+    user_features: list[str] = field(default_factory=list)  # contextual tokens: user_id and/or users.parquet columns
+    item_features: list[str] = field(default_factory=list)  # items.parquet columns summed into item tokens
+    period_seconds: int = 86400  # one sample per user per period holds all that period's impressions
+    max_targets: int = 64  # impressions per sample at most (longer periods are split)
+    valid_fraction: float = 0.1  # per user, of the latest events before the test ones
+    test_fraction: float = 0.1  # per user, of the latest events
+    listwise_weight: float = 0.0  # weight of the listwise softmax loss on the first binary task (0: off)
+
+
+@dataclass
 class ModelConfig:
-    kind: str = "hstu"  # hstu | sasrec
+    kind: str = "hstu"  # hstu | sasrec (retrieval) | hstu | dlrm (ranking)
     dim: int = 50  # embedding / model width
     num_blocks: int = 2
     num_heads: int = 1
@@ -44,6 +61,9 @@ class ModelConfig:
     dropout: float = 0.2
     num_time_buckets: int = 128  # HSTU time bias; ignored when the data has no timestamps
     kernel: str = "auto"  # attention backend: auto | pytorch | triton
+    head: str = "mlp"  # ranking task heads: mlp | mmoe | ple
+    head_hidden: int = 128  # ranking head / expert width
+    num_experts: int = 4  # MMoE experts; PLE shared experts
 
 
 @dataclass
@@ -87,9 +107,10 @@ class EvalConfig:
 
 @dataclass
 class RunConfig:
-    recipe: str = "retrieval"
+    recipe: str = "retrieval"  # retrieval | ranking
     name: str = "run"
     data: DataConfig = field(default_factory=DataConfig)
+    ranking: RankingConfig = field(default_factory=RankingConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -111,16 +132,19 @@ class RunConfig:
 
 
 CHOICES = {
-    "recipe": ("retrieval",),
+    "recipe": ("retrieval", "ranking"),
+    "ranking.action_encoding": ("sum", "interleave"),
+    "model.head": ("mlp", "mmoe", "ple"),
     "data.protocol": ("paper", "clean"),
     "data.train_windows": ("last", "all"),
-    "model.kind": ("hstu", "sasrec"),
+    "model.kind": ("hstu", "sasrec", "dlrm"),
     "model.kernel": ("auto", "pytorch", "triton"),
     "loss.negatives": ("per_position", "shared", "full"),
 }
 POSITIVE = (
     "data.max_seq_len", "model.dim", "model.num_blocks", "model.num_heads", "model.dqk", "model.dv",
-    "model.ffn_dim", "train.epochs", "train.batch_size", "eval.batch_size", "train.keep_checkpoints", "train.log_every",
+    "model.ffn_dim", "model.head_hidden", "model.num_experts", "ranking.period_seconds", "ranking.max_targets",
+    "train.epochs", "train.batch_size", "eval.batch_size", "train.keep_checkpoints", "train.log_every",
 )  # fmt: skip
 
 
@@ -199,14 +223,53 @@ def validate(cfg: RunConfig) -> list[str]:
         problems.append(f"model.dropout: must be in [0, 1), got {cfg.model.dropout}")
     if cfg.model.kind == "sasrec" and cfg.model.dim % cfg.model.num_heads:
         problems.append(f"model.dim {cfg.model.dim} must be divisible by model.num_heads {cfg.model.num_heads} for SASRec")
-    if not re.fullmatch(r"(hr|ndcg)@[1-9][0-9]*|mrr", cfg.eval.select_metric):
+    if cfg.recipe == "ranking":
+        problems += _validate_ranking(cfg)
+    elif not re.fullmatch(r"(hr|ndcg)@[1-9][0-9]*|mrr", cfg.eval.select_metric):
         problems.append(f"eval.select_metric: {cfg.eval.select_metric!r} is not a metric; use hr@K, ndcg@K or mrr")
+    if cfg.recipe == "retrieval" and cfg.model.kind == "dlrm":
+        problems.append("model.kind: dlrm is a ranking baseline; use recipe: ranking (or model.kind hstu/sasrec)")
     if any(k <= 0 for k in cfg.eval.ks):
         problems.append(f"eval.ks: cut-offs must be > 0, got {cfg.eval.ks}")
     if cfg.train.checkpoint_every < 0 or cfg.train.eval_every < 0 or cfg.train.max_steps < 0:
         problems.append("train.checkpoint_every, train.eval_every and train.max_steps must be >= 0")
     if not cfg.data.path:
         problems.append("data.path: required (a directory written by `recforge data prepare`)")
+    return problems
+
+
+def _validate_ranking(cfg: RunConfig) -> list[str]:
+    from recforge.data.ranking import Task  # late import: config must not pull in torch at import time
+
+    r, problems = cfg.ranking, []
+    names = []
+    for spec in r.tasks:
+        try:
+            names.append(Task.parse(spec))
+        except ValueError as err:
+            problems.append(f"ranking.tasks: {err}")
+    if not r.tasks:
+        problems.append("ranking.tasks: at least one task is needed, e.g. ['like:rating>=4']")
+    if r.task_weights and len(r.task_weights) != len(r.tasks):
+        problems.append(f"ranking.task_weights: {len(r.task_weights)} weights for {len(r.tasks)} tasks")
+    if not (0 <= r.valid_fraction < 1 and 0 < r.test_fraction < 1 and r.valid_fraction + r.test_fraction < 1):
+        problems.append("ranking.valid_fraction / test_fraction: need 0 <= valid, 0 < test, valid + test < 1")
+    if cfg.model.kind == "sasrec":
+        problems.append("model.kind: the ranking recipe supports hstu and dlrm")
+    binary = [t.name for t in names if t.kind == "binary"]
+    if r.listwise_weight and not binary:
+        problems.append("ranking.listwise_weight: needs a binary task")
+    m = re.fullmatch(r"(?P<task>[\w-]+)/(auc|gauc)", cfg.eval.select_metric)
+    if m is None or (names and m.group("task") not in binary):
+        problems.append(
+            f"eval.select_metric: {cfg.eval.select_metric!r}; for ranking use TASK/auc or TASK/gauc with a binary task "
+            f"({', '.join(binary) or 'none defined'})"
+        )
+    if r.max_targets + len(r.user_features) >= cfg.data.max_seq_len:
+        problems.append(
+            f"ranking.max_targets ({r.max_targets}) + contextual features ({len(r.user_features)}) must be < "
+            f"data.max_seq_len ({cfg.data.max_seq_len}) to leave room for history"
+        )
     return problems
 
 

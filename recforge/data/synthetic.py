@@ -66,6 +66,8 @@ __all__ = [
     "action_probabilities",
     "build_catalog",
     "generate",
+    "generate_impressions",
+    "impression_probabilities",
     "write_synthetic",
 ]
 
@@ -413,6 +415,12 @@ def generate(config: SyntheticConfig) -> tuple[pa.Table, pa.Table]:
         ``title`` (e.g. "Neon Jazz #17"; #18 is its successor) and int64
         ``popularity_rank`` (1 = highest generating popularity weight).
     """
+    events, items, _, _ = _simulate(config)
+    return events, items
+
+
+def _simulate(config: SyntheticConfig) -> tuple[pa.Table, pa.Table, np.ndarray, np.ndarray]:
+    """``generate``'s tables plus each event's user-item affinity and each item's cluster."""
     cat = build_catalog(config)
     _, rng = _rngs(config.seed)
     u_count = config.num_users
@@ -477,11 +485,54 @@ def generate(config: SyntheticConfig) -> tuple[pa.Table, pa.Table]:
             "popularity_rank": pa.array(rank, type=pa.int64()),
         }
     )
-    return events, items_table
+    return events, items_table, affinity, cat.cluster
+
+
+# Impression label model: logit = bias + w_affinity * affinity + w_same * (same cluster as the
+# user's previous item). Labels are independent Bernoulli draws from these probabilities.
+IMPRESSION_LOGITS = {"click": (-2.6, 2.4, 0.8), "like": (-3.4, 2.2, 0.8), "purchase": (-4.4, 2.6, 1.0)}
+
+
+def impression_probabilities(affinity: np.ndarray, same_cluster: np.ndarray) -> np.ndarray:
+    """(n, 3) click / like / purchase probabilities of impressions (see ``IMPRESSION_LOGITS``)."""
+    a = np.asarray(affinity, dtype=np.float64)
+    s = np.asarray(same_cluster, dtype=np.float64)
+    logits = np.stack([b + wa * a + ws * s for b, wa, ws in IMPRESSION_LOGITS.values()], axis=1)
+    return 1.0 / (1.0 + np.exp(-logits))
+
+
+def generate_impressions(config: SyntheticConfig) -> tuple[pa.Table, pa.Table]:
+    """Synthetic ranking data: every event is an impression with known label probabilities.
+
+    Each event gets independent ``click``, ``like`` and ``purchase`` labels (float32 0/1)
+    drawn from :func:`impression_probabilities` of the user's affinity for the item's
+    cluster and whether the item continues the previous item's cluster, the generating
+    probabilities as ``p_click``, ``p_like``, ``p_purchase`` (so the Bayes-optimal AUC is
+    computable), and an ``action`` naming the strongest positive label ("view" if none),
+    which is what a history token can show later impressions.
+    """
+    events, items, affinity, cluster = _simulate(config)
+    item_cluster = cluster[events.column("item_id").to_numpy() - 1]
+    users = events.column("user_id").to_numpy()
+    same = np.zeros(len(users), dtype=bool)
+    same[1:] = (item_cluster[1:] == item_cluster[:-1]) & (users[1:] == users[:-1])
+    probs = impression_probabilities(affinity, same)
+    rng = np.random.default_rng([config.seed, 7])
+    labels = rng.random(probs.shape) < probs
+    names = list(IMPRESSION_LOGITS)
+    strongest = np.where(labels[:, 2], 3, np.where(labels[:, 1], 2, np.where(labels[:, 0], 1, 0)))
+    action = np.asarray(["view", *names], dtype=object)[strongest]
+    columns = {name: events.column(name) for name in ("user_id", "item_id", "timestamp")}
+    columns["action"] = pa.array(action.tolist(), type=pa.string())
+    for k, name in enumerate(names):
+        columns[name] = pa.array(labels[:, k].astype(np.float32))
+    for k, name in enumerate(names):
+        columns[f"p_{name}"] = pa.array(probs[:, k].astype(np.float32))
+    return pa.table(columns), items
 
 
 def write_synthetic(
-    out_dir: str | os.PathLike, config: SyntheticConfig | None = None, *, overwrite: bool = False
+    out_dir: str | os.PathLike, config: SyntheticConfig | None = None, *, overwrite: bool = False, impressions: bool = False
 ) -> Path:
     """Generate a synthetic dataset and write it in the canonical layout.
 
@@ -489,12 +540,15 @@ def write_synthetic(
         out_dir: target directory; must not exist unless ``overwrite``.
         config: generator configuration; defaults to ``SyntheticConfig()``.
         overwrite: replace an existing dataset directory.
+        impressions: write ranking data with labels and their generating probabilities
+            (:func:`generate_impressions`) instead of plain interactions.
 
     Returns:
-        The path written. ``dataset.json`` records ``name="synthetic"`` and the
-        config's repr as ``source``.
+        The path written. ``dataset.json`` records ``name="synthetic"`` (or
+        ``"synthetic-impressions"``) and the config's repr as ``source``.
     """
     config = config or SyntheticConfig()
-    events, items = generate(config)
+    events, items = generate_impressions(config) if impressions else generate(config)
     source = f"recforge.data.synthetic {config!r}"
-    return write_dataset(out_dir, events, items, name="synthetic", source=source, overwrite=overwrite)
+    name = "synthetic-impressions" if impressions else "synthetic"
+    return write_dataset(out_dir, events, items, name=name, source=source, overwrite=overwrite)

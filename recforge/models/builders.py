@@ -1,9 +1,10 @@
-"""Builders: turn a ``ModelConfig`` into flat constructor arguments."""
+"""Builders: turn a ``ModelConfig`` into flat constructor arguments (retrieval and ranking models)."""
 
 from __future__ import annotations
 
 from recforge.config import ModelConfig
 from recforge.models.hstu import HSTUConfig, HSTUEncoder
+from recforge.models.ranking import PLE, ContextPool, MMoE, MultiTaskMLP, RankingModel, RankingPrefix
 from recforge.models.retrieval import ItemPrefix, L2NormPostfix, RetrievalModel
 from recforge.models.sasrec import SASRecConfig, SASRecEncoder
 
@@ -49,3 +50,45 @@ def hstu_small(num_items: int, max_seq_len: int = 200) -> RetrievalModel:
 def hstu_large(num_items: int, max_seq_len: int = 200) -> RetrievalModel:
     """The HSTU paper's HSTU-large: 8 blocks x 2 heads of width 25, d = 50."""
     return build_retrieval_model(ModelConfig(kind="hstu", num_blocks=8, num_heads=2, dqk=25, dv=25), num_items, max_seq_len)
+
+
+def build_ranking_model(
+    cfg: ModelConfig,
+    *,
+    max_seq_len: int,
+    num_tasks: int,
+    num_items: int,
+    num_actions: int,
+    num_context_values: int,
+    item_feature_width: int = 0,
+    num_item_feature_values: int = 0,
+) -> RankingModel:
+    """Ranking model: ``RankingPrefix`` -> HSTU (``kind=hstu``) or ``ContextPool`` (``kind=dlrm``) -> heads."""
+    prefix = RankingPrefix(
+        num_items, num_actions, num_context_values, cfg.dim, item_feature_width, num_item_feature_values, cfg.dropout
+    )
+    if cfg.kind == "hstu":
+        encoder = HSTUEncoder(
+            HSTUConfig(
+                dim=cfg.dim,
+                num_blocks=cfg.num_blocks,
+                num_heads=cfg.num_heads,
+                dqk=cfg.dqk,
+                dv=cfg.dv,
+                dropout=cfg.dropout,
+                max_seq_len=max_seq_len,
+                num_time_buckets=cfg.num_time_buckets,
+                kernel=cfg.kernel,
+            )
+        )
+    elif cfg.kind == "dlrm":
+        encoder = ContextPool(cfg.dim, hidden=cfg.head_hidden * 2, dropout=cfg.dropout)
+    else:
+        raise ValueError(f"model.kind={cfg.kind!r}: ranking supports hstu and dlrm")
+    if cfg.head == "mlp":
+        postfix = MultiTaskMLP(cfg.dim, num_tasks, cfg.head_hidden, cfg.dropout)
+    elif cfg.head == "mmoe":
+        postfix = MMoE(cfg.dim, num_tasks, cfg.num_experts, cfg.head_hidden, cfg.dropout)
+    else:
+        postfix = PLE(cfg.dim, num_tasks, shared_experts=cfg.num_experts, hidden=cfg.head_hidden, dropout=cfg.dropout)
+    return RankingModel(prefix, encoder, postfix)

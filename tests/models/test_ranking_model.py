@@ -1,0 +1,212 @@
+"""Ranking model: no future leakage, non-sequential baseline, heads, losses, slices."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from recforge.data.dataset import Dataset
+from recforge.data.ranking import RankingData
+from recforge.data.synthetic import SyntheticConfig, generate_impressions
+from recforge.models import HSTUConfig, HSTUEncoder
+from recforge.models.ranking import (
+    HEADS,
+    ContextPool,
+    MultiTaskMLP,
+    RankingModel,
+    RankingPrefix,
+    listwise_loss,
+    load_slice,
+    load_slices,
+    pointwise_loss,
+    save_slices,
+)
+
+DIM = 16
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def data() -> RankingData:
+    cfg = SyntheticConfig(num_users=40, num_items=80, num_clusters=4, mean_seq_len=25, max_seq_len=60, seed=3)
+    events, items = generate_impressions(cfg)
+    ds = Dataset(events, items, {"name": "synthetic", "has_timestamps": True})
+    return RankingData.from_dataset(
+        ds, ["click:click>=1", "like:like>=1"], action_column="action", user_features=["user_id"],
+        item_features=["cluster"], valid_fraction=0.1, test_fraction=0.3,
+    )  # fmt: skip
+
+
+def _model(data: RankingData, kind: str = "hstu", seed: int = 0) -> RankingModel:
+    torch.manual_seed(seed)
+    prefix = RankingPrefix(
+        data.num_items, data.num_actions, data.num_context_values, DIM, data.item_features.shape[1],
+        data.num_item_feature_values,
+    )  # fmt: skip
+    prefix.item_features.copy_(data.item_features)
+    if kind == "hstu":
+        encoder = HSTUEncoder(HSTUConfig(dim=DIM, num_blocks=2, num_heads=2, dqk=8, dv=8, dropout=0.0, max_seq_len=MAX_LEN))
+        for block in encoder.blocks:  # non-zero relative biases, so they are exercised too
+            nn.init.normal_(block.pos_weights, std=0.5)
+            nn.init.normal_(block.time_weights, std=0.5)
+    else:
+        encoder = ContextPool(DIM, hidden=32)
+    return RankingModel(prefix, encoder, MultiTaskMLP(DIM, 2, hidden=32)).eval()
+
+
+def _multi_target_batch(data: RankingData, encoding: str):
+    samples = data.samples("test", 7 * 86400, 16)
+    ids = torch.nonzero(samples.offsets[1:] - samples.offsets[:-1] >= 3).flatten()[:6]
+    assert ids.numel() >= 3, "fixture should yield samples with several targets"
+    return data.batch(samples, ids, MAX_LEN, encoding)
+
+
+def _clone(batch):
+    """Same batch with fresh feature tensors (the mask, timestamps included, is shared)."""
+    features = {k: v.clone() for k, v in batch.features.items()}
+    return batch.__class__(batch.seq_offsets, features, batch.max_seq_len, labels=batch.labels, mask=batch.mask)
+
+
+@pytest.mark.parametrize("encoding", ["sum", "interleave"])
+def test_no_future_information_reaches_a_candidate(data: RankingData, encoding: str) -> None:
+    """Changing events at or after a candidate's time, or another candidate, leaves its score unchanged;
+    changing an earlier event does change it."""
+    model = _model(data)
+    batch = _multi_target_batch(data, encoding)
+    with torch.no_grad():
+        base = model(batch)
+    offsets, nt = batch.seq_offsets, batch.mask.num_targets
+    ts = batch.features["timestamps"]
+    first_target_rows = torch.cumsum(nt, 0) - nt  # label row of each sequence's first target
+    gen = torch.Generator().manual_seed(0)
+    for b in range(nt.numel()):
+        end = int(offsets[b + 1])
+        t0 = end - int(nt[b])  # token of the first target
+        row = int(first_target_rows[b])
+        hist = torch.arange(int(offsets[b]) + data.num_contextual, t0)
+        later = hist[ts[hist] >= ts[t0]]
+        earlier = hist[ts[hist] < ts[t0]]
+
+        changed = _clone(batch)
+        changed.features["item_ids"][later] = torch.randint(1, data.num_items + 1, (later.numel(),), generator=gen)
+        changed.features["actions"][later] = torch.randint(1, data.num_actions + 1, (later.numel(),), generator=gen)
+        changed.features["item_ids"][t0 + 1 : end] = torch.randint(1, data.num_items + 1, (end - t0 - 1,), generator=gen)
+        with torch.no_grad():
+            out = model(changed)
+        torch.testing.assert_close(out[row], base[row], rtol=0, atol=1e-6)
+
+        if earlier.numel():
+            control = _clone(batch)
+            flip = earlier[-1:]
+            control.features["item_ids"][flip] = control.features["item_ids"][flip] % data.num_items + 1
+            control.features["actions"][flip] = control.features["actions"][flip] % data.num_actions + 1
+            with torch.no_grad():
+                assert (model(control)[row] - base[row]).abs().max() > 1e-6
+
+
+def test_dlrm_baseline_ignores_history(data: RankingData) -> None:
+    model = _model(data, "dlrm")
+    batch = _multi_target_batch(data, "sum")
+    with torch.no_grad():
+        base = model(batch)
+        changed = _clone(batch)
+        is_hist = (changed.features["item_ids"] > 0) & (changed.features["actions"] > 0)
+        changed.features["item_ids"][is_hist] = 1
+        torch.testing.assert_close(model(changed), base, rtol=0, atol=0)
+        changed.features["context_ids"][changed.features["context_ids"] > 0] = 1  # the user matters
+        assert (model(changed) - base).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("head", sorted(HEADS))
+def test_heads_shapes_and_gradients(head: str) -> None:
+    module = HEADS[head](dim=DIM, num_tasks=3)
+    x = torch.randn(7, DIM, requires_grad=True)
+    out = module(x)
+    assert out.shape == (7, 3)
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_pointwise_loss_ignores_missing_labels() -> None:
+    gen = torch.Generator().manual_seed(1)
+    z = torch.randn(6, 2, generator=gen)
+    y = torch.tensor([[1, 2.0], [0, float("nan")], [float("nan"), 4.0], [1, 1.0], [0, 0.5], [1, 3.0]])
+    total, per_task = pointwise_loss(z, y, ["binary", "regression"], [2.0, 0.5])
+    known0, known1 = ~torch.isnan(y[:, 0]), ~torch.isnan(y[:, 1])
+    bce = nn.functional.binary_cross_entropy_with_logits(z[known0, 0], y[known0, 0])
+    mse = ((z[known1, 1] - y[known1, 1]) ** 2).mean()
+    torch.testing.assert_close(total, 2.0 * bce + 0.5 * mse)
+    assert per_task == pytest.approx([bce.item(), mse.item()])
+
+
+def test_listwise_loss_against_a_per_sample_loop() -> None:
+    gen = torch.Generator().manual_seed(2)
+    num_targets = torch.tensor([3, 1, 4, 2])
+    z = torch.randn(10, 1, generator=gen, dtype=torch.float64)
+    y = torch.tensor([1, 0, 1, 0, 0, 0, 0, 1, 0, 0], dtype=torch.float64).unsqueeze(1)
+    losses, start = [], 0
+    for n in num_targets.tolist():
+        zs, ys = z[start : start + n, 0], y[start : start + n, 0]
+        if ys.sum() > 0:
+            losses.append(-(ys * torch.log_softmax(zs, 0)).sum() / ys.sum())
+        start += n
+    torch.testing.assert_close(listwise_loss(z, y, num_targets), torch.stack(losses).mean())
+
+
+class CustomPrefix(nn.Module):
+    """A user-written prefix: only item ids, no side features."""
+
+    def __init__(self, num_items: int, dim: int) -> None:
+        super().__init__()
+        self.num_items, self.dim = num_items, dim
+        self.emb = nn.Embedding(num_items + 1, dim)
+
+    def slice_config(self) -> dict:
+        return {"num_items": self.num_items, "dim": self.dim}
+
+    def forward(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.emb(features["item_ids"])
+
+
+@pytest.mark.parametrize("kind", ["hstu", "dlrm", "custom"])
+def test_slices_round_trip(tmp_path: Path, data: RankingData, kind: str) -> None:
+    model = _model(data, "dlrm" if kind == "dlrm" else "hstu")
+    if kind == "custom":
+        model = RankingModel(CustomPrefix(data.num_items, DIM), model.encoder, model.postfix).eval()
+    batch = _multi_target_batch(data, "sum")
+    out = save_slices(model, tmp_path / "model", tasks=[{"name": "click"}, {"name": "like"}])
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["slices"] == ["prefix", "encoder", "postfix"] and manifest["tasks"][1]["name"] == "like"
+    for name in manifest["slices"]:
+        assert (out / name / "model.safetensors").is_file() and (out / name / "config.json").is_file()
+    loaded, _ = load_slices(out)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(batch), model(batch), rtol=0, atol=0)
+    # each slice loads on its own, e.g. the prefix for a serving engine's token cache
+    prefix = load_slice(out / "prefix")
+    torch.testing.assert_close(prefix(batch.features), model.prefix(batch.features))
+
+
+def test_slices_reject_modules_without_config_and_bad_dirs(tmp_path: Path, data: RankingData) -> None:
+    model = _model(data)
+    broken = RankingModel(nn.Identity(), model.encoder, model.postfix)
+    with pytest.raises(TypeError, match="slice_config"):
+        save_slices(broken, tmp_path / "m")
+    assert not (tmp_path / "m").exists()  # nothing half-written
+    with pytest.raises(ValueError, match="manifest.json"):
+        load_slices(tmp_path)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "config.json").write_text(json.dumps({"class": "os:system", "kwargs": {}}))
+    with pytest.raises(ValueError, match="not an nn.Module"):
+        load_slice(tmp_path / "x")
+
+
+def test_split_inputs_requires_targets(data: RankingData) -> None:
+    batch = _multi_target_batch(data, "sum")
+    batch.mask = type(batch.mask)()
+    with pytest.raises(ValueError, match="num_targets"):
+        _model(data)(batch)
