@@ -123,8 +123,9 @@ def _vocab(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return inverse.astype(np.int64) + 1, distinct
 
 
-def _column_codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, int]:
-    """Map a scalar or list column to ids: (rows, width) int64 codes (0 = none) and vocabulary size."""
+def _column_codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
+    """Map a scalar or list column to ids: (rows, width) int64 codes (0 = none or null) and the
+    vocabulary (code c is ``values[c - 1]``, values as strings)."""
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
     if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
@@ -134,15 +135,18 @@ def _column_codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, int]:
     else:
         lengths = np.ones(len(col), dtype=np.int64)
         flat, width = col, 1
-    flat_np = np.asarray(flat.cast(pa.string()).fill_null("\0null").to_numpy(zero_copy_only=False), dtype=object)
-    codes, distinct = _vocab(flat_np.astype(str)) if flat_np.size else (np.zeros(0, np.int64), np.zeros(0))
-    if flat_np.size:
-        codes[flat_np.astype(str) == "\0null"] = 0
+    flat = flat.cast(pa.string())
+    valid = ~np.asarray(flat.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+    values = np.asarray(flat.fill_null("").to_numpy(zero_copy_only=False), dtype=object).astype(str)
+    codes = np.zeros(len(values), dtype=np.int64)
+    distinct = np.zeros(0, dtype=str)
+    if valid.any():
+        codes[valid], distinct = _vocab(values[valid])
     out = np.zeros((len(col), max(width, 1)), dtype=np.int64)
     rows = np.repeat(np.arange(len(col)), lengths)
     cols = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     out[rows, cols] = codes
-    return out, len(distinct)
+    return out, distinct.tolist()
 
 
 class RankingData:
@@ -172,6 +176,7 @@ class RankingData:
         num_context_values: int,
         num_item_feature_values: int,
         oracle: np.ndarray | None = None,
+        vocab: dict | None = None,
     ):
         self.user_starts = torch.from_numpy(user_starts)
         self.event_user = torch.repeat_interleave(
@@ -190,6 +195,9 @@ class RankingData:
         self.num_context_values = num_context_values
         self.num_item_feature_values = num_item_feature_values
         self.oracle = None if oracle is None else torch.from_numpy(oracle)
+        # raw value -> id maps a serving engine needs: item code c is vocab["item_ids"][c - 1], action
+        # code a is vocab["actions"][a - 1], a user feature's value v has id offset + 1 + index(v)
+        self.vocab = vocab or {}
 
     @property
     def num_users(self) -> int:
@@ -240,12 +248,12 @@ class RankingData:
         if ts.null_count:
             raise ValueError(f"{ts.null_count} events have no timestamp; drop them before building ranking samples")
         item_codes, item_distinct = _vocab(events.column("item_id").to_numpy())
-        actions, num_actions = np.zeros(len(users), np.int64), 0
+        actions, num_actions, action_values = np.zeros(len(users), np.int64), 0, []
         if action_column:
             if action_column not in events.column_names:
                 raise ValueError(f"ranking.action_column: events have no column {action_column!r}")
-            codes, num_actions = _column_codes(events.column(action_column))
-            actions = codes[:, 0]
+            codes, action_values = _column_codes(events.column(action_column))
+            actions, num_actions = codes[:, 0], len(action_values)
         labels = np.stack([t.labels(events) for t in parsed], axis=1)
         oracle = None
         oracle_cols = [f"p_{t.column}" for t in parsed]
@@ -259,10 +267,10 @@ class RankingData:
         split = np.where(pos_from_end < n_test[owner], 2, np.where(pos_from_end < (n_test + n_valid)[owner], 1, 0))
         # contextual tokens: one per user feature, ids offset so features share one vocabulary
         user_rows = users[starts] if len(users) else users
-        context_cols, vocab_size = [], 0
+        context_cols, vocab_size, context_vocab = [], 0, {}
         for name in user_features:
             if name == "user_id":
-                codes, size = _column_codes(pa.array(user_rows))
+                codes, values = _column_codes(pa.array(user_rows))
             else:
                 if ds.users is None or name not in ds.users.column_names:
                     have = ds.users.column_names[1:] if ds.users is not None else []
@@ -271,11 +279,12 @@ class RankingData:
                 col = ds.users.column(name).combine_chunks()
                 valid = ~np.isnan(order.astype(np.float64))
                 taken = col.take(pa.array(np.where(valid, order, 0).astype(np.int64)))
-                codes, size = _column_codes(pc.if_else(pa.array(valid), taken, pa.nulls(len(taken), taken.type)))
+                codes, values = _column_codes(pc.if_else(pa.array(valid), taken, pa.nulls(len(taken), taken.type)))
                 if codes.shape[1] != 1:
                     raise ValueError(f"ranking.user_features: {name!r} is a list column; contextual features must be scalars")
             context_cols.append(np.where(codes[:, 0] > 0, codes[:, 0] + vocab_size, 0))
-            vocab_size += size
+            context_vocab[name] = {"offset": vocab_size, "values": values}
+            vocab_size += len(values)
         context = np.stack(context_cols, axis=1) if context_cols else np.zeros((len(lengths), 0), np.int64)
         # item side features: (num_items + 1, F) ids in one shared vocabulary, row 0 = padding
         feats, feat_vocab = [np.zeros((len(item_distinct) + 1, 0), np.int64)], 0
@@ -286,12 +295,12 @@ class RankingData:
             order = pc.index_in(pa.array(item_distinct), ds.items.column("item_id")).to_numpy(zero_copy_only=False)
             valid = ~np.isnan(order.astype(np.float64))
             col = ds.items.column(name).combine_chunks().take(pa.array(np.where(valid, order, 0).astype(np.int64)))
-            codes, size = _column_codes(col)
+            codes, values = _column_codes(col)
             codes[~valid] = 0
             table = np.zeros((len(item_distinct) + 1, codes.shape[1]), np.int64)
             table[1:] = np.where(codes > 0, codes + feat_vocab, 0)
             feats.append(table)
-            feat_vocab += size
+            feat_vocab += len(values)
         return cls(
             user_starts=user_starts,
             items=item_codes,
@@ -307,6 +316,12 @@ class RankingData:
             num_context_values=vocab_size,
             num_item_feature_values=feat_vocab,
             oracle=oracle,
+            vocab={
+                "item_ids": item_distinct.tolist(),
+                "action_column": action_column,
+                "actions": action_values,
+                "user_features": context_vocab,
+            },
         )
 
     def samples(self, split: str, period_seconds: int, max_targets: int) -> RankingSamples:

@@ -273,12 +273,20 @@ def _build_slice(class_path: str, kwargs: dict) -> nn.Module:
     return cls(**kwargs)
 
 
-def save_slices(model: RankingModel, out_dir: str | Path, *, tasks: list[dict] | None = None, extra: dict | None = None) -> Path:
+def save_slices(
+    model: RankingModel,
+    out_dir: str | Path,
+    *,
+    tasks: list[dict] | None = None,
+    extra: dict | None = None,
+    json_files: dict[str, dict] | None = None,
+) -> Path:
     """Write the model as three slices plus a manifest, atomically.
 
     Layout: ``out_dir/{prefix,encoder,postfix}/{model.safetensors,config.json}`` and
     ``out_dir/manifest.json`` (slice classes, the order they run in, the width each passes on,
-    the tasks the postfix outputs).
+    the tasks the postfix outputs). ``json_files`` adds further JSON files (e.g. ``vocab.json``,
+    the raw-ID vocabularies a serving engine maps requests with) inside the same atomic write.
     """
     out = Path(out_dir)
     dims = {}
@@ -305,6 +313,8 @@ def save_slices(model: RankingModel, out_dir: str | Path, *, tasks: list[dict] |
             "tasks": tasks or [],
             **(extra or {}),
         }
+        for name, payload in (json_files or {}).items():
+            atomic_write_json(tmp / name, payload)
         atomic_write_json(tmp / "manifest.json", manifest)
     return out
 

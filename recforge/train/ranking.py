@@ -195,10 +195,18 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
 
 
 def export_model(s: Setup, out_dir: Path, manifest: dict) -> Path:
-    """Write the model's prefix/encoder/postfix slices with the task list and training step."""
+    """Write the model's prefix/encoder/postfix slices with the task list, training step and the
+    raw-ID vocabularies (``vocab.json``: item IDs, action values, user feature values)."""
     tasks = [{"name": t.name, "kind": t.kind, "column": t.column, "op": t.op, "value": t.value} for t in s.data.tasks]
-    extra = {"step": manifest["step"], "action_encoding": s.cfg.ranking.action_encoding, "max_seq_len": s.cfg.data.max_seq_len}
-    return save_slices(s.model, out_dir, tasks=tasks, extra=extra)
+    extra = {
+        "step": manifest["step"],
+        "action_encoding": s.cfg.ranking.action_encoding,
+        "max_seq_len": s.cfg.data.max_seq_len,
+        "num_contextual": s.data.num_contextual,
+        "user_features": list(s.cfg.ranking.user_features),
+        "item_features": list(s.cfg.ranking.item_features),
+    }
+    return save_slices(s.model, out_dir, tasks=tasks, extra=extra, json_files={"vocab.json": s.data.vocab})
 
 
 def evaluate_run(run_dir: str | Path, *, checkpoint: str = "auto", split: str = "test", command: str | None = None) -> dict:

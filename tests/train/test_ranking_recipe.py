@@ -54,6 +54,8 @@ def test_train_eval_and_export(tmp_path: Path, data_dir: Path, capsys: pytest.Ca
     s.model.eval()
     model, manifest = load_slices(run_dir / "model")
     assert [t["name"] for t in manifest["tasks"]] == ["click", "like", "purchase"]
+    vocab = json.loads((run_dir / "model" / "vocab.json").read_text())
+    assert len(vocab["item_ids"]) == s.data.num_items and vocab["actions"] == ["click", "like", "purchase", "view"]
     samples = ranking._samples(s, "test")
     batch = ranking._batch(s, samples, torch.arange(min(8, len(samples))))
     with torch.no_grad():
