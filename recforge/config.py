@@ -239,7 +239,9 @@ def validate(cfg: RunConfig) -> list[str]:
 
 
 def _validate_ranking(cfg: RunConfig) -> list[str]:
-    from recforge.data.ranking import Task  # late import: config must not pull in torch at import time
+    from recforge.data.ranking import (
+        Task,  # late import: config must not pull in torch at import time
+    )
 
     r, problems = cfg.ranking, []
     names = []

@@ -387,9 +387,9 @@ def listwise_loss(outputs: Tensor, labels: Tensor, num_targets: Tensor) -> Tenso
 
 __all__ = [
     "HEADS",
-    "MMoE",
     "PLE",
     "ContextPool",
+    "MMoE",
     "MultiTaskMLP",
     "RankingModel",
     "RankingPrefix",

@@ -30,7 +30,12 @@ from recforge.config import RunConfig, load_config
 from recforge.data.dataset import load_dataset
 from recforge.data.ranking import RankingData, RankingSamples
 from recforge.models.builders import build_ranking_model
-from recforge.models.ranking import RankingModel, listwise_loss, pointwise_loss, save_slices
+from recforge.models.ranking import (
+    RankingModel,
+    listwise_loss,
+    pointwise_loss,
+    save_slices,
+)
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
 from recforge.train.loop import prepare_run_dir, resolve_device, run_loop
 from recforge.train.metrics import auc, gauc
