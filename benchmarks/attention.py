@@ -132,7 +132,8 @@ def measure(name, fn, inputs, fl_fwd, fl_bwd, peak) -> dict:
         except torch.cuda.OutOfMemoryError:
             row[f"{label}_error"] = "out of memory"
         except Exception as e:  # noqa: BLE001 - a failing baseline is reported, not fatal
-            row[f"{label}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            row[f"{label}_error"] = f"{type(e).__name__}: {' | '.join(lines[:1] + lines[-2:])[:300]}"
         torch.cuda.empty_cache()
     return row
 
@@ -219,6 +220,7 @@ def main() -> None:
                     row.update(dim=dim, max_len=L, batch=len(lengths), tokens=sum(lengths))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+                    save(args, rows, peak)  # partial results survive a killed run
                 del inputs, variants
             gr_cases.append({"lengths": lengths, "dim": dim, "peak": peak})
     if args.gr_path:
@@ -226,11 +228,16 @@ def main() -> None:
             case = next(c for c in gr_cases if c["dim"] == row["dim"] and max(c["lengths"]) == row["max_len"])
             row.update(batch=len(case["lengths"]), tokens=sum(case["lengths"]))
             rows.append(row)
+    save(args, rows, peak)
     machine = torch.cuda.get_device_name()
     print(f"\nattention on {machine}, torch {torch.__version__}, triton {triton.__version__}, bf16, {HEADS} heads, "
           f"causal, jagged ~{args.tokens} tokens/batch; measured bf16 matmul peak {peak:.0f} TFLOP/s")
     print_table(rows)
+
+
+def save(args, rows: list[dict], peak: float) -> None:
     if args.out:
+        machine = torch.cuda.get_device_name()
         payload = {
             "benchmark": "attention",
             "command": "PYTHONPATH=. python benchmarks/attention.py " + " ".join(sys.argv[1:]),

@@ -234,6 +234,16 @@ def free_tile_span(lo, free_lo, free_hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def masked_tile(t, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK: tl.constexpr):
+    """Start and key bound of the t-th tile that needs the mask: contextual prefix tiles first,
+    then the tiles of [start, end) outside the free span [m_lo, m_hi)."""
+    in_ctx = t < n_ctx
+    u = t - n_ctx
+    u = tl.where(u < m_lo, u, u - m_lo + m_hi)
+    return tl.where(in_ctx, t * BLOCK, start + u * BLOCK), tl.where(in_ctx, ctx_end, end)
+
+
+@triton.jit
 def time_bucket(delta, thr_ptr, NB):
     """Reference ``time_buckets`` of int64 deltas: a float log, corrected against exact thresholds."""
     d = tl.maximum(tl.abs(delta), 1)

@@ -17,6 +17,7 @@ from torch import Tensor
 from recforge.ops.mask import AttentionMask
 from recforge.ops.triton._common import (
     free_tile_span,
+    masked_tile,
     key_block_ranges,
     mask_args,
     max_len_bucket,
@@ -71,23 +72,25 @@ def _sm_fwd(
 
     m_lo, m_hi = free_tile_span(start, free_lo, free_hi, BLOCK_N)
     num_tiles = tl.cdiv(end - start, BLOCK_N)
-    for phase in tl.static_range(4):
+    n_ctx = tl.cdiv(ctx_end, BLOCK_N)
+    for phase in tl.static_range(2):
+        # 0: tiles that need the mask (contextual prefix, edges); 1: the fully visible span
         if phase == 0:
-            lo_t, hi_t, base, khi = 0, tl.cdiv(ctx_end, BLOCK_N), 0, ctx_end
-        elif phase == 1:
-            lo_t, hi_t, base, khi = 0, m_lo, start, end
-        elif phase == 2:
-            lo_t, hi_t, base, khi = m_lo, m_hi, start, end
+            lo_t, hi_t = 0, n_ctx + m_lo + num_tiles - m_hi
         else:
-            lo_t, hi_t, base, khi = m_hi, num_tiles, start, end
+            lo_t, hi_t = m_lo, m_hi
         for t in range(lo_t, hi_t):
-            j_vec = base + t * BLOCK_N + offs_n
+            if phase == 0:
+                j_start, khi = masked_tile(t, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
+            else:
+                j_start, khi = start + t * BLOCK_N, end
+            j_vec = j_start + offs_n
             key_ok = j_vec < khi
             tok = (start_tok + j_vec).to(tl.int64)
             kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
             v = tl.load(V_h + tok[:, None] * sv_t + dv_[None, :], mask=key_ok[:, None] & (dv_[None, :] < DV), other=0.0)
             s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale
-            if phase != 2:
+            if phase == 0:
                 j = j_vec[None, :]
                 ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
                 vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
@@ -149,24 +152,26 @@ def _sm_bwd_dq(
 
     m_lo, m_hi = free_tile_span(start, free_lo, free_hi, BLOCK_N)
     num_tiles = tl.cdiv(end - start, BLOCK_N)
-    for phase in tl.static_range(4):
+    n_ctx = tl.cdiv(ctx_end, BLOCK_N)
+    for phase in tl.static_range(2):
+        # 0: tiles that need the mask (contextual prefix, edges); 1: the fully visible span
         if phase == 0:
-            lo_t, hi_t, base, khi = 0, tl.cdiv(ctx_end, BLOCK_N), 0, ctx_end
-        elif phase == 1:
-            lo_t, hi_t, base, khi = 0, m_lo, start, end
-        elif phase == 2:
-            lo_t, hi_t, base, khi = m_lo, m_hi, start, end
+            lo_t, hi_t = 0, n_ctx + m_lo + num_tiles - m_hi
         else:
-            lo_t, hi_t, base, khi = m_hi, num_tiles, start, end
+            lo_t, hi_t = m_lo, m_hi
         for t in range(lo_t, hi_t):
-            j_vec = base + t * BLOCK_N + offs_n
+            if phase == 0:
+                j_start, khi = masked_tile(t, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
+            else:
+                j_start, khi = start + t * BLOCK_N, end
+            j_vec = j_start + offs_n
             key_ok = j_vec < khi
             tok = (start_tok + j_vec).to(tl.int64)
             kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
             vT = tl.load(V_h + tok[None, :] * sv_t + dv_[:, None], mask=key_ok[None, :] & (dv_[:, None] < DV), other=0.0)
             s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale
             p = tl.math.exp2(s - lse[:, None])
-            if phase != 2:
+            if phase == 0:
                 j = j_vec[None, :]
                 ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
                 vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
@@ -220,15 +225,17 @@ def _sm_bwd_dkdv(
 
     m_lo, m_hi = free_tile_span(lo, free_lo, free_hi, BLOCK_M)
     num_tiles = tl.cdiv(hi - lo, BLOCK_M)
-    for phase in tl.static_range(3):
+    for phase in tl.static_range(2):
+        # 0: row tiles that need the mask; 1: the fully visible span
         if phase == 0:
-            lo_t, hi_t = 0, m_lo
-        elif phase == 1:
-            lo_t, hi_t = m_lo, m_hi
+            lo_t, hi_t = 0, m_lo + num_tiles - m_hi
         else:
-            lo_t, hi_t = m_hi, num_tiles
+            lo_t, hi_t = m_lo, m_hi
         for t in range(lo_t, hi_t):
-            i_vec = lo + t * BLOCK_M + offs_m
+            if phase == 0:
+                i_vec = lo + tl.where(t < m_lo, t, t - m_lo + m_hi) * BLOCK_M + offs_m
+            else:
+                i_vec = lo + t * BLOCK_M + offs_m
             row_ok = i_vec < hi
             tok = (start_tok + i_vec).to(tl.int64)
             qT = tl.load(Q_h + tok[None, :] * sq_t + dq_[:, None], mask=row_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
@@ -237,7 +244,7 @@ def _sm_bwd_dkdv(
             delta = tl.load(DELTA + tok * num_heads + h, mask=row_ok, other=0.0)
             sT = tl.dot(k, qT, input_precision=DOT_PREC) * qk_scale
             pT = tl.math.exp2(sT - lse[None, :])
-            if phase != 1:
+            if phase == 0:
                 i = i_vec[None, :]
                 ts_i = tl.load(ts_mask + start_tok + i_vec, mask=row_ok, other=0) if HAS_TS else i_vec
                 vis = visible(i, j, n, c, he, ends, ts_i[None, :], ts_j[:, None], window,
