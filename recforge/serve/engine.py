@@ -1,0 +1,443 @@
+"""The ranking engine: a trained run's prefix/HSTU/postfix slices, scoring C candidates after an
+L-event history in O(L + C) token work instead of O(L * C).
+
+The history (contextual + history tokens, the *prefix*) runs through the HSTU blocks once; each
+block's keys and values of the prefix are kept in a ``PrefixState``. Candidates then run
+through the blocks on their own: at each block a candidate attends to the cached keys/values it
+may see (contextual tokens, history events strictly before its time) and to itself, never to
+other candidates, exactly as the training mask says. A long prefix is computed in chunks of
+``prefill_chunk`` tokens; a cached prefix is extended with only its new tokens.
+
+Example:
+    >>> engine = RankEngine.from_run("runs/ranking-taobao-hstu")
+    >>> result = engine.rank("u1", History(items=[5, 9], timestamps=[100, 200], actions=["pv", "cart"]),
+    ...                      candidates=[3, 7, 11], timestamp=300)
+    >>> result.scores                        # (3, num_tasks) raw head outputs (logits for binary tasks)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from recforge.models.hstu import HSTUEncoder
+from recforge.models.ranking import RankingModel, load_slices
+from recforge.serve.attention import cached_attention, relative_bias_rows, self_attention_term
+from recforge.serve.layout import (
+    EncodedRequest,
+    History,
+    RequestError,
+    Vocab,
+    candidate_tokens,
+    prefix_tokens,
+    training_batch,
+)
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """Serving limits and numerics."""
+
+    device: str = "cpu"  # cpu | cuda | auto (cuda when available)
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (weights and activations; scores come back float32)
+    prefill_chunk: int = 1024  # prefix tokens computed per step; bounds attention memory to chunk x prefix
+    max_candidates: int = 2000  # a request with more candidates is rejected
+    max_history_events: int = 100_000  # a request with more events is rejected; the model sees the latest that fit
+    unknown_ids: str = "error"  # error: reject unknown items/actions/feature values; zero: map them to "none"
+
+    def validate(self) -> None:
+        problems = []
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype={self.dtype!r}: expected one of {tuple(DTYPES)}")
+        if self.device not in ("cpu", "auto") and not self.device.startswith("cuda"):
+            problems.append(f"device={self.device!r}: expected cpu, cuda[:N] or auto")
+        if self.unknown_ids not in ("error", "zero"):
+            problems.append(f"unknown_ids={self.unknown_ids!r}: expected error or zero")
+        for name in ("prefill_chunk", "max_candidates", "max_history_events"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if problems:
+            raise ValueError("EngineConfig: " + "; ".join(problems))
+
+
+class PrefixState:
+    """Per-block keys/values of one user's prefix (contextual + history tokens), with room to grow.
+
+    ``tokens`` (n, 4) holds each token's (item, action, context id, time): the identity a later
+    request's prefix is compared with before this state is reused.
+    """
+
+    def __init__(self, num_layers: int, capacity: int, heads: int, dqk: int, dv: int, num_contextual: int,
+                 context_time: int, dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+        self.keys = torch.zeros(num_layers, capacity, heads, dqk, dtype=dtype, device=device)
+        self.values = torch.zeros(num_layers, capacity, heads, dv, dtype=dtype, device=device)
+        self.timestamps = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(capacity, 4, dtype=torch.int64)
+        self.length = 0
+        self.num_contextual = num_contextual
+        self.context_time = context_time
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[1]
+
+    def nbytes(self) -> int:
+        n = self.length
+        return (self.keys[:, :n].numel() * self.keys.element_size() + self.values[:, :n].numel() * self.values.element_size()
+                + n * 8 * 5)  # fmt: skip
+
+
+@dataclass
+class WorkItem:
+    """Query tokens of one request for one pass through the blocks.
+
+    kind "prefix": prefix tokens ``[start, start + m)`` of ``state``, causal among themselves,
+    appended to the state. kind "targets": candidates, attending to the whole state and themselves.
+    """
+
+    state: PrefixState
+    features: dict[str, Tensor]
+    kind: str
+    start: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.features["item_ids"].numel()
+
+
+@dataclass
+class RankResult:
+    """Scores of one request: ``scores`` (C, K) raw head outputs, in candidate order."""
+
+    scores: Tensor
+    tasks: list[dict]
+    cached_tokens: int = 0  # prefix tokens reused from the KV cache
+    computed_tokens: int = 0  # prefix tokens computed for this request
+    truncated_events: int = 0
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def task_scores(self) -> dict[str, list[float]]:
+        """Per task: probabilities (binary tasks) or predicted values (regression)."""
+        out = {}
+        for k, task in enumerate(self.tasks):
+            column = self.scores[:, k]
+            out[task.get("name", f"task{k}")] = (torch.sigmoid(column) if task.get("kind") == "binary" else column).tolist()
+        return out
+
+
+class RankEngine:
+    """Prefix-cached ranking with a ``RankingModel`` (HSTU encoder); see the module docstring."""
+
+    def __init__(self, model: RankingModel, manifest: dict, vocab: dict | None = None,
+                 config: EngineConfig | None = None, version: str = "0") -> None:  # fmt: skip
+        self.config = config or EngineConfig()
+        self.config.validate()
+        self.device = _resolve_device(self.config.device)
+        self.dtype = DTYPES[self.config.dtype]
+        self.model = model.eval().to(self.device, self.dtype)
+        self.manifest = manifest
+        self.tasks = list(manifest.get("tasks") or [])
+        self.action_encoding = manifest.get("action_encoding", "sum")
+        prefix_cfg = getattr(model.prefix, "kwargs", {})
+        self.vocab = Vocab.from_json(vocab, manifest, prefix_cfg.get("num_items", 0), prefix_cfg.get("num_actions", 0))
+        self.num_contextual = int(manifest.get("num_contextual", len(self.vocab.feature_names)))
+        if len(self.vocab.feature_names) != self.num_contextual:
+            raise ValueError(
+                f"manifest says {self.num_contextual} contextual tokens but names {len(self.vocab.feature_names)} user "
+                "features; re-export the run (recforge eval RUN_DIR) to write user_features into manifest.json"
+            )
+        self.version = version
+        self.cached = isinstance(model.encoder, HSTUEncoder)
+        if self.cached:
+            cfg = model.encoder.cfg
+            self.max_seq_len = cfg.max_seq_len
+            self.time_bias = any(b.time_weights is not None for b in model.encoder.blocks)
+        else:
+            self.max_seq_len = int(manifest.get("max_seq_len", 1 << 30))
+            self.time_bias = False
+            log.info("encoder %s is not HSTU: no prefix cache, each request runs the full forward pass "
+                     "with all candidates as targets", type(model.encoder).__name__)  # fmt: skip
+        per_event = 2 if self.action_encoding == "interleave" else 1
+        # a prefix of at most max_seq_len - 1 tokens leaves the candidates' position (the history end) in range
+        self.max_events = max(0, (self.max_seq_len - 1 - self.num_contextual) // per_event)
+
+    @classmethod
+    def from_run(cls, run_dir: str | Path, config: EngineConfig | None = None) -> RankEngine:
+        """Load ``RUN_DIR/model`` (or a model directory itself) written by ``save_slices``."""
+        run_dir = Path(run_dir)
+        model_dir = run_dir / "model" if (run_dir / "model" / "manifest.json").is_file() else run_dir
+        if not (model_dir / "manifest.json").is_file():
+            raise ValueError(f"{run_dir} holds no exported model (no model/manifest.json); run `recforge eval {run_dir}`")
+        model, manifest = load_slices(model_dir)
+        vocab_path = model_dir / "vocab.json"
+        vocab = json.loads(vocab_path.read_text()) if vocab_path.is_file() else None
+        if vocab is None:
+            log.warning("%s has no vocab.json: requests must carry model codes, not raw IDs", model_dir)
+        return cls(model, manifest, vocab, config, version=model_version(model_dir))
+
+    # ------------------------------------------------------------------------------- requests
+
+    def encode(self, user: Any, history: History | dict, candidates: list[Any], *,
+               user_features: dict[str, Any] | None = None, timestamp: int | None = None) -> EncodedRequest:  # fmt: skip
+        """Validate a request and map it to model codes; raises ``RequestError`` saying what is wrong."""
+        if isinstance(history, dict):
+            history = History(**history)
+        cfg = self.config
+        items, stamps, actions = list(history.items), list(history.timestamps), history.actions
+        if len(stamps) != len(items) or (actions is not None and len(actions) != len(items)):
+            raise RequestError(
+                f"history: items ({len(items)}), timestamps ({len(stamps)}) and actions "
+                f"({'-' if actions is None else len(actions)}) must have the same length"
+            )
+        if len(items) > cfg.max_history_events:
+            raise RequestError(f"history has {len(items)} events; the limit is {cfg.max_history_events}")
+        if not candidates:
+            raise RequestError("candidates is empty; give at least one item to score")
+        if len(candidates) > cfg.max_candidates:
+            raise RequestError(f"{len(candidates)} candidates; the limit is {cfg.max_candidates}")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in stamps):
+            raise RequestError("history timestamps must be integers (seconds)")
+        ts = torch.tensor(stamps, dtype=torch.int64)
+        if ts.numel() > 1 and bool((ts[1:] < ts[:-1]).any()):
+            raise RequestError("history timestamps must be non-decreasing (oldest event first)")
+        if timestamp is None:
+            timestamp = int(time.time())
+        if isinstance(timestamp, bool) or not isinstance(timestamp, int):
+            raise RequestError(f"timestamp {timestamp!r} must be an integer (seconds)")
+        unknown = cfg.unknown_ids
+        item_codes = self.vocab.item_codes(items, "history items", unknown)
+        action_codes = self.vocab.action_codes(actions, len(items), unknown)
+        cand_codes = self.vocab.item_codes(list(candidates), "candidate items", unknown)
+        context = self.vocab.context_codes(user_features or {}, unknown)
+        drop = max(0, len(items) - self.max_events)  # training keeps the latest events that fit, too
+        return EncodedRequest(
+            user=str(user), context_ids=context, items=item_codes[drop:], actions=action_codes[drop:],
+            timestamps=ts[drop:], candidates=cand_codes, request_time=timestamp, truncated=drop,
+        )  # fmt: skip
+
+    def rank(self, user: Any, history: History | dict, candidates: list[Any], *,
+             user_features: dict[str, Any] | None = None, timestamp: int | None = None,
+             state: PrefixState | None = None) -> RankResult:  # fmt: skip
+        """Score ``candidates`` for ``user`` after ``history``: one prefix pass, then every candidate
+        attends to the cached history. ``state``: a cached prefix to extend (see ``prefix_state``)."""
+        return self.rank_encoded(self.encode(user, history, candidates, user_features=user_features, timestamp=timestamp), state)
+
+    @torch.no_grad()
+    def rank_encoded(self, req: EncodedRequest, state: PrefixState | None = None) -> RankResult:
+        t0 = time.perf_counter()
+        if not self.cached:
+            batch = training_batch(req, self.action_encoding, self.max_seq_len).to(self.device)
+            scores = self.model(batch).float().cpu()
+            return RankResult(scores, self.tasks, 0, batch.num_tokens - req.num_candidates, req.truncated)
+        tokens = prefix_tokens(req, self.action_encoding)
+        reused = state.length if state is not None else 0
+        state = self.prefix_state(req, tokens, state)
+        t1 = time.perf_counter()
+        scores = self.score(state, candidate_tokens(req))
+        t2 = time.perf_counter()
+        timings = {"prefill": (t1 - t0) * 1e3, "candidates": (t2 - t1) * 1e3}
+        return RankResult(scores, self.tasks, reused, state.length - reused, req.truncated, timings)
+
+    # ------------------------------------------------------------------------------- compute
+
+    def new_state(self, req: EncodedRequest, capacity: int) -> PrefixState:
+        cfg = self.model.encoder.cfg
+        return PrefixState(cfg.num_blocks, capacity, cfg.num_heads, cfg.dqk, cfg.dv, req.context_ids.numel(),
+                           req.request_time, self.dtype, self.device)  # fmt: skip
+
+    def reusable(self, state: PrefixState, req: EncodedRequest, tokens: dict[str, Tensor]) -> bool:
+        """True when ``state`` is a prefix of this request's tokens, computed under the same context."""
+        n = state.length
+        if n > tokens["item_ids"].numel() or state.num_contextual != req.context_ids.numel():
+            return False
+        if self.time_bias and state.context_time != req.request_time:
+            return False  # history tokens attend to contextual tokens stamped with the request time
+        return bool((state.tokens[:n] == token_identity(tokens)[:n]).all())
+
+    def prefix_state(self, req: EncodedRequest, tokens: dict[str, Tensor], state: PrefixState | None = None) -> PrefixState:
+        """Compute (or extend ``state`` to) the prefix of ``req``, in chunks of ``prefill_chunk`` tokens."""
+        total = tokens["item_ids"].numel()
+        if state is not None and not self.reusable(state, req, tokens):
+            raise ValueError("prefix_state: the given state is not a prefix of this request (use reusable() first)")
+        if state is None or state.capacity < total:
+            fresh = self.new_state(req, total)
+            if state is not None:
+                copy_state(state, fresh)
+            state = fresh
+        for item in self.prefill_items(state, tokens):
+            self.run([item])
+        return state
+
+    def prefill_items(self, state: PrefixState, tokens: dict[str, Tensor]) -> list[WorkItem]:
+        """The chunks still to compute for ``state`` to cover ``tokens``."""
+        total, chunk = tokens["item_ids"].numel(), self.config.prefill_chunk
+        # contextual tokens attend to each other in both directions: they always share the first chunk
+        bounds = [state.length] if state.length >= state.num_contextual else [0, max(state.num_contextual, chunk)]
+        while bounds[-1] < total:
+            bounds.append(bounds[-1] + chunk)
+        bounds[-1] = min(bounds[-1], total)
+        return [
+            WorkItem(state, {k: v[s:e] for k, v in tokens.items()}, "prefix", s)
+            for s, e in zip(bounds[:-1], bounds[1:]) if e > s
+        ]
+
+    def score(self, state: PrefixState, candidates: dict[str, Tensor]) -> Tensor:
+        """(C, K) float32 head outputs of the candidates after ``state``."""
+        return self.run([WorkItem(state, candidates, "targets")])[0]
+
+    @torch.no_grad()
+    def run(self, items: list[WorkItem]) -> list[Tensor | None]:
+        """One pass of several requests' work items through prefix -> blocks (-> postfix for targets).
+
+        Linear layers run on all items' tokens at once; attention runs per item over its own state.
+        Prefix items are written into their states; returns (C, K) scores per targets item, None per prefix item.
+        """
+        enc: HSTUEncoder = self.model.encoder
+        cfg = enc.cfg
+        heads, dqk, dv = cfg.num_heads, cfg.dqk, cfg.dv
+        feats = {k: torch.cat([it.features[k] for it in items]).to(self.device) for k in items[0].features}
+        x = self.model.prefix(feats)  # (T, d)
+        spans, lo = [], 0
+        for it in items:
+            spans.append((lo, lo + it.size))
+            lo += it.size
+            if it.kind == "prefix":
+                s, e = it.start, it.start + it.size
+                it.state.timestamps[s:e] = it.features["timestamps"].to(self.device)
+                it.state.tokens[s:e] = token_identity(it.features)
+        tokens = x.shape[0]
+        scale = 1.0 / cfg.max_seq_len
+        for layer, block in enumerate(enc.blocks):
+            u, v, q, k = F.silu(block.uvqk(block.norm(x))).split(block.split_sizes, dim=-1)
+            q, k, v = q.view(tokens, heads, dqk), k.view(tokens, heads, dqk), v.view(tokens, heads, dv)
+            pos_w, time_w = block.pos_weights, block.time_weights
+            outs = []
+            for it, (a, b) in zip(items, spans):
+                st, q_ts = it.state, feats["timestamps"][a:b]
+                if it.kind == "prefix":
+                    s, e = it.start, it.start + it.size
+                    st.keys[layer, s:e], st.values[layer, s:e] = k[a:b], v[a:b]
+                    q_pos = torch.arange(s, e, device=self.device)
+                    k_pos = torch.arange(e, device=self.device)
+                    c = st.num_contextual
+                    visible = (k_pos.view(1, -1) < c) | ((q_pos.view(-1, 1) >= c) & (k_pos.view(1, -1) <= q_pos.view(-1, 1)))
+                    bias = relative_bias_rows(q_pos, k_pos, q_ts, st.timestamps[:e], pos_w, time_w)
+                    outs.append(cached_attention(q[a:b], st.keys[layer, :e], st.values[layer, :e], visible=visible,
+                                                 bias=bias, scale=scale))  # fmt: skip
+                else:
+                    h = st.length
+                    k_pos = torch.arange(h, device=self.device)
+                    q_pos = torch.full_like(q_ts, h)  # every candidate sits at the history end
+                    k_ts = st.timestamps[:h]
+                    uniform = bool((q_ts == q_ts[0]).all())
+                    q_rows = q_ts[:1] if uniform else q_ts
+                    # contextual keys always; history keys only when strictly earlier than the candidate
+                    visible = (k_pos.view(1, -1) < st.num_contextual) | (k_ts.view(1, -1) < q_rows.view(-1, 1))
+                    bias = relative_bias_rows(q_pos, k_pos, q_ts, k_ts, pos_w, time_w)
+                    out = cached_attention(q[a:b], st.keys[layer, :h], st.values[layer, :h], visible=visible,
+                                           bias=bias, scale=scale)  # fmt: skip
+                    outs.append(out + self_attention_term(q[a:b], k[a:b], v[a:b], q_ts, pos_w, time_w, scale))
+            attn = torch.cat(outs).reshape(tokens, heads * dv)
+            x = x + block.out(block.attn_norm(attn) * u)
+        results: list[Tensor | None] = []
+        for it, (a, b) in zip(items, spans):
+            if it.kind == "prefix":
+                it.state.length = it.start + it.size
+                results.append(None)
+            else:
+                results.append(self.model.postfix(x[a:b]).float().cpu())
+        return results
+
+    # ------------------------------------------------------------------------------- baselines
+
+    @torch.no_grad()
+    def rank_naive(self, req: EncodedRequest, sequences_per_batch: int = 8) -> Tensor:
+        """(C, K) scores the naive way: the training forward pass on one [history, candidate] sequence
+        per candidate (the history recomputed C times). For benchmarks and tests."""
+        outs = []
+        for lo in range(0, req.num_candidates, sequences_per_batch):
+            part = EncodedRequest(**{**req.__dict__, "candidates": req.candidates[lo : lo + sequences_per_batch]})
+            batch = training_batch(part, self.action_encoding, 0, per_candidate=True).to(self.device)
+            outs.append(self.model(batch).float().cpu())
+        return torch.cat(outs)
+
+    def reload(self, run_dir: str | Path) -> None:
+        """Replace the weights from a newly exported run, one slice at a time (never two whole models).
+
+        Slices with the same class and config are loaded in place; others are rebuilt one by one.
+        """
+        from recforge.models.ranking import SLICES, load_slice
+        from safetensors.torch import load_file
+
+        run_dir = Path(run_dir)
+        model_dir = run_dir / "model" if (run_dir / "model" / "manifest.json").is_file() else run_dir
+        manifest = json.loads((model_dir / "manifest.json").read_text())
+        for name in SLICES:
+            current = getattr(self.model, name)
+            config = json.loads((model_dir / name / "config.json").read_text())
+            cls = type(current)
+            same = config["class"] == f"{cls.__module__}:{cls.__qualname__}" and _slice_kwargs(current) == config["kwargs"]
+            if same:  # in place: the new tensors are loaded then copied over, one slice's worth of extra memory
+                weights = load_file(model_dir / name / "model.safetensors")
+                current.load_state_dict(weights)
+                del weights
+            else:
+                setattr(self.model, name, None)
+                del current
+                setattr(self.model, name, load_slice(model_dir / name).eval().to(self.device, self.dtype))
+        self.model.eval().to(self.device, self.dtype)
+        vocab_path = model_dir / "vocab.json"
+        vocab = json.loads(vocab_path.read_text()) if vocab_path.is_file() else None
+        self.__init__(self.model, manifest, vocab, self.config, model_version(model_dir))
+
+
+def _slice_kwargs(module: torch.nn.Module) -> dict:
+    import dataclasses
+
+    if isinstance(module, HSTUEncoder):
+        return dataclasses.asdict(module.cfg)
+    return module.slice_config() if hasattr(module, "slice_config") else {}
+
+
+def token_identity(features: dict[str, Tensor]) -> Tensor:
+    """(n, 4) int64 (item, action, context id, time) per token, on the CPU."""
+    return torch.stack([features[k].cpu() for k in ("item_ids", "actions", "context_ids", "timestamps")], 1)
+
+
+def copy_state(src: PrefixState, dst: PrefixState) -> None:
+    n = src.length
+    dst.keys[:, :n] = src.keys[:, :n]
+    dst.values[:, :n] = src.values[:, :n]
+    dst.timestamps[:n] = src.timestamps[:n]
+    dst.tokens[:n] = src.tokens[:n]
+    dst.length = n
+
+
+def model_version(model_dir: Path) -> str:
+    """Identity of an exported model: its manifest's step and the weights files' sizes and mtimes."""
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    stats = [(p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(model_dir.glob("*/model.safetensors"))]
+    return f"step{manifest.get('step', '?')}-{abs(hash(tuple(stats))) % 10**10:010d}"
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available here; use device=cpu")
+    return device
+
+
+__all__ = ["EngineConfig", "PrefixState", "RankEngine", "RankResult", "WorkItem", "model_version", "token_identity"]

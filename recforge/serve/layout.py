@@ -1,0 +1,214 @@
+"""Requests in raw IDs -> the token codes a ranking model was trained on, and back to a training batch.
+
+A ranking request is one user's history (events: item, action, time), the user's contextual
+features and the candidates to score at one request time. ``Vocab`` maps raw values to the
+codes of ``vocab.json`` (written with the model slices); ``encode`` builds an
+``EncodedRequest``; ``prefix_tokens`` lays out the cached part of the sequence exactly as
+``recforge.data.ranking.RankingData.batch`` does::
+
+    | contextual: one token per user feature | history: one token per event (sum) | candidates |
+    | time = request time                    | or item, action tokens (interleave)|            |
+
+``training_batch`` rebuilds the full training-time ``JaggedBatch`` of a request (all
+candidates as the targets of one sequence, or one sequence per candidate); the engine's
+scores are tested against ``RankingModel.forward`` on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from recforge.data.batch import JaggedBatch
+from recforge.ops.jagged import offsets_from_lengths
+from recforge.ops.mask import AttentionMask
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (bad types, sizes, unknown IDs); the message says what to fix."""
+
+
+@dataclass
+class History:
+    """A user's events, oldest first: raw item IDs, action values (None = no action signal) and times (s)."""
+
+    items: list[Any]
+    timestamps: list[int]
+    actions: list[Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+@dataclass
+class EncodedRequest:
+    """A request in model codes (CPU int64 tensors)."""
+
+    user: str  # cache key
+    context_ids: Tensor  # (c,) one id per user feature (0 = unknown / missing)
+    items: Tensor  # (L,) history item codes
+    actions: Tensor  # (L,) history action codes (0 = none)
+    timestamps: Tensor  # (L,) history event times, non-decreasing
+    candidates: Tensor  # (C,) candidate item codes
+    request_time: int  # candidates' timestamp; contextual tokens carry it too
+    truncated: int = 0  # oldest events dropped to fit the model's max_seq_len
+
+    @property
+    def num_candidates(self) -> int:
+        return self.candidates.numel()
+
+
+@dataclass
+class Vocab:
+    """Raw value -> code maps of a trained ranking model (from ``vocab.json``).
+
+    Without a vocabulary (runs exported before ``vocab.json`` existed) requests must already
+    carry model codes: items 1..num_items, actions 1..num_actions, user features as context ids.
+    """
+
+    item_ids: list[Any] | None
+    actions: list[str] | None
+    user_features: dict[str, dict]  # name -> {"offset": int, "values": [str]}
+    feature_names: list[str]  # contextual token order
+    num_items: int
+    num_actions: int
+    _item_code: dict = field(default_factory=dict, repr=False)
+    _action_code: dict = field(default_factory=dict, repr=False)
+    _feature_code: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.item_ids is not None:
+            self._item_code = {_key(v): c + 1 for c, v in enumerate(self.item_ids)}
+        if self.actions is not None:
+            self._action_code = {str(v): c + 1 for c, v in enumerate(self.actions)}
+        for name, spec in self.user_features.items():
+            self._feature_code[name] = {str(v): spec["offset"] + 1 + i for i, v in enumerate(spec["values"])}
+
+    @classmethod
+    def from_json(cls, vocab: dict | None, manifest: dict, num_items: int, num_actions: int) -> Vocab:
+        vocab = vocab or {}
+        names = list(manifest.get("user_features") or list((vocab.get("user_features") or {}).keys()))
+        return cls(
+            item_ids=vocab.get("item_ids"),
+            actions=vocab.get("actions") if vocab else None,
+            user_features=vocab.get("user_features") or {},
+            feature_names=names,
+            num_items=num_items,
+            num_actions=num_actions,
+        )
+
+    def item_codes(self, values: list[Any], what: str, unknown: str) -> Tensor:
+        if self.item_ids is None:  # codes given directly
+            codes = [_int(v, what) for v in values]
+            bad = [v for v in codes if not 1 <= v <= self.num_items]
+        else:
+            codes = [self._item_code.get(_key(v), 0) for v in values]
+            bad = [v for v, c in zip(values, codes) if c == 0]
+        if bad and unknown == "error":
+            raise RequestError(f"{len(bad)} unknown {what} (not in the model's vocabulary), e.g. {bad[:5]}")
+        codes = [c if (self.item_ids is not None or 1 <= c <= self.num_items) else 0 for c in codes]
+        return torch.tensor(codes, dtype=torch.int64)
+
+    def action_codes(self, values: list[Any] | None, length: int, unknown: str) -> Tensor:
+        if values is None or self.num_actions == 0:
+            return torch.zeros(length, dtype=torch.int64)
+        if self.actions is None:
+            codes = [0 if v is None else _int(v, "history action") for v in values]
+            bad = [v for v in codes if not 0 <= v <= self.num_actions]
+        else:
+            codes = [0 if v is None else self._action_code.get(str(v), -1) for v in values]
+            bad = [v for v, c in zip(values, codes) if c < 0]
+        if bad and unknown == "error":
+            known = self.actions if self.actions is not None else f"1..{self.num_actions}"
+            raise RequestError(f"{len(bad)} unknown history actions, e.g. {bad[:5]} (known: {known})")
+        return torch.tensor([max(c, 0) if (self.actions is not None or 0 <= c <= self.num_actions) else 0 for c in codes])
+
+    def context_codes(self, features: dict[str, Any], unknown: str) -> Tensor:
+        extra = set(features) - set(self.feature_names)
+        if extra:
+            raise RequestError(f"unknown user features {sorted(extra)}; the model uses {self.feature_names}")
+        codes = []
+        for name in self.feature_names:
+            value = features.get(name)
+            if value is None:
+                codes.append(0)  # missing, as a null in training
+                continue
+            if name not in self._feature_code:  # no vocabulary: a context id
+                codes.append(_int(value, f"user feature {name!r}"))
+                continue
+            code = self._feature_code[name].get(str(value))
+            if code is None and unknown == "error":
+                raise RequestError(f"user feature {name}={value!r} was not seen in training")
+            codes.append(code or 0)
+        return torch.tensor(codes, dtype=torch.int64)
+
+
+def _key(value: Any) -> Any:
+    """Raw IDs compare as int when they look like ints (JSON may carry "12" or 12)."""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.lstrip("-").isdigit():
+        return int(value)
+    return value
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{what} {value!r}: this model has no vocabulary, so IDs must be integer codes")
+    return value
+
+
+def prefix_tokens(req: EncodedRequest, action_encoding: str) -> dict[str, Tensor]:
+    """Token features of the cached part (contextual + history), in sequence order."""
+    c, events = req.context_ids.numel(), req.items.numel()
+    per_event = 2 if action_encoding == "interleave" else 1
+    n = c + per_event * events
+    item_ids = torch.zeros(n, dtype=torch.int64)
+    actions = torch.zeros(n, dtype=torch.int64)
+    context_ids = torch.zeros(n, dtype=torch.int64)
+    timestamps = torch.full((n,), req.request_time, dtype=torch.int64)
+    context_ids[:c] = req.context_ids
+    pos = c + per_event * torch.arange(events)
+    item_ids[pos] = req.items
+    timestamps[pos] = req.timestamps
+    if per_event == 1:
+        actions[pos] = req.actions
+    else:
+        actions[pos + 1] = req.actions
+        timestamps[pos + 1] = req.timestamps
+    return {"item_ids": item_ids, "actions": actions, "context_ids": context_ids, "timestamps": timestamps}
+
+
+def candidate_tokens(req: EncodedRequest) -> dict[str, Tensor]:
+    count = req.num_candidates
+    zeros = torch.zeros(count, dtype=torch.int64)
+    ts = torch.full((count,), req.request_time, dtype=torch.int64)
+    return {"item_ids": req.candidates.clone(), "actions": zeros, "context_ids": zeros.clone(), "timestamps": ts}
+
+
+def training_batch(req: EncodedRequest, action_encoding: str, max_seq_len: int, per_candidate: bool = False) -> JaggedBatch:
+    """The training-time batch of a request: one sequence with every candidate as a target, or
+    (``per_candidate``) one sequence per candidate — the naive way to score C candidates."""
+    prefix = prefix_tokens(req, action_encoding)
+    cands = candidate_tokens(req)
+    n_prefix, count = prefix["item_ids"].numel(), req.num_candidates
+    groups = [torch.arange(i, i + 1) for i in range(count)] if per_candidate else [torch.arange(count)]
+    features = {
+        name: torch.cat([t for g in groups for t in (prefix[name], cands[name][g])]) for name in prefix
+    }
+    lengths = torch.tensor([n_prefix + g.numel() for g in groups])
+    mask = AttentionMask(
+        causal=True,
+        num_targets=torch.tensor([g.numel() for g in groups]),
+        num_contextual=torch.full((len(groups),), req.context_ids.numel(), dtype=torch.int64),
+        timestamps=features["timestamps"],
+    )
+    return JaggedBatch(offsets_from_lengths(lengths), features, max(max_seq_len, int(lengths.max())), mask=mask)
+
+
+__all__ = ["EncodedRequest", "History", "RequestError", "Vocab", "candidate_tokens", "prefix_tokens", "training_batch"]

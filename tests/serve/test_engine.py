@@ -1,0 +1,120 @@
+"""Engine: prefix-cached scores equal the training-time forward pass; chunking and extension are exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recforge.serve.engine import EngineConfig, RankEngine
+from recforge.serve.layout import RequestError, prefix_tokens
+from tests.serve.conftest import build_model, export, random_history
+
+ATOL = 1e-5
+
+
+def _engine(tmp_path, encoding="sum", **config) -> RankEngine:
+    return RankEngine.from_run(export(build_model(), tmp_path / encoding, encoding), EngineConfig(**config))
+
+
+def _request(engine, n_events=40, n_cands=12, seed=0, late_events=0):
+    hist = random_history(n_events, seed)
+    request_time = hist["timestamps"][-1 - late_events] + 1 if late_events else hist["timestamps"][-1] + 10
+    g = torch.Generator().manual_seed(seed + 1)
+    cands = (1000 + torch.randint(0, 50, (n_cands,), generator=g)).tolist()
+    return engine.encode("u1", hist, cands, user_features={"user_id": "u2", "gender": "m"}, timestamp=request_time)
+
+
+@pytest.mark.parametrize("encoding", ["sum", "interleave"])
+@pytest.mark.parametrize("late_events", [0, 3])
+def test_scores_equal_training_forward_per_candidate(tmp_path, encoding, late_events) -> None:
+    """Each candidate's score equals RankingModel.forward on [contextual, history, that candidate];
+    history events at or after the request time are invisible to candidates in both."""
+    engine = _engine(tmp_path, encoding)
+    req = _request(engine, late_events=late_events)
+    cached = engine.rank_encoded(req).scores
+    naive = engine.rank_naive(req)
+    assert cached.shape == (12, 2)
+    torch.testing.assert_close(cached, naive, rtol=1e-5, atol=ATOL)
+
+
+def test_chunked_prefill_is_exact(tmp_path) -> None:
+    whole = _engine(tmp_path, prefill_chunk=4096)
+    chunked = RankEngine(whole.model, whole.manifest, None, EngineConfig(prefill_chunk=3))
+    chunked.vocab = whole.vocab
+    req = _request(whole, n_events=50)
+    torch.testing.assert_close(chunked.rank_encoded(req).scores, whole.rank_encoded(req).scores, rtol=1e-5, atol=ATOL)
+
+
+def test_extending_a_state_equals_encoding_from_scratch(tmp_path) -> None:
+    engine = _engine(tmp_path, prefill_chunk=8)
+    hist = random_history(60, seed=4)
+    now = hist["timestamps"][-1] + 5
+    cands = [1001, 1002, 1010, 1033]
+    first = engine.encode("u1", {k: v[:35] for k, v in hist.items()}, cands, timestamp=now)
+    state = engine.prefix_state(first, prefix_tokens(first, engine.action_encoding))
+    full = engine.encode("u1", hist, cands, timestamp=now)
+    assert engine.reusable(state, full, prefix_tokens(full, engine.action_encoding))
+    extended = engine.rank_encoded(full, state)
+    assert extended.cached_tokens == 2 + 35 and extended.computed_tokens == 25
+    scratch = engine.rank_encoded(full)
+    torch.testing.assert_close(extended.scores, scratch.scores, rtol=1e-5, atol=ATOL)
+
+
+def test_state_is_not_reused_across_contexts(tmp_path) -> None:
+    engine = _engine(tmp_path)
+    hist = random_history(20, seed=5)
+    now = hist["timestamps"][-1] + 5
+    req = engine.encode("u1", hist, [1001], timestamp=now)
+    state = engine.prefix_state(req, prefix_tokens(req, "sum"))
+    later = engine.encode("u1", hist, [1001], timestamp=now + 3600)  # contextual tokens carry the request time
+    assert not engine.reusable(state, later, prefix_tokens(later, "sum"))
+    other = engine.encode("u1", {**hist, "actions": ["buy"] * 20}, [1001], timestamp=now)
+    assert not engine.reusable(state, other, prefix_tokens(other, "sum"))
+    with pytest.raises(ValueError, match="not a prefix"):
+        engine.rank_encoded(other, state)
+
+
+def test_long_history_keeps_the_latest_events(tmp_path) -> None:
+    engine = _engine(tmp_path)
+    req = _request(engine, n_events=300, n_cands=3)
+    assert req.truncated == 300 - engine.max_events and req.items.numel() == engine.max_events
+    torch.testing.assert_close(engine.rank_encoded(req).scores, engine.rank_naive(req), rtol=1e-5, atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(candidates=[]), "candidates is empty"),
+        (dict(candidates=[1001] * 2001), "limit is 2000"),
+        (dict(candidates=[1001, 99]), "unknown candidate items"),
+        (dict(history={"items": [1001], "timestamps": [1, 2]}), "same length"),
+        (dict(history={"items": [1001, 1002], "timestamps": [5, 2]}), "non-decreasing"),
+        (dict(history={"items": [1001], "timestamps": ["x"]}), "integers"),
+        (dict(history={"items": [1001], "timestamps": [1], "actions": ["jump"]}), "unknown history actions"),
+        (dict(user_features={"age": 3}), "unknown user features"),
+        (dict(user_features={"gender": "q"}), "not seen in training"),
+        (dict(timestamp="now"), "must be an integer"),
+    ],
+)
+def test_bad_requests_are_rejected_with_a_clear_message(tmp_path, change, message) -> None:
+    engine = _engine(tmp_path)
+    args = dict(history={"items": [1001], "timestamps": [1]}, candidates=[1001], user_features={}, timestamp=10)
+    args.update(change)
+    with pytest.raises(RequestError, match=message):
+        engine.encode("u1", args["history"], args["candidates"], user_features=args["user_features"],
+                      timestamp=args["timestamp"])  # fmt: skip
+
+
+def test_unknown_ids_zero_policy_maps_to_none(tmp_path) -> None:
+    engine = _engine(tmp_path, unknown_ids="zero")
+    req = engine.encode("u1", {"items": [1001, 5], "timestamps": [1, 2]}, [1001, 7], timestamp=10)
+    assert req.items.tolist() == [2, 0] and req.candidates.tolist() == [2, 0]
+
+
+def test_bfloat16_is_close_to_float32(tmp_path) -> None:
+    full = _engine(tmp_path)
+    half = RankEngine(build_model(), full.manifest, None, EngineConfig(dtype="bfloat16"))
+    req = _request(full)
+    got = half.rank_encoded(req).scores
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, full.rank_encoded(req).scores, rtol=0.05, atol=0.05)
