@@ -10,11 +10,44 @@ candidates; its time bias uses its own timestamp.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from recforge.ops.hstu_attention import time_buckets
+
+
+@dataclass
+class BiasIndex:
+    """Layer-independent indices of the relative bias of m queries over n keys (computed once per
+    pass, gathered from each block's own weights): ``distance`` into ``pos_weights``, ``bucket``
+    into ``time_weights``; each (m, n) or (1, n) when every query has the same position and time."""
+
+    distance: Tensor | None
+    bucket: Tensor | None
+
+    @classmethod
+    def build(cls, q_pos: Tensor, k_pos: Tensor, q_ts: Tensor | None, k_ts: Tensor | None, num_pos: int,
+              num_buckets: int | None) -> BiasIndex:  # fmt: skip
+        uniform = q_pos.numel() > 0 and bool((q_pos == q_pos[0]).all())
+        if q_ts is not None:
+            uniform = uniform and bool((q_ts == q_ts[0]).all())
+        if uniform:
+            q_pos = q_pos[:1]
+            q_ts = None if q_ts is None else q_ts[:1]
+        distance = (q_pos.view(-1, 1) - k_pos.view(1, -1)).clamp(0, num_pos - 1) if num_pos else None
+        bucket = None
+        if num_buckets is not None and q_ts is not None:
+            bucket = time_buckets(q_ts.view(-1, 1) - k_ts.view(1, -1), num_buckets)
+        return cls(distance, bucket)
+
+    def bias(self, pos_weights: Tensor | None, time_weights: Tensor | None) -> Tensor | None:
+        out = pos_weights[self.distance] if pos_weights is not None and self.distance is not None else None
+        if time_weights is not None and self.bucket is not None:
+            out = time_weights[self.bucket] if out is None else out + time_weights[self.bucket]
+        return out
 
 
 def relative_bias_rows(
@@ -26,17 +59,9 @@ def relative_bias_rows(
     time_weights: Tensor | None,
 ) -> Tensor | None:
     """(m', n) position + time bias; m' = 1 when every query has the same position and time."""
-    uniform = q_pos.numel() > 0 and bool((q_pos == q_pos[0]).all()) and bool((q_ts == q_ts[0]).all())
-    if uniform:
-        q_pos, q_ts = q_pos[:1], q_ts[:1]
-    bias = None
-    if pos_weights is not None:
-        distance = (q_pos.view(-1, 1) - k_pos.view(1, -1)).clamp(0, pos_weights.numel() - 1)
-        bias = pos_weights[distance]
-    if time_weights is not None:
-        buckets = time_buckets(q_ts.view(-1, 1) - k_ts.view(1, -1), time_weights.numel() - 1)
-        bias = time_weights[buckets] if bias is None else bias + time_weights[buckets]
-    return bias
+    index = BiasIndex.build(q_pos, k_pos, q_ts, k_ts, 0 if pos_weights is None else pos_weights.numel(),
+                            None if time_weights is None else time_weights.numel() - 1)  # fmt: skip
+    return index.bias(pos_weights, time_weights)
 
 
 def cached_attention(
@@ -77,4 +102,4 @@ def self_attention_term(
     return (F.silu(scores) * scale).unsqueeze(-1) * v
 
 
-__all__ = ["cached_attention", "relative_bias_rows", "self_attention_term"]
+__all__ = ["BiasIndex", "cached_attention", "relative_bias_rows", "self_attention_term"]

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from recforge.models.hstu import HSTUEncoder
 from recforge.models.ranking import RankingModel, load_slices
-from recforge.serve.attention import cached_attention, relative_bias_rows, self_attention_term
+from recforge.serve.attention import BiasIndex, cached_attention, self_attention_term
 from recforge.serve.layout import (
     EncodedRequest,
     History,
@@ -318,36 +318,26 @@ class RankEngine:
                 it.state.tokens[s:e] = token_identity(it.features)
         tokens = x.shape[0]
         scale = 1.0 / cfg.max_seq_len
+        first = enc.blocks[0]
+        num_pos = first.pos_weights.numel()
+        num_buckets = first.time_weights.numel() - 1 if first.time_weights is not None else None
+        plans = [self._plan(it, feats["timestamps"][a:b], num_pos, num_buckets) for it, (a, b) in zip(items, spans)]
         for layer, block in enumerate(enc.blocks):
             u, v, q, k = F.silu(block.uvqk(block.norm(x))).split(block.split_sizes, dim=-1)
             q, k, v = q.view(tokens, heads, dqk), k.view(tokens, heads, dqk), v.view(tokens, heads, dv)
             pos_w, time_w = block.pos_weights, block.time_weights
             outs = []
-            for it, (a, b) in zip(items, spans):
-                st, q_ts = it.state, feats["timestamps"][a:b]
+            for it, (a, b), (n_keys, visible, index) in zip(items, spans, plans):
+                st = it.state
                 if it.kind == "prefix":
                     s, e = it.start, it.start + it.size
                     st.keys[layer, s:e], st.values[layer, s:e] = k[a:b], v[a:b]
-                    q_pos = torch.arange(s, e, device=self.device)
-                    k_pos = torch.arange(e, device=self.device)
-                    c = st.num_contextual
-                    visible = (k_pos.view(1, -1) < c) | ((q_pos.view(-1, 1) >= c) & (k_pos.view(1, -1) <= q_pos.view(-1, 1)))
-                    bias = relative_bias_rows(q_pos, k_pos, q_ts, st.timestamps[:e], pos_w, time_w)
-                    outs.append(cached_attention(q[a:b], st.keys[layer, :e], st.values[layer, :e], visible=visible,
-                                                 bias=bias, scale=scale))  # fmt: skip
-                else:
-                    h = st.length
-                    k_pos = torch.arange(h, device=self.device)
-                    q_pos = torch.full_like(q_ts, h)  # every candidate sits at the history end
-                    k_ts = st.timestamps[:h]
-                    uniform = bool((q_ts == q_ts[0]).all())
-                    q_rows = q_ts[:1] if uniform else q_ts
-                    # contextual keys always; history keys only when strictly earlier than the candidate
-                    visible = (k_pos.view(1, -1) < st.num_contextual) | (k_ts.view(1, -1) < q_rows.view(-1, 1))
-                    bias = relative_bias_rows(q_pos, k_pos, q_ts, k_ts, pos_w, time_w)
-                    out = cached_attention(q[a:b], st.keys[layer, :h], st.values[layer, :h], visible=visible,
-                                           bias=bias, scale=scale)  # fmt: skip
-                    outs.append(out + self_attention_term(q[a:b], k[a:b], v[a:b], q_ts, pos_w, time_w, scale))
+                bias = index.bias(pos_w, time_w)
+                out = cached_attention(q[a:b], st.keys[layer, :n_keys], st.values[layer, :n_keys], visible=visible,
+                                       bias=bias, scale=scale)  # fmt: skip
+                if it.kind == "targets":  # each candidate also sees itself (and no other candidate)
+                    out = out + self_attention_term(q[a:b], k[a:b], v[a:b], feats["timestamps"][a:b], pos_w, time_w, scale)
+                outs.append(out)
             attn = torch.cat(outs).reshape(tokens, heads * dv)
             x = x + block.out(block.attn_norm(attn) * u)
         results: list[Tensor | None] = []
@@ -358,6 +348,29 @@ class RankEngine:
             else:
                 results.append(self.model.postfix(x[a:b]).float().cpu())
         return results
+
+    def _plan(self, it: WorkItem, q_ts: Tensor, num_pos: int, num_buckets: int | None) -> tuple[int, Tensor, BiasIndex]:
+        """(keys attended, (m|1, n) visibility, bias index) of one work item: the same in every block."""
+        st = it.state
+        c = st.num_contextual
+        use_time = num_buckets is not None and self.time_bias
+        if it.kind == "prefix":  # contextual: full among themselves; history: causal, sees every contextual token
+            s, e = it.start, it.start + it.size
+            q_pos = torch.arange(s, e, device=self.device)
+            k_pos = torch.arange(e, device=self.device)
+            visible = (k_pos.view(1, -1) < c) | ((q_pos.view(-1, 1) >= c) & (k_pos.view(1, -1) <= q_pos.view(-1, 1)))
+            index = BiasIndex.build(q_pos, k_pos, q_ts if use_time else None, st.timestamps[:e], num_pos,
+                                    num_buckets if use_time else None)  # fmt: skip
+            return e, visible, index
+        h = st.length
+        k_pos = torch.arange(h, device=self.device)
+        k_ts = st.timestamps[:h]
+        q_rows = q_ts[:1] if bool((q_ts == q_ts[0]).all()) else q_ts
+        # a candidate sits at the history end h; it sees contextual keys, and history keys strictly earlier than it
+        visible = (k_pos.view(1, -1) < c) | (k_ts.view(1, -1) < q_rows.view(-1, 1))
+        index = BiasIndex.build(torch.full_like(q_ts, h), k_pos, q_ts if use_time else None, k_ts, num_pos,
+                                num_buckets if use_time else None)  # fmt: skip
+        return h, visible, index
 
     # ------------------------------------------------------------------------------- baselines
 
