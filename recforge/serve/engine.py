@@ -158,6 +158,9 @@ class RankEngine:
                 "features; re-export the run (recforge eval RUN_DIR) to write user_features into manifest.json"
             )
         self.version = version
+        self.pool = getattr(self, "pool", None)  # a KVCachePool; kept across reload()
+        if self.pool is not None and self.pool.version != version:
+            self.pool.invalidate(version)
         self.cached = isinstance(model.encoder, HSTUEncoder)
         if self.cached:
             cfg = model.encoder.cfg
@@ -241,13 +244,31 @@ class RankEngine:
             scores = self.model(batch).float().cpu()
             return RankResult(scores, self.tasks, 0, batch.num_tokens - req.num_candidates, req.truncated)
         tokens = prefix_tokens(req, self.action_encoding)
+        pooled = state is None and self.pool is not None
+        if pooled:
+            state = self.acquire(req, tokens)
         reused = state.length if state is not None else 0
         state = self.prefix_state(req, tokens, state)
+        if pooled:
+            self.release(req, state, reused)
         t1 = time.perf_counter()
         scores = self.score(state, candidate_tokens(req))
         t2 = time.perf_counter()
         timings = {"prefill": (t1 - t0) * 1e3, "candidates": (t2 - t1) * 1e3}
         return RankResult(scores, self.tasks, reused, state.length - reused, req.truncated, timings)
+
+    def acquire(self, req: EncodedRequest, tokens: dict[str, Tensor]) -> PrefixState | None:
+        """The pool's cached prefix of ``req.user`` when it is a prefix of this request, else None."""
+        state = self.pool.get(req.user, tokens["item_ids"].numel())
+        if state is not None and not self.reusable(state, req, tokens):
+            self.pool.mark_stale(req.user)
+            return None
+        return state
+
+    def release(self, req: EncodedRequest, state: PrefixState, reused: int) -> None:
+        """Write the request's prefix back to the pool (only the tokens computed after ``reused``)."""
+        self.pool.record(reused, state.length - reused)
+        self.pool.put(req.user, state, reused)
 
     # ------------------------------------------------------------------------------- compute
 

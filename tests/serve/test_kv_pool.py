@@ -1,0 +1,119 @@
+"""KV-cache pool: reuse and incremental extension are exact; LRU, memory bound, host tier, invalidation."""
+
+from __future__ import annotations
+
+import torch
+
+from recforge.serve.engine import EngineConfig, RankEngine
+from recforge.serve.kv_pool import KVCachePool, PoolConfig
+from tests.serve.conftest import build_model, export, random_history
+
+CANDS = [1001, 1002, 1010, 1033, 1049]
+
+
+def _engine(tmp_path, pool: PoolConfig, **config) -> RankEngine:
+    engine = RankEngine.from_run(export(build_model(), tmp_path / "run"), EngineConfig(**config))
+    engine.pool = KVCachePool.for_engine(engine, pool)
+    return engine
+
+
+def _scratch(engine: RankEngine, req) -> torch.Tensor:
+    pool, engine.pool = engine.pool, None
+    try:
+        return engine.rank_encoded(req).scores
+    finally:
+        engine.pool = pool
+
+
+def test_incremental_extension_equals_encoding_from_scratch(tmp_path) -> None:
+    engine = _engine(tmp_path, PoolConfig(device_mb=1, block_size=8), prefill_chunk=16)
+    hist = random_history(90, seed=1)
+    now = hist["timestamps"][-1] + 5
+    for n, expect_reused in ((40, 0), (40, 42), (57, 42), (90, 59)):  # cold, warm, then two extensions
+        req = engine.encode("u7", {k: v[:n] for k, v in hist.items()}, CANDS, user_features={"user_id": "u1"}, timestamp=now)
+        result = engine.rank_encoded(req)
+        assert result.cached_tokens == expect_reused
+        assert result.computed_tokens == 2 + n - expect_reused
+        torch.testing.assert_close(result.scores, _scratch(engine, req), rtol=1e-5, atol=1e-5)
+    report = engine.pool.report()
+    assert report["device_hits"] == 3 and report["misses"] == 1 and report["hit_rate"] == 0.75
+    assert report["token_hit_rate"] == (42 + 42 + 59) / (42 + 42 + 59 + 42 + 0 + 17 + 33)
+
+
+def test_a_changed_history_or_request_time_is_recomputed(tmp_path) -> None:
+    engine = _engine(tmp_path, PoolConfig(device_mb=1, block_size=8))
+    hist = random_history(30, seed=2)
+    now = hist["timestamps"][-1] + 5
+    engine.rank_encoded(engine.encode("u1", hist, CANDS, timestamp=now))
+    rewritten = {**hist, "actions": ["buy"] * 30}
+    req = engine.encode("u1", rewritten, CANDS, timestamp=now)
+    assert engine.rank_encoded(req).cached_tokens == 0
+    later = engine.encode("u1", rewritten, CANDS, timestamp=now + 86400)
+    result = engine.rank_encoded(later)
+    assert result.cached_tokens == 0
+    torch.testing.assert_close(result.scores, _scratch(engine, later), rtol=1e-5, atol=1e-5)
+    assert engine.pool.report()["stale"] == 2
+
+
+def _history(seed: int, events: int = 50) -> tuple[dict, int]:
+    """The first ``events`` of a 55-event history, and a request time after all 55."""
+    hist = random_history(55, seed)
+    return {k: v[:events] for k, v in hist.items()}, hist["timestamps"][-1] + 1
+
+
+def _fill(engine: RankEngine, users: list[str], events: int = 50) -> None:
+    for i, user in enumerate(users):
+        hist, now = _history(10 + i, events)
+        engine.rank_encoded(engine.encode(user, hist, CANDS, timestamp=now))
+
+
+def test_lru_eviction_respects_the_memory_bound_and_drops_without_host_tier(tmp_path) -> None:
+    engine = _engine(tmp_path, PoolConfig(device_mb=0.05, host_mb=0, block_size=16))
+    pool = engine.pool
+    per_user = 4 * pool.block_bytes  # 52 tokens -> 4 pages of 16
+    assert pool.num_blocks * pool.block_bytes <= 0.05 * 2**20
+    capacity_users = pool.num_blocks // 4
+    _fill(engine, [f"u{i}" for i in range(capacity_users + 2)])
+    report = pool.report()
+    assert report["device_bytes_used"] <= report["device_bytes_capacity"]
+    assert report["users_device"] == capacity_users and report["users_host"] == 0 and report["dropped"] == 2
+    assert "u0" not in pool.entries and "u1" not in pool.entries  # least recently used went first
+    assert report["device_bytes_used"] == capacity_users * per_user
+
+
+def test_host_tier_keeps_evicted_users_and_serves_them_exactly(tmp_path) -> None:
+    engine = _engine(tmp_path, PoolConfig(device_mb=0.05, host_mb=1, block_size=16))
+    pool = engine.pool
+    users = [f"u{i}" for i in range(pool.num_blocks // 4 + 2)]
+    _fill(engine, users)
+    assert set(pool.host) == {"u0", "u1"} and pool.report()["evicted_to_host"] == 2
+    more, now = _history(10, 55)  # u0's history again, with 5 new events
+    req = engine.encode("u0", more, CANDS, timestamp=now)
+    result = engine.rank_encoded(req)
+    assert pool.stats.host_hits == 1 and result.cached_tokens == 52 and result.computed_tokens == 5
+    torch.testing.assert_close(result.scores, _scratch(engine, req), rtol=1e-5, atol=1e-5)
+    assert "u0" in pool.entries and "u0" not in pool.host
+
+
+def test_host_tier_is_bounded(tmp_path) -> None:
+    engine = _engine(tmp_path, PoolConfig(device_mb=0.05, host_mb=0.02, block_size=16))
+    _fill(engine, [f"u{i}" for i in range(engine.pool.num_blocks // 4 + 6)])
+    report = engine.pool.report()
+    assert 0 < report["host_bytes_used"] <= report["host_bytes_capacity"]
+    assert report["dropped"] > 0
+
+
+def test_new_model_version_invalidates_every_cache(tmp_path) -> None:
+    engine = _engine(tmp_path, PoolConfig(device_mb=1, block_size=8))
+    _fill(engine, ["a", "b"])
+    assert engine.pool.report()["users_device"] == 2
+    export(build_model(seed=1), tmp_path / "run", step=2)
+    engine.reload(tmp_path / "run")
+    report = engine.pool.report()
+    assert report["users_device"] == 0 and report["device_bytes_used"] == 0
+    hist, now = _history(10)
+    req = engine.encode("a", hist, CANDS, timestamp=now)
+    result = engine.rank_encoded(req)
+    assert result.cached_tokens == 0
+    fresh = RankEngine.from_run(tmp_path / "run")
+    torch.testing.assert_close(result.scores, fresh.rank_encoded(req).scores, rtol=1e-5, atol=1e-5)
