@@ -159,6 +159,7 @@ class RankEngine:
             )
         self.version = version
         self.pool = getattr(self, "pool", None)  # a KVCachePool; kept across reload()
+        self.pool_config = self.pool.config if self.pool is not None else None
         if self.pool is not None and self.pool.version != version:
             self.pool.invalidate(version)
         self.cached = isinstance(model.encoder, HSTUEncoder)
@@ -434,6 +435,13 @@ class RankEngine:
         vocab_path = model_dir / "vocab.json"
         vocab = json.loads(vocab_path.read_text()) if vocab_path.is_file() else None
         self.__init__(self.model, manifest, vocab, self.config, model_version(model_dir))
+        if self.pool is not None and self.cached:
+            cfg = self.model.encoder.cfg
+            if tuple(self.pool.keys.shape[1:]) != (cfg.num_blocks, self.pool.config.block_size, cfg.num_heads, cfg.dqk):
+                from recforge.serve.kv_pool import KVCachePool
+
+                self.pool = None  # free the old pages before allocating the new ones
+                self.pool = KVCachePool.for_engine(self, self.pool_config)
 
 
 def _slice_kwargs(module: torch.nn.Module) -> dict:
