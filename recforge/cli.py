@@ -1,4 +1,4 @@
-"""The `recforge` command: demo | data prepare | train | eval."""
+"""The `recforge` command: demo | data prepare | train | eval | serve | export."""
 
 from __future__ import annotations
 
@@ -99,6 +99,38 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print(f"wrote {Path(args.run_dir) / 'eval.json'}")
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from recforge.serve.engine import EngineConfig, RankEngine
+    from recforge.serve.kv_pool import PoolConfig
+    from recforge.serve.scheduler import SchedulerConfig
+    from recforge.serve.server import ServerConfig, create_app
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    engine = RankEngine.from_run(args.run_dir, EngineConfig(
+        device=args.device, dtype=args.dtype, prefill_chunk=args.prefill_chunk, max_candidates=args.max_candidates,
+        max_history_events=args.max_history, unknown_ids=args.unknown_ids))  # fmt: skip
+    config = ServerConfig(
+        scheduler=SchedulerConfig(token_budget=args.token_budget, max_wait_ms=args.max_wait_ms,
+                                  prefill_chunk=args.prefill_chunk, max_queue=args.max_queue),
+        pool=PoolConfig(device_mb=args.cache_mb, host_mb=args.host_cache_mb) if args.cache_mb > 0 else None,
+        allow_reload=args.allow_reload, run_dir=args.run_dir,
+    )  # fmt: skip
+    print(f"serving {args.run_dir} (model {engine.version}) on http://{args.host}:{args.port}  docs: /docs")
+    uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from recforge.serve.export import export_run
+
+    out = export_run(args.run_dir, args.out, formats=tuple(args.formats.split(",")), check=not args.no_check)
+    print(f"wrote {out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recforge", description="Train and evaluate generative recommenders.")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
@@ -139,6 +171,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default="auto", help="auto | best | latest | a checkpoint directory")
     p.add_argument("--split", default="test", choices=("test", "valid"))
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("serve", help="serve a trained ranking run over HTTP (POST /v1/rank; docs at /docs)")
+    p.add_argument("run_dir", help="a ranking run directory (or its model/ directory)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="auto", help="cpu | cuda | auto (default)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    p.add_argument("--token-budget", type=int, default=8192, help="query tokens per batched engine pass")
+    p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a pass waits for more requests")
+    p.add_argument("--prefill-chunk", type=int, default=1024, help="most history tokens of one request per pass")
+    p.add_argument("--max-queue", type=int, default=1024, help="requests in flight before 503")
+    p.add_argument("--max-candidates", type=int, default=2000)
+    p.add_argument("--max-history", type=int, default=100_000, help="events per request before 422")
+    p.add_argument("--unknown-ids", default="error", choices=("error", "zero"))
+    p.add_argument("--cache-mb", type=float, default=256.0, help="KV-cache device tier (0: no cache)")
+    p.add_argument("--host-cache-mb", type=float, default=1024.0, help="KV-cache host tier (0: none)")
+    p.add_argument("--allow-reload", action="store_true", help="expose POST /v1/reload")
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("export", help="export a ranking run's slices to torch.export and ONNX")
+    p.add_argument("run_dir")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--formats", default="torch,onnx", help="comma-separated: torch, onnx")
+    p.add_argument("--no-check", action="store_true", help="skip running the exported programs against PyTorch")
+    p.set_defaults(func=cmd_export)
     return parser
 
 

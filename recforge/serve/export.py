@@ -1,0 +1,217 @@
+"""Export a ranking run's slices for serving outside Python: torch.export programs and ONNX models.
+
+Four programs, each with dynamic token counts, and ``export.json`` saying how they connect::
+
+    prefix          item_ids, actions, context_ids, timestamps (T,)   -> embeddings (T, d)
+    encoder_prefill embeddings (n, d), timestamps (n,), num_contextual -> keys (B, n, H, Dqk), values (B, n, H, Dv)
+                    (the user's contextual + history tokens: the KV cache)
+    encoder_score   candidate embeddings (C, d), candidate timestamps (C,), keys, values,
+                    key timestamps (n,), num_contextual                -> candidate states (C, d)
+    postfix         candidate states (C, d)                            -> task outputs (C, K)
+
+They compute what ``RankEngine`` computes (one sequence; no chunking or pool), so an ONNX
+runtime can serve prefix-cached ranking: run ``prefix`` + ``encoder_prefill`` once per history,
+keep keys/values, then ``prefix`` + ``encoder_score`` + ``postfix`` per candidate batch.
+
+Example:
+    >>> export_run("runs/ranking-taobao-hstu", "runs/ranking-taobao-hstu/export")   # or `recforge export`
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from recforge.io import atomic_write_json
+from recforge.models.hstu import HSTUEncoder
+from recforge.models.ranking import RankingModel, load_slices
+from recforge.ops.hstu_attention import time_buckets
+
+log = logging.getLogger(__name__)
+
+
+class PrefixProgram(nn.Module):
+    def __init__(self, prefix: nn.Module) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def forward(self, item_ids: Tensor, actions: Tensor, context_ids: Tensor, timestamps: Tensor) -> Tensor:
+        return self.prefix({"item_ids": item_ids, "actions": actions, "context_ids": context_ids, "timestamps": timestamps})
+
+
+def _bias(block: nn.Module, distance: Tensor, delta_t: Tensor) -> Tensor:
+    bias = block.pos_weights[distance.clamp(0, block.pos_weights.numel() - 1)]
+    if block.time_weights is not None:
+        bias = bias + block.time_weights[time_buckets(delta_t, block.time_weights.numel() - 1)]
+    return bias
+
+
+class PrefillProgram(nn.Module):
+    """Contextual + history tokens through every block; returns each block's keys and values."""
+
+    def __init__(self, encoder: HSTUEncoder) -> None:
+        super().__init__()
+        self.blocks = encoder.blocks
+        self.cfg = encoder.cfg
+
+    def forward(self, x: Tensor, timestamps: Tensor, num_contextual: Tensor) -> tuple[Tensor, Tensor]:
+        cfg, n = self.cfg, x.shape[0]
+        pos = torch.arange(n, device=x.device)
+        i, j = pos.view(-1, 1), pos.view(1, -1)
+        visible = ((j < num_contextual) | ((i >= num_contextual) & (j <= i))).to(x.dtype)  # (n, n)
+        delta_t = timestamps.view(-1, 1) - timestamps.view(1, -1)
+        keys, values = [], []
+        for block in self.blocks:
+            u, v, q, k = F.silu(block.uvqk(block.norm(x))).split(block.split_sizes, dim=-1)
+            q, k, v = q.view(n, cfg.num_heads, cfg.dqk), k.view(n, cfg.num_heads, cfg.dqk), v.view(n, cfg.num_heads, cfg.dv)
+            scores = torch.einsum("mhd,nhd->hmn", q, k) + _bias(block, i - j, delta_t).unsqueeze(0)
+            attn = torch.einsum("hmn,nhd->mhd", F.silu(scores) * visible / cfg.max_seq_len, v)
+            x = x + block.out(block.attn_norm(attn.reshape(n, -1)) * u)
+            keys.append(k)
+            values.append(v)
+        return torch.stack(keys), torch.stack(values)
+
+
+class ScoreProgram(nn.Module):
+    """Candidates through every block, attending to the cached keys/values and to themselves."""
+
+    def __init__(self, encoder: HSTUEncoder) -> None:
+        super().__init__()
+        self.blocks = encoder.blocks
+        self.cfg = encoder.cfg
+
+    def forward(self, x: Tensor, timestamps: Tensor, keys: Tensor, values: Tensor, key_timestamps: Tensor,
+                num_contextual: Tensor) -> Tensor:  # fmt: skip
+        cfg, count, n = self.cfg, x.shape[0], keys.shape[1]
+        k_pos = torch.arange(n, device=x.device).view(1, -1)
+        # contextual keys always; history keys strictly earlier than the candidate; its position is the history end n
+        visible = ((k_pos < num_contextual) | (key_timestamps.view(1, -1) < timestamps.view(-1, 1))).to(x.dtype)
+        delta_t = timestamps.view(-1, 1) - key_timestamps.view(1, -1)
+        zero = torch.zeros_like(timestamps)
+        for layer, block in enumerate(self.blocks):
+            u, v, q, k = F.silu(block.uvqk(block.norm(x))).split(block.split_sizes, dim=-1)
+            q = q.view(count, cfg.num_heads, cfg.dqk)
+            k = k.view(count, cfg.num_heads, cfg.dqk)
+            v = v.view(count, cfg.num_heads, cfg.dv)
+            scores = torch.einsum("mhd,nhd->hmn", q, keys[layer]) + _bias(block, n - k_pos, delta_t).unsqueeze(0)
+            attn = torch.einsum("hmn,nhd->mhd", F.silu(scores) * visible / cfg.max_seq_len, values[layer])
+            own = (q * k).sum(-1) + _bias(block, zero, zero).unsqueeze(1)  # (C, H)
+            attn = attn + (F.silu(own) / cfg.max_seq_len).unsqueeze(-1) * v
+            x = x + block.out(block.attn_norm(attn.reshape(count, -1)) * u)
+        return x
+
+
+def _programs(model: RankingModel) -> dict[str, tuple[nn.Module, tuple, dict]]:
+    if not isinstance(model.encoder, HSTUEncoder):
+        raise ValueError(f"export needs an HSTU encoder; this run's encoder is {type(model.encoder).__name__}")
+    cfg = model.encoder.cfg
+    d = model.prefix.dim if hasattr(model.prefix, "dim") else cfg.dim
+    n, c = 9, 2
+    tokens = torch.arange(1, n + 1, dtype=torch.int64)
+    ts = torch.arange(n, dtype=torch.int64) * 1000 + 1_000_000
+    ctx = torch.tensor(c, dtype=torch.int64)
+    layers, heads = cfg.num_blocks, cfg.num_heads
+    T, N, C = (torch.export.Dim(name, min=2, max=1 << 20) for name in ("tokens", "prefix_len", "candidates"))
+    return {
+        "prefix": (PrefixProgram(model.prefix), (tokens.clamp(max=1), tokens * 0, tokens * 0, ts),
+                   {"item_ids": {0: T}, "actions": {0: T}, "context_ids": {0: T}, "timestamps": {0: T}}),
+        "encoder_prefill": (PrefillProgram(model.encoder), (torch.randn(n, d), ts, ctx),
+                            {"x": {0: N}, "timestamps": {0: N}, "num_contextual": None}),
+        "encoder_score": (ScoreProgram(model.encoder),
+                          (torch.randn(5, d), torch.full((5,), 1_000_000 + 5500), torch.randn(layers, n, heads, cfg.dqk),
+                           torch.randn(layers, n, heads, cfg.dv), ts, ctx),
+                          {"x": {0: C}, "timestamps": {0: C}, "keys": {1: N}, "values": {1: N},
+                           "key_timestamps": {0: N}, "num_contextual": None}),
+        "postfix": (model.postfix, (torch.randn(5, d),), {"x": {0: C}}),
+    }  # fmt: skip
+
+
+IO = {
+    "prefix": (["item_ids", "actions", "context_ids", "timestamps"], ["embeddings"]),
+    "encoder_prefill": (["x", "timestamps", "num_contextual"], ["keys", "values"]),
+    "encoder_score": (["x", "timestamps", "keys", "values", "key_timestamps", "num_contextual"], ["states"]),
+    "postfix": (["x"], ["outputs"]),
+}
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, formats: tuple[str, ...] = ("torch", "onnx"),
+               check: bool = True) -> Path:  # fmt: skip
+    """Export the run's programs (see the module docstring) to ``out_dir``; with ``check``, run each
+    exported program on its example inputs and compare with PyTorch (raises on a mismatch)."""
+    unknown = set(formats) - {"torch", "onnx"}
+    if unknown:
+        raise ValueError(f"unknown export formats {sorted(unknown)}; expected torch and/or onnx")
+    run_dir = Path(run_dir)
+    model_dir = run_dir / "model" if (run_dir / "model" / "manifest.json").is_file() else run_dir
+    model, manifest = load_slices(model_dir)
+    model = model.float().eval()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    programs, report = {}, {}
+    for name, (module, args, dynamic) in _programs(model).items():
+        module = module.eval()
+        with torch.no_grad():
+            expected = module(*args)
+        entry = {"inputs": IO[name][0], "outputs": IO[name][1], "files": {}}
+        if "torch" in formats:
+            program = torch.export.export(module, args, dynamic_shapes=dynamic)
+            torch.export.save(program, out / f"{name}.pt2")
+            entry["files"]["torch"] = f"{name}.pt2"
+            if check:
+                report[f"{name}/torch"] = _max_diff(program.module()(*args), expected)
+        if "onnx" in formats:
+            onnx_program = torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic,
+                                             input_names=IO[name][0], output_names=IO[name][1], verbose=False)  # fmt: skip
+            onnx_program.save(str(out / f"{name}.onnx"))
+            entry["files"]["onnx"] = f"{name}.onnx"
+            if check:
+                report[f"{name}/onnx"] = _max_diff(run_onnx(out / f"{name}.onnx", args), expected)
+        programs[name] = entry
+    bad = {k: v for k, v in report.items() if not v <= 1e-4}
+    if bad:
+        raise RuntimeError(f"exported programs disagree with PyTorch (max |diff|): {bad}")
+    cfg = model.encoder.cfg
+    atomic_write_json(out / "export.json", {
+        "format": "recforge-ranking-export",
+        "format_version": 1,
+        "programs": programs,
+        "flow": [
+            "history: prefix(contextual + history tokens) -> encoder_prefill -> keys, values (cache them per user)",
+            "candidates: prefix(candidate tokens) -> encoder_score(.., keys, values, history timestamps) -> postfix",
+        ],
+        "layout": {
+            "action_encoding": manifest.get("action_encoding", "sum"),
+            "num_contextual": manifest.get("num_contextual"),
+            "user_features": manifest.get("user_features"),
+            "contextual_tokens": "context_ids per user feature, timestamp = request time",
+            "history_tokens": "sum: item + action per event; interleave: item token then action token",
+            "candidate_tokens": "item_ids, actions 0, context_ids 0, timestamp = request time",
+            "max_seq_len": cfg.max_seq_len,
+        },
+        "tasks": manifest.get("tasks", []),
+        "check_max_abs_diff": report,
+    })  # fmt: skip
+    return out
+
+
+def run_onnx(path: Path, args: tuple) -> tuple | Tensor:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)}
+    outs = [torch.from_numpy(o) for o in session.run(None, feeds)]
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _max_diff(got, expected) -> float:
+    got = got if isinstance(got, tuple | list) else (got,)
+    expected = expected if isinstance(expected, tuple | list) else (expected,)
+    return max(float((g - e).abs().max()) for g, e in zip(got, expected))
+
+
+__all__ = ["PrefillProgram", "PrefixProgram", "ScoreProgram", "export_run", "run_onnx"]
