@@ -151,7 +151,12 @@ class RankEngine:
         self.action_encoding = manifest.get("action_encoding", "sum")
         prefix_cfg = getattr(model.prefix, "kwargs", {})
         self.vocab = Vocab.from_json(vocab, manifest, prefix_cfg.get("num_items", 0), prefix_cfg.get("num_actions", 0))
-        self.num_contextual = int(manifest.get("num_contextual", len(self.vocab.feature_names)))
+        if "num_contextual" not in manifest and prefix_cfg.get("num_context_values", 0) > 0:
+            raise ValueError(
+                "the model's manifest.json does not say how many contextual (user feature) tokens it was trained "
+                "with (exported before serving support); re-export it with `recforge eval RUN_DIR`"
+            )
+        self.num_contextual = int(manifest.get("num_contextual", 0))
         if len(self.vocab.feature_names) != self.num_contextual:
             raise ValueError(
                 f"manifest says {self.num_contextual} contextual tokens but names {len(self.vocab.feature_names)} user "
