@@ -7,7 +7,7 @@ import torch
 
 from recforge.serve.engine import EngineConfig, RankEngine
 from recforge.serve.layout import RequestError, prefix_tokens
-from tests.serve.conftest import build_model, export, random_history
+from _serve_helpers import build_model, export, random_history
 
 ATOL = 1e-5
 

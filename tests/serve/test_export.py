@@ -10,7 +10,7 @@ import torch
 from recforge.serve.engine import RankEngine
 from recforge.serve.export import export_run, run_onnx
 from recforge.serve.layout import candidate_tokens, prefix_tokens
-from tests.serve.conftest import build_model, export, random_history
+from _serve_helpers import build_model, export, random_history
 
 FEATURES = ("item_ids", "actions", "context_ids", "timestamps")
 

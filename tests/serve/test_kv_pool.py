@@ -6,7 +6,7 @@ import torch
 
 from recforge.serve.engine import EngineConfig, RankEngine
 from recforge.serve.kv_pool import KVCachePool, PoolConfig
-from tests.serve.conftest import build_model, export, random_history
+from _serve_helpers import build_model, export, random_history
 
 CANDS = [1001, 1002, 1010, 1033, 1049]
 

@@ -10,7 +10,7 @@ import torch
 from recforge.serve.engine import EngineConfig, RankEngine
 from recforge.serve.kv_pool import KVCachePool, PoolConfig
 from recforge.serve.scheduler import BatchRunner, Scheduler, SchedulerConfig, Sequence
-from tests.serve.conftest import build_model, export, random_history
+from _serve_helpers import build_model, export, random_history
 
 
 def _engine(tmp_path) -> RankEngine:

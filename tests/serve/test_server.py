@@ -10,7 +10,7 @@ from recforge.serve.engine import EngineConfig, RankEngine
 from recforge.serve.kv_pool import PoolConfig
 from recforge.serve.scheduler import SchedulerConfig
 from recforge.serve.server import ServerConfig, create_app
-from tests.serve.conftest import build_model, export, random_history
+from _serve_helpers import build_model, export, random_history
 
 
 @pytest.fixture

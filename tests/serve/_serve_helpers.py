@@ -1,10 +1,9 @@
-"""Shared fixtures for the serving tests: a tiny trained-shape ranking model and its exported run."""
+"""Helpers for the serving tests: a tiny ranking model, its exported run, random histories."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from torch import nn
 
@@ -58,8 +57,3 @@ def random_history(n: int, seed: int, start: int = 1_000_000) -> dict:
         "timestamps": (start + torch.cumsum(gaps, 0)).tolist(),
         "actions": [ACTIONS[i] for i in torch.randint(0, len(ACTIONS), (n,), generator=g).tolist()],
     }
-
-
-@pytest.fixture(scope="session")
-def run_dir(tmp_path_factory) -> Path:
-    return export(build_model(), tmp_path_factory.mktemp("serve") / "run")
