@@ -113,7 +113,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     engine = RankEngine.from_run(args.run_dir, EngineConfig(
         device=args.device, dtype=args.dtype, prefill_chunk=args.prefill_chunk, max_candidates=args.max_candidates,
-        max_history_events=args.max_history, unknown_ids=args.unknown_ids))  # fmt: skip
+        max_history_events=args.max_history, unknown_ids=args.unknown_ids,
+        unknown_feature_values=args.unknown_feature_values))  # fmt: skip
     config = ServerConfig(
         scheduler=SchedulerConfig(token_budget=args.token_budget, max_wait_ms=args.max_wait_ms,
                                   prefill_chunk=args.prefill_chunk, max_queue=args.max_queue),
@@ -185,7 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=1024, help="requests in flight before 503")
     p.add_argument("--max-candidates", type=int, default=2000)
     p.add_argument("--max-history", type=int, default=100_000, help="events per request before 422")
-    p.add_argument("--unknown-ids", default="error", choices=("error", "zero"))
+    p.add_argument("--unknown-ids", default="error", choices=("error", "zero"),
+                   help="unknown item IDs / actions: 422 (error, default) or the 'none' embedding (zero)")
+    p.add_argument("--unknown-feature-values", default="zero", choices=("error", "zero"),
+                   help="user feature values not seen in training (e.g. a new user_id): 'none' (default) or 422")
     p.add_argument("--cache-mb", type=float, default=256.0, help="KV-cache device tier (0: no cache)")
     p.add_argument("--host-cache-mb", type=float, default=1024.0, help="KV-cache host tier (0: none)")
     p.add_argument("--allow-reload", action="store_true", help="expose POST /v1/reload")

@@ -54,7 +54,8 @@ class EngineConfig:
     prefill_chunk: int = 1024  # prefix tokens computed per step; bounds attention memory to chunk x prefix
     max_candidates: int = 2000  # a request with more candidates is rejected
     max_history_events: int = 100_000  # a request with more events is rejected; the model sees the latest that fit
-    unknown_ids: str = "error"  # error: reject unknown items/actions/feature values; zero: map them to "none"
+    unknown_ids: str = "error"  # items and actions outside the vocabulary: error (422) | zero (the "none" embedding)
+    unknown_feature_values: str = "zero"  # user feature values never seen in training (a new user_id): zero | error
 
     def validate(self) -> None:
         problems = []
@@ -62,8 +63,9 @@ class EngineConfig:
             problems.append(f"dtype={self.dtype!r}: expected one of {tuple(DTYPES)}")
         if self.device not in ("cpu", "auto") and not self.device.startswith("cuda"):
             problems.append(f"device={self.device!r}: expected cpu, cuda[:N] or auto")
-        if self.unknown_ids not in ("error", "zero"):
-            problems.append(f"unknown_ids={self.unknown_ids!r}: expected error or zero")
+        for name in ("unknown_ids", "unknown_feature_values"):
+            if getattr(self, name) not in ("error", "zero"):
+                problems.append(f"{name}={getattr(self, name)!r}: expected error or zero")
         for name in ("prefill_chunk", "max_candidates", "max_history_events"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -228,7 +230,7 @@ class RankEngine:
         item_codes = self.vocab.item_codes(items, "history items", unknown)
         action_codes = self.vocab.action_codes(actions, len(items), unknown)
         cand_codes = self.vocab.item_codes(list(candidates), "candidate items", unknown)
-        context = self.vocab.context_codes(user_features or {}, unknown)
+        context = self.vocab.context_codes(user_features or {}, cfg.unknown_feature_values)
         drop = max(0, len(items) - self.max_events)  # training keeps the latest events that fit, too
         return EncodedRequest(
             user=str(user), context_ids=context, items=item_codes[drop:], actions=action_codes[drop:],

@@ -92,7 +92,6 @@ def test_long_history_keeps_the_latest_events(tmp_path) -> None:
         (dict(history={"items": [1001], "timestamps": ["x"]}), "integers"),
         (dict(history={"items": [1001], "timestamps": [1], "actions": ["jump"]}), "unknown history actions"),
         (dict(user_features={"age": 3}), "unknown user features"),
-        (dict(user_features={"gender": "q"}), "not seen in training"),
         (dict(timestamp="now"), "must be an integer"),
     ],
 )
@@ -103,6 +102,15 @@ def test_bad_requests_are_rejected_with_a_clear_message(tmp_path, change, messag
     with pytest.raises(RequestError, match=message):
         engine.encode("u1", args["history"], args["candidates"], user_features=args["user_features"],
                       timestamp=args["timestamp"])  # fmt: skip
+
+
+def test_unknown_feature_values_map_to_none_unless_configured_to_fail(tmp_path) -> None:
+    lenient = _engine(tmp_path)
+    assert lenient.encode("u1", {"items": [], "timestamps": []}, [1001], user_features={"user_id": "new", "gender": "m"},
+                          timestamp=5).context_ids.tolist() == [0, 5]  # fmt: skip
+    strict = _engine(tmp_path, unknown_feature_values="error")
+    with pytest.raises(RequestError, match="gender='q' was not seen in training"):
+        strict.encode("u1", {"items": [], "timestamps": []}, [1001], user_features={"gender": "q"}, timestamp=5)
 
 
 def test_unknown_ids_zero_policy_maps_to_none(tmp_path) -> None:
