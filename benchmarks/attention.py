@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import subprocess
@@ -155,7 +156,7 @@ def gr_worker(gr_path: str, cases: list[dict], seed: int) -> None:
         (q, k, v), offsets = inputs_for(lengths, dim, seed)
         L = max(lengths)
         fl_fwd, fl_bwd = flops(lengths, dim)
-        fn = lambda: gr.triton_hstu_mha(L, 1.0, q, k, v, offsets)  # noqa: E731
+        fn = functools.partial(gr.triton_hstu_mha, L, 1.0, q, k, v, offsets)
         row = measure("generative-recommenders triton", fn, [q, k, v], fl_fwd, fl_bwd, peak)
         row.update(dim=dim, max_len=L)
         print("GRROW " + json.dumps(row), flush=True)
@@ -168,7 +169,7 @@ def run_gr(gr_path: str, cases: list[dict], seed: int) -> list[dict]:
     while todo:
         proc = subprocess.run(
             [sys.executable, __file__, "--_gr-worker", json.dumps({"path": gr_path, "cases": todo, "seed": seed})],
-            capture_output=True, text=True, env=dict(os.environ),
+            capture_output=True, text=True, env=dict(os.environ), check=False,
         )
         got = [json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("GRROW ")]
         rows += got
@@ -259,7 +260,7 @@ def print_table(rows: list[dict]) -> None:
             return f"{row[f'{label}_tflops']:6.0f} ({100 * row[f'{label}_share_of_peak']:2.0f}%)"
         return row.get(f"{label}_error", "-")[:28]
 
-    print(f"| D | L | batch | variant | fwd TFLOP/s (% peak) | fwd+bwd TFLOP/s (% peak) | ours / this, fwd | fwd+bwd |")
+    print("| D | L | batch | variant | fwd TFLOP/s (% peak) | fwd+bwd TFLOP/s (% peak) | ours / this, fwd | fwd+bwd |")
     print("|---|---|---|---|---|---|---|---|")
     for row in sorted(rows, key=lambda r: (r["dim"], r["max_len"], "softmax" in r["variant"], r["variant"])):
         ours_name = "recforge triton (softmax)" if ("softmax" in row["variant"] or "Flex" in row["variant"]) else "recforge triton"

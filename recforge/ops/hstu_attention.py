@@ -125,7 +125,9 @@ def hstu_attention(
         scale = 1.0 / max_seq_len
     unsupported = unsupported_by_triton(q, k, v, head_dims=(q.shape[-1], v.shape[-1]))
     if resolve_kernel("hstu_attention", kernel, q.device, unsupported) == "triton":
-        from recforge.ops.triton.hstu import hstu_attention_triton  # defined on first use: see recforge.ops.triton
+        from recforge.ops.triton.hstu import (
+            hstu_attention_triton,  # defined on first use: see recforge.ops.triton
+        )
 
         return hstu_attention_triton(
             q, k, v, seq_offsets, max_seq_len, mask, scale, pos_weights, timestamps, time_weights

@@ -31,7 +31,9 @@ def softmax_attention(
     if dropout > 0.0:
         unsupported = f"attention dropout ({dropout})"
     if resolve_kernel("softmax_attention", kernel, q.device, unsupported) == "triton":
-        from recforge.ops.triton.softmax import softmax_attention_triton  # defined on first use: see recforge.ops.triton
+        from recforge.ops.triton.softmax import (
+            softmax_attention_triton,  # defined on first use: see recforge.ops.triton
+        )
 
         return softmax_attention_triton(q, k, v, seq_offsets, max_seq_len, mask)
     qp = jagged_to_padded(q, seq_offsets, max_seq_len).transpose(1, 2)  # (B, H, N, D)

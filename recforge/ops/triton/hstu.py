@@ -19,9 +19,9 @@ from recforge.ops.mask import AttentionMask
 from recforge.ops.triton._common import (
     MaskArgs,
     free_tile_span,
-    masked_tile,
     key_block_ranges,
     mask_args,
+    masked_tile,
     max_len_bucket,
     query_block_ranges,
     time_bucket,
@@ -289,12 +289,12 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _meta(ma: MaskArgs, dqk: int, dv: int, has_pos: bool, has_time: bool, dtype: torch.dtype) -> dict:
-    return dict(
-        S=ma.num_segments, FULL_BITS=ma.full_bits, CAUSAL=ma.causal, HAS_TARGETS=ma.has_targets,
-        HAS_CONTEXT=ma.has_contextual, HAS_WINDOW=ma.has_window, HAS_TS=ma.has_ts, HAS_POS=has_pos,
-        HAS_TIME=has_time, DQK=dqk, DV=dv, BD_QK=max(16, triton.next_power_of_2(dqk)),
-        BD_V=max(16, triton.next_power_of_2(dv)), DOT_PREC=_dot_precision(dtype),
-    )
+    return {
+        "S": ma.num_segments, "FULL_BITS": ma.full_bits, "CAUSAL": ma.causal, "HAS_TARGETS": ma.has_targets,
+        "HAS_CONTEXT": ma.has_contextual, "HAS_WINDOW": ma.has_window, "HAS_TS": ma.has_ts, "HAS_POS": has_pos,
+        "HAS_TIME": has_time, "DQK": dqk, "DV": dv, "BD_QK": max(16, triton.next_power_of_2(dqk)),
+        "BD_V": max(16, triton.next_power_of_2(dv)), "DOT_PREC": _dot_precision(dtype),
+    }
 
 
 def _launch(kernel, grid_blocks: str, batch: int, heads: int, max_seq_len: int, args: tuple, meta: dict) -> None:
@@ -330,13 +330,13 @@ class _HSTUAttention(torch.autograd.Function):
             _launch(_fwd, "m", batch, heads, max_seq_len,
                     (q, k, v, out, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2], *common, *scalars), meta)
         ctx.save_for_backward(q, k, v, offsets, pos_arg, time_arg, ts_arg, thr)
-        ctx.stuff = (max_seq_len, ma, scale, P, num_buckets, meta, common, scalars, has_pos, has_time)
+        ctx.stuff = (max_seq_len, ma, P, num_buckets, meta, scalars, has_pos, has_time)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, offsets, pos_arg, time_arg, ts_arg, thr = ctx.saved_tensors
-        max_seq_len, ma, scale, P, num_buckets, meta, common, scalars, has_pos, has_time = ctx.stuff
+        max_seq_len, ma, P, num_buckets, meta, scalars, has_pos, has_time = ctx.stuff
         common = (offsets, ma.num_targets, ma.num_contextual, ma.segment_ends, ma.ts, ts_arg, pos_arg, time_arg, thr)
         do = grad_out.contiguous()
         total, heads, _ = q.shape

@@ -17,9 +17,9 @@ from torch import Tensor
 from recforge.ops.mask import AttentionMask
 from recforge.ops.triton._common import (
     free_tile_span,
-    masked_tile,
     key_block_ranges,
     mask_args,
+    masked_tile,
     max_len_bucket,
     query_block_ranges,
     visible,
@@ -273,12 +273,12 @@ class _SoftmaxAttention(torch.autograd.Function):
         batch = offsets.numel() - 1
         out = torch.empty(total, heads, dv, dtype=q.dtype, device=q.device)
         lse = torch.empty(total, heads, dtype=torch.float32, device=q.device)
-        meta = dict(
-            S=ma.num_segments, FULL_BITS=ma.full_bits, CAUSAL=ma.causal, HAS_TARGETS=ma.has_targets,
-            HAS_CONTEXT=ma.has_contextual, HAS_WINDOW=ma.has_window, HAS_TS=ma.has_ts, DQK=dqk, DV=dv,
-            BD_QK=max(16, triton.next_power_of_2(dqk)), BD_V=max(16, triton.next_power_of_2(dv)),
-            DOT_PREC=_dot_precision(q.dtype),
-        )
+        meta = {
+            "S": ma.num_segments, "FULL_BITS": ma.full_bits, "CAUSAL": ma.causal, "HAS_TARGETS": ma.has_targets,
+            "HAS_CONTEXT": ma.has_contextual, "HAS_WINDOW": ma.has_window, "HAS_TS": ma.has_ts, "DQK": dqk, "DV": dv,
+            "BD_QK": max(16, triton.next_power_of_2(dqk)), "BD_V": max(16, triton.next_power_of_2(dv)),
+            "DOT_PREC": _dot_precision(q.dtype),
+        }
         common = (offsets, ma.num_targets, ma.num_contextual, ma.segment_ends, ma.ts)
         if total > 0 and batch > 0:
             _launch(_fwd, "m", batch, heads, max_seq_len,
