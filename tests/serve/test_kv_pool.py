@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from recforge.serve.engine import EngineConfig, RankEngine
@@ -117,3 +118,18 @@ def test_new_model_version_invalidates_every_cache(tmp_path) -> None:
     assert result.cached_tokens == 0
     fresh = RankEngine.from_run(tmp_path / "run")
     torch.testing.assert_close(result.scores, fresh.rank_encoded(req).scores, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_engine_and_host_tier_round_trip(tmp_path, cuda_device) -> None:
+    """On CUDA: scores match the CPU engine, and a user evicted to pinned host memory (side-stream
+    copy) comes back exact."""
+    engine = _engine(tmp_path, PoolConfig(device_mb=0.05, host_mb=1, block_size=16), device="cuda")
+    cpu = RankEngine.from_run(tmp_path / "run")
+    _fill(engine, [f"u{i}" for i in range(engine.pool.num_blocks // 4 + 2)])
+    assert "u0" in engine.pool.host
+    more, now = _history(10, 55)
+    req = engine.encode("u0", more, CANDS, timestamp=now)
+    result = engine.rank_encoded(req)
+    assert engine.pool.stats.host_hits == 1 and result.cached_tokens == 52
+    torch.testing.assert_close(result.scores, cpu.rank_encoded(req).scores, rtol=1e-4, atol=1e-4)
