@@ -40,11 +40,23 @@ def relative_bias(
     pos_weights: Tensor | None,
     timestamps: Tensor | None,
     time_weights: Tensor | None,
+    num_targets: Tensor | None = None,
 ) -> Tensor | None:
-    """Dense (B, N, N) relative position + time bias for the reference implementations."""
+    """Dense (B, N, N) relative position + time bias for the reference implementations.
+
+    Target tokens all take the position of the first target (the history end h = n - t) for
+    the position bias: the distance is ``min(i, h) - min(j, h)``, so a candidate's score does
+    not depend on its index among the candidates (and serving can score any number of them).
+    """
     bias = None
     if pos_weights is not None:
-        bias = pos_weights[_distance_index(max_len, pos_weights.numel(), offsets.device)].unsqueeze(0)  # (1, N, N)
+        num = pos_weights.numel()
+        if num_targets is None:
+            bias = pos_weights[_distance_index(max_len, num, offsets.device)].unsqueeze(0)  # (1, N, N)
+        else:
+            history_end = (lengths_from_offsets(offsets) - num_targets).view(-1, 1)  # (B, 1)
+            pos = torch.minimum(torch.arange(max_len, device=offsets.device).view(1, -1), history_end)  # (B, N)
+            bias = pos_weights[(pos.unsqueeze(2) - pos.unsqueeze(1)).clamp(0, num - 1)]  # (B, N, N)
     if time_weights is not None and timestamps is not None:
         ts = jagged_to_padded(timestamps, offsets, max_len)  # (B, N)
         buckets = time_buckets(ts.unsqueeze(2) - ts.unsqueeze(1), time_weights.numel() - 1)
@@ -70,7 +82,7 @@ def hstu_attention_reference(
     kp = jagged_to_padded(k, seq_offsets, max_seq_len)  # (B, N, H, Dqk)
     vp = jagged_to_padded(v, seq_offsets, max_seq_len)  # (B, N, H, Dv)
     scores = torch.einsum("bihd,bjhd->bhij", qp, kp)  # (B, H, N, N)
-    bias = relative_bias(seq_offsets, max_seq_len, pos_weights, timestamps, time_weights)
+    bias = relative_bias(seq_offsets, max_seq_len, pos_weights, timestamps, time_weights, mask.num_targets)
     if bias is not None:
         scores = scores + bias.unsqueeze(1).to(scores.dtype)
     visible = mask.dense(seq_offsets, max_seq_len)  # (B, N, N)

@@ -15,7 +15,9 @@ NUM_BUCKETS = 20  # small, so clamping at the top bucket is exercised
 
 
 def hstu_loop(q, k, v, lengths, scale, pos_w=None, ts=None, time_w=None, contextual=None, targets=None, window=None):
-    """out_i = sum_j mask_ij * silu(q_i . k_j + pos_w[clamp(i - j, 0, P-1)] + time_w[bucket(ts_i - ts_j)]) * scale * v_j"""
+    """out_i = sum_j mask_ij * silu(q_i . k_j + pos_w[clamp(p_i - p_j, 0, P-1)] + time_w[bucket(ts_i - ts_j)]) * scale * v_j
+
+    with p_x = min(x, n - t): every target takes the history end's position."""
     rows = []
     start = 0
     for b, n in enumerate(lengths):
@@ -28,7 +30,8 @@ def hstu_loop(q, k, v, lengths, scale, pos_w=None, ts=None, time_w=None, context
                     continue
                 s = (q[start + i] * k[start + j]).sum(-1)  # (H,)
                 if pos_w is not None:
-                    s = s + pos_w[min(max(i - j, 0), pos_w.numel() - 1)]
+                    h = n - t
+                    s = s + pos_w[min(max(min(i, h) - min(j, h), 0), pos_w.numel() - 1)]
                 if time_w is not None:
                     delta = int(ts[start + i]) - int(ts[start + j])
                     s = s + time_w[time_bucket_ref(delta, time_w.numel() - 1)]
@@ -178,3 +181,21 @@ def test_unknown_kernel_raises() -> None:
 def test_time_weights_without_timestamps_raises() -> None:
     with pytest.raises(ValueError, match="time_weights given without timestamps"):
         hstu_attention(*_tiny(), time_weights=torch.zeros(5))
+
+
+def test_candidates_are_permutation_equivariant() -> None:
+    """Targets share the history end's position: permuting candidates permutes their outputs."""
+    gen = torch.Generator().manual_seed(11)
+    n, t, heads, d = 9, 4, 2, 4
+    q, k, v = (torch.randn(n, heads, d, generator=gen, dtype=torch.float64) for _ in range(3))
+    pos_w = torch.randn(12, generator=gen, dtype=torch.float64)
+    ts = torch.sort(torch.randint(0, 10**6, (n,), generator=gen)).values
+    time_w = torch.randn(NUM_BUCKETS + 1, generator=gen, dtype=torch.float64)
+    mask = AttentionMask(num_targets=torch.tensor([t]))
+    offsets = offsets_of([n])
+    kw = {"pos_weights": pos_w, "timestamps": ts, "time_weights": time_w}
+    out = hstu_attention(q, k, v, offsets, n, mask, **kw)
+    perm = torch.cat([torch.arange(n - t), n - t + torch.randperm(t, generator=gen)])
+    ts_p = ts[perm]
+    out_p = hstu_attention(q[perm], k[perm], v[perm], offsets, n, mask, **{**kw, "timestamps": ts_p})
+    torch.testing.assert_close(out_p, out[perm], rtol=1e-12, atol=1e-12)

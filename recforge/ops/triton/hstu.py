@@ -32,12 +32,13 @@ from recforge.ops.triton.tuning import fixed_config, is_interpreting, tuned
 
 
 @triton.jit
-def _scores(q, kT, i, j, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, seq_end_mask,
+def _scores(q, kT, i, j, he, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, seq_end_mask,
             HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, DOT_PREC: tl.constexpr):
-    """q . k + rab for one tile; i, j positions broadcast to the tile's shape."""
+    """q . k + rab for one tile; i, j positions broadcast to the tile's shape. Targets (positions
+    >= he, the history end) all take position he for the position bias."""
     s = tl.dot(q, kT, input_precision=DOT_PREC)
     if HAS_POS:
-        s += tl.load(pos_w + tl.minimum(tl.maximum(i - j, 0), P - 1)).to(tl.float32)
+        s += tl.load(pos_w + tl.minimum(tl.maximum(tl.minimum(i, he) - tl.minimum(j, he), 0), P - 1)).to(tl.float32)
     if HAS_TIME:
         ts_i = tl.load(ts_bias + start_tok + i, mask=seq_end_mask & (i >= 0), other=0)
         ts_j = tl.load(ts_bias + start_tok + j, mask=seq_end_mask & (j >= 0), other=0)
@@ -103,7 +104,7 @@ def _hstu_fwd(
             kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
             v = tl.load(V_h + tok[:, None] * sv_t + dv_[None, :], mask=key_ok[:, None] & (dv_[None, :] < DV), other=0.0)
             j = j_vec[None, :]
-            s = _scores(q, kT, i, j, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
+            s = _scores(q, kT, i, j, he, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
                         HAS_POS, HAS_TIME, DOT_PREC)
             a = s * tl.sigmoid(s) * scale
             if phase == 0:
@@ -175,7 +176,7 @@ def _hstu_bwd_dq(
             kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
             vT = tl.load(V_h + tok[None, :] * sv_t + dv_[:, None], mask=key_ok[None, :] & (dv_[:, None] < DV), other=0.0)
             j = j_vec[None, :]
-            s = _scores(q, kT, i, j, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
+            s = _scores(q, kT, i, j, he, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
                         HAS_POS, HAS_TIME, DOT_PREC)
             sig = tl.sigmoid(s)
             da = tl.dot(do, vT, input_precision=DOT_PREC)
@@ -248,7 +249,7 @@ def _hstu_bwd_dkdv(
             qT = tl.load(Q_h + tok[None, :] * sq_t + dq_[:, None], mask=row_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
             doT = tl.load(DO_h + tok[None, :] * so_t + dv_[:, None], mask=row_ok[None, :] & (dv_[:, None] < DV), other=0.0)
             i = i_vec[None, :]
-            sT = _scores(k, qT, i, j, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
+            sT = _scores(k, qT, i, j, he, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
                          HAS_POS, HAS_TIME, DOT_PREC)  # (BLOCK_N, BLOCK_M)
             sig = tl.sigmoid(sT)
             aT = sT * sig * scale
@@ -263,7 +264,7 @@ def _hstu_bwd_dkdv(
             dv += tl.dot(aT.to(doT.dtype), tl.trans(doT), input_precision=DOT_PREC)
             dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
             if POS_GRAD:
-                dist = i - j
+                dist = tl.minimum(i, he) - tl.minimum(j, he)
                 if tl.min(dist) >= P - 1:  # every pair of the tile uses the last weight
                     tl.atomic_add(dpos + P - 1, tl.sum(dsT))
                 else:
