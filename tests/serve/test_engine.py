@@ -128,27 +128,13 @@ def test_bfloat16_is_close_to_float32(tmp_path) -> None:
     torch.testing.assert_close(got, full.rank_encoded(req).scores, rtol=0.05, atol=0.05)
 
 
-def _forward_is_candidate_order_free(engine: RankEngine, req) -> bool:
-    """True once RankingModel's attention places every target at the history end (ops commit
-    "ops: targets share the history-end position"); before it, a target's position bias depends on its index."""
-    from recforge.serve.layout import training_batch
-
-    flipped = req.__class__(**{**req.__dict__, "candidates": req.candidates.flip(0)})
-    with torch.no_grad():
-        a = engine.model(training_batch(req, engine.action_encoding, 0))
-        b = engine.model(training_batch(flipped, engine.action_encoding, 0))
-    return torch.allclose(a, b.flip(0), atol=1e-6)
-
-
 @pytest.mark.parametrize("encoding", ["sum", "interleave"])
 def test_scores_equal_training_forward_with_every_candidate_in_one_sequence(tmp_path, encoding) -> None:
     from recforge.serve.layout import training_batch
 
     engine = _engine(tmp_path, encoding)
     req = _request(engine, n_events=30, n_cands=9, late_events=2)
-    if not _forward_is_candidate_order_free(engine, req):
-        pytest.skip("recforge.ops attention still gives targets their own positions (waiting for the ops commit)")
-    with torch.no_grad():
+    with torch.no_grad():  # every target at the history end: ops commit "targets share the history-end position"
         expected = engine.model(training_batch(req, engine.action_encoding, 0)).float()
     torch.testing.assert_close(engine.rank_encoded(req).scores, expected, rtol=1e-5, atol=ATOL)
 
