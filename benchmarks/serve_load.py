@@ -16,7 +16,9 @@ history, `--candidates` candidates.
   reused; only the candidates are computed).
 
 Latency is measured from each request's scheduled send time to its response (so client-side
-waiting for a free slot counts).
+waiting for a free slot counts). Before the server starts, the same model is timed in-process
+(``RankEngine.rank_encoded`` with a KV-cache pool, one thread, `--engine-requests` users, cold
+then warm, medians) to separate the engine's time from HTTP and JSON overhead.
 """
 
 from __future__ import annotations
@@ -110,6 +112,28 @@ async def drive(url: str, bodies: list[dict], rate: float, max_in_flight: int) -
     }  # fmt: skip
 
 
+def engine_latency(run: Path, bodies: list[dict]) -> dict:
+    """Median in-process latency (ms) of cold (first) and warm (repeated) requests."""
+    import statistics
+
+    from recforge.serve.engine import RankEngine
+    from recforge.serve.kv_pool import KVCachePool, PoolConfig
+
+    engine = RankEngine.from_run(run)
+    engine.pool = KVCachePool.for_engine(engine, PoolConfig(device_mb=1024))
+    reqs = [engine.encode(b["user_id"], b["history"], b["candidates"], user_features=b["user_features"],
+                          timestamp=b["timestamp"]) for b in bodies]  # fmt: skip
+    out = {}
+    for phase in ("cold", "warm"):
+        times = []
+        for req in reqs:
+            t0 = time.perf_counter()
+            engine.rank_encoded(req)
+            times.append(time.perf_counter() - t0)
+        out[f"engine_{phase}_ms"] = statistics.median(times) * 1e3
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -135,12 +159,21 @@ def main() -> None:
     parser.add_argument("--server-threads", type=int, default=1)
     parser.add_argument("--token-budget", type=int, default=8192)
     parser.add_argument("--max-wait-ms", type=float, default=2.0)
+    parser.add_argument("--engine-requests", type=int, default=50, help="users timed in-process (0: skip)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     load_at_start = os.getloadavg()[0]
     rates = [float(r) for r in args.rates.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         run = export_model(Path(tmp) / "run", max_len=max(512, args.history + 8))
+        in_process = {}
+        if args.engine_requests and args.device == "cpu":
+            torch.set_num_threads(args.server_threads)
+            rng = np.random.default_rng(1)
+            in_process = engine_latency(run, [make_body(2 * 10**6 + i, args.history, args.candidates, rng)
+                                              for i in range(args.engine_requests)])  # fmt: skip
+            print(f"in-process engine: cold {in_process['engine_cold_ms']:.1f} ms, warm {in_process['engine_warm_ms']:.1f} ms "
+                  f"(median of {args.engine_requests} users)", flush=True)  # fmt: skip
         port = free_port()
         cmd = [sys.executable, "-m", "recforge.cli", "serve", str(run), "--port", str(port), "--device", args.device,
                "--dtype", args.dtype, "--threads", str(args.server_threads), "--token-budget", str(args.token_budget),
@@ -183,13 +216,17 @@ def main() -> None:
     for r in rows:
         print(f"{r['cache']:<6}{r['offered_rps']:>10.1f}{r['achieved_rps']:>12.1f}{r['p50_ms']:>10.1f}{r['p99_ms']:>10.1f}"
               f"{r['errors']:>8}{r['cache_hits']:>8}")  # fmt: skip
+    if in_process:
+        print(f"in-process engine (no HTTP): cold {in_process['engine_cold_ms']:.1f} ms, warm "
+              f"{in_process['engine_warm_ms']:.1f} ms median per request")  # fmt: skip
     print(f"server cache report: hit rate {health['kv_cache']['hit_rate']:.3f}, token hit rate "
           f"{health['kv_cache']['token_hit_rate']:.3f}; 1-min load average at start {load_at_start:.2f}")  # fmt: skip
     if args.out:
         batch_lines = [line for line in metrics.splitlines() if line.startswith("recforge_batch_requests_")]
         payload = {"benchmark": "serve_load", "command": "python " + " ".join(sys.argv), "machine": machine,
                    "dtype": args.dtype, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-                   "load_average_1m_at_start": load_at_start, "rows": rows, "kv_cache": health["kv_cache"],
+                   "load_average_1m_at_start": load_at_start, "in_process": in_process, "rows": rows,
+                   "kv_cache": health["kv_cache"],
                    "batch_requests_histogram": batch_lines}  # fmt: skip
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
