@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
+import pytest
 import torch
 
 from recforge.serve.engine import EngineConfig, RankEngine
@@ -78,3 +79,28 @@ def test_runner_waits_at_most_max_wait(tmp_path) -> None:
     finally:
         runner.close()
     assert 0.04 <= elapsed < 5
+
+
+def test_a_failing_request_does_not_fail_its_batch_mates(tmp_path) -> None:
+    engine = _engine(tmp_path)
+    reqs = _requests(engine, lengths=(10, 12, 14), cands=(3, 3, 3))
+    poisoned = reqs[1].candidates
+    real_run = engine.run
+
+    def run(items):
+        if any(item.kind == "targets" and torch.equal(item.features["item_ids"], poisoned) for item in items):
+            raise RuntimeError("simulated kernel failure")
+        return real_run(items)
+
+    engine.run = run
+    runner = BatchRunner(engine, SchedulerConfig(max_wait_ms=50))
+    try:
+        futures = [runner.submit(req) for req in reqs]
+        with pytest.raises(RuntimeError, match="simulated"):
+            futures[1].result(timeout=30)
+        good = [futures[0].result(timeout=30), futures[2].result(timeout=30)]
+    finally:
+        runner.close()
+    engine.run = real_run
+    for req, result in zip((reqs[0], reqs[2]), good):
+        torch.testing.assert_close(result.scores, engine.rank_encoded(req).scores, rtol=1e-5, atol=1e-5)
