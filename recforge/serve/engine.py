@@ -40,6 +40,7 @@ from recforge.serve.layout import (
     prefix_tokens,
     training_batch,
 )
+from recforge.serve.state import PrefixState, WorkItem, copy_state, token_identity
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,51 +72,6 @@ class EngineConfig:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if problems:
             raise ValueError("EngineConfig: " + "; ".join(problems))
-
-
-class PrefixState:
-    """Per-block keys/values of one user's prefix (contextual + history tokens), with room to grow.
-
-    ``tokens`` (n, 4) holds each token's (item, action, context id, time): the identity a later
-    request's prefix is compared with before this state is reused.
-    """
-
-    def __init__(self, num_layers: int, capacity: int, heads: int, dqk: int, dv: int, num_contextual: int,
-                 context_time: int, dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
-        self.keys = torch.zeros(num_layers, capacity, heads, dqk, dtype=dtype, device=device)
-        self.values = torch.zeros(num_layers, capacity, heads, dv, dtype=dtype, device=device)
-        self.timestamps = torch.zeros(capacity, dtype=torch.int64, device=device)
-        self.tokens = torch.zeros(capacity, 4, dtype=torch.int64)
-        self.length = 0
-        self.num_contextual = num_contextual
-        self.context_time = context_time
-
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[1]
-
-    def nbytes(self) -> int:
-        n = self.length
-        return (self.keys[:, :n].numel() * self.keys.element_size() + self.values[:, :n].numel() * self.values.element_size()
-                + n * 8 * 5)  # fmt: skip
-
-
-@dataclass
-class WorkItem:
-    """Query tokens of one request for one pass through the blocks.
-
-    kind "prefix": prefix tokens ``[start, start + m)`` of ``state``, causal among themselves,
-    appended to the state. kind "targets": candidates, attending to the whole state and themselves.
-    """
-
-    state: PrefixState
-    features: dict[str, Tensor]
-    kind: str
-    start: int = 0
-
-    @property
-    def size(self) -> int:
-        return self.features["item_ids"].numel()
 
 
 @dataclass
@@ -457,20 +413,6 @@ def _slice_kwargs(module: torch.nn.Module) -> dict:
     if isinstance(module, HSTUEncoder):
         return dataclasses.asdict(module.cfg)
     return module.slice_config() if hasattr(module, "slice_config") else {}
-
-
-def token_identity(features: dict[str, Tensor]) -> Tensor:
-    """(n, 4) int64 (item, action, context id, time) per token, on the CPU."""
-    return torch.stack([features[k].cpu() for k in ("item_ids", "actions", "context_ids", "timestamps")], 1)
-
-
-def copy_state(src: PrefixState, dst: PrefixState) -> None:
-    n = src.length
-    dst.keys[:, :n] = src.keys[:, :n]
-    dst.values[:, :n] = src.values[:, :n]
-    dst.timestamps[:n] = src.timestamps[:n]
-    dst.tokens[:n] = src.tokens[:n]
-    dst.length = n
 
 
 def model_version(model_dir: Path) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from recforge.serve.engine import PrefixState
+from recforge.serve.state import PrefixState
 
 
 @dataclass

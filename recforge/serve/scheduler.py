@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from recforge.serve.engine import PrefixState, RankEngine, RankResult, WorkItem, copy_state
+from recforge.serve.engine import RankEngine, RankResult
 from recforge.serve.layout import EncodedRequest, candidate_tokens, prefix_tokens
+from recforge.serve.state import PrefixState, WorkItem, copy_state
 
 
 @dataclass
