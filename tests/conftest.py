@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton's CPU interpreter must be on before anything imports triton (torch.export does): its
+    # own @triton.jit helpers are built once at import. Only kernel="triton" calls ever use it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CUDA_REQUIREMENT = "a CUDA GPU (torch.cuda.is_available() is False here)"
 

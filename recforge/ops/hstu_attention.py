@@ -3,8 +3,9 @@
     out_i = sum_j  mask_ij * SiLU(q_i . k_j + rab_ij) * scale * v_j
 
 with ``rab_ij = pos_weights[clamp(i - j)] + time_weights[bucket(ts_i - ts_j)]``.
-``scale`` is a constant (1 / max_seq_len in HSTU): dividing by each sequence's own
-length would leak how many future tokens exist into earlier positions.
+Targets take the history end's position in ``pos_weights`` and contextual tokens get no time
+bias (see ``relative_bias``). ``scale`` is a constant (1 / max_seq_len in HSTU): dividing by
+each sequence's own length would leak how many future tokens exist into earlier positions.
 """
 
 from __future__ import annotations
@@ -41,12 +42,15 @@ def relative_bias(
     timestamps: Tensor | None,
     time_weights: Tensor | None,
     num_targets: Tensor | None = None,
+    num_contextual: Tensor | None = None,
 ) -> Tensor | None:
     """Dense (B, N, N) relative position + time bias for the reference implementations.
 
     Target tokens all take the position of the first target (the history end h = n - t) for
     the position bias: the distance is ``min(i, h) - min(j, h)``, so a candidate's score does
     not depend on its index among the candidates (and serving can score any number of them).
+    Contextual tokens (the first ``num_contextual``) are features, not events: no time bias
+    involves them, so cached history keys/values do not depend on the request time.
     """
     bias = None
     if pos_weights is not None:
@@ -61,6 +65,9 @@ def relative_bias(
         ts = jagged_to_padded(timestamps, offsets, max_len)  # (B, N)
         buckets = time_buckets(ts.unsqueeze(2) - ts.unsqueeze(1), time_weights.numel() - 1)
         time_bias = time_weights[buckets]  # (B, N, N)
+        if num_contextual is not None:
+            event = torch.arange(max_len, device=offsets.device).view(1, -1) >= num_contextual.view(-1, 1)  # (B, N)
+            time_bias = time_bias * (event.unsqueeze(2) & event.unsqueeze(1))
         bias = time_bias if bias is None else bias + time_bias
     return bias
 
@@ -82,7 +89,9 @@ def hstu_attention_reference(
     kp = jagged_to_padded(k, seq_offsets, max_seq_len)  # (B, N, H, Dqk)
     vp = jagged_to_padded(v, seq_offsets, max_seq_len)  # (B, N, H, Dv)
     scores = torch.einsum("bihd,bjhd->bhij", qp, kp)  # (B, H, N, N)
-    bias = relative_bias(seq_offsets, max_seq_len, pos_weights, timestamps, time_weights, mask.num_targets)
+    bias = relative_bias(
+        seq_offsets, max_seq_len, pos_weights, timestamps, time_weights, mask.num_targets, mask.num_contextual
+    )
     if bias is not None:
         scores = scores + bias.unsqueeze(1).to(scores.dtype)
     visible = mask.dense(seq_offsets, max_seq_len)  # (B, N, N)

@@ -5,7 +5,9 @@ over visible keys) but for m queries against n cached keys, never an n x n matri
 whole sequence. Positions are *effective* positions: a candidate sits at the history end
 ``h`` (the index of the first target), so its position bias to history key j is
 ``pos_weights[clamp(h - j)]`` and to itself ``pos_weights[0]``, whatever its index among the
-candidates; its time bias uses its own timestamp.
+candidates; its time bias uses its own timestamp. Contextual tokens (positions < c) are
+features, not events: no time bias involves them, so a user's cached history does not depend
+on the request time.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ class BiasIndex:
 
     distance: Tensor | None
     bucket: Tensor | None
+    events: Tensor | None = None  # (m|1, n) bool: the pairs that get a time bias (neither contextual)
 
     @classmethod
     def build(cls, q_pos: Tensor, k_pos: Tensor, q_ts: Tensor | None, k_ts: Tensor | None, num_pos: int,
-              num_buckets: int | None) -> BiasIndex:  # fmt: skip
+              num_buckets: int | None, num_contextual: int = 0) -> BiasIndex:  # fmt: skip
         uniform = q_pos.numel() > 0 and bool((q_pos == q_pos[0]).all())
         if q_ts is not None:
             uniform = uniform and bool((q_ts == q_ts[0]).all())
@@ -38,15 +41,20 @@ class BiasIndex:
             q_pos = q_pos[:1]
             q_ts = None if q_ts is None else q_ts[:1]
         distance = (q_pos.view(-1, 1) - k_pos.view(1, -1)).clamp(0, num_pos - 1) if num_pos else None
-        bucket = None
+        bucket = events = None
         if num_buckets is not None and q_ts is not None:
             bucket = time_buckets(q_ts.view(-1, 1) - k_ts.view(1, -1), num_buckets)
-        return cls(distance, bucket)
+            if num_contextual:
+                events = (q_pos.view(-1, 1) >= num_contextual) & (k_pos.view(1, -1) >= num_contextual)
+        return cls(distance, bucket, events)
 
     def bias(self, pos_weights: Tensor | None, time_weights: Tensor | None) -> Tensor | None:
         out = pos_weights[self.distance] if pos_weights is not None and self.distance is not None else None
         if time_weights is not None and self.bucket is not None:
-            out = time_weights[self.bucket] if out is None else out + time_weights[self.bucket]
+            time_bias = time_weights[self.bucket]
+            if self.events is not None:
+                time_bias = time_bias * self.events
+            out = time_bias if out is None else out + time_bias
         return out
 
 
@@ -57,10 +65,11 @@ def relative_bias_rows(
     k_ts: Tensor,
     pos_weights: Tensor | None,
     time_weights: Tensor | None,
+    num_contextual: int = 0,
 ) -> Tensor | None:
     """(m', n) position + time bias; m' = 1 when every query has the same position and time."""
     index = BiasIndex.build(q_pos, k_pos, q_ts, k_ts, 0 if pos_weights is None else pos_weights.numel(),
-                            None if time_weights is None else time_weights.numel() - 1)  # fmt: skip
+                            None if time_weights is None else time_weights.numel() - 1, num_contextual)  # fmt: skip
     return index.bias(pos_weights, time_weights)
 
 

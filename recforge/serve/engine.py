@@ -345,7 +345,7 @@ class RankEngine:
             k_pos = torch.arange(e, device=self.device)
             visible = (k_pos.view(1, -1) < c) | ((q_pos.view(-1, 1) >= c) & (k_pos.view(1, -1) <= q_pos.view(-1, 1)))
             index = BiasIndex.build(q_pos, k_pos, q_ts if use_time else None, st.timestamps[:e], num_pos,
-                                    num_buckets if use_time else None)  # fmt: skip
+                                    num_buckets if use_time else None, c)  # fmt: skip
             return e, visible, index
         h = st.length
         k_pos = torch.arange(h, device=self.device)
@@ -354,7 +354,7 @@ class RankEngine:
         # a candidate sits at the history end h; it sees contextual keys, and history keys strictly earlier than it
         visible = (k_pos.view(1, -1) < c) | (k_ts.view(1, -1) < q_rows.view(-1, 1))
         index = BiasIndex.build(torch.full_like(q_ts, h), k_pos, q_ts if use_time else None, k_ts, num_pos,
-                                num_buckets if use_time else None)  # fmt: skip
+                                num_buckets if use_time else None, c)  # fmt: skip
         return h, visible, index
 
     # ------------------------------------------------------------------------------- baselines

@@ -44,10 +44,12 @@ class PrefixProgram(nn.Module):
         return self.prefix({"item_ids": item_ids, "actions": actions, "context_ids": context_ids, "timestamps": timestamps})
 
 
-def _bias(block: nn.Module, distance: Tensor, delta_t: Tensor) -> Tensor:
+def _bias(block: nn.Module, distance: Tensor, delta_t: Tensor, events: Tensor | None = None) -> Tensor:
+    """Position + time bias; ``events`` marks the pairs with a time bias (contextual tokens have none)."""
     bias = block.pos_weights[distance.clamp(0, block.pos_weights.numel() - 1)]
     if block.time_weights is not None:
-        bias = bias + block.time_weights[time_buckets(delta_t, block.time_weights.numel() - 1)]
+        time_bias = block.time_weights[time_buckets(delta_t, block.time_weights.numel() - 1)]
+        bias = bias + (time_bias if events is None else time_bias * events)
     return bias
 
 
@@ -65,11 +67,12 @@ class PrefillProgram(nn.Module):
         i, j = pos.view(-1, 1), pos.view(1, -1)
         visible = ((j < num_contextual) | ((i >= num_contextual) & (j <= i))).to(x.dtype)  # (n, n)
         delta_t = timestamps.view(-1, 1) - timestamps.view(1, -1)
+        events = ((i >= num_contextual) & (j >= num_contextual)).to(x.dtype)
         keys, values = [], []
         for block in self.blocks:
             u, v, q, k = F.silu(block.uvqk(block.norm(x))).split(block.split_sizes, dim=-1)
             q, k, v = q.view(n, cfg.num_heads, cfg.dqk), k.view(n, cfg.num_heads, cfg.dqk), v.view(n, cfg.num_heads, cfg.dv)
-            scores = torch.einsum("mhd,nhd->hmn", q, k) + _bias(block, i - j, delta_t).unsqueeze(0)
+            scores = torch.einsum("mhd,nhd->hmn", q, k) + _bias(block, i - j, delta_t, events).unsqueeze(0)
             attn = torch.einsum("hmn,nhd->mhd", F.silu(scores) * visible / cfg.max_seq_len, v)
             x = x + block.out(block.attn_norm(attn.reshape(n, -1)) * u)
             keys.append(k)
@@ -92,13 +95,14 @@ class ScoreProgram(nn.Module):
         # contextual keys always; history keys strictly earlier than the candidate; its position is the history end n
         visible = ((k_pos < num_contextual) | (key_timestamps.view(1, -1) < timestamps.view(-1, 1))).to(x.dtype)
         delta_t = timestamps.view(-1, 1) - key_timestamps.view(1, -1)
+        events = (k_pos >= num_contextual).to(x.dtype)  # (1, n): candidates are events, contextual keys are not
         zero = torch.zeros_like(timestamps)
         for layer, block in enumerate(self.blocks):
             u, v, q, k = F.silu(block.uvqk(block.norm(x))).split(block.split_sizes, dim=-1)
             q = q.view(count, cfg.num_heads, cfg.dqk)
             k = k.view(count, cfg.num_heads, cfg.dqk)
             v = v.view(count, cfg.num_heads, cfg.dv)
-            scores = torch.einsum("mhd,nhd->hmn", q, keys[layer]) + _bias(block, n - k_pos, delta_t).unsqueeze(0)
+            scores = torch.einsum("mhd,nhd->hmn", q, keys[layer]) + _bias(block, n - k_pos, delta_t, events).unsqueeze(0)
             attn = torch.einsum("hmn,nhd->mhd", F.silu(scores) * visible / cfg.max_seq_len, values[layer])
             own = (q * k).sum(-1) + _bias(block, zero, zero).unsqueeze(1)  # (C, H)
             attn = attn + (F.silu(own) / cfg.max_seq_len).unsqueeze(-1) * v

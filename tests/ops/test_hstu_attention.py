@@ -17,7 +17,8 @@ NUM_BUCKETS = 20  # small, so clamping at the top bucket is exercised
 def hstu_loop(q, k, v, lengths, scale, pos_w=None, ts=None, time_w=None, contextual=None, targets=None, window=None):
     """out_i = sum_j mask_ij * silu(q_i . k_j + pos_w[clamp(p_i - p_j, 0, P-1)] + time_w[bucket(ts_i - ts_j)]) * scale * v_j
 
-    with p_x = min(x, n - t): every target takes the history end's position."""
+    with p_x = min(x, n - t): every target takes the history end's position; the time term only
+    between non-contextual tokens."""
     rows = []
     start = 0
     for b, n in enumerate(lengths):
@@ -32,7 +33,7 @@ def hstu_loop(q, k, v, lengths, scale, pos_w=None, ts=None, time_w=None, context
                 if pos_w is not None:
                     h = n - t
                     s = s + pos_w[min(max(min(i, h) - min(j, h), 0), pos_w.numel() - 1)]
-                if time_w is not None:
+                if time_w is not None and i >= c and j >= c:  # contextual tokens: no time bias
                     delta = int(ts[start + i]) - int(ts[start + j])
                     s = s + time_w[time_bucket_ref(delta, time_w.numel() - 1)]
                 acc = acc + (F.silu(s) * scale).unsqueeze(-1) * v[start + j]

@@ -32,17 +32,19 @@ from recforge.ops.triton.tuning import fixed_config, is_interpreting, tuned
 
 
 @triton.jit
-def _scores(q, kT, i, j, he, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, seq_end_mask,
+def _scores(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, seq_end_mask,
             HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, DOT_PREC: tl.constexpr):
     """q . k + rab for one tile; i, j positions broadcast to the tile's shape. Targets (positions
-    >= he, the history end) all take position he for the position bias."""
+    >= he, the history end) all take position he for the position bias; contextual tokens
+    (positions < c) are not events and get no time bias."""
     s = tl.dot(q, kT, input_precision=DOT_PREC)
     if HAS_POS:
         s += tl.load(pos_w + tl.minimum(tl.maximum(tl.minimum(i, he) - tl.minimum(j, he), 0), P - 1)).to(tl.float32)
     if HAS_TIME:
         ts_i = tl.load(ts_bias + start_tok + i, mask=seq_end_mask & (i >= 0), other=0)
         ts_j = tl.load(ts_bias + start_tok + j, mask=seq_end_mask & (j >= 0), other=0)
-        s += tl.load(time_w + time_bucket(ts_i - ts_j, time_thr, NB)).to(tl.float32)
+        tb = tl.load(time_w + time_bucket(ts_i - ts_j, time_thr, NB)).to(tl.float32)
+        s += tl.where((i >= c) & (j >= c), tb, 0.0)
     return s
 
 
@@ -104,7 +106,7 @@ def _hstu_fwd(
             kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
             v = tl.load(V_h + tok[:, None] * sv_t + dv_[None, :], mask=key_ok[:, None] & (dv_[None, :] < DV), other=0.0)
             j = j_vec[None, :]
-            s = _scores(q, kT, i, j, he, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
+            s = _scores(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
                         HAS_POS, HAS_TIME, DOT_PREC)
             a = s * tl.sigmoid(s) * scale
             if phase == 0:
@@ -176,7 +178,7 @@ def _hstu_bwd_dq(
             kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
             vT = tl.load(V_h + tok[None, :] * sv_t + dv_[:, None], mask=key_ok[None, :] & (dv_[:, None] < DV), other=0.0)
             j = j_vec[None, :]
-            s = _scores(q, kT, i, j, he, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
+            s = _scores(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
                         HAS_POS, HAS_TIME, DOT_PREC)
             sig = tl.sigmoid(s)
             da = tl.dot(do, vT, input_precision=DOT_PREC)
@@ -249,7 +251,7 @@ def _hstu_bwd_dkdv(
             qT = tl.load(Q_h + tok[None, :] * sq_t + dq_[:, None], mask=row_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
             doT = tl.load(DO_h + tok[None, :] * so_t + dv_[:, None], mask=row_ok[None, :] & (dv_[:, None] < DV), other=0.0)
             i = i_vec[None, :]
-            sT = _scores(k, qT, i, j, he, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
+            sT = _scores(k, qT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
                          HAS_POS, HAS_TIME, DOT_PREC)  # (BLOCK_N, BLOCK_M)
             sig = tl.sigmoid(sT)
             aT = sT * sig * scale
@@ -273,7 +275,8 @@ def _hstu_bwd_dkdv(
                 in_seq = (i < n) & (j < n)
                 ts_bi = tl.load(ts_bias + start_tok + i, mask=in_seq, other=0)
                 ts_bj = tl.load(ts_bias + start_tok + j, mask=in_seq, other=0)
-                tl.atomic_add(dtime + time_bucket(ts_bi - ts_bj, time_thr, NB), dsT, mask=dsT != 0.0)
+                events = (i >= c) & (j >= c)  # contextual tokens carry no time bias
+                tl.atomic_add(dtime + time_bucket(ts_bi - ts_bj, time_thr, NB), dsT, mask=(dsT != 0.0) & events)
     tl.store(DK + keys * sdk_t + h * sdk_h + dq_[None, :], dk.to(DK.dtype.element_ty),
              mask=key_ok[:, None] & (dq_[None, :] < DQK))
     tl.store(DV_ + keys * sdv_t + h * sdv_h + dv_[None, :], dv.to(DV_.dtype.element_ty),
