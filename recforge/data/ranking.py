@@ -383,11 +383,12 @@ class RankingData:
         actions = torch.zeros(total, dtype=torch.int64)
         context_ids = torch.zeros(total, dtype=torch.int64)
         timestamps = torch.empty(total, dtype=torch.int64)
-        # contextual tokens: positions offsets[b] + [0, c); their time is the sample's last target's
+        # contextual tokens: positions offsets[b] + [0, c); features, not events: timestamp 0 (the
+        # attention gives them no time bias and the timestamp visibility rule does not apply to them)
         if c:
             ctx_pos = (offsets[:-1].view(-1, 1) + torch.arange(c)).flatten()
             context_ids[ctx_pos] = self.context[user].flatten()
-            timestamps[ctx_pos] = self.timestamps[last_target].repeat_interleave(c)
+            timestamps[ctx_pos] = 0
         # history tokens
         h_base = torch.repeat_interleave(offsets[:-1] + c - per_event * h_start, h_count)
         h_pos = h_base + per_event * hist_events

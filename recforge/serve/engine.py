@@ -242,12 +242,13 @@ class RankEngine:
                            req.request_time, self.dtype, self.device)  # fmt: skip
 
     def reusable(self, state: PrefixState, req: EncodedRequest, tokens: dict[str, Tensor]) -> bool:
-        """True when ``state`` is a prefix of this request's tokens, computed under the same context."""
+        """True when ``state`` is a prefix of this request's tokens (same contextual features and events).
+
+        The request time does not matter: contextual tokens carry no time bias, so the history's
+        keys and values are the same whenever the user returns."""
         n = state.length
         if n > tokens["item_ids"].numel() or state.num_contextual != req.context_ids.numel():
             return False
-        if self.time_bias and state.context_time != req.request_time:
-            return False  # history tokens attend to contextual tokens stamped with the request time
         return bool((state.tokens[:n] == token_identity(tokens)[:n]).all())
 
     def prefix_state(self, req: EncodedRequest, tokens: dict[str, Tensor], state: PrefixState | None = None) -> PrefixState:

@@ -53,7 +53,7 @@ class EncodedRequest:
     actions: Tensor  # (L,) history action codes (0 = none)
     timestamps: Tensor  # (L,) history event times, non-decreasing
     candidates: Tensor  # (C,) candidate item codes
-    request_time: int  # candidates' timestamp; contextual tokens carry it too
+    request_time: int  # the candidates' timestamp
     truncated: int = 0  # oldest events dropped to fit the model's max_seq_len
 
     @property
@@ -171,7 +171,7 @@ def prefix_tokens(req: EncodedRequest, action_encoding: str) -> dict[str, Tensor
     item_ids = torch.zeros(n, dtype=torch.int64)
     actions = torch.zeros(n, dtype=torch.int64)
     context_ids = torch.zeros(n, dtype=torch.int64)
-    timestamps = torch.full((n,), req.request_time, dtype=torch.int64)
+    timestamps = torch.zeros(n, dtype=torch.int64)  # contextual tokens are not events: no time
     context_ids[:c] = req.context_ids
     pos = c + per_event * torch.arange(events)
     item_ids[pos] = req.items

@@ -60,14 +60,17 @@ def test_extending_a_state_equals_encoding_from_scratch(tmp_path) -> None:
     torch.testing.assert_close(extended.scores, scratch.scores, rtol=1e-5, atol=ATOL)
 
 
-def test_state_is_not_reused_across_contexts(tmp_path) -> None:
+def test_state_is_reused_at_a_later_time_but_not_across_histories(tmp_path) -> None:
     engine = _engine(tmp_path)
     hist = random_history(20, seed=5)
     now = hist["timestamps"][-1] + 5
     req = engine.encode("u1", hist, [1001], timestamp=now)
     state = engine.prefix_state(req, prefix_tokens(req, "sum"))
-    later = engine.encode("u1", hist, [1001], timestamp=now + 3600)  # contextual tokens carry the request time
-    assert not engine.reusable(state, later, prefix_tokens(later, "sum"))
+    later = engine.encode("u1", hist, [1001], timestamp=now + 3600)  # contextual tokens get no time bias
+    assert engine.reusable(state, later, prefix_tokens(later, "sum"))
+    cached = engine.rank_encoded(later, state)
+    scratch = engine.rank_encoded(later)
+    torch.testing.assert_close(cached.scores, scratch.scores, rtol=1e-5, atol=ATOL)
     other = engine.encode("u1", {**hist, "actions": ["buy"] * 20}, [1001], timestamp=now)
     assert not engine.reusable(state, other, prefix_tokens(other, "sum"))
     with pytest.raises(ValueError, match="not a prefix"):
