@@ -1,0 +1,171 @@
+"""Exactly-once pipeline state: which rows of each file the trainer has consumed this epoch.
+
+The state is a bitmap per file (one bit per row), the epoch, the shuffle seed and a resume
+counter. It is updated when the pipeline *hands a batch to the trainer* (rows still in
+prefetch queues or shuffle buffers are not consumed), so saving it together with the
+model after a step and restoring both after a crash replays every unconsumed row exactly
+once and no consumed row again, whatever happened to the in-flight data.
+
+Re-splitting: on every (re)start the unconsumed rows, in file/row order, are cut into
+``world_size`` contiguous shares of equal size (±1 row), so a changed number of ranks
+still splits the remaining work evenly. Ranks save their own states; ``merge`` ORs them
+(rows consumed by any rank are consumed), which is also exact across several restarts
+with different world sizes.
+
+After a resume the shuffle order of the remaining rows is drawn from
+``(seed, epoch, resumes)``: a different but equally random order; exactly-once does not
+depend on replaying the old order.
+"""
+
+from __future__ import annotations
+
+import base64
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from recforge.data.parquet_source import ParquetSource, ReadUnit, decode_row_ids
+
+STATE_VERSION = 1
+
+
+def _pack(bits: np.ndarray) -> str:
+    return base64.b64encode(zlib.compress(np.packbits(bits).tobytes(), 6)).decode("ascii")
+
+
+def _unpack(text: str, n: int) -> np.ndarray:
+    raw = np.frombuffer(zlib.decompress(base64.b64decode(text)), np.uint8)
+    return np.unpackbits(raw, count=n).astype(bool)
+
+
+@dataclass
+class PipelineState:
+    """Rows consumed per file this epoch, plus what seeds the shuffle.
+
+    Attributes:
+        paths: the files, in source order (checked on load: a different file list is an error).
+        consumed: per file, (rows,) bool; True = the trainer has received that row this epoch.
+        epoch: epochs completed.
+        seed: base shuffle seed.
+        resumes: how many times this state was restored (varies the post-resume shuffle).
+    """
+
+    paths: list[str]
+    consumed: list[np.ndarray]
+    epoch: int = 0
+    seed: int = 0
+    resumes: int = 0
+    _lock: object = field(default=None, repr=False, compare=False)
+
+    @staticmethod
+    def fresh(source: ParquetSource, seed: int = 0) -> PipelineState:
+        return PipelineState(list(source.paths), [np.zeros(int(n), bool) for n in source.file_rows], seed=seed)
+
+    # -- bookkeeping -------------------------------------------------------------------
+    def mark(self, row_ids: np.ndarray) -> None:
+        """Record rows as consumed (called when a batch is handed to the trainer)."""
+        files, rows = decode_row_ids(row_ids)
+        for f in np.unique(files):
+            self.consumed[int(f)][rows[files == f]] = True
+
+    @property
+    def num_consumed(self) -> int:
+        return int(sum(int(c.sum()) for c in self.consumed))
+
+    @property
+    def num_rows(self) -> int:
+        return int(sum(len(c) for c in self.consumed))
+
+    @property
+    def complete(self) -> bool:
+        return self.num_consumed == self.num_rows
+
+    def next_epoch(self) -> None:
+        """Start a new epoch: nothing consumed."""
+        self.epoch += 1
+        self.resumes = 0
+        for c in self.consumed:
+            c[:] = False
+
+    # -- splitting ---------------------------------------------------------------------
+    def plan(self, source: ParquetSource, rank: int = 0, world_size: int = 1) -> tuple[list[ReadUnit], list[np.ndarray]]:
+        """This rank's share of the unconsumed rows as read units, with a keep-mask per unit.
+
+        Returns:
+            (units, keep): ``keep[i]`` is a bool mask over unit i's rows (False = already consumed).
+        """
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} is outside world_size={world_size}")
+        self.check(source)
+        remaining = self.num_rows - self.num_consumed
+        lo, hi = remaining * rank // world_size, remaining * (rank + 1) // world_size
+        units, keep, seen = [], [], 0  # seen = unconsumed rows before the current row group
+        for f, rg_rows in enumerate(source.row_group_rows):
+            first = 0
+            for g, n in enumerate(rg_rows.tolist()):
+                free = np.flatnonzero(~self.consumed[f][first : first + n])
+                a, b = max(lo - seen, 0), min(hi - seen, len(free))
+                if a < b:
+                    start, stop = int(free[a]), int(free[b - 1]) + 1
+                    # the share's unconsumed rows inside [start, stop): consumed rows in between are dropped
+                    mask = np.zeros(stop - start, bool)
+                    mask[free[a:b] - start] = True
+                    units.append(ReadUnit(f, g, start, stop))
+                    keep.append(mask)
+                seen += len(free)
+                first += n
+        return units, keep
+
+    def check(self, source: ParquetSource) -> None:
+        if len(source.paths) != len(self.paths) or any(
+            len(c) != int(n) for c, n in zip(self.consumed, source.file_rows, strict=True)
+        ):
+            raise ValueError(
+                f"pipeline state was saved for {len(self.paths)} files {self.paths[:3]}... with "
+                f"{[len(c) for c in self.consumed][:3]}... rows; the source now has {source.paths[:3]}... "
+                f"with {source.file_rows[:3].tolist()}... rows. Resume with the same files, or start a fresh state."
+            )
+
+    # -- serialisation -----------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """JSON-serialisable form (bitmaps packed, zlib-compressed, base64)."""
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "resumes": self.resumes,
+            "files": [{"path": p, "rows": len(c), "consumed": _pack(c)} for p, c in zip(self.paths, self.consumed, strict=True)],
+        }
+
+    @staticmethod
+    def from_dict(payload: dict) -> PipelineState:
+        """Restore a saved state; its ``resumes`` counter goes up by one."""
+        if payload.get("version") != STATE_VERSION:
+            raise ValueError(f"pipeline state version {payload.get('version')} is not supported (need {STATE_VERSION})")
+        files = payload["files"]
+        return PipelineState(
+            [f["path"] for f in files],
+            [_unpack(f["consumed"], int(f["rows"])) for f in files],
+            epoch=int(payload["epoch"]),
+            seed=int(payload["seed"]),
+            resumes=int(payload["resumes"]) + 1,
+        )
+
+    @staticmethod
+    def merge(states: list[PipelineState]) -> PipelineState:
+        """Combine the states of several ranks: a row is consumed if any rank consumed it.
+
+        All states must be of the same epoch and files; the merged ``resumes`` is the max.
+        """
+        if not states:
+            raise ValueError("merge needs at least one state")
+        epochs = {s.epoch for s in states}
+        if len(epochs) != 1:
+            raise ValueError(f"cannot merge pipeline states of different epochs {sorted(epochs)}")
+        first = states[0]
+        for s in states[1:]:
+            if [len(c) for c in s.consumed] != [len(c) for c in first.consumed]:
+                raise ValueError("cannot merge pipeline states saved for different files")
+        consumed = [np.logical_or.reduce([s.consumed[i] for s in states]) for i in range(len(first.consumed))]
+        return PipelineState(list(first.paths), consumed, first.epoch, first.seed, max(s.resumes for s in states))
