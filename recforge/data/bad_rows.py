@@ -141,6 +141,8 @@ def check_rows(batch: pa.RecordBatch, rules: RowRules, report: BadRowReport, pat
             bad |= col_bad
     if bad.any():
         row_ids = batch.column(ROW_ID).to_numpy()
+        if rules.policy == "raise":  # report the first malformed row of the batch
+            reasons.sort(key=lambda r: int(np.argmax(r[1])))
         for reason, rows in reasons:
             files, in_file = decode_row_ids(row_ids[rows])
             where = [f"{paths[int(f)]} row {int(r)}" for f, r in zip(files[:10], in_file[:10], strict=True)]

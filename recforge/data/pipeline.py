@@ -23,6 +23,7 @@ back as ``state=`` when resuming (see ``recforge.data.resume``).
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -81,7 +82,7 @@ class Pipeline:
 
     @staticmethod
     def from_parquet(
-        paths: Iterable | str,
+        paths: Iterable | str | os.PathLike,
         columns: list[str] | None = None,
         *,
         num_workers: int = 2,
@@ -104,7 +105,7 @@ class Pipeline:
         """
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        source = ParquetSource(list(paths) if not isinstance(paths, str) else paths, columns)
+        source = ParquetSource(paths if isinstance(paths, (str, os.PathLike)) else list(paths), columns)
         if isinstance(state, dict):
             state = PipelineState.from_dict(state)
         if state is not None:
