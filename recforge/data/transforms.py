@@ -87,3 +87,21 @@ def min_length(column: str, n: int) -> Callable[[pa.RecordBatch], pa.Array]:
         return pc.fill_null(pc.greater_equal(pc.list_value_length(rb.column(column)), n), False)
 
     return fn
+
+
+def next_item_targets(column: str = "item_ids", inputs: str = "input_ids", targets: str = "next_item") -> Callable[[pa.RecordBatch], pa.RecordBatch]:
+    """Add aligned list columns for next-item training: ``inputs`` = all but the last element of
+    ``column``, ``targets`` = all but the first (rows with fewer than 2 elements get empty lists)."""
+
+    def fn(rb: pa.RecordBatch) -> pa.RecordBatch:
+        col = rb.column(column)
+        off = col.offsets.to_numpy().astype(np.int64)
+        lengths = np.maximum(np.diff(off) - 1, 0)
+        new_off = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=new_off[1:])
+        index = np.repeat(off[:-1] - new_off[:-1], lengths) + np.arange(new_off[-1])
+        offsets = pa.array(new_off)
+        rb = rb.append_column(inputs, pa.LargeListArray.from_arrays(offsets, col.values.take(pa.array(index))))
+        return rb.append_column(targets, pa.LargeListArray.from_arrays(offsets, col.values.take(pa.array(index + 1))))
+
+    return fn

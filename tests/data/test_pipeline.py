@@ -168,3 +168,12 @@ def test_chain_argument_errors(sample_dir):
         Pipeline.from_parquet(sample_dir, num_workers=0)
     with pytest.raises(ValueError, match="no column"):
         Pipeline.from_parquet(sample_dir, columns=["nope"])
+
+
+def test_next_item_targets():
+    from recforge.data.transforms import next_item_targets
+
+    rb = pa.record_batch({"item_ids": pa.array([[1, 2, 3], [4], [5, 6]], pa.list_(pa.int64()))})
+    out = next_item_targets()(rb)
+    assert out.column("input_ids").to_pylist() == [[1, 2], [], [5]]
+    assert out.column("next_item").to_pylist() == [[2, 3], [], [6]]

@@ -1,0 +1,213 @@
+"""Sample-engine throughput: read -> transform -> jagged batch, against a per-row PyTorch DataLoader.
+
+Usage:
+    python benchmarks/pipeline.py --rows 200000 --workers 2 --out benchmarks/results/pipeline-cpu-2core.json
+
+Both sides read the same Parquet sample files (user_id, item_ids list, timestamps list,
+label), keep the last ``--max-len`` items of each history and produce the same
+``JaggedBatch`` (item_ids + timestamps tokens, user_id dense, label):
+
+- **pipeline**: ``Pipeline.from_parquet(num_workers=W).map(truncate).shuffle().batch().collate().prefetch()``,
+  W reader threads, whole-batch vectorised work.
+- **DataLoader**: a map-style ``Dataset`` whose ``__getitem__`` reads one row (each worker
+  holds the Parquet table in memory), truncates it and makes tensors; ``collate_fn``
+  concatenates the rows into a JaggedBatch; W worker processes, shuffled.
+- **DataLoader (numpy rows)**: the same, but ``__getitem__`` slices pre-extracted numpy
+  offsets/values instead of converting an Arrow row to Python: a stronger per-row baseline.
+
+Rates are steady state: the clock starts after the first batch (worker start-up, first shuffle window). Then the pipeline's scaling with the number of reader workers. Prints one table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from recforge.data.batch import JaggedBatch
+from recforge.data.collate import JaggedCollate
+from recforge.data.pipeline import Pipeline
+from recforge.data.transforms import truncate_lists
+from recforge.ops.jagged import offsets_from_lengths
+
+COLUMNS = ["user_id", "item_ids", "timestamps", "label"]
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def make_samples(directory: Path, rows: int, mean_len: int, files: int, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    per_file = rows // files
+    for f in range(files):
+        lengths = rng.integers(1, 2 * mean_len, per_file)
+        off = np.r_[0, np.cumsum(lengths)].astype(np.int64)
+        ts = np.sort(rng.integers(1_600_000_000, 1_700_000_000, off[-1]))
+        table = pa.table({
+            "user_id": np.arange(per_file, dtype=np.int64) + f * per_file,
+            "item_ids": pa.LargeListArray.from_arrays(pa.array(off), pa.array(rng.integers(1, 1_000_000, off[-1]))),
+            "timestamps": pa.LargeListArray.from_arrays(pa.array(off), pa.array(ts)),
+            "label": rng.random(per_file).astype(np.float32),
+        })  # fmt: skip
+        pq.write_table(table, directory / f"part-{f:03d}.parquet", row_group_size=8192)
+
+
+class ArrowRowDataset(Dataset):
+    """The usual per-row Dataset: one Arrow row -> Python -> tensors."""
+
+    def __init__(self, paths: list[str], max_len: int):
+        self.paths, self.max_len, self.table = paths, max_len, None
+        self.length = sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict:
+        if self.table is None:  # each worker process reads the files once
+            self.table = pa.concat_tables([pq.read_table(p, columns=COLUMNS) for p in self.paths])
+        row = self.table.slice(i, 1).to_pylist()[0]
+        return {
+            "item_ids": torch.tensor(row["item_ids"][-self.max_len :], dtype=torch.int64),
+            "timestamps": torch.tensor(row["timestamps"][-self.max_len :], dtype=torch.int64),
+            "user_id": row["user_id"],
+            "label": row["label"],
+        }
+
+
+class NumpyRowDataset(ArrowRowDataset):
+    """A stronger per-row Dataset: numpy offsets/values extracted once, rows are slices."""
+
+    def __getitem__(self, i: int) -> dict:
+        if self.table is None:
+            table = pa.concat_tables([pq.read_table(p, columns=COLUMNS) for p in self.paths]).combine_chunks()
+            self.table = {
+                "off": table.column("item_ids").chunk(0).offsets.to_numpy(),
+                "items": table.column("item_ids").chunk(0).values.to_numpy(),
+                "ts": table.column("timestamps").chunk(0).values.to_numpy(),
+                "user": table.column("user_id").to_numpy(),
+                "label": table.column("label").to_numpy(),
+            }
+        t = self.table
+        a, b = t["off"][i], t["off"][i + 1]
+        a = max(a, b - self.max_len)
+        return {"item_ids": torch.from_numpy(t["items"][a:b]), "timestamps": torch.from_numpy(t["ts"][a:b]),
+                "user_id": int(t["user"][i]), "label": float(t["label"][i])}  # fmt: skip
+
+
+def collate_rows(rows: list[dict]) -> JaggedBatch:
+    lengths = torch.tensor([r["item_ids"].numel() for r in rows])
+    batch = JaggedBatch(
+        offsets_from_lengths(lengths),
+        {"item_ids": torch.cat([r["item_ids"] for r in rows]), "timestamps": torch.cat([r["timestamps"] for r in rows])},
+        int(lengths.max()),
+    )
+    batch.dense["user_id"] = torch.tensor([r["user_id"] for r in rows])
+    batch.labels["label"] = torch.tensor([r["label"] for r in rows])
+    return batch
+
+
+def timed(batches, max_rows: int, warmup: int = 1) -> dict:
+    """Steady-state rates: the clock starts after ``warmup`` batches (worker start-up, file opening)."""
+    rows = tokens = 0
+    for _ in range(warmup):
+        next(batches)
+    t0 = time.perf_counter()
+    for batch in batches:
+        rows += batch.batch_size
+        tokens += batch.num_tokens
+        if rows >= max_rows:
+            break
+    seconds = time.perf_counter() - t0
+    return {"rows": rows, "tokens": tokens, "seconds": seconds, "rows_per_s": rows / seconds, "tokens_per_s": tokens / seconds}
+
+
+def run_pipeline(paths: list[str], workers: int, args) -> dict:
+    collate = JaggedCollate({"item_ids": "item_ids", "timestamps": "timestamps"}, dense={"user_id": "user_id"}, labels={"label": "label"})
+    pipe = (
+        Pipeline.from_parquet(paths, columns=COLUMNS, num_workers=workers)
+        .map(truncate_lists(["item_ids", "timestamps"], args.max_len))
+        .shuffle(args.shuffle_buffer)
+        .batch(args.batch_size)
+        .collate(collate)
+        .prefetch(args.prefetch)
+    )
+    return timed(iter(pipe), args.rows)
+
+
+def run_dataloader(dataset_cls, paths: list[str], workers: int, args) -> dict:
+    loader = DataLoader(
+        dataset_cls(paths, args.max_len), batch_size=args.batch_size, shuffle=True, num_workers=workers,
+        collate_fn=collate_rows, prefetch_factor=args.prefetch if workers else None, persistent_workers=False,
+    )  # fmt: skip
+    return timed(iter(loader), args.baseline_rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=200_000)
+    p.add_argument("--baseline-rows", type=int, default=40_000, help="rows the DataLoader baselines read (they are slow)")
+    p.add_argument("--mean-len", type=int, default=50)
+    p.add_argument("--max-len", type=int, default=64)
+    p.add_argument("--files", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--shuffle-buffer", type=int, default=8192)
+    p.add_argument("--prefetch", type=int, default=4)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--scaling", default="1,2,4", help="reader worker counts for the scaling table")
+    p.add_argument("--data", default="", help="existing directory of sample files (default: generate in a temp dir)")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    tmp = None
+    if args.data:
+        data = Path(args.data)
+    else:
+        tmp = tempfile.TemporaryDirectory()
+        data = Path(tmp.name)
+        make_samples(data, args.rows, args.mean_len, args.files)
+    paths = sorted(str(x) for x in data.glob("*.parquet"))
+    load_at_start = os.getloadavg()[0]
+    run_pipeline(paths, args.workers, args)  # warm-up: the first pass over fresh files runs slower (allocator, caches)
+    rows = []
+    for name, fn in [
+        ("pipeline", lambda: run_pipeline(paths, args.workers, args)),
+        ("DataLoader (Arrow row -> Python)", lambda: run_dataloader(ArrowRowDataset, paths, args.workers, args)),
+        ("DataLoader (numpy row slices)", lambda: run_dataloader(NumpyRowDataset, paths, args.workers, args)),
+    ]:
+        rows.append({"loader": name, "workers": args.workers, **fn()})
+    scaling = [{"loader": "pipeline", "workers": w, **run_pipeline(paths, w, args)} for w in map(int, args.scaling.split(","))]
+    machine = f"{cpu_model()}, {os.cpu_count()} cores"
+    print(f"\nread -> truncate({args.max_len}) -> shuffle -> batch({args.batch_size}) -> JaggedBatch; {machine}; "
+          f"{args.rows} rows, mean history {args.mean_len}; 1-min load average at start {load_at_start:.2f}")  # fmt: skip
+    print(f"{'loader':34s} {'workers':>7s} {'rows':>8s} {'rows/s':>10s} {'tokens/s':>12s} {'vs pipeline':>12s}")
+    base = rows[0]["rows_per_s"]
+    for r in rows + scaling:
+        print(f"{r['loader']:34s} {r['workers']:7d} {r['rows']:8d} {r['rows_per_s']:10,.0f} {r['tokens_per_s']:12,.0f} "
+              f"{r['rows_per_s'] / base:11.2f}x")  # fmt: skip
+    if args.out:
+        payload = {"benchmark": "pipeline", "command": "python " + " ".join(sys.argv), "machine": machine,
+                   "torch": torch.__version__, "pyarrow": pa.__version__, "date": datetime.date.today().isoformat(),
+                   "load_average_at_start": load_at_start, "args": vars(args), "rows": rows, "scaling": scaling}  # fmt: skip
+        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
