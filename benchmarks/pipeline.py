@@ -15,7 +15,7 @@ label), keep the last ``--max-len`` items of each history and produce the same
 - **DataLoader (numpy rows)**: the same, but ``__getitem__`` slices pre-extracted numpy
   offsets/values instead of converting an Arrow row to Python: a stronger per-row baseline.
 
-Rates are steady state: the clock starts after the first batch (worker start-up, first shuffle window). Then the pipeline's scaling with the number of reader workers. Prints one table, writes JSON.
+Each loader runs ``--repeats`` times, interleaved, and the median run is reported. Rates are steady state: the clock starts after the first batch (worker start-up, first shuffle window). Then the pipeline's scaling with the number of reader workers. Prints one table, writes JSON.
 """
 
 from __future__ import annotations
@@ -137,6 +137,12 @@ def timed(batches, max_rows: int, warmup: int = 1) -> dict:
     return {"rows": rows, "tokens": tokens, "seconds": seconds, "rows_per_s": rows / seconds, "tokens_per_s": tokens / seconds}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median rows/s, plus every run's rows/s."""
+    ordered = sorted(runs, key=lambda r: r["rows_per_s"])
+    return {**ordered[len(ordered) // 2], "all_rows_per_s": [r["rows_per_s"] for r in runs]}
+
+
 def run_pipeline(paths: list[str], workers: int, args) -> dict:
     collate = JaggedCollate({"item_ids": "item_ids", "timestamps": "timestamps"}, dense={"user_id": "user_id"}, labels={"label": "label"})
     pipe = (
@@ -170,6 +176,7 @@ def main() -> None:
     p.add_argument("--prefetch", type=int, default=4)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--scaling", default="1,2,4", help="reader worker counts for the scaling table")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs per loader; the median is reported")
     p.add_argument("--data", default="", help="existing directory of sample files (default: generate in a temp dir)")
     p.add_argument("--out", default="")
     args = p.parse_args()
@@ -184,22 +191,28 @@ def main() -> None:
     paths = sorted(str(x) for x in data.glob("*.parquet"))
     load_at_start = os.getloadavg()[0]
     run_pipeline(paths, args.workers, args)  # warm-up: the first pass over fresh files runs slower (allocator, caches)
-    rows = []
-    for name, fn in [
+    loaders = [
         ("pipeline", lambda: run_pipeline(paths, args.workers, args)),
         ("DataLoader (Arrow row -> Python)", lambda: run_dataloader(ArrowRowDataset, paths, args.workers, args)),
         ("DataLoader (numpy row slices)", lambda: run_dataloader(NumpyRowDataset, paths, args.workers, args)),
-    ]:
-        rows.append({"loader": name, "workers": args.workers, **fn()})
-    scaling = [{"loader": "pipeline", "workers": w, **run_pipeline(paths, w, args)} for w in map(int, args.scaling.split(","))]
+    ]
+    # interleaved repeats, median per loader: other jobs on a shared machine slow whichever run they overlap
+    runs: dict[str, list[dict]] = {name: [] for name, _ in loaders}
+    for _ in range(args.repeats):
+        for name, fn in loaders:
+            runs[name].append(fn())
+    rows = [{"loader": name, "workers": args.workers, **median_run(r)} for name, r in runs.items()]
+    scaling = []
+    for w in map(int, args.scaling.split(",")):
+        scaling.append({"loader": "pipeline", "workers": w, **median_run([run_pipeline(paths, w, args) for _ in range(args.repeats)])})
     machine = f"{cpu_model()}, {os.cpu_count()} cores"
     print(f"\nread -> truncate({args.max_len}) -> shuffle -> batch({args.batch_size}) -> JaggedBatch; {machine}; "
           f"{args.rows} rows, mean history {args.mean_len}; 1-min load average at start {load_at_start:.2f}")  # fmt: skip
-    print(f"{'loader':34s} {'workers':>7s} {'rows':>8s} {'rows/s':>10s} {'tokens/s':>12s} {'vs pipeline':>12s}")
+    print(f"{'loader':34s} {'workers':>7s} {'rows':>8s} {'rows/s':>10s} {'tokens/s':>12s} {'vs pipeline':>12s}  rows/s of each run")
     base = rows[0]["rows_per_s"]
     for r in rows + scaling:
         print(f"{r['loader']:34s} {r['workers']:7d} {r['rows']:8d} {r['rows_per_s']:10,.0f} {r['tokens_per_s']:12,.0f} "
-              f"{r['rows_per_s'] / base:11.2f}x")  # fmt: skip
+              f"{r['rows_per_s'] / base:11.2f}x  " + " ".join(f"{x:,.0f}" for x in r["all_rows_per_s"]))  # fmt: skip
     if args.out:
         payload = {"benchmark": "pipeline", "command": "python " + " ".join(sys.argv), "machine": machine,
                    "torch": torch.__version__, "pyarrow": pa.__version__, "date": datetime.date.today().isoformat(),
