@@ -193,7 +193,7 @@ class Pipeline:
 
     def __iter__(self) -> Iterator[Any]:
         state = self.state
-        if state.complete and state.num_rows:
+        if state.share_done or (state.complete and state.num_rows):
             state.next_epoch()
         units, keep = state.plan(self.source, self.rank, self.world_size)
         rng = np.random.default_rng([self.seed, state.epoch, state.resumes, self.rank])
@@ -214,6 +214,7 @@ class Pipeline:
             for unit, k in zip(units, keep, strict=True):
                 first = int(self.source.row_group_rows[unit.file_index][: unit.row_group].sum())
                 state.consumed[unit.file_index][first + unit.start : first + unit.stop] |= k
+            state.share_done = True
 
 
 def _apply_row_stages(rb: pa.RecordBatch, stages: tuple[_Stage, ...]) -> pa.RecordBatch:

@@ -10,7 +10,9 @@ Re-splitting: on every (re)start the unconsumed rows, in file/row order, are cut
 ``world_size`` contiguous shares of equal size (±1 row), so a changed number of ranks
 still splits the remaining work evenly. Ranks save their own states; ``merge`` ORs them
 (rows consumed by any rank are consumed), which is also exact across several restarts
-with different world sizes.
+with different world sizes. A rank's own state knows only the rows that rank consumed: to
+resume, always ``merge`` the states of all ranks of the interrupted run, even when the world
+size is unchanged.
 
 After a resume the shuffle order of the remaining rows is drawn from
 ``(seed, epoch, resumes)``: a different but equally random order; exactly-once does not
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import base64
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -49,6 +51,8 @@ class PipelineState:
         epoch: epochs completed.
         seed: base shuffle seed.
         resumes: how many times this state was restored (varies the post-resume shuffle).
+        share_done: this rank has read its whole share of the epoch (its next iteration starts
+            a new epoch, even though other ranks' rows are not marked in this rank's state).
     """
 
     paths: list[str]
@@ -56,7 +60,7 @@ class PipelineState:
     epoch: int = 0
     seed: int = 0
     resumes: int = 0
-    _lock: object = field(default=None, repr=False, compare=False)
+    share_done: bool = False
 
     @staticmethod
     def fresh(source: ParquetSource, seed: int = 0) -> PipelineState:
@@ -85,6 +89,7 @@ class PipelineState:
         """Start a new epoch: nothing consumed."""
         self.epoch += 1
         self.resumes = 0
+        self.share_done = False
         for c in self.consumed:
             c[:] = False
 
@@ -135,6 +140,7 @@ class PipelineState:
             "epoch": self.epoch,
             "seed": self.seed,
             "resumes": self.resumes,
+            "share_done": self.share_done,
             "files": [{"path": p, "rows": len(c), "consumed": _pack(c)} for p, c in zip(self.paths, self.consumed, strict=True)],
         }
 
@@ -150,22 +156,32 @@ class PipelineState:
             epoch=int(payload["epoch"]),
             seed=int(payload["seed"]),
             resumes=int(payload["resumes"]) + 1,
+            share_done=bool(payload.get("share_done", False)),
         )
 
     @staticmethod
     def merge(states: list[PipelineState]) -> PipelineState:
         """Combine the states of several ranks: a row is consumed if any rank consumed it.
 
-        All states must be of the same epoch and files; the merged ``resumes`` is the max.
+        All states must be of the same epoch and files; the merged ``resumes`` is the max. A rank
+        that already moved on to the next epoch has dropped its record of the previous one, so
+        states of different epochs cannot be merged: checkpoint all ranks together (the training
+        loop checkpoints at every epoch end, after all ranks have finished their shares).
         """
         if not states:
             raise ValueError("merge needs at least one state")
         epochs = {s.epoch for s in states}
         if len(epochs) != 1:
-            raise ValueError(f"cannot merge pipeline states of different epochs {sorted(epochs)}")
+            raise ValueError(
+                f"cannot merge pipeline states of different epochs {sorted(epochs)}: a rank started a new epoch "
+                "before the others finished theirs; resume from a checkpoint that all ranks saved at the same step"
+            )
         first = states[0]
         for s in states[1:]:
             if [len(c) for c in s.consumed] != [len(c) for c in first.consumed]:
                 raise ValueError("cannot merge pipeline states saved for different files")
         consumed = [np.logical_or.reduce([s.consumed[i] for s in states]) for i in range(len(first.consumed))]
-        return PipelineState(list(first.paths), consumed, first.epoch, first.seed, max(s.resumes for s in states))
+        return PipelineState(
+            # share_done described a share of the old split; the merged rows are re-split, so it starts False
+            list(first.paths), consumed, first.epoch, first.seed, max(s.resumes for s in states), share_done=False
+        )

@@ -36,10 +36,13 @@ class RowCounter(torch.nn.Module):
         self.register_buffer("hits", torch.zeros(num_rows, dtype=torch.int32))
 
 
-def saved_states(run: Path) -> list[dict]:
-    """Manifests of the latest checkpoint of every (generation, rank) run directory."""
+def saved_states(run: Path, before_gen: int) -> list[dict]:
+    """Manifests of the latest checkpoint of every (generation, rank) run directory of earlier
+    generations (all ranks of a run restore the same checkpoints, as in DDP: never a sibling's)."""
     out = []
     for run_dir in sorted(run.glob("gen*.rank*")):
+        if int(run_dir.name[3:].split(".")[0]) >= before_gen:
+            continue
         ckpt = find_checkpoint(run_dir)
         if ckpt is not None:
             out.append(json.loads((ckpt / "manifest.json").read_text()))
@@ -48,7 +51,7 @@ def saved_states(run: Path) -> list[dict]:
 
 def main(data: str, run: str, gen: int, rank: int, world: int, workers: int) -> None:
     run_path = Path(run)
-    states = [PipelineState.from_dict(m["pipeline_state"]) for m in saved_states(run_path)]
+    states = [PipelineState.from_dict(m["pipeline_state"]) for m in saved_states(run_path, gen)]
     state = PipelineState.merge(states) if states else None
     if state is not None and state.complete:
         print("complete", flush=True)

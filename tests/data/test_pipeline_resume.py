@@ -143,3 +143,15 @@ def test_sigkill_at_random_points_consumes_every_row_exactly_once(tmp_path):
             assert np.array_equal(consumed, hits), f"generation {gen}: pipeline state and model disagree"
     assert np.array_equal(hits, np.ones(num_rows, np.int64)), f"rows never trained: {np.flatnonzero(hits == 0)[:10]}"
     assert torch.equal(torch.from_numpy(logged), torch.ones(num_rows, dtype=torch.int64))
+
+
+def test_several_epochs_on_several_ranks(tmp_path):
+    write_samples(tmp_path, files=2, rows=150, row_group=40)
+    pipes = [Pipeline.from_parquet(tmp_path, rank=r, world_size=3, seed=5).shuffle(64).batch(16) for r in range(3)]
+    for epoch in range(3):
+        rows = [np.concatenate([b.column("__row_id__").to_numpy() for b in p]) for p in pipes]
+        assert max(map(len, rows)) - min(map(len, rows)) <= 1
+        assert np.array_equal(np.sort(dense_rows(np.concatenate(rows), 150)), np.arange(300)), f"epoch {epoch}"
+        assert all(p.state.epoch == epoch and p.state.share_done for p in pipes)
+    with pytest.raises(ValueError, match="different epochs"):
+        PipelineState.merge([pipes[0].state, PipelineState.fresh(pipes[1].source)])
