@@ -30,7 +30,7 @@ import pyarrow as pa
 from recforge.data.feature_store import ArrowFeatureStore, RedisFeatureStore
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline import cpu_model  # noqa: E402
+from pipeline import cpu_model
 
 DIM = 16
 

@@ -111,7 +111,6 @@ def compress_chunk(events: pa.Table, cfg: CompressConfig) -> pa.Table:
     rank_in_group = np.arange(len(targets)) - group_start[np.cumsum(new_group) - 1]
     sample_starts = np.flatnonzero(new_group | (rank_in_group % cfg.max_targets == 0))
     t_offsets = np.r_[sample_starts, len(targets)].astype(np.int64)
-    t_count = np.diff(t_offsets)
     last_target = targets[t_offsets[1:] - 1] if len(targets) else np.zeros(0, np.int64)
     s_user = t_user[sample_starts]
     h_start = np.maximum(user_starts[s_user], last_target - cfg.max_history)

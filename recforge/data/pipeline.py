@@ -24,37 +24,21 @@ back as ``state=`` when resuming (see ``recforge.data.resume``).
 from __future__ import annotations
 
 import os
-import queue
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from recforge.data.bad_rows import BadRowReport, RowRules, check_rows
 from recforge.data.collate import row_ids_of
 from recforge.data.parquet_source import ParquetSource, ReadUnit
 from recforge.data.resume import PipelineState
-from recforge.data.token_batching import token_budget_cuts
+from recforge.data.stages import STAGES, Item, Stage, apply_row_stages
 
 MapFn = Callable[[pa.RecordBatch], pa.RecordBatch]
 FilterFn = Callable[[pa.RecordBatch], Any]  # -> bool array / mask per row
-
-
-@dataclass
-class _Item:
-    data: Any  # a RecordBatch until collate, then whatever collate returns
-    row_ids: np.ndarray
-
-
-@dataclass(frozen=True)
-class _Stage:
-    kind: str  # map | filter | shuffle | batch | collate | prefetch | take
-    arg: Any = None
 
 
 class Pipeline:
@@ -69,7 +53,7 @@ class Pipeline:
     """
 
     def __init__(self, source: ParquetSource, *, num_workers: int, rules: RowRules | None, seed: int,
-                 rank: int, world_size: int, stages: tuple[_Stage, ...] = (), state: PipelineState | None = None):  # fmt: skip
+                 rank: int, world_size: int, stages: tuple[Stage, ...] = (), state: PipelineState | None = None):  # fmt: skip
         self.source = source
         self.num_workers = num_workers
         self.rules = rules
@@ -112,7 +96,7 @@ class Pipeline:
             state.check(source)
         return Pipeline(source, num_workers=num_workers, rules=rules, seed=seed, rank=rank, world_size=world_size, state=state)
 
-    def _with(self, stage: _Stage) -> Pipeline:
+    def _with(self, stage: Stage) -> Pipeline:
         out = Pipeline(self.source, num_workers=self.num_workers, rules=self.rules, seed=self.seed, rank=self.rank,
                        world_size=self.world_size, stages=(*self.stages, stage), state=self.state)  # fmt: skip
         out.bad_rows = self.bad_rows
@@ -121,17 +105,17 @@ class Pipeline:
     # -- the chain ---------------------------------------------------------------------
     def map(self, fn: MapFn) -> Pipeline:
         """Vectorised RecordBatch -> RecordBatch transform; must keep the ``__row_id__`` column."""
-        return self._with(_Stage("map", fn))
+        return self._with(Stage("map", fn))
 
     def filter(self, fn: FilterFn) -> Pipeline:
         """Keep the rows where ``fn(batch)`` (a boolean array) is True."""
-        return self._with(_Stage("filter", fn))
+        return self._with(Stage("filter", fn))
 
     def shuffle(self, buffer_rows: int) -> Pipeline:
         """Shuffle within windows of ``buffer_rows`` rows (read units are also visited in random order)."""
         if buffer_rows < 1:
             raise ValueError(f"shuffle buffer must be >= 1 row, got {buffer_rows}")
-        return self._with(_Stage("shuffle", buffer_rows))
+        return self._with(Stage("shuffle", buffer_rows))
 
     def batch(self, batch_size: int | None = None, *, token_budget: int | None = None, length_column: str = "item_ids",
               max_rows: int | None = None, drop_last: bool = False) -> Pipeline:  # fmt: skip
@@ -141,21 +125,21 @@ class Pipeline:
             raise ValueError("batch() needs exactly one of batch_size or token_budget")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        return self._with(_Stage("batch", (batch_size, token_budget, length_column, max_rows, drop_last)))
+        return self._with(Stage("batch", (batch_size, token_budget, length_column, max_rows, drop_last)))
 
     def collate(self, fn: Callable[[pa.RecordBatch], Any]) -> Pipeline:
         """Turn each batch into the trainer's type (e.g. ``JaggedCollate``); runs once per whole batch."""
-        return self._with(_Stage("collate", fn))
+        return self._with(Stage("collate", fn))
 
     def prefetch(self, depth: int) -> Pipeline:
         """Run everything upstream in a background thread, keeping up to ``depth`` items ready."""
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
-        return self._with(_Stage("prefetch", depth))
+        return self._with(Stage("prefetch", depth))
 
     def take(self, n: int) -> Pipeline:
         """Stop after ``n`` items."""
-        return self._with(_Stage("take", n))
+        return self._with(Stage("take", n))
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -163,15 +147,15 @@ class Pipeline:
         return self.state.to_dict()
 
     # -- execution -----------------------------------------------------------------------
-    def _read_one(self, unit: ReadUnit, keep: np.ndarray, stages: tuple[_Stage, ...]) -> pa.RecordBatch:
+    def _read_one(self, unit: ReadUnit, keep: np.ndarray, stages: tuple[Stage, ...]) -> pa.RecordBatch:
         rb = self.source.read(unit)
         if not keep.all():
             rb = rb.filter(pa.array(keep))
         if self.rules is not None:
             rb = check_rows(rb, self.rules, self.bad_rows, self.source.paths)
-        return _apply_row_stages(rb, stages)
+        return apply_row_stages(rb, stages)
 
-    def _read(self, units: list[ReadUnit], keep: list[np.ndarray], stages: tuple[_Stage, ...], done: list) -> Iterator[_Item]:
+    def _read(self, units: list[ReadUnit], keep: list[np.ndarray], stages: tuple[Stage, ...], done: list) -> Iterator[Item]:
         window = 2 * self.num_workers
         with ThreadPoolExecutor(self.num_workers, thread_name_prefix="recforge-read") as pool:
             futures = []
@@ -181,11 +165,11 @@ class Pipeline:
                     if len(futures) >= window:
                         rb = futures.pop(0).result()
                         if rb.num_rows:
-                            yield _Item(rb, row_ids_of(rb))
+                            yield Item(rb, row_ids_of(rb))
                 while futures:
                     rb = futures.pop(0).result()
                     if rb.num_rows:
-                        yield _Item(rb, row_ids_of(rb))
+                        yield Item(rb, row_ids_of(rb))
                 done.append(True)
             finally:
                 for f in futures:
@@ -204,9 +188,9 @@ class Pipeline:
         while n_row < len(self.stages) and self.stages[n_row].kind in ("map", "filter"):
             n_row += 1
         done: list = []
-        stream: Iterator[_Item] = self._read(units, keep, self.stages[:n_row], done)
+        stream: Iterator[Item] = self._read(units, keep, self.stages[:n_row], done)
         for stage in self.stages[n_row:]:
-            stream = _STAGES[stage.kind](stream, stage.arg, rng)
+            stream = STAGES[stage.kind](stream, stage.arg, rng)
         for item in stream:
             state.mark(item.row_ids)
             yield item.data
@@ -215,135 +199,6 @@ class Pipeline:
                 first = int(self.source.row_group_rows[unit.file_index][: unit.row_group].sum())
                 state.consumed[unit.file_index][first + unit.start : first + unit.stop] |= k
             state.share_done = True
-
-
-def _apply_row_stages(rb: pa.RecordBatch, stages: tuple[_Stage, ...]) -> pa.RecordBatch:
-    for stage in stages:
-        if stage.kind == "map":
-            rb = stage.arg(rb)
-            if not isinstance(rb, pa.RecordBatch):
-                raise ValueError(f"map function {stage.arg!r} returned {type(rb).__name__}, expected a pyarrow.RecordBatch")
-        else:
-            mask = stage.arg(rb)
-            rb = rb.filter(mask if isinstance(mask, (pa.Array, pa.ChunkedArray)) else pa.array(np.asarray(mask, bool)))
-    return rb
-
-
-def _row_stage(kind: str) -> Callable:
-    def run(stream: Iterator[_Item], fn: Any, rng: np.random.Generator) -> Iterator[_Item]:
-        for item in stream:
-            rb = _apply_row_stages(item.data, (_Stage(kind, fn),))
-            if rb.num_rows:
-                yield _Item(rb, row_ids_of(rb))
-
-    return run
-
-
-def _shuffle(stream: Iterator[_Item], buffer_rows: int, rng: np.random.Generator) -> Iterator[_Item]:
-    pending: list[pa.RecordBatch] = []
-    rows = 0
-
-    def flush() -> _Item:
-        table = pa.Table.from_batches(pending)
-        rb = table.take(pa.array(rng.permutation(table.num_rows))).combine_chunks().to_batches()[0]
-        return _Item(rb, row_ids_of(rb))
-
-    for item in stream:
-        pending.append(item.data)
-        rows += item.data.num_rows
-        if rows >= buffer_rows:
-            yield flush()
-            pending, rows = [], 0
-    if rows:
-        yield flush()
-
-
-def _batch(stream: Iterator[_Item], spec: tuple, rng: np.random.Generator) -> Iterator[_Item]:
-    batch_size, token_budget, length_column, max_rows, drop_last = spec
-    pending: pa.Table | None = None
-
-    def cut(table: pa.Table, final: bool) -> tuple[list[pa.RecordBatch], pa.Table | None]:
-        if batch_size is not None:
-            cuts = list(range(0, table.num_rows, batch_size)) + [table.num_rows]
-        else:
-            lengths = pc.list_value_length(table.column(length_column)).to_numpy()
-            cuts = token_budget_cuts(lengths, token_budget, max_rows).tolist()
-        out = []
-        for a, b in zip(cuts[:-2], cuts[1:-1], strict=True):
-            out.append(table.slice(a, b - a))
-        a = cuts[-2] if len(cuts) > 1 else 0
-        rest = table.slice(a)
-        full = batch_size is not None and rest.num_rows == batch_size
-        if full or (final and rest.num_rows and not drop_last):
-            out.append(rest)
-            rest = None
-        return [t.combine_chunks().to_batches()[0] for t in out if t.num_rows], rest
-
-    for item in stream:
-        table = pa.Table.from_batches([item.data]) if pending is None else pa.concat_tables([pending, pa.Table.from_batches([item.data])])
-        ready, pending = cut(table, final=False)
-        for rb in ready:
-            yield _Item(rb, row_ids_of(rb))
-    if pending is not None and pending.num_rows:
-        ready, _ = cut(pending, final=True)
-        for rb in ready:
-            yield _Item(rb, row_ids_of(rb))
-
-
-def _collate(stream: Iterator[_Item], fn: Callable, rng: np.random.Generator) -> Iterator[_Item]:
-    for item in stream:
-        yield replace(item, data=fn(item.data))
-
-
-def _take(stream: Iterator[_Item], n: int, rng: np.random.Generator) -> Iterator[_Item]:
-    for i, item in enumerate(stream):
-        if i >= n:
-            return
-        yield item
-        if i + 1 == n:
-            return
-
-
-_END = object()
-
-
-def _prefetch(stream: Iterator[_Item], depth: int, rng: np.random.Generator) -> Iterator[_Item]:
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for item in stream:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            q.put(_END)
-        except BaseException as err:  # noqa: BLE001 - re-raised in the consumer thread
-            q.put(err)
-
-    thread = threading.Thread(target=produce, name="recforge-prefetch", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = q.get()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        if hasattr(stream, "close"):
-            pass  # the producer thread owns the upstream generator; it exits at its next put
-
-
-_STAGES = {"map": _row_stage("map"), "filter": _row_stage("filter"), "shuffle": _shuffle, "batch": _batch,
-           "collate": _collate, "take": _take, "prefetch": _prefetch}  # fmt: skip
 
 
 def replay(batches: list, steps: int) -> Iterator:

@@ -28,6 +28,7 @@ from recforge.data.bad_rows import BadRowReport, RowRules, check_rows
 from recforge.data.collate import row_ids_of
 from recforge.data.parquet_source import ParquetSource, ReadUnit, one_batch
 from recforge.data.resume import PipelineState
+from recforge.data.stages import Stage, apply_row_stages
 
 _SOURCES: dict[tuple, ParquetSource] = {}  # per Ray worker process: opened files, by (paths, columns)
 
@@ -53,9 +54,7 @@ def _require_ray():
 
 def _reader(paths: tuple[str, ...], columns: tuple[str, ...] | None, rules: RowRules | None,
             stages: tuple[tuple[str, Callable], ...]) -> Callable[[pa.Table], pa.Table]:  # fmt: skip
-    from recforge.data.pipeline import _apply_row_stages, _Stage
-
-    row_stages = tuple(_Stage(kind, fn) for kind, fn in stages)
+    row_stages = tuple(Stage(kind, fn) for kind, fn in stages)
 
     def read(units: pa.Table) -> pa.Table:
         key = (paths, columns)
@@ -70,7 +69,7 @@ def _reader(paths: tuple[str, ...], columns: tuple[str, ...] | None, rules: RowR
                 rb = rb.filter(pa.array(keep))
             if rules is not None:
                 rb = check_rows(rb, rules, BadRowReport(), source.paths)
-            out.append(_apply_row_stages(rb, row_stages))  # empty batches too: they keep the block's schema
+            out.append(apply_row_stages(rb, row_stages))  # empty batches too: they keep the block's schema
         return pa.Table.from_batches(out)
 
     return read

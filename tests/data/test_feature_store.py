@@ -12,7 +12,11 @@ import pyarrow as pa
 import pytest
 
 from recforge.data.collate import JaggedCollate
-from recforge.data.feature_store import ArrowFeatureStore, RedisFeatureStore, join_features
+from recforge.data.feature_store import (
+    ArrowFeatureStore,
+    RedisFeatureStore,
+    join_features,
+)
 from recforge.data.pipeline import Pipeline
 
 REDIS_REQUIREMENT = "the redis-server binary on PATH and the redis Python client (.ci/run installs both)"

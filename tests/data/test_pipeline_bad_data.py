@@ -23,7 +23,7 @@ def dirty(tmp_path):
     return tmp_path / "dirty.parquet"
 
 
-RULES = dict(ids=("user_id", "item_ids"), types={"rating": pa.float32()}, aligned=("item_ids", "timestamps"))
+RULES = {"ids": ("user_id", "item_ids"), "types": {"rating": pa.float32()}, "aligned": ("item_ids", "timestamps")}
 
 
 def test_skip_counts_each_reason_and_keeps_good_rows(dirty):

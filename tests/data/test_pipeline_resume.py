@@ -61,7 +61,7 @@ def test_changed_world_size_resplits_evenly(tmp_path, old_world, new_world):
     consumed_before = np.concatenate([np.flatnonzero(c) + 200 * f for f, c in enumerate(merged.consumed)])
     shares = []
     for rank in range(new_world):
-        units, keep = merged.plan(source, rank, new_world)
+        _, keep = merged.plan(source, rank, new_world)
         shares.append(sum(int(k.sum()) for k in keep))
         rows = list(Pipeline.from_parquet(tmp_path, rank=rank, world_size=new_world, state=merged.to_dict()).batch(50))
         shares[-1] = (shares[-1], np.concatenate([dense_rows(b.column("__row_id__").to_numpy(), 200) for b in rows]))
@@ -83,11 +83,10 @@ def test_state_checks_the_files(tmp_path):
 
 def _run_generation(data, run, gen, world, workers, rng, kill: bool) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(data), str(run), str(gen), str(rank), str(world), str(workers)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
-        for rank in range(world)
-    ]
+    procs = []
+    for rank in range(world):
+        argv = [sys.executable, str(WORKER), str(data), str(run), str(gen), str(rank), str(world), str(workers)]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     for p in procs:
         line = p.stdout.readline().strip()  # "ready" once the state is merged and the pipeline built
         assert line in ("ready", "complete"), p.stderr.read()

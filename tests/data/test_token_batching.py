@@ -6,7 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from recforge.data.token_batching import token_budget_cuts, token_loss_scale, token_weighted_loss
+from recforge.data.token_batching import (
+    token_budget_cuts,
+    token_loss_scale,
+    token_weighted_loss,
+)
 
 
 def test_cuts_respect_the_budget_and_cover_every_row():
