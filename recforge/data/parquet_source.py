@@ -83,7 +83,8 @@ class ParquetSource:
         self.paths = [str(f) for f in files]
         self.columns = list(columns) if columns is not None else None
         self.row_group_rows: list[np.ndarray] = []  # per file: rows of each row group
-        self.schema: pa.Schema | None = None
+        self.schema: pa.Schema | None = None  # the first file's (projected) schema
+        self.file_schemas: list[pa.Schema] = []
         for path in self.paths:
             meta = self._open(path).metadata
             self.row_group_rows.append(np.array([meta.row_group(i).num_rows for i in range(meta.num_row_groups)], np.int64))
@@ -91,9 +92,25 @@ class ParquetSource:
             missing = [c for c in self.columns or [] if c not in schema.names]
             if missing:
                 raise ValueError(f"{path}: no column(s) {missing} (the file has {schema.names})")
+            projected = schema if self.columns is None else pa.schema([schema.field(c) for c in self.columns])
+            self.file_schemas.append(projected)
             if self.schema is None:
-                self.schema = schema if self.columns is None else pa.schema([schema.field(c) for c in self.columns])
+                self.schema = projected
         self._local = threading.local()
+
+    def check_types(self, cast: set[str]) -> None:
+        """Raise ``ValueError`` naming the file when a column's type differs from the first file's,
+        unless the column is in ``cast`` (row rules cast it to one type)."""
+        for path, schema in zip(self.paths[1:], self.file_schemas[1:], strict=True):
+            for field in self.schema:
+                if field.name in cast or field.name not in schema.names:
+                    continue
+                other = schema.field(field.name).type
+                if other != field.type:
+                    raise ValueError(
+                        f"{path}: column {field.name!r} is {other} but {field.type} in {self.paths[0]}; rewrite the "
+                        f"file or pass rules=RowRules(types={{{field.name!r}: ...}}) to cast every file to one type"
+                    )
 
     @staticmethod
     def _open(path: str) -> pq.ParquetFile:

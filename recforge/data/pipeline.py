@@ -90,6 +90,7 @@ class Pipeline:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         source = ParquetSource(paths if isinstance(paths, (str, os.PathLike)) else list(paths), columns)
+        source.check_types(set(rules.types) if rules is not None else set())
         if isinstance(state, dict):
             state = PipelineState.from_dict(state)
         if state is not None:

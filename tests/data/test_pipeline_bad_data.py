@@ -89,3 +89,12 @@ def test_corrupt_data_page_is_named(tmp_path):
 def test_missing_path():
     with pytest.raises(ValueError, match="no such Parquet"):
         Pipeline.from_parquet("/nonexistent/x.parquet")
+
+
+def test_files_with_different_column_types(tmp_path):
+    pq.write_table(pa.table({"item_ids": pa.array([[1]], pa.list_(pa.int64())), "r": pa.array([1.0])}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"item_ids": pa.array([[2]], pa.list_(pa.int64())), "r": pa.array(["2"])}), tmp_path / "b.parquet")
+    with pytest.raises(ValueError, match=r"b\.parquet: column 'r' is string but double in .*a\.parquet"):
+        Pipeline.from_parquet(tmp_path)
+    pipe = Pipeline.from_parquet(tmp_path, rules=RowRules(types={"r": pa.float64()})).batch(10)
+    assert [b.column("r").to_pylist() for b in pipe] == [[1.0, 2.0]]
