@@ -89,9 +89,13 @@ def min_length(column: str, n: int) -> Callable[[pa.RecordBatch], pa.Array]:
     return fn
 
 
-def next_item_targets(column: str = "item_ids", inputs: str = "input_ids", targets: str = "next_item") -> Callable[[pa.RecordBatch], pa.RecordBatch]:
+def next_item_targets(
+    column: str = "item_ids", inputs: str = "input_ids", targets: str = "next_item", aligned: tuple[str, ...] = ()
+) -> Callable[[pa.RecordBatch], pa.RecordBatch]:
     """Add aligned list columns for next-item training: ``inputs`` = all but the last element of
-    ``column``, ``targets`` = all but the first (rows with fewer than 2 elements get empty lists)."""
+    ``column``, ``targets`` = all but the first (rows with fewer than 2 elements get empty lists).
+    Each list column in ``aligned`` (e.g. ``timestamps``) is replaced by all but its last element,
+    so it stays aligned with ``inputs``."""
 
     def fn(rb: pa.RecordBatch) -> pa.RecordBatch:
         col = rb.column(column)
@@ -99,9 +103,14 @@ def next_item_targets(column: str = "item_ids", inputs: str = "input_ids", targe
         lengths = np.maximum(np.diff(off) - 1, 0)
         new_off = np.zeros(len(lengths) + 1, np.int64)
         np.cumsum(lengths, out=new_off[1:])
-        index = np.repeat(off[:-1] - new_off[:-1], lengths) + np.arange(new_off[-1])
+        index = pa.array(np.repeat(off[:-1] - new_off[:-1], lengths) + np.arange(new_off[-1]))
         offsets = pa.array(new_off)
-        rb = rb.append_column(inputs, pa.LargeListArray.from_arrays(offsets, col.values.take(pa.array(index))))
-        return rb.append_column(targets, pa.LargeListArray.from_arrays(offsets, col.values.take(pa.array(index + 1))))
+        for name in aligned:
+            other = rb.column(name)
+            if not np.array_equal(other.offsets.to_numpy(), col.offsets.to_numpy()):
+                raise ValueError(f"next_item_targets: list column {name!r} is not aligned with {column!r}")
+            rb = _replace(rb, name, pa.LargeListArray.from_arrays(offsets, other.values.take(index)))
+        rb = rb.append_column(inputs, pa.LargeListArray.from_arrays(offsets, col.values.take(index)))
+        return rb.append_column(targets, pa.LargeListArray.from_arrays(offsets, col.values.take(pc.add(index, 1))))
 
     return fn

@@ -1,0 +1,81 @@
+"""Retrieval training samples on disk: the Parquet form of ``UserSequences.training_samples``.
+
+One row per (user, end) sample, exactly the window ``UserSequences.training_batch`` would
+assemble: the ``max_seq_len`` inputs before position ``end - 1`` plus the item after the
+last input, so ``transforms.next_item_targets`` splits each row into inputs and next-item
+labels::
+
+    user_index  int64          row of the user in UserSequences
+    end         int64          the sample's end (items of the user used: the first ``end``)
+    item_ids    list<int64>    dense item indices (1..num_items), inputs + 1
+    timestamps  list<int64>    aligned with item_ids (when the dataset has timestamps)
+
+Feeding these rows through ``Pipeline`` (see ``retrieval_pipeline``) gives the recipe's
+training batches without building them in memory each step, with exact resume.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from recforge.data.collate import JaggedCollate
+from recforge.data.pipeline import Pipeline
+from recforge.data.sequences import UserSequences
+from recforge.data.transforms import next_item_targets
+from recforge.ops.jagged import range_index
+
+
+def write_retrieval_samples(
+    seqs: UserSequences, samples: torch.Tensor, max_seq_len: int, out_path: str | os.PathLike, row_group_size: int = 8192
+) -> Path:
+    """Write ``samples`` ((S, 2) rows of (user, end) from ``training_samples``) as Parquet, atomically."""
+    if samples.ndim != 2 or samples.shape[1] != 2:
+        raise ValueError(f"samples must be (S, 2) (user, end) rows from UserSequences.training_samples, got {tuple(samples.shape)}")
+    users, ends = samples[:, 0], samples[:, 1]
+    lengths = torch.clamp(ends - 1, max=max_seq_len) + 1  # inputs + the last label
+    first = seqs.offsets[users] + ends - lengths
+    index, offsets = range_index(first, lengths)
+    off = pa.array(offsets.numpy())
+    columns = {
+        "user_index": pa.array(users.numpy()),
+        "end": pa.array(ends.numpy()),
+        "item_ids": pa.LargeListArray.from_arrays(off, pa.array(seqs.item_ids[index].numpy())),
+    }
+    if seqs.timestamps is not None:
+        columns["timestamps"] = pa.LargeListArray.from_arrays(off, pa.array(seqs.timestamps[index].numpy()))
+    out_path = Path(out_path)
+    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
+    try:
+        pq.write_table(pa.table(columns), tmp, row_group_size=row_group_size)
+        os.replace(tmp, out_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out_path
+
+
+def retrieval_pipeline(paths, max_seq_len: int, batch_size: int, *, timestamps: bool, num_workers: int = 2,
+                       shuffle_rows: int = 65536, prefetch: int = 4, seed: int = 0, state: dict | None = None,
+                       rank: int = 0, world_size: int = 1) -> Pipeline:  # fmt: skip
+    """The retrieval recipe's training batches from ``write_retrieval_samples`` files.
+
+    Each batch matches ``UserSequences.training_batch`` for the same samples: features
+    ``item_ids`` (+ ``timestamps``), label ``next_item``, and ``dense["row_ids"]``.
+    """
+    jagged = {"input_ids": "item_ids", **({"timestamps": "timestamps"} if timestamps else {})}
+    columns = ["item_ids", *(["timestamps"] if timestamps else [])]
+    return (
+        Pipeline.from_parquet(paths, columns=columns, num_workers=num_workers, seed=seed, state=state, rank=rank,
+                              world_size=world_size)  # fmt: skip
+        .map(next_item_targets("item_ids", "input_ids", "next_item", aligned=tuple(columns[1:])))
+        .shuffle(shuffle_rows)
+        .batch(batch_size)
+        .collate(JaggedCollate(jagged, labels={"next_item": "next_item"}, max_seq_len=max_seq_len))
+        .prefetch(prefetch)
+    )
+
