@@ -18,6 +18,7 @@ Ray is optional: ``ray_unavailable()`` is the one capability check; ``pip instal
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,6 +31,7 @@ from recforge.data.parquet_source import ParquetSource, ReadUnit, one_batch
 from recforge.data.resume import PipelineState
 from recforge.data.stages import Stage, apply_row_stages
 
+_log = logging.getLogger(__name__)
 _SOURCES: dict[tuple, ParquetSource] = {}  # per Ray worker process: opened files, by (paths, columns)
 
 
@@ -61,15 +63,17 @@ def _reader(paths: tuple[str, ...], columns: tuple[str, ...] | None, rules: RowR
         if key not in _SOURCES:
             _SOURCES[key] = ParquetSource(list(paths), list(columns) if columns is not None else None)
         source = _SOURCES[key]
-        out = []
+        out, report = [], BadRowReport()
         for u in units.to_pylist():
             rb = source.read(ReadUnit(u["file"], u["row_group"], u["start"], u["stop"]))
             keep = np.unpackbits(np.frombuffer(u["keep"], np.uint8), count=u["stop"] - u["start"]).astype(bool)
             if not keep.all():
                 rb = rb.filter(pa.array(keep))
             if rules is not None:
-                rb = check_rows(rb, rules, BadRowReport(), source.paths)
+                rb = check_rows(rb, rules, report, source.paths)
             out.append(apply_row_stages(rb, row_stages))  # empty batches too: they keep the block's schema
+        if report.total:  # Ray tasks cannot update the driver's report: log (Ray forwards it to the driver)
+            _log.warning("skipped %d malformed rows %s, e.g. %s", report.total, dict(report.counts), report.examples[:3])
         return pa.Table.from_batches(out)
 
     return read
@@ -82,7 +86,8 @@ class RayPipeline:
         paths: Parquet files or directories.
         columns: column projection.
         map_fns: ``("map", fn)`` / ``("filter", fn)`` stages: the same functions ``Pipeline`` takes.
-        rules: malformed-row checks (policy ``raise`` raises inside the Ray task, with file and row).
+        rules: malformed-row checks (policy ``raise`` raises inside the Ray task, with file and row;
+            ``skip`` logs each task's counts and examples as a warning, forwarded to the driver by Ray).
         state: exactly-once state to resume from (only unconsumed rows are read).
 
     Example:

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 
+from recforge.data.bad_rows import RowRules
 from recforge.data.collate import JaggedCollate
 from recforge.data.pipeline import Pipeline
 from recforge.data.ray_backend import RayPipeline, ray_unavailable
@@ -52,7 +53,7 @@ def test_ray_matches_the_local_pipeline_and_resumes(ray_session, tmp_path):
     expected = {int(u): b.item_ids[b.seq_offsets[i] : b.seq_offsets[i + 1]].tolist()
                 for b in local for i, u in enumerate(b.dense["user_id"])}  # fmt: skip
 
-    rp = RayPipeline(tmp_path, ["user_id", "item_ids"], map_fns=fns)
+    rp = RayPipeline(tmp_path, ["user_id", "item_ids"], map_fns=fns, rules=RowRules(ids=("user_id", "item_ids")))
     per_rank = _drain(rp.rank_iterators(world_size=2, batch_size=64, collate=collate))
     assert all(len(batches) > 0 for batches in per_rank)  # both ranks got data
     got = {}
