@@ -98,6 +98,8 @@ class Pipeline:
         return Pipeline(source, num_workers=num_workers, rules=rules, seed=seed, rank=rank, world_size=world_size, state=state)
 
     def _with(self, stage: Stage) -> Pipeline:
+        if stage.kind in ("map", "filter", "shuffle", "batch", "collate") and any(s.kind == "collate" for s in self.stages):
+            raise ValueError(f"{stage.kind}() after collate(): Arrow stages must come before collate (which ends the Arrow part)")
         out = Pipeline(self.source, num_workers=self.num_workers, rules=self.rules, seed=self.seed, rank=self.rank,
                        world_size=self.world_size, stages=(*self.stages, stage), state=self.state)  # fmt: skip
         out.bad_rows = self.bad_rows

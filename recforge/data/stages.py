@@ -23,17 +23,22 @@ from recforge.data.token_batching import token_budget_cuts
 
 @dataclass
 class Item:
+    """What flows between stages: the payload and the row ids it carries (for exactly-once marking)."""
+
     data: Any  # a RecordBatch until collate, then whatever collate returns
     row_ids: np.ndarray
 
 
 @dataclass(frozen=True)
 class Stage:
+    """One link of the chain: its kind and its argument (function, buffer size, batch spec...)."""
+
     kind: str  # map | filter | shuffle | batch | collate | prefetch | take
     arg: Any = None
 
 
 def apply_row_stages(rb: pa.RecordBatch, stages: tuple[Stage, ...]) -> pa.RecordBatch:
+    """Run ``map``/``filter`` stages on one RecordBatch (in a reader thread or a Ray task)."""
     for stage in stages:
         if stage.kind == "map":
             rb = stage.arg(rb)

@@ -168,6 +168,8 @@ def test_chain_argument_errors(sample_dir):
         Pipeline.from_parquet(sample_dir, num_workers=0)
     with pytest.raises(ValueError, match="no column"):
         Pipeline.from_parquet(sample_dir, columns=["nope"])
+    with pytest.raises(ValueError, match="before collate"):
+        pipe.batch(4).collate(COLLATE).map(lambda rb: rb)
 
 
 def test_next_item_targets():
