@@ -61,3 +61,39 @@ def test_history_cap_and_errors(tmp_path):
     with pytest.raises(ValueError, match="no column"):
         compress_events(tmp_path / "events.parquet", tmp_path / "x.parquet", CompressConfig(label_columns=("clicks",)))
     assert not (tmp_path / "x.parquet").exists()
+
+
+def test_contextual_tokens_and_coded_items_match_ranking_data(tmp_path):
+    import pyarrow.compute as pc
+
+    from recforge.data.transforms import map_ids
+
+    events = random_events(users=12, seed=3)
+    pq.write_table(events, tmp_path / "events.parquet")
+    cfg = CompressConfig(period_seconds=DAY, max_targets=3, max_history=10_000, split="valid", label_columns=("rating",))
+    compress_events(tmp_path / "events.parquet", tmp_path / "samples.parquet", cfg)
+    data = RankingData.from_dataset(Dataset(events, None, {"has_timestamps": True}), ["rating:rating"], user_features=["user_id"])
+    samples = data.samples("valid", DAY, max_targets=3)
+    expected = data.batch(samples, torch.arange(len(samples)), max_seq_len=100_000)
+    # RankingData codes items by sorted raw ID and user features by their string form
+    item_vocab = np.array(data.vocab["item_ids"], np.int64)
+    user_vocab = pa.array([int(v) for v in data.vocab["user_features"]["user_id"]["values"]], pa.int64())
+
+    def user_code(rb):
+        return rb.append_column("user_code", pc.add(pc.index_in(rb.column("user_id"), value_set=user_vocab), 1))
+
+    pipe = (
+        Pipeline.from_parquet(tmp_path / "samples.parquet")
+        .map(map_ids("history_item_ids", item_vocab))
+        .map(map_ids("target_item_ids", item_vocab))
+        .map(user_code)
+        .batch(10_000)
+        .collate(RankingCollate(("rating",), context_columns=("user_code",)))
+    )
+    (got,) = list(pipe)
+    got.validate()
+    assert torch.equal(got.seq_offsets, expected.seq_offsets)
+    for name in ("item_ids", "context_ids", "timestamps"):
+        assert torch.equal(got.features[name], expected.features[name]), name
+    assert torch.equal(got.mask.num_contextual, expected.mask.num_contextual)
+    assert torch.equal(got.mask.num_targets, expected.mask.num_targets)
