@@ -9,22 +9,27 @@ from recforge.models.retrieval import ItemPrefix, L2NormPostfix, RetrievalModel
 from recforge.models.sasrec import SASRecConfig, SASRecEncoder
 
 
+def hstu_encoder(cfg: ModelConfig, max_seq_len: int) -> HSTUEncoder:
+    """The HSTU encoder ``cfg`` describes."""
+    return HSTUEncoder(
+        HSTUConfig(
+            dim=cfg.dim,
+            num_blocks=cfg.num_blocks,
+            num_heads=cfg.num_heads,
+            dqk=cfg.dqk,
+            dv=cfg.dv,
+            dropout=cfg.dropout,
+            max_seq_len=max_seq_len,
+            num_time_buckets=cfg.num_time_buckets,
+            kernel=cfg.kernel,
+        )
+    )
+
+
 def build_retrieval_model(cfg: ModelConfig, num_items: int, max_seq_len: int) -> RetrievalModel:
     """Retrieval model of ``cfg.kind`` (hstu | sasrec) over a catalogue of ``num_items`` items."""
     if cfg.kind == "hstu":
-        encoder = HSTUEncoder(
-            HSTUConfig(
-                dim=cfg.dim,
-                num_blocks=cfg.num_blocks,
-                num_heads=cfg.num_heads,
-                dqk=cfg.dqk,
-                dv=cfg.dv,
-                dropout=cfg.dropout,
-                max_seq_len=max_seq_len,
-                num_time_buckets=cfg.num_time_buckets,
-                kernel=cfg.kernel,
-            )
-        )
+        encoder = hstu_encoder(cfg, max_seq_len)
     elif cfg.kind == "sasrec":
         encoder = SASRecEncoder(
             SASRecConfig(
@@ -68,19 +73,7 @@ def build_ranking_model(
         num_items, num_actions, num_context_values, cfg.dim, item_feature_width, num_item_feature_values, cfg.dropout
     )
     if cfg.kind == "hstu":
-        encoder = HSTUEncoder(
-            HSTUConfig(
-                dim=cfg.dim,
-                num_blocks=cfg.num_blocks,
-                num_heads=cfg.num_heads,
-                dqk=cfg.dqk,
-                dv=cfg.dv,
-                dropout=cfg.dropout,
-                max_seq_len=max_seq_len,
-                num_time_buckets=cfg.num_time_buckets,
-                kernel=cfg.kernel,
-            )
-        )
+        encoder = hstu_encoder(cfg, max_seq_len)
     elif cfg.kind == "dlrm":
         encoder = ContextPool(cfg.dim, hidden=cfg.head_hidden * 2, dropout=cfg.dropout)
     else:

@@ -35,6 +35,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def prepare_runtime(cfg: RunConfig) -> torch.device:
+    """Apply ``train.threads``, resolve ``train.device`` (TF32 matmuls on CUDA) and return it."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    device = resolve_device(cfg.train.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    return device
+
+
+def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW over every parameter, per ``cfg.optim``."""
+    return torch.optim.AdamW(
+        model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
+    )
+
+
 def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path:
     """Create the run directory; refuse to overwrite an existing run unless resuming."""
     run_dir = cfg.run_dir

@@ -37,7 +37,7 @@ from recforge.models.ranking import (
     save_slices,
 )
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
-from recforge.train.loop import prepare_run_dir, resolve_device, run_loop
+from recforge.train.loop import make_optimizer, prepare_run_dir, prepare_runtime, run_loop
 from recforge.train.metrics import auc, gauc
 
 
@@ -70,11 +70,7 @@ def load_ranking_data(cfg: RunConfig) -> RankingData:
 
 def setup(cfg: RunConfig) -> Setup:
     """Load data, build the model and optimizer (deterministically from ``cfg.train.seed``)."""
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    device = resolve_device(cfg.train.device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
+    device = prepare_runtime(cfg)
     data = load_ranking_data(cfg)
     torch.manual_seed(cfg.train.seed)
     model = build_ranking_model(
@@ -89,9 +85,7 @@ def setup(cfg: RunConfig) -> Setup:
     )
     model.prefix.item_features.copy_(data.item_features)
     model = model.to(device)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
-    )
+    optimizer = make_optimizer(cfg, model)
     weights = list(cfg.ranking.task_weights) or [1.0] * len(data.tasks)
     return Setup(cfg, data, model, optimizer, device, weights)
 

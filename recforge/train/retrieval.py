@@ -25,7 +25,7 @@ from recforge.models.builders import build_retrieval_model
 from recforge.models.retrieval import RetrievalModel
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
 from recforge.train.evaluate import evaluate_ranking, model_scorer
-from recforge.train.loop import prepare_run_dir, resolve_device, run_loop
+from recforge.train.loop import make_optimizer, prepare_run_dir, prepare_runtime, run_loop
 from recforge.train.losses import sampled_softmax_loss
 
 
@@ -41,17 +41,11 @@ class Setup:
 
 def setup(cfg: RunConfig) -> Setup:
     """Load data, build the model and optimizer (deterministically from ``cfg.train.seed``)."""
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    device = resolve_device(cfg.train.device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
+    device = prepare_runtime(cfg)
     seqs = UserSequences.from_dataset(load_dataset(cfg.data.path))
     torch.manual_seed(cfg.train.seed)
     model = build_retrieval_model(cfg.model, seqs.num_items, cfg.data.max_seq_len).to(device)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
-    )
+    optimizer = make_optimizer(cfg, model)
     return Setup(cfg, seqs, model, optimizer, device, PROTOCOL_HOLDOUT[cfg.data.protocol])
 
 
