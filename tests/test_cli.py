@@ -177,3 +177,13 @@ def test_demo_rejects_bad_override(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["demo", "--out", str(tmp_path / "d"), "model.kind=gpt"]) == 2
     assert "model.kind: 'gpt' is not one of" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()  # the config is checked before any data is generated
+
+
+def test_data_synthetic_impressions(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "imp"
+    assert main(["data", "synthetic", "--impressions", "--users", "20", "--items", "200", "--out", str(out)]) == 0
+    assert "20 users" in capsys.readouterr().out
+    ds = load_dataset(out)
+    assert {"click", "like", "purchase", "p_click", "p_like", "p_purchase", "action"} <= set(ds.events.column_names)
+    assert main(["data", "synthetic", "--out", str(out)]) == 2  # exists, no --overwrite
+    assert "already exists" in capsys.readouterr().err
