@@ -18,7 +18,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ import torch
 from sklearn.metrics import roc_auc_score
 
 from recforge.train.metrics import auc, gauc
+from _machine import cpu_model
 
 TOLERANCE = 1e-9
 
@@ -69,15 +69,6 @@ def naive_gauc(scores: np.ndarray, labels: np.ndarray, user_ids: np.ndarray) -> 
         used += 1
     return total / weight, used
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:

@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -41,15 +40,10 @@ from recforge.data.collate import JaggedCollate
 from recforge.data.pipeline import Pipeline
 from recforge.data.transforms import truncate_lists
 from recforge.ops.jagged import offsets_from_lengths
+from _machine import cpu_model
 
 COLUMNS = ["user_id", "item_ids", "timestamps", "label"]
 
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def make_samples(directory: Path, rows: int, mean_len: int, files: int, seed: int = 0) -> None:

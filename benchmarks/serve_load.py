@@ -28,7 +28,6 @@ import asyncio
 import datetime
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -42,6 +41,7 @@ import torch
 
 from recforge.models import HSTUConfig, HSTUEncoder
 from recforge.models.ranking import MultiTaskMLP, RankingModel, RankingPrefix, save_slices
+from _machine import cpu_model
 
 NUM_ITEMS, DIM = 100_000, 64
 ACTIONS = ["view", "click", "cart", "buy"]
@@ -139,12 +139,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:

@@ -29,7 +29,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -42,6 +41,7 @@ from recforge.models import HSTUConfig, HSTUEncoder
 from recforge.models.ranking import MultiTaskMLP, RankingModel, RankingPrefix
 from recforge.serve.engine import EngineConfig, RankEngine
 from recforge.serve.layout import EncodedRequest, candidate_tokens, prefix_tokens
+from _machine import cpu_model
 
 NUM_ITEMS, NUM_CONTEXT, DIM, BLOCKS, HEADS, DQK, DV, MAX_LEN = 100_000, 4, 64, 2, 2, 32, 32, 4096
 
@@ -91,12 +91,6 @@ def timed(fn, repeats: int, sync) -> tuple[float, object]:
         times.append(time.perf_counter() - t0)
     return statistics.median(times), value
 
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
