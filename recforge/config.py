@@ -239,9 +239,8 @@ def validate(cfg: RunConfig) -> list[str]:
 
 
 def _validate_ranking(cfg: RunConfig) -> list[str]:
-    from recforge.data.ranking import (
-        Task,  # late import: config must not pull in torch at import time
-    )
+    # late import: config must not pull in torch at import time
+    from recforge.data.ranking import Task, fraction_check
 
     r, problems = cfg.ranking, []
     names = []
@@ -254,8 +253,10 @@ def _validate_ranking(cfg: RunConfig) -> list[str]:
         problems.append("ranking.tasks: at least one task is needed, e.g. ['like:rating>=4']")
     if r.task_weights and len(r.task_weights) != len(r.tasks):
         problems.append(f"ranking.task_weights: {len(r.task_weights)} weights for {len(r.tasks)} tasks")
-    if not (0 <= r.valid_fraction < 1 and 0 < r.test_fraction < 1 and r.valid_fraction + r.test_fraction < 1):
-        problems.append("ranking.valid_fraction / test_fraction: need 0 <= valid, 0 < test, valid + test < 1")
+    try:
+        fraction_check(r.valid_fraction, r.test_fraction)
+    except ValueError as err:
+        problems.append(f"ranking.valid_fraction / test_fraction: {err}")
     if cfg.model.kind == "sasrec":
         problems.append("model.kind: the ranking recipe supports hstu and dlrm")
     binary = [t.name for t in names if t.kind == "binary"]

@@ -418,21 +418,6 @@ class RankingData:
         features = {"item_ids": item_ids, "actions": actions, "context_ids": context_ids, "timestamps": timestamps}
         return JaggedBatch(offsets, features, max_seq_len, labels=labels, mask=mask)
 
-    def target_positions(self, batch: JaggedBatch) -> torch.Tensor:
-        """Token positions of the batch's targets, in label order."""
-        return target_positions(batch.seq_offsets, batch.mask.num_targets)
-
-
-def target_positions(offsets: torch.Tensor, num_targets: torch.Tensor) -> torch.Tensor:
-    """(sum(num_targets),) token positions of every sequence's last ``num_targets`` tokens, in order."""
-    index, _ = range_index(offsets[1:] - num_targets, num_targets)
-    return index
-
-
-def split_counts(data: RankingData) -> dict[str, int]:
-    """Impressions per split (for logs)."""
-    return {name: int((data.split == code).sum()) for name, code in SPLITS.items()}
-
 
 def fraction_check(valid_fraction: float, test_fraction: float) -> None:
     """Raise ValueError unless 0 <= valid, 0 < test and valid + test < 1."""
