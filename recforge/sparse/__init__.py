@@ -1,0 +1,38 @@
+"""Dynamic embeddings: raw int64 IDs -> rows created on admission, evicted by policy, updated sparsely.
+
+Pieces (one process; a shard on a rank is simply a table):
+
+- ``DynamicEmbedding`` (table.py): hash index + rows + policies + sparse optimizer + tiers.
+- ``IdHashTable`` (hash_table.py): vectorised open addressing in torch tensors.
+- ``AdmissionConfig`` / ``EvictionConfig`` (policies.py), ``SparseOptimConfig`` /
+  ``SparseOptimizer`` (optim.py), ``RowStore`` / ``TieredStore`` (storage.py).
+- ``EmbeddingCollection`` (collection.py): features, merged tables, jagged/pooled lookups.
+- checkpoint.py: sharded safetensors checkpoints, delta and fp16/int8 exports, warm start.
+
+Example:
+    >>> table = DynamicEmbedding(TableConfig(name="item", dim=64, optimizer=SparseOptimConfig(kind="adam", lr=1e-3)))
+    >>> sparse_opt = SparseOptimizer([table]); dense_opt = torch.optim.AdamW(model.parameters())
+    >>> loss = model(table(raw_item_ids)).mean(); loss.backward()
+    >>> dense_opt.step(); sparse_opt.step(); dense_opt.zero_grad()
+"""
+
+from recforge.sparse.checkpoint import (
+    export_rows,
+    load_export,
+    load_sparse_checkpoint,
+    save_sparse_checkpoint,
+    to_dense,
+    to_embedding,
+    warm_start,
+)
+from recforge.sparse.collection import EmbeddingCollection, FeatureConfig, JaggedIds
+from recforge.sparse.hash_table import IdHashTable
+from recforge.sparse.optim import SparseOptimConfig, SparseOptimizer
+from recforge.sparse.policies import AdmissionConfig, EvictionConfig
+from recforge.sparse.table import DynamicEmbedding, TableConfig
+
+__all__ = [
+    "AdmissionConfig", "DynamicEmbedding", "EmbeddingCollection", "EvictionConfig", "FeatureConfig", "IdHashTable",
+    "JaggedIds", "SparseOptimConfig", "SparseOptimizer", "TableConfig", "export_rows", "load_export",
+    "load_sparse_checkpoint", "save_sparse_checkpoint", "to_dense", "to_embedding", "warm_start",
+]  # fmt: skip

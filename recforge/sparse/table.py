@@ -1,0 +1,407 @@
+"""``DynamicEmbedding``: an embedding table keyed by raw int64 IDs, rows created on admission.
+
+One lookup, for flat ids (N,) with U distinct::
+
+    ids (N,) --unique--> keys (U,), inverse (N,)
+    keys --hash table--> rows (U,), -1 where absent --admission--> new rows (evicting on pressure)
+    rows --store.ensure--> slots --_GatherRows--> unique embeddings (U, d) --[inverse]--> (N, d)
+
+Backward sums duplicate IDs' gradients (autograd of ``[inverse]``, an index_add) and
+``_GatherRows.backward`` appends the (U, d) row gradient to the table's pending list;
+``apply_gradients()`` (or ``SparseOptimizer.step()``) merges the pending lists of all
+lookups of the step, skips rows whose gradient is not finite (counted in ``stats``) and
+updates only those rows and their optimizer state. The table holds no ``nn.Parameter``
+(except a learned default row), so a dense optimizer over ``model.parameters()`` leaves it alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from recforge.sparse.hash_table import IdHashTable
+from recforge.sparse.ids import check_ids, unique_keys
+from recforge.sparse.optim import SparseOptimConfig, apply_update, initial_state, lr_at, state_spec
+from recforge.sparse.policies import AdmissionConfig, EvictionConfig, RowCounters, admit, eviction_scores, scheduled_threshold
+from recforge.sparse.storage import RowStore, TieredStore
+
+log = logging.getLogger(__name__)
+DEFAULTS = ("zeros", "fixed", "learned")
+
+
+@dataclass
+class TableConfig:
+    """A dynamic table: width, row budget, policies, optimizer, storage tiers."""
+
+    name: str = "table"
+    dim: int = 64
+    capacity: int = 1024  # rows allocated at start; the table doubles when full (up to max_rows)
+    max_rows: int = 0  # row limit (0: grow without limit); at the limit, eviction (or refusal) frees rows
+    init_std: float = 0.01  # new rows ~ N(0, init_std)
+    default: str = "zeros"  # what IDs without a row read: zeros | fixed (a random row) | learned (an nn.Parameter)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)
+    optimizer: SparseOptimConfig = field(default_factory=SparseOptimConfig)
+    cache_rows: int = 0  # > 0: full table in host memory, this many hot rows on the compute device
+    seed: int = 0  # row initialisation and probability admission
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad field and how to fix it."""
+        if self.dim <= 0 or self.capacity <= 0:
+            raise ValueError(f"table {self.name!r}: dim and capacity must be > 0, got {self.dim}, {self.capacity}")
+        if self.max_rows and self.max_rows < self.capacity:
+            raise ValueError(f"table {self.name!r}: max_rows {self.max_rows} < capacity {self.capacity}; raise max_rows or use 0")
+        if self.default not in DEFAULTS:
+            raise ValueError(f"table {self.name!r}: default={self.default!r}, expected one of {DEFAULTS}")
+        if self.cache_rows < 0:
+            raise ValueError(f"table {self.name!r}: cache_rows must be >= 0")
+        self.admission.validate()
+        self.eviction.validate()
+        self.optimizer.validate()
+
+    def physical(self) -> tuple:
+        """Everything but the name: tables equal in this share one physical table in a collection."""
+        return tuple(repr(v) for k, v in dataclasses.asdict(self).items() if k != "name")
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: the cached rows at ``slots``. Backward: hand the (U, d) row gradient to the table."""
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, table: DynamicEmbedding, slots: Tensor, rows: Tensor) -> Tensor:
+        ctx.table, ctx.rows = table, rows
+        return table.store.weight.index_select(0, slots)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ctx.table._pending.append((ctx.rows, grad))
+        return None, None, None, None
+
+
+class DynamicEmbedding(nn.Module):
+    """Embedding table over raw int64 IDs with admission, eviction, a sparse optimizer and optional host tier.
+
+    Args:
+        cfg: the table's configuration.
+        device: compute device (hash index, counters, device cache / whole table).
+
+    Example:
+        >>> table = DynamicEmbedding(TableConfig(dim=16, optimizer=SparseOptimConfig(kind="adam", lr=0.01)))
+        >>> emb = table(torch.tensor([[10**12, 7, 7]]))        # (1, 3, 16); rows created on sight
+        >>> emb.sum().backward()
+        >>> table.apply_gradients()                             # lazy Adam on the 2 touched rows
+        >>> table.num_live, table.stats["admitted"]
+        (2, 2)
+    """
+
+    def __init__(self, cfg: TableConfig, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg, self.device = cfg, torch.device(device)
+        self.dim = cfg.dim
+        self.clock = time.time  # seconds for TTL; replaceable (tests)
+        self._build(cfg.capacity)
+
+    def _build(self, rows: int) -> None:
+        cfg, dev = self.cfg, self.device
+        self.step = 0
+        self.index = IdHashTable(rows, dev)
+        spec = state_spec(cfg.optimizer.kind, cfg.dim)
+        self.store = TieredStore(rows, cfg.dim, torch.float32, spec, dev, cfg.cache_rows) if cfg.cache_rows else RowStore(
+            rows, cfg.dim, torch.float32, spec, dev
+        )
+        self.counters = RowCounters.zeros(rows, dev)
+        self.row_key = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        self.row_tag = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.changed = torch.zeros(rows, dtype=torch.bool, device=dev)  # since the last delta export
+        self.free = torch.arange(rows - 1, -1, -1, device=dev)  # stack: rows 0, 1, 2... are taken first
+        self.num_free = rows
+        self.deleted: list[tuple[Tensor, Tensor]] = []  # (keys, tags) evicted since the last delta export
+        self.generator = torch.Generator(dev).manual_seed(cfg.seed)
+        if cfg.admission.needs_candidates:
+            self.cand_index = IdHashTable(min(cfg.admission.max_candidates, 1 << 16), dev)
+            self.cand = RowCounters.zeros(cfg.admission.max_candidates, dev)
+            self.cand_used = 0
+        default = torch.zeros(cfg.dim, device=dev)
+        if cfg.default == "fixed":
+            default.normal_(0.0, cfg.init_std, generator=self.generator)
+        self.default_row = nn.Parameter(default) if cfg.default == "learned" else default
+        self._anchor = torch.empty(0, requires_grad=True)  # makes lookups part of the autograd graph
+        self._pending: list[tuple[Tensor, Tensor]] = []
+        self.stats = dict.fromkeys(
+            ("lookups", "ids", "admitted", "not_admitted", "rejected_full", "evicted", "evicted_pressure",
+             "evicted_scheduled", "nonfinite_grad_rows", "updated_rows", "candidates_reset", "grown"), 0
+        )  # fmt: skip
+
+    @property
+    def num_rows(self) -> int:
+        """Rows allocated (live + free)."""
+        return self.row_key.numel()
+
+    @property
+    def num_live(self) -> int:
+        """Rows that hold an ID."""
+        return self.num_rows - self.num_free
+
+    def forward(self, ids: Tensor, tags: Tensor | None = None, admit: bool = True) -> Tensor:
+        """Embeddings of ``ids`` (any shape) -> ``ids.shape + (dim,)``.
+
+        In training mode unseen IDs go through admission (``admit=False`` skips it: they
+        read the default) and the lookup counts for the eviction policy; in eval mode
+        nothing changes in the table. ``tags`` (same shape) name the logical table of each
+        ID when several share this physical table.
+        """
+        ids = check_ids(ids)
+        flat = ids.reshape(-1)
+        flat_tags = None if tags is None else tags.reshape(-1).to(torch.int64)
+        keys, key_tags, inverse, occurrences = unique_keys(flat, flat_tags)
+        rows = self.rows_for(keys, key_tags, occurrences, train=self.training, admit=admit)
+        unique_emb = self._gather(rows)  # (U, d)
+        return unique_emb[inverse].view(*ids.shape, self.dim)
+
+    def rows_for(self, keys: Tensor, tags: Tensor, occurrences: Tensor, *, train: bool, admit: bool = True) -> Tensor:
+        """Row of each distinct (key, tag), -1 where it has none; in training, admit and count."""
+        rows = self.index.lookup(keys, tags)
+        if not train:
+            return rows
+        self.stats["lookups"] += 1
+        self.stats["ids"] += int(occurrences.sum())
+        hit = rows >= 0
+        self._touch(rows[hit], occurrences[hit])
+        missing = (~hit).nonzero().squeeze(1)
+        if missing.numel() and admit:
+            new_rows = self._admit(keys[missing], tags[missing], occurrences[missing])
+            rows[missing] = new_rows
+            self._touch(new_rows[new_rows >= 0], occurrences[missing][new_rows >= 0])
+        self.stats["not_admitted"] += int(occurrences[rows < 0].sum())
+        return rows
+
+    def _touch(self, rows: Tensor, occurrences: Tensor) -> None:
+        self.counters.count[rows] += occurrences
+        self.counters.last_step[rows] = self.step
+        self.counters.last_time[rows] = self.clock()
+
+    def _admit(self, keys: Tensor, tags: Tensor, occurrences: Tensor) -> Tensor:
+        cfg = self.cfg.admission
+        slots = None
+        if cfg.needs_candidates:
+            slots = self._candidate_slots(keys, tags)
+            self.cand.count[slots] += occurrences
+        ok = admit(cfg, occurrences, getattr(self, "cand", None), slots, self.generator)
+        chosen = ok.nonzero().squeeze(1)
+        new_rows = self._allocate(chosen.numel())
+        taken = chosen[: new_rows.numel()]
+        if taken.numel() < chosen.numel():
+            refused = chosen.numel() - taken.numel()
+            self.stats["rejected_full"] += refused
+            log.warning("table %r is full (%d rows, eviction %r): %d new IDs read the default this step; "
+                        "raise max_rows or enable eviction", self.cfg.name, self.num_rows, self.cfg.eviction.kind, refused)  # fmt: skip
+        out = torch.full_like(keys, -1)
+        out[taken] = new_rows
+        if taken.numel():
+            self.index.insert(keys[taken], tags[taken], new_rows)
+            self.row_key[new_rows], self.row_tag[new_rows] = keys[taken], tags[taken]
+            self.counters.reset(new_rows)
+            self._init_rows(new_rows)
+            self.stats["admitted"] += taken.numel()
+            if cfg.needs_candidates:
+                self.cand_index.delete(keys[taken], tags[taken])
+        return out
+
+    def _candidate_slots(self, keys: Tensor, tags: Tensor) -> Tensor:
+        slots = self.cand_index.lookup(keys, tags)
+        new = (slots < 0).nonzero().squeeze(1)
+        if keys.numel() > self.cand.count.numel():
+            raise ValueError(
+                f"table {self.cfg.name!r}: {keys.numel()} unseen IDs in one batch exceed admission.max_candidates "
+                f"({self.cand.count.numel()}); raise max_candidates"
+            )
+        if self.cand_used + new.numel() > self.cand.count.numel():  # tracker full: start over
+            self.cand_index = IdHashTable(self.cand_index.num_slots // 2, self.device)
+            self.cand = RowCounters.zeros(self.cand.count.numel(), self.device)
+            self.cand_used = 0
+            self.stats["candidates_reset"] += 1
+            slots, new = torch.full_like(keys, -1), torch.arange(keys.numel(), device=keys.device)
+        fresh = torch.arange(self.cand_used, self.cand_used + new.numel(), device=keys.device)
+        self.cand_index.insert(keys[new], tags[new], fresh)
+        self.cand_used += new.numel()
+        slots[new] = fresh
+        return slots
+
+    def _init_rows(self, rows: Tensor) -> None:
+        values = torch.empty(rows.numel(), self.dim, device=self.device)
+        values.normal_(0.0, self.cfg.init_std, generator=self.generator)
+        slots = self.store.ensure(rows, pin=False)
+        self.store.weight[slots] = values
+        for name, tensor in self.store.state.items():
+            tensor[slots] = initial_state(self.cfg.optimizer, name)
+        self.store.mark_dirty(slots)
+        self.changed[rows] = True
+
+    def _allocate(self, n: int) -> Tensor:
+        """Up to ``n`` free rows: grow, else evict on pressure; fewer when neither frees enough."""
+        if self.num_free < n:
+            limit = self.cfg.max_rows or 1 << 62
+            target = min(max(2 * self.num_rows, self.num_rows + n - self.num_free), limit)
+            if target > self.num_rows:
+                self._grow(target)
+        ev = self.cfg.eviction
+        if self.num_free < n and ev.kind != "none" and ev.on_pressure:
+            self._evict_lowest(n - self.num_free)
+        m = min(n, self.num_free)
+        rows = self.free[self.num_free - m : self.num_free].flip(0)
+        self.num_free -= m
+        return rows.clone()
+
+    def _grow(self, rows: int) -> None:
+        old = self.num_rows
+        self.store.grow(rows)
+        self.counters = self.counters.grown(rows)
+        self.row_key = torch.cat([self.row_key, self.row_key.new_full((rows - old,), -1)])
+        self.row_tag = torch.cat([self.row_tag, self.row_tag.new_zeros(rows - old)])
+        self.changed = torch.cat([self.changed, self.changed.new_zeros(rows - old)])
+        new_free = torch.arange(rows - 1, old - 1, -1, device=self.device)
+        self.free = torch.cat([new_free, self.free[: self.num_free]])  # new rows under the old free ones
+        self.num_free += rows - old
+        self.stats["grown"] += 1
+
+    def live_rows(self) -> Tensor:
+        """Rows that hold an ID, ascending."""
+        return (self.row_key >= 0).nonzero().squeeze(1)
+
+    def _norms(self, rows: Tensor) -> Tensor:
+        return self.store.host_rows(rows)[0].norm(dim=1)
+
+    def _evict_lowest(self, n: int) -> None:
+        rows = self.live_rows()
+        rows = rows[self.counters.last_step[rows] != self.step]  # never a row this step already uses
+        if rows.numel() == 0:
+            return
+        norms = self._norms(rows) if self.cfg.eviction.kind == "l2" else None
+        scores = eviction_scores(self.cfg.eviction, self.counters, rows, self.step, self.clock(), norms)
+        victims = rows[torch.topk(scores, min(n, rows.numel()), largest=False).indices]
+        self.evict_rows(victims)
+        self.stats["evicted_pressure"] += victims.numel()
+
+    def run_eviction(self) -> int:
+        """Scheduled pass: evict the rows whose policy score is below its threshold; return how many."""
+        cfg = self.cfg.eviction
+        threshold = scheduled_threshold(cfg, self.step, self.clock())
+        if cfg.kind == "none" or threshold is None:
+            return 0
+        rows = self.live_rows()
+        norms = self._norms(rows) if cfg.kind == "l2" else None
+        scores = eviction_scores(cfg, self.counters, rows, self.step, self.clock(), norms)
+        victims = rows[scores < threshold]
+        self.evict_rows(victims)
+        self.stats["evicted_scheduled"] += victims.numel()
+        return victims.numel()
+
+    def evict_rows(self, rows: Tensor) -> None:
+        """Drop ``rows``' IDs from the table; the rows go back on the free stack (counted in ``stats``)."""
+        if rows.numel() == 0:
+            return
+        keys, tags = self.row_key[rows], self.row_tag[rows]
+        self.index.delete(keys, tags)
+        self.deleted.append((keys.clone(), tags.clone()))
+        self.row_key[rows] = -1
+        self.counters.reset(rows)
+        self.changed[rows] = False
+        self.free[self.num_free : self.num_free + rows.numel()] = rows
+        self.num_free += rows.numel()
+        self.stats["evicted"] += rows.numel()
+
+    def _gather(self, rows: Tensor) -> Tensor:
+        found = rows >= 0
+        all_found = bool(found.all())
+        idx = None if all_found else found.nonzero().squeeze(1)
+        present = rows if all_found else rows[idx]
+        if self.training and torch.is_grad_enabled():
+            slots = self.store.ensure(present, pin=True)
+            emb = _GatherRows.apply(self._anchor, self, slots, present)
+        else:
+            emb = self.store.read(present)
+        if all_found:
+            return emb
+        out = torch.zeros(rows.numel(), self.dim, device=self.device, dtype=emb.dtype).index_copy(0, idx, emb)
+        if self.cfg.default != "zeros":
+            out = torch.where(found[:, None], out, self.default_row[None, :])
+        return out
+
+    def apply_gradients(self) -> None:
+        """The fused sparse step: merge this step's row gradients, update those rows, advance the step."""
+        if self._pending:
+            rows = torch.cat([r for r, _ in self._pending])
+            grads = torch.cat([g for _, g in self._pending])
+            if len(self._pending) > 1:  # several lookups this step: sum per row
+                rows, inverse = torch.unique(rows, return_inverse=True)
+                grads = torch.zeros(rows.numel(), self.dim, device=grads.device, dtype=grads.dtype).index_add_(0, inverse, grads)
+            finite = torch.isfinite(grads).all(1)
+            if not bool(finite.all()):
+                bad = int((~finite).sum())
+                self.stats["nonfinite_grad_rows"] += bad
+                log.warning("table %r step %d: %d rows had NaN/inf gradients and were not updated", self.cfg.name, self.step, bad)
+                rows, grads = rows[finite], grads[finite]
+            slots = self.store.ensure(rows, pin=True)
+            apply_update(self.cfg.optimizer, lr_at(self.cfg.optimizer, self.step), self.store.weight, self.store.state, slots, grads)
+            self.store.mark_dirty(slots)
+            self.changed[rows] = True
+            self.stats["updated_rows"] += rows.numel()
+        self.zero_grad_rows()
+        self.step += 1
+        every = self.cfg.eviction.every_steps
+        if every and self.step % every == 0:
+            self.run_eviction()
+
+    def zero_grad_rows(self) -> None:
+        """Drop pending row gradients and release the cache rows this step pinned."""
+        self._pending.clear()
+        self.store.unpin_all()
+
+    def prefetch(self, upcoming: list[Tensor]) -> int:
+        """Load the admitted rows of upcoming ID batches into the device cache ahead of use; return how many.
+
+        Batch ``i`` of ``upcoming`` is stamped as used ``i + 1`` lookups ahead, so the cache's
+        LRU keeps it until then. A no-op for a one-tier table.
+        """
+        if not isinstance(self.store, TieredStore):
+            return 0
+        total = 0
+        for ahead, ids in enumerate(upcoming, start=1):
+            keys = torch.unique(check_ids(ids, "prefetch ids").reshape(-1).to(self.device))
+            rows = self.index.lookup(keys, torch.zeros_like(keys))
+            rows = rows[rows >= 0]
+            self.store.ensure(rows, pin=False, future=ahead)
+            total += rows.numel()
+        return total
+
+    def record_feedback(self, ids: Tensor, shows: Tensor, clicks: Tensor, tags: Tensor | None = None) -> None:
+        """Add shows/clicks per ID occurrence to the rows (and admission candidates) of ``ids``."""
+        flat = check_ids(ids, "feedback ids").reshape(-1)
+        keys, key_tags, inverse, _ = unique_keys(flat, None if tags is None else tags.reshape(-1).long())
+        show = torch.zeros(keys.numel(), device=flat.device).index_add_(0, inverse, shows.reshape(-1).float())
+        click = torch.zeros(keys.numel(), device=flat.device).index_add_(0, inverse, clicks.reshape(-1).float())
+        rows = self.index.lookup(keys, key_tags)
+        hit = rows >= 0
+        self.counters.show[rows[hit]] += show[hit]
+        self.counters.click[rows[hit]] += click[hit]
+        if self.cfg.admission.needs_candidates and bool((~hit).any()):
+            slots = self._candidate_slots(keys[~hit], key_tags[~hit])
+            self.cand.show[slots] += show[~hit]
+            self.cand.click[slots] += click[~hit]
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        target = fn(torch.zeros(1, device=self.device)).device
+        if target != self.device:
+            from recforge.sparse.checkpoint import table_state, load_table_state
+
+            tensors, meta = table_state(self)
+            self.device = target
+            load_table_state(self, tensors, meta)
+        return self
