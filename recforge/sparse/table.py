@@ -265,8 +265,10 @@ class DynamicEmbedding(nn.Module):
         self.row_key = torch.cat([self.row_key, self.row_key.new_full((rows - old,), -1)])
         self.row_tag = torch.cat([self.row_tag, self.row_tag.new_zeros(rows - old)])
         self.changed = torch.cat([self.changed, self.changed.new_zeros(rows - old)])
-        new_free = torch.arange(rows - 1, old - 1, -1, device=self.device)
-        self.free = torch.cat([new_free, self.free[: self.num_free]])  # new rows under the old free ones
+        free = torch.empty(rows, dtype=torch.int64, device=self.device)  # the stack can hold every row
+        free[: rows - old] = torch.arange(rows - 1, old - 1, -1, device=self.device)  # new rows under the old free ones
+        free[rows - old : rows - old + self.num_free] = self.free[: self.num_free]
+        self.free = free
         self.num_free += rows - old
         self.stats["grown"] += 1
 
