@@ -6,7 +6,7 @@ One lookup, for flat ids (N,) with U distinct::
     keys --hash table--> rows (U,), -1 where absent --admission--> new rows (evicting on pressure)
     rows --store.ensure--> slots --_GatherRows--> unique embeddings (U, d) --[inverse]--> (N, d)
 
-Backward sums duplicate IDs' gradients (autograd of ``[inverse]``, an index_add) and
+Backward sums duplicate IDs' gradients (``F.embedding(inverse, unique)``'s backward) and
 ``_GatherRows.backward`` appends the (U, d) row gradient to the table's pending list;
 ``apply_gradients()`` (or ``SparseOptimizer.step()``) merges the pending lists of all
 lookups of the step, skips rows whose gradient is not finite (counted in ``stats``) and
@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recforge.sparse.hash_table import IdHashTable
@@ -162,7 +163,8 @@ class DynamicEmbedding(nn.Module):
         keys, key_tags, inverse, occurrences = unique_keys(flat, flat_tags)
         rows = self.rows_for(keys, key_tags, occurrences, train=self.training, admit=admit)
         unique_emb = self._gather(rows)  # (U, d)
-        return unique_emb[inverse].view(*ids.shape, self.dim)
+        # F.embedding's backward sums duplicates with the tuned embedding kernel (index_add semantics)
+        return F.embedding(inverse, unique_emb).view(*ids.shape, self.dim)
 
     def rows_for(self, keys: Tensor, tags: Tensor, occurrences: Tensor, *, train: bool, admit: bool = True) -> Tensor:
         """Row of each distinct (key, tag), -1 where it has none; in training, admit and count."""

@@ -1,0 +1,281 @@
+"""Embedding lookup + update step (forward, backward, Adam) of recforge.sparse against plain PyTorch.
+
+Usage:
+    python benchmarks/sparse_embedding.py --device cpu --scale 0.02 --out benchmarks/results/sparse_embedding-cpu-2core.json
+    python benchmarks/sparse_embedding.py --device cuda --out benchmarks/results/sparse_embedding-h100.json
+
+Seed 000 Table 1 configurations (bs / L / d): 32/4000/128, 128/4000/128, 256/4000/256,
+65536/10/128; ``--scale`` shrinks the ID count (L, or bs where L is short) and the tables.
+
+(a) whole table on the device, IDs with ~70% duplicates over a ``--rows``-row table:
+    dynamic     DynamicEmbedding, raw int64 IDs hashed to rows, lazy Adam (recforge.sparse)
+    nn.sparse   nn.Embedding(sparse=True) + torch.optim.SparseAdam on pre-mapped row IDs
+    lazy-adam   unique + index_select + hand-written lazy Adam + index_copy_ on pre-mapped IDs
+(b) host table 10x the device cache, power-law (Zipf) IDs reused across steps:
+    tiered      DynamicEmbedding(cache_rows=rows/10), prefetching the next batch each step
+    naive-host  rows and Adam state in (pinned) host memory: gather, H2D, update, D2H, scatter per step
+    floor       bytes the naive path must move / measured copy bandwidth
+(hash) IdHashTable insert and lookup rates against a sorted key array (searchsorted; insert = merge by sort).
+
+Times are medians over ``--repeats`` steps after ``--warmup``, synchronising the device around each step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recforge.sparse import DynamicEmbedding, SparseOptimConfig, TableConfig, warm_start
+from recforge.sparse.hash_table import IdHashTable
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _machine import cpu_model
+
+CONFIGS = [(32, 4000, 128), (128, 4000, 128), (256, 4000, 256), (65536, 10, 128)]
+LR = 1e-3
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(step: Callable[[int], None], device: torch.device, warmup: int, repeats: int) -> float:
+    times = []
+    for i in range(warmup + repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        step(i)
+        sync(device)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def scaled(bs: int, length: int, scale: float) -> tuple[int, int]:
+    if length >= 100:
+        return bs, max(1, round(length * scale))
+    return max(1, round(bs * scale)), length
+
+
+def uniform_dup_batches(n: int, rows: int, count: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """``count`` batches of ``n`` row indices, ~70% duplicates: 0.3n distinct candidates drawn with replacement."""
+    out = []
+    for _ in range(count):
+        pool = torch.randint(0, rows, (max(1, int(0.3 * n)),), generator=gen)
+        out.append(pool[torch.randint(0, pool.numel(), (n,), generator=gen)])
+    return out
+
+
+def lazy_adam_(weight, m, v, step_count: int, rows, grad) -> None:
+    """Hand-written lazy Adam (global step bias correction, as SparseAdam) on ``rows``."""
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    mr = m.index_select(0, rows).lerp_(grad, 1 - b1)
+    vr = v.index_select(0, rows).mul_(b2).addcmul_(grad, grad, value=1 - b2)
+    m.index_copy_(0, rows, mr)
+    v.index_copy_(0, rows, vr)
+    denom = vr.sqrt_().div_((1 - b2**step_count) ** 0.5).add_(eps)
+    weight.index_copy_(0, rows, weight.index_select(0, rows).addcdiv_(mr, denom, value=-LR / (1 - b1**step_count)))
+
+
+def mode_a(bs: int, length: int, dim: int, rows: int, device: torch.device, args) -> list[dict]:
+    n = bs * length
+    gen = torch.Generator().manual_seed(0)
+    batches = uniform_dup_batches(n, rows, 4, gen)
+    grad_out = torch.randn(n, dim, device=device)
+    raw_keys = torch.randint(0, 2**62, (rows,), generator=gen)  # raw IDs: row r is ID raw_keys[r]
+    results = []
+
+    table = DynamicEmbedding(TableConfig(name="bench", dim=dim, capacity=rows, optimizer=SparseOptimConfig(kind="adam", lr=LR)), device)
+    warm_start(table, torch.randn(rows, dim) * 0.01, raw_keys)
+    raw_batches = [raw_keys[b].to(device) for b in batches]
+
+    def dynamic_step(i: int) -> None:
+        table(raw_batches[i % 4]).backward(grad_out)
+        table.apply_gradients()
+
+    results.append(("dynamic (raw IDs, hashed)", median_ms(dynamic_step, device, args.warmup, args.repeats)))
+    del table
+    row_batches = [b.to(device) for b in batches]
+
+    emb = nn.Embedding(rows, dim, sparse=True, device=device)
+    opt = torch.optim.SparseAdam(emb.parameters(), lr=LR)
+
+    def torch_sparse_step(i: int) -> None:
+        emb(row_batches[i % 4]).backward(grad_out)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    results.append(("nn.Embedding(sparse)+SparseAdam", median_ms(torch_sparse_step, device, args.warmup, args.repeats)))
+    del emb, opt
+    weight = torch.randn(rows, dim, device=device) * 0.01
+    m, v = torch.zeros_like(weight), torch.zeros_like(weight)
+
+    def lazy_step(i: int) -> None:
+        uniq, inverse = torch.unique(row_batches[i % 4], return_inverse=True)
+        leaf = weight.index_select(0, uniq).requires_grad_()
+        F.embedding(inverse, leaf).backward(grad_out)
+        lazy_adam_(weight, m, v, i + 1, uniq, leaf.grad)
+
+    results.append(("unique + lazy Adam (pre-mapped)", median_ms(lazy_step, device, args.warmup, args.repeats)))
+    base = results[1][1]
+    return [{"mode": "a", "bs": bs, "L": length, "d": dim, "rows": rows, "method": name, "ms": ms, "vs_nn_sparse": ms / base}
+            for name, ms in results]  # fmt: skip
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
+    """Bytes/s of one host->device plus device->host copy pair (pinned host memory on CUDA)."""
+    host = torch.empty(nbytes // 4, dtype=torch.float32, pin_memory=device.type == "cuda")
+    dev = torch.empty_like(host, device=device)
+
+    def copy(_: int) -> None:
+        dev.copy_(host, non_blocking=True)
+        host.copy_(dev, non_blocking=True)
+
+    ms = median_ms(copy, device, 1, 5)
+    return 2 * nbytes / (ms / 1e3)
+
+
+def zipf_batches(n: int, rows: int, count: int, gen: torch.Generator, exponent: float = 1.05) -> list[torch.Tensor]:
+    """Power-law row indices: rank r has weight r**-exponent; a fixed random rank->row permutation."""
+    perm = torch.randperm(rows, generator=gen)
+    u = torch.rand(count, n, generator=gen, dtype=torch.float64)
+    ranks = ((rows ** (1 - exponent) - 1) * u + 1) ** (1 / (1 - exponent))  # inverse CDF of the continuous law
+    return [perm[(r.long() - 1).clamp(0, rows - 1)] for r in ranks]
+
+
+def mode_b(bs: int, length: int, dim: int, rows: int, device: torch.device, args, bandwidth: float) -> list[dict]:
+    n = bs * length
+    steps = args.warmup + args.repeats + 1
+    gen = torch.Generator().manual_seed(1)
+    batches = zipf_batches(n, rows, steps, gen)
+    unique_per_step = statistics.median(b.unique().numel() for b in batches)
+    cache = max(rows // 10, int(1.5 * max(b.unique().numel() for b in batches)))
+    grad_out = torch.randn(n, dim, device=device)
+    raw_keys = torch.randint(0, 2**62, (rows,), generator=gen)
+    raw_batches = [raw_keys[b].to(device) for b in batches]
+    table = DynamicEmbedding(
+        TableConfig(name="bench", dim=dim, capacity=rows, cache_rows=cache, optimizer=SparseOptimConfig(kind="adam", lr=LR)), device
+    )
+    warm_start(table, torch.randn(rows, dim) * 0.01, raw_keys)
+
+    def tiered_step(i: int) -> None:
+        table.prefetch([raw_batches[i + 1]])
+        table(raw_batches[i]).backward(grad_out)
+        table.apply_gradients()
+
+    tiered = median_ms(tiered_step, device, args.warmup, args.repeats)
+    stats = table.store.stats()
+    del table
+    pin = device.type == "cuda"
+    host_w = torch.randn(rows, dim, pin_memory=pin) * 0.01
+    host_m, host_v = torch.zeros(rows, dim, pin_memory=pin), torch.zeros(rows, dim, pin_memory=pin)
+    dev_batches = [b.to(device) for b in batches]
+
+    def naive_step(i: int) -> None:
+        uniq, inverse = torch.unique(dev_batches[i], return_inverse=True)
+        rows_cpu = uniq.cpu()
+        w, m, v = (t.index_select(0, rows_cpu).to(device, non_blocking=True) for t in (host_w, host_m, host_v))
+        leaf = w.clone().requires_grad_()
+        F.embedding(inverse, leaf).backward(grad_out)
+        local = torch.arange(uniq.numel(), device=device)
+        lazy_adam_(w, m, v, i + 1, local, leaf.grad)
+        for host, t in ((host_w, w), (host_m, m), (host_v, v)):
+            host.index_copy_(0, rows_cpu, t.cpu())
+
+    naive = median_ms(naive_step, device, args.warmup, args.repeats)
+    floor_ms = unique_per_step * dim * 4 * 3 * 2 / bandwidth * 1e3  # w, m, v rows in and out
+    common = {"mode": "b", "bs": bs, "L": length, "d": dim, "rows": rows, "cache_rows": cache, "unique_ids_per_step": unique_per_step}
+    return [
+        {**common, "method": "tiered (cache + prefetch)", "ms": tiered, "cache": stats},
+        {**common, "method": "naive host (gather/H2D/D2H)", "ms": naive},
+        {**common, "method": "floor: naive bytes / copy bandwidth", "ms": floor_ms},
+    ]
+
+
+def hash_rates(n: int, device: torch.device, args) -> list[dict]:
+    gen = torch.Generator().manual_seed(2)
+    keys = torch.randint(0, 2**62, (n,), generator=gen).unique().to(device)
+    probe = keys[torch.randint(0, keys.numel(), (n,), generator=gen).to(device)]
+    zeros_k, zeros_p = torch.zeros_like(keys), torch.zeros_like(probe)
+    half = keys.numel() // 2
+    out = []
+
+    def hash_insert(_: int) -> None:
+        table = IdHashTable(keys.numel(), device)
+        table.insert(keys[:half], zeros_k[:half], zeros_k[:half])
+        table.insert(keys[half:], zeros_k[half:], zeros_k[half:])  # a second insert into a half-full table
+
+    table = IdHashTable(keys.numel(), device)
+    table.insert(keys, zeros_k, zeros_k)
+    out.append(("hash table", "insert", median_ms(hash_insert, device, 1, args.repeats), keys.numel()))
+    out.append(("hash table", "lookup", median_ms(lambda _: table.lookup(probe, zeros_p), device, 1, args.repeats), n))
+
+    def sorted_insert(_: int) -> None:
+        first = torch.sort(keys[:half]).values
+        torch.sort(torch.cat([first, keys[half:]]))  # merge of a new batch = re-sort (torch has no merge)
+
+    sorted_keys = torch.sort(keys).values
+    out.append(("sorted array", "insert", median_ms(sorted_insert, device, 1, args.repeats), keys.numel()))
+    out.append(("sorted array", "lookup", median_ms(lambda _: torch.searchsorted(sorted_keys, probe), device, 1, args.repeats), n))
+    return [{"mode": "hash", "structure": s, "op": op, "keys": k, "ms": ms, "mkeys_per_s": k / ms / 1e3} for s, op, ms, k in out]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--scale", type=float, default=1.0, help="fraction of each config's IDs and of --rows (CPU: 0.02)")
+    p.add_argument("--rows", type=int, default=4_000_000, help="table rows in mode (a), host rows in mode (b), before --scale")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--modes", default="a,b,hash")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    rows = max(1000, int(args.rows * args.scale))
+    modes = set(args.modes.split(","))
+    results: list[dict] = []
+    bandwidth = copy_bandwidth(device) if "b" in modes else 0.0
+    for bs0, l0, dim in CONFIGS:
+        bs, length = scaled(bs0, l0, args.scale)
+        if "a" in modes:
+            results += mode_a(bs, length, dim, rows, device, args)
+        if "b" in modes:
+            results += mode_b(bs, length, dim, rows, device, args, bandwidth)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "hash" in modes:
+        results += hash_rates(max(10_000, int(4_000_000 * args.scale)), device, args)
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu_model()}, {os.cpu_count()} cores"
+    print(f"# {machine}; torch {torch.__version__}; rows {rows:,}; copy bandwidth {bandwidth / 1e9:.2f} GB/s (H2D+D2H)")
+    print(f"{'mode':<5} {'bs/L/d':<16} {'method':<40} {'ms':>10} {'vs nn.sparse':>13}")
+    for r in results:
+        if r["mode"] == "hash":
+            print(f"{'hash':<5} {r['keys']:<16,} {r['structure'] + ' ' + r['op']:<40} {r['ms']:>10.2f} {r['mkeys_per_s']:>9.1f} Mkey/s")
+        else:
+            ratio = f"{r['vs_nn_sparse']:.2f}x" if "vs_nn_sparse" in r else ""
+            shape = f"{r['bs']}/{r['L']}/{r['d']}"
+            print(f"{r['mode']:<5} {shape:<16} {r['method']:<40} {r['ms']:>10.2f} {ratio:>13}")
+    if args.out:
+        payload = {"benchmark": "sparse_embedding", "command": "python " + " ".join(sys.argv), "machine": machine,
+                   "torch": torch.__version__, "date": datetime.date.today().isoformat(), "args": vars(args),
+                   "copy_bandwidth_bytes_per_s": bandwidth, "rows": results}  # fmt: skip
+        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
