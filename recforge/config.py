@@ -64,6 +64,23 @@ class ModelConfig:
     head: str = "mlp"  # ranking task heads: mlp | mmoe | ple
     head_hidden: int = 128  # ranking head / expert width
     num_experts: int = 4  # MMoE experts; PLE shared experts
+    embedding: str = "static"  # retrieval item IDs: static (nn.Embedding) | dynamic (recforge.sparse table, see sparse:)
+
+
+@dataclass
+class SparseConfig:
+    """The dynamic item table (``model.embedding=dynamic``): its own sparse optimizer and policies."""
+
+    optimizer: str = "adam"  # sgd | adagrad | rowwise_adagrad | adam (lazy) | adamw
+    lr: float = 1e-3
+    capacity: int = 0  # rows at start (0: catalogue size + 1); the table grows up to max_rows
+    max_rows: int = 0  # 0: no limit
+    cache_rows: int = 0  # > 0: table in host memory, this many rows cached on the device
+    admission: str = "always"  # always | count | probability
+    admission_threshold: float = 1.0  # count: occurrences; probability: chance per occurrence
+    eviction: str = "none"  # none | lru | lfu | ttl | l2 | time_freq
+    eviction_every: int = 0  # steps between scheduled eviction passes (0: only on capacity pressure)
+    ttl_steps: int = 0  # lru/ttl: rows unseen this many steps are evicted by a scheduled pass
 
 
 @dataclass
@@ -116,6 +133,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
 
     @property
     def eval_ks(self) -> list[int]:
@@ -140,6 +158,10 @@ CHOICES = {
     "model.kind": ("hstu", "sasrec", "dlrm"),
     "model.kernel": ("auto", "pytorch", "triton"),
     "loss.negatives": ("per_position", "shared", "full"),
+    "model.embedding": ("static", "dynamic"),
+    "sparse.optimizer": ("sgd", "adagrad", "rowwise_adagrad", "adam", "adamw"),
+    "sparse.admission": ("always", "count", "probability"),
+    "sparse.eviction": ("none", "lru", "lfu", "ttl", "l2", "time_freq"),
 }
 POSITIVE = (
     "data.max_seq_len", "model.dim", "model.num_blocks", "model.num_heads", "model.dqk", "model.dv",
@@ -227,6 +249,8 @@ def validate(cfg: RunConfig) -> list[str]:
         problems += _validate_ranking(cfg)
     elif not re.fullmatch(r"(hr|ndcg)@[1-9][0-9]*|mrr", cfg.eval.select_metric):
         problems.append(f"eval.select_metric: {cfg.eval.select_metric!r} is not a metric; use hr@K, ndcg@K or mrr")
+    if cfg.recipe == "ranking" and cfg.model.embedding == "dynamic":
+        problems.append("model.embedding: dynamic is supported by the retrieval recipe only; use static for ranking")
     if cfg.recipe == "retrieval" and cfg.model.kind == "dlrm":
         problems.append("model.kind: dlrm is a ranking baseline; use recipe: ranking (or model.kind hstu/sasrec)")
     if any(k <= 0 for k in cfg.eval.ks):

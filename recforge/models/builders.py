@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from recforge.config import ModelConfig
+from recforge.config import ModelConfig, SparseConfig
 from recforge.models.hstu import HSTUConfig, HSTUEncoder
 from recforge.models.ranking import PLE, ContextPool, MMoE, MultiTaskMLP, RankingModel, RankingPrefix
 from recforge.models.retrieval import ItemPrefix, L2NormPostfix, RetrievalModel
 from recforge.models.sasrec import SASRecConfig, SASRecEncoder
+from recforge.sparse import AdmissionConfig, DynamicEmbedding, EvictionConfig, SparseOptimConfig, TableConfig
 
 
 def hstu_encoder(cfg: ModelConfig, max_seq_len: int) -> HSTUEncoder:
@@ -26,8 +27,35 @@ def hstu_encoder(cfg: ModelConfig, max_seq_len: int) -> HSTUEncoder:
     )
 
 
-def build_retrieval_model(cfg: ModelConfig, num_items: int, max_seq_len: int) -> RetrievalModel:
-    """Retrieval model of ``cfg.kind`` (hstu | sasrec) over a catalogue of ``num_items`` items."""
+def dynamic_item_table(cfg: ModelConfig, sparse: SparseConfig, num_items: int) -> DynamicEmbedding:
+    """The ``model.embedding=dynamic`` item table: raw item IDs -> rows, per ``sparse``."""
+    probability = sparse.admission == "probability"
+    return DynamicEmbedding(
+        TableConfig(
+            name="item",
+            dim=cfg.dim,
+            capacity=sparse.capacity or num_items + 1,
+            max_rows=sparse.max_rows,
+            init_std=0.02,  # as the static table's trunc_normal_(std=0.02)
+            admission=AdmissionConfig(
+                kind=sparse.admission,
+                threshold=sparse.admission_threshold,
+                probability=sparse.admission_threshold if probability else 1.0,
+            ),
+            eviction=EvictionConfig(kind=sparse.eviction, every_steps=sparse.eviction_every, ttl_steps=sparse.ttl_steps),
+            optimizer=SparseOptimConfig(kind=sparse.optimizer, lr=sparse.lr),
+            cache_rows=sparse.cache_rows,
+        )
+    )
+
+
+def build_retrieval_model(
+    cfg: ModelConfig, num_items: int, max_seq_len: int, sparse: SparseConfig | None = None
+) -> RetrievalModel:
+    """Retrieval model of ``cfg.kind`` (hstu | sasrec) over a catalogue of ``num_items`` items.
+
+    ``cfg.embedding == "dynamic"`` puts the item IDs in a ``DynamicEmbedding`` built from ``sparse``.
+    """
     if cfg.kind == "hstu":
         encoder = hstu_encoder(cfg, max_seq_len)
     elif cfg.kind == "sasrec":
@@ -44,7 +72,8 @@ def build_retrieval_model(cfg: ModelConfig, num_items: int, max_seq_len: int) ->
         )
     else:
         raise ValueError(f"model.kind={cfg.kind!r}: expected hstu or sasrec")
-    return RetrievalModel(ItemPrefix(num_items, cfg.dim, max_seq_len, cfg.dropout), encoder, L2NormPostfix())
+    item_table = dynamic_item_table(cfg, sparse or SparseConfig(), num_items) if cfg.embedding == "dynamic" else None
+    return RetrievalModel(ItemPrefix(num_items, cfg.dim, max_seq_len, cfg.dropout, item_table), encoder, L2NormPostfix())
 
 
 def hstu_small(num_items: int, max_seq_len: int = 200) -> RetrievalModel:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -17,17 +18,23 @@ from recforge.ops.jagged import positions_in_sequence
 
 
 class ItemPrefix(nn.Module):
-    """Per-token input: scaled item embedding + learned absolute position embedding, dropout."""
+    """Per-token input: scaled item embedding + learned absolute position embedding, dropout.
 
-    def __init__(self, num_items: int, dim: int, max_seq_len: int, dropout: float) -> None:
+    ``item_table`` replaces the static ``nn.Embedding`` (e.g. a ``recforge.sparse.DynamicEmbedding``
+    keyed by raw item IDs); it maps (T,) IDs to (T, dim).
+    """
+
+    def __init__(self, num_items: int, dim: int, max_seq_len: int, dropout: float, item_table: nn.Module | None = None) -> None:
         super().__init__()
-        self.item_embedding = nn.Embedding(num_items + 1, dim, padding_idx=0)
+        self.num_items = num_items
+        self.item_embedding = item_table if item_table is not None else nn.Embedding(num_items + 1, dim, padding_idx=0)
         self.position_embedding = nn.Embedding(max_seq_len, dim)
         self.dropout = nn.Dropout(dropout)
         self.scale = math.sqrt(dim)
-        nn.init.trunc_normal_(self.item_embedding.weight, std=0.02)
+        if item_table is None:
+            nn.init.trunc_normal_(self.item_embedding.weight, std=0.02)
+            self.item_embedding.weight.data[0].zero_()
         nn.init.trunc_normal_(self.position_embedding.weight, std=0.02)
-        self.item_embedding.weight.data[0].zero_()
 
     def forward(self, batch: JaggedBatch) -> Tensor:
         positions = positions_in_sequence(batch.seq_offsets, batch.num_tokens)  # (T,)
@@ -65,7 +72,13 @@ class RetrievalModel(nn.Module):
     def item_vectors(self, item_ids: Tensor | None = None) -> Tensor:
         """L2-normalised item embeddings (all rows, padding included, when ``item_ids`` is None)."""
         table = self.prefix.item_embedding
-        weight = table.weight if item_ids is None else table(item_ids)
+        if item_ids is not None:
+            weight = table(item_ids)
+        elif isinstance(table, nn.Embedding):
+            weight = table.weight
+        else:  # a dynamic table: score the catalogue without admitting its unseen items
+            all_ids = torch.arange(self.prefix.num_items + 1, device=self.prefix.position_embedding.weight.device)
+            weight = table(all_ids, admit=False)
         return F.normalize(weight, dim=-1)
 
     def last_token_vectors(self, batch: JaggedBatch) -> Tensor:

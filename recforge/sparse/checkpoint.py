@@ -100,6 +100,11 @@ def load_table_state(table: DynamicEmbedding, tensors: dict[str, Tensor], meta: 
             counter[: table.cand_used] = t[f"global.cand.{name}"]
 
 
+def module_tables(module: nn.Module) -> dict[str, DynamicEmbedding]:
+    """Every ``DynamicEmbedding`` inside ``module``, by module path (what a training checkpoint saves)."""
+    return {name or "table": m for name, m in module.named_modules() if isinstance(m, DynamicEmbedding)}
+
+
 def write_sparse(directory: Path, tables: dict[str, DynamicEmbedding], num_shards: int = 1) -> dict:
     """Write ``tables`` into an existing ``directory`` (not atomic: see ``save_sparse_checkpoint``); return the manifest."""
     if num_shards <= 0:

@@ -6,6 +6,7 @@ Layout inside a run directory::
       step_00000480/            one directory per checkpoint, renamed into place when complete
         model.safetensors
         optimizer.safetensors   AdamW moments and step counts, flattened by parameter index
+        sparse/                 the model's dynamic tables, if any (recforge.sparse.checkpoint)
         manifest.json           step, epoch, config, optimizer param_groups, metrics, files
       latest.json               {"step_dir": "step_00000480"}   replaced atomically
       best.json                 same, for the best validation checkpoint (clean protocol)
@@ -24,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from recforge.io import atomic_directory, atomic_write_json
+from recforge.sparse.checkpoint import load_sparse_checkpoint, module_tables, write_sparse
 
 FORMAT_VERSION = 1
 
@@ -70,6 +72,10 @@ def save_checkpoint(
             save_file(tensors, tmp / "optimizer.safetensors")
             full_manifest["files"]["optimizer"] = "optimizer.safetensors"
             full_manifest["optimizer_param_groups"] = groups
+        if tables := module_tables(model):  # rows, their optimizer state, policy counters, hash keys
+            (tmp / "sparse").mkdir()
+            write_sparse(tmp / "sparse", tables)
+            full_manifest["files"]["sparse"] = "sparse"
         atomic_write_json(tmp / "manifest.json", full_manifest)
     atomic_write_json(ckpt_root / "latest.json", {"step_dir": name})
     if best:
@@ -111,6 +117,10 @@ def load_checkpoint(
         raise ValueError(f"{path}: checkpoint format {manifest.get('format_version')} is not supported")
     weights = load_file(path / manifest["files"]["model"], device=str(device))
     model.load_state_dict(weights)
+    if tables := module_tables(model):
+        if "sparse" not in manifest["files"]:
+            raise ValueError(f"{path} holds no dynamic-table state; it was saved by a model without one (model.embedding)")
+        load_sparse_checkpoint(path / manifest["files"]["sparse"], tables)
     if optimizer is not None:
         if "optimizer" not in manifest["files"]:
             raise ValueError(f"{path} holds no optimizer state; cannot resume training from it")

@@ -23,6 +23,7 @@ from recforge.data.dataset import load_dataset
 from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences
 from recforge.models.builders import build_retrieval_model
 from recforge.models.retrieval import RetrievalModel
+from recforge.sparse import SparseOptimizer
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
 from recforge.train.evaluate import evaluate_ranking, model_scorer
 from recforge.train.loop import make_optimizer, prepare_run_dir, prepare_runtime, run_loop
@@ -37,6 +38,7 @@ class Setup:
     optimizer: torch.optim.Optimizer
     device: torch.device
     holdout: int
+    sparse_optimizer: SparseOptimizer | None = None  # the dynamic item table's (model.embedding=dynamic)
 
 
 def setup(cfg: RunConfig) -> Setup:
@@ -44,9 +46,10 @@ def setup(cfg: RunConfig) -> Setup:
     device = prepare_runtime(cfg)
     seqs = UserSequences.from_dataset(load_dataset(cfg.data.path))
     torch.manual_seed(cfg.train.seed)
-    model = build_retrieval_model(cfg.model, seqs.num_items, cfg.data.max_seq_len).to(device)
-    optimizer = make_optimizer(cfg, model)
-    return Setup(cfg, seqs, model, optimizer, device, PROTOCOL_HOLDOUT[cfg.data.protocol])
+    model = build_retrieval_model(cfg.model, seqs.num_items, cfg.data.max_seq_len, cfg.sparse).to(device)
+    optimizer = make_optimizer(cfg, model)  # dense parameters; a dynamic item table steps with its own optimizer
+    sparse = SparseOptimizer([model]) if cfg.model.embedding == "dynamic" else None
+    return Setup(cfg, seqs, model, optimizer, device, PROTOCOL_HOLDOUT[cfg.data.protocol], sparse)
 
 
 def _evaluate(s: Setup, target_from_end: int) -> dict[str, float]:
@@ -81,6 +84,8 @@ def _train_step(s: Setup, samples: torch.Tensor) -> tuple[float, int]:
     if cfg.optim.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(s.model.parameters(), cfg.optim.grad_clip)
     s.optimizer.step()
+    if s.sparse_optimizer is not None:
+        s.sparse_optimizer.step()
     return loss.item(), batch.num_tokens
 
 
