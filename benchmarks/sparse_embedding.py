@@ -15,7 +15,8 @@ Seed 000 Table 1 configurations (bs / L / d): 32/4000/128, 128/4000/128, 256/400
     tiered      DynamicEmbedding(cache_rows=rows/10), prefetching the next batch each step
     naive-host  rows and Adam state in (pinned) host memory: gather, H2D, update, D2H, scatter per step
     floor       bytes the naive path must move / measured copy bandwidth
-(hash) IdHashTable insert and lookup rates against a sorted key array (searchsorted; insert = merge by sort).
+(hash) at table size n: insert n/100 new keys and look up n keys, IdHashTable against a sorted key
+    array (searchsorted; an insert re-sorts, as torch has no merge).
 
 Times are medians over ``--repeats`` steps after ``--warmup``, synchronising the device around each step.
 """
@@ -205,31 +206,27 @@ def mode_b(bs: int, length: int, dim: int, rows: int, device: torch.device, args
 
 
 def hash_rates(n: int, device: torch.device, args) -> list[dict]:
+    """Per-step costs at table size ``n``: insert a batch of n/100 new keys, look up n keys (all present)."""
     gen = torch.Generator().manual_seed(2)
-    keys = torch.randint(0, 2**62, (n,), generator=gen).unique().to(device)
-    probe = keys[torch.randint(0, keys.numel(), (n,), generator=gen).to(device)]
-    zeros_k, zeros_p = torch.zeros_like(keys), torch.zeros_like(probe)
-    half = keys.numel() // 2
-    out = []
-
-    def hash_insert(_: int) -> None:
-        table = IdHashTable(keys.numel(), device)
-        table.insert(keys[:half], zeros_k[:half], zeros_k[:half])
-        table.insert(keys[half:], zeros_k[half:], zeros_k[half:])  # a second insert into a half-full table
-
-    table = IdHashTable(keys.numel(), device)
-    table.insert(keys, zeros_k, zeros_k)
-    out.append(("hash table", "insert", median_ms(hash_insert, device, 1, args.repeats), keys.numel()))
-    out.append(("hash table", "lookup", median_ms(lambda _: table.lookup(probe, zeros_p), device, 1, args.repeats), n))
-
-    def sorted_insert(_: int) -> None:
-        first = torch.sort(keys[:half]).values
-        torch.sort(torch.cat([first, keys[half:]]))  # merge of a new batch = re-sort (torch has no merge)
-
+    batch = max(1, n // 100)
+    reps = 1 + args.repeats
+    pool = torch.randint(0, 2**62, (n + reps * batch + 1000,), generator=gen).unique()
+    pool = pool[torch.randperm(pool.numel(), generator=gen)].to(device)
+    keys, new = pool[:n], pool[n : n + reps * batch].view(reps, batch)
+    probe = keys[torch.randint(0, n, (n,), generator=gen).to(device)]
+    zeros = torch.zeros(n, dtype=torch.int64, device=device)
+    table = IdHashTable(n + reps * batch, device)
+    table.insert(keys, zeros, zeros)
     sorted_keys = torch.sort(keys).values
-    out.append(("sorted array", "insert", median_ms(sorted_insert, device, 1, args.repeats), keys.numel()))
-    out.append(("sorted array", "lookup", median_ms(lambda _: torch.searchsorted(sorted_keys, probe), device, 1, args.repeats), n))
-    return [{"mode": "hash", "structure": s, "op": op, "keys": k, "ms": ms, "mkeys_per_s": k / ms / 1e3} for s, op, ms, k in out]
+    out = [
+        ("hash table", "insert", batch, median_ms(lambda i: table.insert(new[i], zeros[:batch], zeros[:batch]), device, 1, args.repeats)),
+        ("hash table", "lookup", n, median_ms(lambda _: table.lookup(probe, zeros), device, 1, args.repeats)),
+        # a sorted array must merge every new batch into all n keys (torch has no merge: re-sort)
+        ("sorted array", "insert", batch, median_ms(lambda i: torch.sort(torch.cat([sorted_keys, new[i]])), device, 1, args.repeats)),
+        ("sorted array", "lookup", n, median_ms(lambda _: torch.searchsorted(sorted_keys, probe), device, 1, args.repeats)),
+    ]
+    return [{"mode": "hash", "structure": st, "op": op, "table_keys": n, "keys": k, "ms": ms, "mkeys_per_s": k / ms / 1e3}
+            for st, op, k, ms in out]  # fmt: skip
 
 
 def main() -> None:
@@ -265,7 +262,9 @@ def main() -> None:
     print(f"{'mode':<5} {'bs/L/d':<16} {'method':<40} {'ms':>10} {'vs nn.sparse':>13}")
     for r in results:
         if r["mode"] == "hash":
-            print(f"{'hash':<5} {r['keys']:<16,} {r['structure'] + ' ' + r['op']:<40} {r['ms']:>10.2f} {r['mkeys_per_s']:>9.1f} Mkey/s")
+            what = f"{r['structure']} {r['op']} ({r['keys']:,} keys)"
+            size = f"n={r['table_keys']:,}"
+            print(f"{'hash':<5} {size:<16} {what:<40} {r['ms']:>10.2f} {r['mkeys_per_s']:>9.1f} Mkey/s")
         else:
             ratio = f"{r['vs_nn_sparse']:.2f}x" if "vs_nn_sparse" in r else ""
             shape = f"{r['bs']}/{r['L']}/{r['d']}"

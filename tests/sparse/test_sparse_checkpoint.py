@@ -10,20 +10,9 @@ import torch
 from torch import nn
 
 import recforge.sparse.checkpoint as sparse_ckpt
-from recforge.sparse import (
-    AdmissionConfig,
-    DynamicEmbedding,
-    EvictionConfig,
-    SparseOptimConfig,
-    TableConfig,
-    export_rows,
-    load_export,
-    load_sparse_checkpoint,
-    save_sparse_checkpoint,
-    to_dense,
-    to_embedding,
-    warm_start,
-)
+from recforge.sparse import AdmissionConfig, DynamicEmbedding, EvictionConfig, SparseOptimConfig, TableConfig
+from recforge.sparse import export_rows, load_export, load_sparse_checkpoint, save_sparse_checkpoint
+from recforge.sparse import to_dense, to_embedding, warm_start
 
 D = 6
 
