@@ -97,6 +97,9 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
     weight_decay: float = 0.0
     grad_clip: float = 0.0  # max gradient norm; 0 disables clipping
+    schedule: str = "constant"  # learning rate over the run: constant | cosine | linear (decay after warmup)
+    warmup_steps: int = 0  # linear warm-up from 0 to lr over this many steps
+    min_lr_fraction: float = 0.0  # cosine / linear decay ends at lr * min_lr_fraction
 
 
 @dataclass
@@ -157,6 +160,7 @@ CHOICES = {
     "data.train_windows": ("last", "all"),
     "model.kind": ("hstu", "sasrec", "dlrm"),
     "model.kernel": ("auto", "pytorch", "triton"),
+    "optim.schedule": ("constant", "cosine", "linear"),
     "loss.negatives": ("per_position", "shared", "full"),
     "model.embedding": ("static", "dynamic"),
     "sparse.optimizer": ("sgd", "adagrad", "rowwise_adagrad", "adam", "adamw"),
@@ -239,6 +243,11 @@ def validate(cfg: RunConfig) -> list[str]:
         problems.append("loss.num_negatives: must be > 0 unless loss.negatives=full")
     if cfg.loss.temperature <= 0:
         problems.append(f"loss.temperature: must be > 0, got {cfg.loss.temperature}")
+    if cfg.optim.warmup_steps < 0 or not 0.0 <= cfg.optim.min_lr_fraction <= 1.0:
+        problems.append(
+            f"optim.warmup_steps must be >= 0 and optim.min_lr_fraction in [0, 1]; got {cfg.optim.warmup_steps}, "
+            f"{cfg.optim.min_lr_fraction}"
+        )
     if len(cfg.optim.betas) != 2:
         problems.append(f"optim.betas: expected two numbers, got {cfg.optim.betas}")
     if not 0.0 <= cfg.model.dropout < 1.0:

@@ -52,6 +52,22 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimi
     )
 
 
+def lr_at(cfg: RunConfig, step: int, total_steps: int) -> float:
+    """Learning rate of global step ``step`` (0-based) of ``total_steps``, per ``cfg.optim``.
+
+    A pure function of the step, so a resumed run follows the same schedule with no state saved.
+    """
+    opt = cfg.optim
+    if opt.warmup_steps and step < opt.warmup_steps:
+        return opt.lr * (step + 1) / opt.warmup_steps
+    if opt.schedule == "constant":
+        return opt.lr
+    span = max(1, total_steps - opt.warmup_steps)
+    progress = min(1.0, max(0, step - opt.warmup_steps) / span)
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if opt.schedule == "cosine" else 1.0 - progress
+    return opt.lr * (opt.min_lr_fraction + (1.0 - opt.min_lr_fraction) * shape)
+
+
 def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path:
     """Create the run directory; refuse to overwrite an existing run unless resuming."""
     run_dir = cfg.run_dir
@@ -114,6 +130,9 @@ def run_loop(
         raise ValueError("the training split has no samples; check the dataset and the data/ranking settings")
     batch_size = cfg.train.batch_size
     steps_per_epoch = math.ceil(num_samples / batch_size)
+    total_steps = steps_per_epoch * cfg.train.epochs
+    if cfg.train.max_steps:
+        total_steps = min(total_steps, cfg.train.max_steps)
     writer = SummaryWriter(str(run_dir / "tb"))
     started = time.monotonic()
     stop = False
@@ -149,6 +168,9 @@ def run_loop(
         )  # fmt: skip
         for step_in_epoch in bar:
             torch.manual_seed(cfg.train.seed * 1_000_003 + state["global_step"])
+            lr = lr_at(cfg, state["global_step"], total_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             t0 = time.perf_counter()
             loss, tokens = step(order[step_in_epoch * batch_size : (step_in_epoch + 1) * batch_size])
             tokens_per_s = tokens / (time.perf_counter() - t0)
@@ -158,6 +180,7 @@ def run_loop(
             if state["global_step"] % cfg.train.log_every == 0:
                 writer.add_scalar("train/loss", loss, state["global_step"])
                 writer.add_scalar("train/tokens_per_s", tokens_per_s, state["global_step"])
+                writer.add_scalar("train/lr", lr, state["global_step"])
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
             out_of_budget = (cfg.train.max_steps and state["global_step"] >= cfg.train.max_steps) or (
                 cfg.train.max_minutes and time.monotonic() - started >= cfg.train.max_minutes * 60

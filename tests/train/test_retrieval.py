@@ -263,3 +263,52 @@ def test_select_metric_missing_from_ks_is_rejected_or_works(tmp_path: Path, data
     cfg = _config_or_none(tmp_path, data_dir, "eval.ks=[1, 5]", "train.epochs=1")
     if cfg is not None:
         train(cfg, progress=False)
+
+
+def test_lr_schedule_shapes() -> None:
+    from recforge.train.loop import lr_at
+
+    def conf(**optim):
+        return config_from_dict({"data": {"path": "unused"}, "optim": optim})
+
+    cfg = conf(lr=0.01, schedule="cosine", warmup_steps=4, min_lr_fraction=0.1)
+    lrs = [lr_at(cfg, s, 24) for s in range(24)]
+    assert lrs[:4] == pytest.approx([0.0025, 0.005, 0.0075, 0.01], rel=1e-12)  # linear warm-up
+    assert lrs[4] == pytest.approx(0.01, rel=1e-12)
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))  # then non-increasing
+    assert lr_at(cfg, 24, 24) == pytest.approx(0.001, rel=1e-12)  # ends at lr * min_lr_fraction
+    assert lr_at(cfg, 14, 24) == pytest.approx(0.001 + 0.009 * 0.5, rel=1e-12)  # half way: the mean
+    linear = conf(lr=0.01, schedule="linear")
+    assert [lr_at(linear, s, 4) for s in range(5)] == pytest.approx([0.01, 0.0075, 0.005, 0.0025, 0.0], abs=1e-15)
+    assert lr_at(conf(), 1000, 10) == 1e-3  # constant by default
+    with pytest.raises(ValueError, match="optim.schedule"):
+        conf(schedule="step")
+    with pytest.raises(ValueError, match="min_lr_fraction"):
+        conf(min_lr_fraction=1.5)
+
+
+def test_scheduled_run_resumes_exactly(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The learning rate is a function of the global step: a crash and resume follow the same schedule."""
+    sched = ("optim.schedule=cosine", "optim.warmup_steps=3", "train.checkpoint_every=4")
+    reference = _cfg(tmp_path / "ref", data_dir, *sched)
+    train(reference, progress=False)
+    real_step = retrieval._train_step
+    calls = {"n": 0}
+
+    def crashing_step(s, samples):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise RuntimeError("simulated crash")
+        return real_step(s, samples)
+
+    cfg = _cfg(tmp_path / "crash", data_dir, *sched)
+    monkeypatch.setattr(retrieval, "_train_step", crashing_step)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(cfg, progress=False)
+    monkeypatch.setattr(retrieval, "_train_step", real_step)
+    train(cfg, resume=True, progress=False)
+    assert _steps_log(cfg.run_dir) == _steps_log(reference.run_dir)
+    _assert_tensors_equal(_final_tensors(reference.run_dir)[0], _final_tensors(cfg.run_dir)[0])
+    constant = _cfg(tmp_path / "const", data_dir, "train.max_steps=6")
+    train(constant, progress=False)
+    assert _steps_log(constant.run_dir)[5][2] != _steps_log(reference.run_dir)[5][2]  # the schedule changed training
