@@ -84,6 +84,23 @@ def test_reference_run_layout(reference_run: Path, data_dir: Path) -> None:
     assert manifest["train_state"]["epoch"] == 2 and manifest["train_state"]["step_in_epoch"] == 0
 
 
+def _crash_at_step(cfg: RunConfig, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Train ``cfg`` until step ``n`` raises (a simulated crash), then restore the real step."""
+    real_step = retrieval._train_step
+    calls = {"n": 0}
+
+    def crashing_step(s, samples):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise RuntimeError("simulated crash")
+        return real_step(s, samples)
+
+    monkeypatch.setattr(retrieval, "_train_step", crashing_step)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(cfg, progress=False)
+    monkeypatch.setattr(retrieval, "_train_step", real_step)
+
+
 @pytest.mark.parametrize(("stop_after", "checkpoint_every"), [(3, 0), (4, 1), (5, 2)])
 def test_resume_equals_uninterrupted(
     tmp_path: Path, data_dir: Path, reference_run: Path, stop_after: int, checkpoint_every: int
@@ -111,20 +128,8 @@ def test_resume_after_crash_replays_lost_steps(
     tmp_path: Path, data_dir: Path, reference_run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A crash after the step-4 checkpoint: rows logged after it are dropped and replayed."""
-    real_step = retrieval._train_step
-    calls = {"n": 0}
-
-    def crashing_step(s, samples):
-        calls["n"] += 1
-        if calls["n"] == 6:
-            raise RuntimeError("simulated crash")
-        return real_step(s, samples)
-
     cfg = _cfg(tmp_path, data_dir, "train.checkpoint_every=4")
-    monkeypatch.setattr(retrieval, "_train_step", crashing_step)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        train(cfg, progress=False)
-    monkeypatch.setattr(retrieval, "_train_step", real_step)
+    _crash_at_step(cfg, 6, monkeypatch)
     logged = [s for s, _, _ in _steps_log(cfg.run_dir)]
     assert logged == [1, 2, 3, 4, 5]
     assert find_checkpoint(cfg.run_dir).name == "step_00000004"
@@ -292,20 +297,8 @@ def test_scheduled_run_resumes_exactly(tmp_path: Path, data_dir: Path, monkeypat
     sched = ("optim.schedule=cosine", "optim.warmup_steps=3", "train.checkpoint_every=4")
     reference = _cfg(tmp_path / "ref", data_dir, *sched)
     train(reference, progress=False)
-    real_step = retrieval._train_step
-    calls = {"n": 0}
-
-    def crashing_step(s, samples):
-        calls["n"] += 1
-        if calls["n"] == 6:
-            raise RuntimeError("simulated crash")
-        return real_step(s, samples)
-
     cfg = _cfg(tmp_path / "crash", data_dir, *sched)
-    monkeypatch.setattr(retrieval, "_train_step", crashing_step)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        train(cfg, progress=False)
-    monkeypatch.setattr(retrieval, "_train_step", real_step)
+    _crash_at_step(cfg, 6, monkeypatch)
     train(cfg, resume=True, progress=False)
     assert _steps_log(cfg.run_dir) == _steps_log(reference.run_dir)
     _assert_tensors_equal(_final_tensors(reference.run_dir)[0], _final_tensors(cfg.run_dir)[0])
