@@ -116,6 +116,9 @@ class TrainConfig:
     log_every: int = 20  # steps between TensorBoard scalars
     output_dir: str = "runs/{name}"
     threads: int = 0  # torch CPU threads (0: PyTorch's default)
+    loader: str = "memory"  # memory: batches built in memory each step | pipeline: streamed from Parquet by the sample engine
+    loader_workers: int = 2  # pipeline loader: Parquet reader threads
+    token_budget: int = 0  # pipeline loader: 0 = batch_size rows per batch; > 0 = about this many tokens (token-weighted loss)
 
 
 @dataclass
@@ -163,6 +166,7 @@ CHOICES = {
     "optim.schedule": ("constant", "cosine", "linear"),
     "loss.negatives": ("per_position", "shared", "full"),
     "model.embedding": ("static", "dynamic"),
+    "train.loader": ("memory", "pipeline"),
     "sparse.optimizer": ("sgd", "adagrad", "rowwise_adagrad", "adam", "adamw"),
     "sparse.admission": ("always", "count", "probability"),
     "sparse.eviction": ("none", "lru", "lfu", "ttl", "l2", "time_freq"),
@@ -266,6 +270,10 @@ def validate(cfg: RunConfig) -> list[str]:
         problems.append(f"eval.ks: cut-offs must be > 0, got {cfg.eval.ks}")
     if cfg.train.checkpoint_every < 0 or cfg.train.eval_every < 0 or cfg.train.max_steps < 0:
         problems.append("train.checkpoint_every, train.eval_every and train.max_steps must be >= 0")
+    if cfg.train.loader_workers < 1 or cfg.train.token_budget < 0 or (cfg.train.loader == "memory" and cfg.train.token_budget):
+        problems.append("train.loader_workers must be >= 1 and train.token_budget >= 0 (> 0 needs train.loader=pipeline)")
+    if cfg.recipe == "ranking" and cfg.train.loader == "pipeline":
+        problems.append("train.loader: pipeline is supported by the retrieval recipe only; use memory for ranking")
     if not cfg.data.path:
         problems.append("data.path: required (a directory written by `recforge data prepare`)")
     return problems
