@@ -11,21 +11,28 @@ labels::
     timestamps  list<int64>    aligned with item_ids (when the dataset has timestamps)
 
 Feeding these rows through ``Pipeline`` (see ``retrieval_pipeline``) gives the recipe's
-training batches without building them in memory each step, with exact resume.
+training batches without building them in memory each step, with exact resume;
+``RetrievalBatches`` is that pipeline as the training loop's ``BatchSource``
+(``train.loader=pipeline``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from recforge.data.batch import JaggedBatch
 from recforge.data.collate import JaggedCollate
 from recforge.data.pipeline import Pipeline
 from recforge.data.sequences import UserSequences
+from recforge.data.token_batching import token_budget_cuts
 from recforge.data.transforms import next_item_targets
 from recforge.ops.jagged import range_index
 
@@ -61,11 +68,13 @@ def write_retrieval_samples(
 
 def retrieval_pipeline(paths, max_seq_len: int, batch_size: int, *, timestamps: bool, num_workers: int = 2,
                        shuffle_rows: int = 65536, prefetch: int = 4, seed: int = 0, state: dict | None = None,
-                       rank: int = 0, world_size: int = 1) -> Pipeline:  # fmt: skip
+                       rank: int = 0, world_size: int = 1, token_budget: int = 0) -> Pipeline:  # fmt: skip
     """The retrieval recipe's training batches from ``write_retrieval_samples`` files.
 
     Each batch matches ``UserSequences.training_batch`` for the same samples: features
-    ``item_ids`` (+ ``timestamps``), label ``next_item``, and ``dense["row_ids"]``.
+    ``item_ids`` (+ ``timestamps``), label ``next_item``, and ``dense["row_ids"]``. With
+    ``token_budget`` > 0 a batch holds as many samples as fit that many input tokens
+    (``batch_size`` is then ignored).
     """
     jagged = {"input_ids": "item_ids", **({"timestamps": "timestamps"} if timestamps else {})}
     columns = ["item_ids", *(["timestamps"] if timestamps else [])]
@@ -74,8 +83,67 @@ def retrieval_pipeline(paths, max_seq_len: int, batch_size: int, *, timestamps: 
                               world_size=world_size)  # fmt: skip
         .map(next_item_targets("item_ids", "input_ids", "next_item", aligned=tuple(columns[1:])))
         .shuffle(shuffle_rows)
-        .batch(batch_size)
+        .batch(**({"token_budget": token_budget, "length_column": "input_ids"} if token_budget else {"batch_size": batch_size}))
         .collate(JaggedCollate(jagged, labels={"next_item": "next_item"}, max_seq_len=max_seq_len))
         .prefetch(prefetch)
     )
 
+
+def steps_per_epoch(samples: torch.Tensor, max_seq_len: int, batch_size: int, token_budget: int = 0, seed: int = 0) -> int:
+    """Batches one epoch of ``samples`` makes: exact for fixed batches; for token budgets the count of a
+    seeded shuffle of the same rows (the real one varies by a few batches with the order)."""
+    if not token_budget:
+        return -(-samples.shape[0] // batch_size)
+    tokens = torch.clamp(samples[:, 1] - 1, max=max_seq_len).numpy()  # inputs per sample (each predicts the next item)
+    return len(token_budget_cuts(np.random.default_rng(seed).permutation(tokens), token_budget)) - 1
+
+
+@dataclass
+class RetrievalBatches:
+    """``retrieval_pipeline`` as the training loop's ``BatchSource``: one pipeline for the whole run,
+    its ``PipelineState`` saved in every checkpoint.
+
+    Rows are marked consumed when the pipeline hands a batch to the loop, and the loop asks for the
+    next batch only when it is about to train on it, so ``state_dict()`` between steps holds exactly
+    the rows of the steps taken; batches still in the prefetch queue stay unconsumed.
+
+    Example:
+        >>> source = RetrievalBatches(["run/samples/train-00000.parquet"], 200, 128, timestamps=False,
+        ...                           num_steps_estimate=48)
+        >>> run_loop(cfg, ..., source=source, step=lambda batch: train_step(batch))
+    """
+
+    paths: Sequence[str | os.PathLike]
+    max_seq_len: int
+    batch_size: int  # rows per batch when token_budget is 0
+    timestamps: bool  # the samples carry a timestamps column
+    num_steps_estimate: int  # batches per epoch (see steps_per_epoch)
+    num_workers: int = 2
+    token_budget: int = 0
+    seed: int = 0
+    pipeline: Pipeline | None = field(default=None, init=False)  # built by the first epoch_iter, kept for the run
+
+    def _build(self, state: dict | None) -> Pipeline:
+        return retrieval_pipeline(self.paths, self.max_seq_len, self.batch_size, timestamps=self.timestamps,
+                                  num_workers=self.num_workers, seed=self.seed, state=state,
+                                  token_budget=self.token_budget)  # fmt: skip
+
+    def epoch_iter(self, epoch: int, state: dict | None) -> Iterator[JaggedBatch]:
+        if state is not None or self.pipeline is None:
+            self.pipeline = self._build(state)
+        s = self.pipeline.state
+        finished = s.share_done or (s.complete and s.num_rows > 0)  # every row of s.epoch is consumed
+        if finished and s.epoch == epoch:
+            # saved after the epoch's last batch but before its end was seen (a budget stop or checkpoint_every)
+            return iter(())
+        if s.epoch + finished != epoch:
+            raise RuntimeError(
+                f"the pipeline state is in epoch {s.epoch} (finished={finished}) but training is in epoch {epoch}: "
+                "the checkpoint's data_state and train_state disagree; resume from an unmodified checkpoint"
+            )
+        return iter(self.pipeline)  # a new epoch starts (all rows unconsumed) when the state's epoch is finished
+
+    def state_dict(self) -> dict:
+        if self.pipeline is None:
+            raise RuntimeError("RetrievalBatches.state_dict() before the first epoch_iter(); there is no state yet")
+        return self.pipeline.state_dict()

@@ -1,11 +1,19 @@
 """The training loop every recipe shares: epochs of steps, logs, evaluations, checkpoints, exact resume.
 
-A recipe supplies the model, the optimizer, how many samples an epoch has, a step function
-over a slice of sample ids and an evaluation function; the loop owns the order of samples,
-seeding, logging (``train_log.jsonl``, ``evals.jsonl``, TensorBoard), checkpoints and
-resuming. Every step re-seeds the RNGs from (seed, global step), and the epoch's sample
-order is derived from (seed, epoch): a resumed run replays exactly the steps an
-uninterrupted run would have taken, with no RNG state to save.
+A recipe supplies the model, the optimizer, where the steps' inputs come from, a step
+function and an evaluation function; the loop owns seeding, logging (``train_log.jsonl``,
+``evals.jsonl``, TensorBoard), checkpoints and resuming. Inputs come one of two ways:
+
+- memory (``num_samples``): each step gets a slice of sample ids; the epoch's order is derived
+  from (seed, epoch), so a resumed run replays exactly the steps an uninterrupted run would
+  have taken, with no data state to save.
+- a ``BatchSource`` (``source``, e.g. the sample engine): each step gets the source's next
+  batch and the epoch ends when the source is exhausted. The source's state (rows consumed so
+  far) goes into every checkpoint and is handed back on resume, so each row is trained on
+  exactly once per epoch across crashes (in a different order than an uninterrupted run).
+
+Every step re-seeds the RNGs from (seed, global step). Each ``train_log.jsonl`` row records
+``data_wait_s``, the time the step waited for its input, next to the step's own time.
 """
 
 from __future__ import annotations
@@ -13,8 +21,9 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch.utils.tensorboard import SummaryWriter
@@ -23,8 +32,27 @@ from tqdm import tqdm
 from recforge.config import RunConfig, save_config
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 
-StepFn = Callable[[torch.Tensor], tuple[float, int]]  # sample ids -> (loss, tokens processed)
+StepFn = Callable[[Any], tuple[float, int]]  # sample ids or a source's batch -> (loss, tokens processed)
 EvalFn = Callable[[], tuple[str, dict[str, float]]]  # () -> (split name, metrics)
+
+
+class BatchSource(Protocol):
+    """A resumable stream of training batches (``train.loader=pipeline``), read epoch by epoch.
+
+    ``state_dict()`` must describe exactly the batches already handed out by ``epoch_iter``
+    (not those read ahead): the loop calls it between steps and saves it in the checkpoint.
+    """
+
+    num_steps_estimate: int  # steps per epoch, fixed for the run: sizes the learning-rate schedule and progress bar
+
+    def epoch_iter(self, epoch: int, state: dict | None) -> Iterator[Any]:
+        """The batches of ``epoch`` not consumed yet; ``state`` is a saved ``state_dict()`` on the first
+        epoch after a resume, None to go on from the source's own state."""
+        ...
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable: the rows consumed so far (saved with each checkpoint)."""
+        ...
 
 
 def resolve_device(name: str) -> torch.device:
@@ -102,24 +130,41 @@ def run_loop(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     device: torch.device,
-    num_samples: int,
     step: StepFn,
     evaluate: EvalFn,
     manifest: dict,
     resume: bool,
     progress: bool,
+    num_samples: int | None = None,
+    source: BatchSource | None = None,
     show_keys: tuple[str, ...] | None = None,
 ) -> dict:
-    """Run ``cfg.train`` epochs of ``step`` over shuffled sample ids; return the final train state.
+    """Run ``cfg.train`` epochs of ``step``; return the final train state.
 
-    ``evaluate`` runs every ``cfg.train.eval_every`` epochs and at the end; the checkpoint
-    with the best ``cfg.eval.select_metric`` (higher is better) is marked ``best``.
+    Steps get slices of shuffled sample ids (``num_samples``) or the batches of ``source``
+    (exactly one of the two). ``evaluate`` runs every ``cfg.train.eval_every`` epochs and at
+    the end; the checkpoint with the best ``cfg.eval.select_metric`` (higher is better) is
+    marked ``best``.
+
+    Example:
+        >>> run_loop(cfg, model=model, optimizer=opt, device=device, num_samples=len(samples),
+        ...          step=lambda ids: train_step(samples[ids]), evaluate=evaluate, manifest={},
+        ...          resume=False, progress=True)
     """
+    if (num_samples is None) == (source is None):
+        raise ValueError("run_loop needs exactly one of num_samples (memory loader) or source (a BatchSource)")
     run_dir = cfg.run_dir
     steps_log, evals_log = run_dir / "train_log.jsonl", run_dir / "evals.jsonl"
     state = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "best_value": None}
+    data_state = None  # the source's state to resume from (used by the first epoch that runs)
     if resume:
-        state.update(load_checkpoint(find_checkpoint(run_dir), model, optimizer, device)["train_state"])
+        ckpt = find_checkpoint(run_dir)
+        saved = load_checkpoint(ckpt, model, optimizer, device)
+        state.update(saved["train_state"])
+        data_state = saved.get("data_state")
+        if (data_state is None) != (source is None):
+            written, now = ("memory", "pipeline") if data_state is None else ("pipeline", "memory")
+            raise ValueError(f"{ckpt} was written with train.loader={written}; resume it with that loader, not {now}")
         _truncate_jsonl(steps_log, state["global_step"])
         _truncate_jsonl(evals_log, state["global_step"])
     else:
@@ -129,7 +174,7 @@ def run_loop(
     if num_samples == 0:
         raise ValueError("the training split has no samples; check the dataset and the data/ranking settings")
     batch_size = cfg.train.batch_size
-    steps_per_epoch = math.ceil(num_samples / batch_size)
+    steps_per_epoch = math.ceil(num_samples / batch_size) if source is None else source.num_steps_estimate
     total_steps = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
@@ -138,11 +183,20 @@ def run_loop(
     stop = False
 
     def checkpoint(best: bool = False) -> None:
+        data = {} if source is None else {"data_state": source.state_dict()}  # only rows of the steps taken
         save_checkpoint(
             run_dir, step=state["global_step"], model=model, optimizer=optimizer,
-            manifest={"train_state": dict(state), "config": cfg.to_dict(), **manifest},
+            manifest={"train_state": dict(state), "config": cfg.to_dict(), **manifest, **data},
             keep=cfg.train.keep_checkpoints, best=best,
         )  # fmt: skip
+
+    def epoch_inputs(epoch: int) -> Iterator[Any]:
+        nonlocal data_state
+        if source is not None:
+            inputs, data_state = source.epoch_iter(epoch, data_state), None
+            return inputs
+        order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(cfg.train.seed * 7919 + epoch))
+        return (order[i * batch_size : (i + 1) * batch_size] for i in range(state["step_in_epoch"], steps_per_epoch))
 
     def log_eval() -> bool:
         split, metrics = evaluate()
@@ -161,26 +215,36 @@ def run_loop(
     model.train()
     while state["epoch"] < cfg.train.epochs and not stop:
         epoch = state["epoch"]
-        order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(cfg.train.seed * 7919 + epoch))
+        inputs = epoch_inputs(epoch)
         bar = tqdm(
-            range(state["step_in_epoch"], steps_per_epoch), desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
+            total=steps_per_epoch, initial=state["step_in_epoch"], desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
             disable=not progress, leave=False, dynamic_ncols=True,
         )  # fmt: skip
-        for step_in_epoch in bar:
+        exhausted = False
+        while True:
+            t0 = time.perf_counter()
+            batch = next(inputs, None)  # a source hands out a batch here: from now on its rows count as consumed
+            data_wait_s = time.perf_counter() - t0
+            if batch is None:
+                exhausted = True
+                break
             torch.manual_seed(cfg.train.seed * 1_000_003 + state["global_step"])
             lr = lr_at(cfg, state["global_step"], total_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             t0 = time.perf_counter()
-            loss, tokens = step(order[step_in_epoch * batch_size : (step_in_epoch + 1) * batch_size])
+            loss, tokens = step(batch)
             tokens_per_s = tokens / (time.perf_counter() - t0)
             state["global_step"] += 1
-            state["step_in_epoch"] = step_in_epoch + 1
-            append_jsonl(steps_log, {"step": state["global_step"], "epoch": epoch, "loss": loss, "tokens_per_s": tokens_per_s})
+            state["step_in_epoch"] += 1
+            append_jsonl(steps_log, {"step": state["global_step"], "epoch": epoch, "loss": loss, "tokens_per_s": tokens_per_s,
+                                     "data_wait_s": data_wait_s})  # fmt: skip
             if state["global_step"] % cfg.train.log_every == 0:
                 writer.add_scalar("train/loss", loss, state["global_step"])
                 writer.add_scalar("train/tokens_per_s", tokens_per_s, state["global_step"])
+                writer.add_scalar("train/data_wait_s", data_wait_s, state["global_step"])
                 writer.add_scalar("train/lr", lr, state["global_step"])
+            bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
             out_of_budget = (cfg.train.max_steps and state["global_step"] >= cfg.train.max_steps) or (
                 cfg.train.max_minutes and time.monotonic() - started >= cfg.train.max_minutes * 60
@@ -190,7 +254,11 @@ def run_loop(
                 break
             if cfg.train.checkpoint_every and state["global_step"] % cfg.train.checkpoint_every == 0:
                 checkpoint()
-        if state["step_in_epoch"] >= steps_per_epoch:
+        bar.close()
+        if not exhausted and hasattr(inputs, "close"):
+            inputs.close()  # stops a source's read-ahead thread; rows it read but did not hand out stay unconsumed
+        # memory: the epoch's step count is known, so a budget stop on its last step also ends the epoch (as before)
+        if exhausted or (source is None and state["step_in_epoch"] >= steps_per_epoch):
             state["epoch"] += 1
             state["step_in_epoch"] = 0
         finished = stop or state["epoch"] >= cfg.train.epochs

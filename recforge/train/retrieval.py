@@ -7,6 +7,11 @@
 Every step re-seeds the RNGs from (seed, global step), and the epoch's user order is
 derived from (seed, epoch): a resumed run replays exactly the steps an uninterrupted
 run would have taken, with no RNG state to save.
+
+With ``train.loader=pipeline`` the training samples are written once to
+``RUN_DIR/samples/train-00000.parquet`` and streamed by the sample engine instead; a
+resumed run then trains each sample exactly once per epoch (in a new order), and
+``train.token_budget`` > 0 cuts batches by tokens with a token-weighted loss.
 """
 
 from __future__ import annotations
@@ -19,8 +24,11 @@ from pathlib import Path
 import torch
 
 from recforge.config import RunConfig, load_config
+from recforge.data.batch import JaggedBatch
 from recforge.data.dataset import load_dataset
+from recforge.data.retrieval_samples import RetrievalBatches, steps_per_epoch, write_retrieval_samples
 from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences
+from recforge.data.token_batching import token_loss_scale
 from recforge.models.builders import build_retrieval_model
 from recforge.models.retrieval import RetrievalModel
 from recforge.sparse import SparseOptimizer
@@ -65,9 +73,9 @@ def _evaluate(s: Setup, target_from_end: int) -> dict[str, float]:
     return metrics
 
 
-def _train_step(s: Setup, samples: torch.Tensor) -> tuple[float, int]:
+def _loss(s: Setup, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(objective to minimise, mean loss per target) of ``batch`` (already on the device)."""
     cfg = s.cfg
-    batch = s.seqs.training_batch(samples, cfg.data.max_seq_len).to(s.device)
     user_vectors = s.model(batch)  # (T, d)
     loss = sampled_softmax_loss(
         user_vectors,
@@ -78,9 +86,20 @@ def _train_step(s: Setup, samples: torch.Tensor) -> tuple[float, int]:
         num_negatives=cfg.loss.num_negatives,
         in_batch_negatives=cfg.loss.in_batch_negatives,
         temperature=cfg.loss.temperature,
-    )
+    )  # mean over the batch's T targets
+    if not cfg.train.token_budget:
+        return loss, loss
+    # token-budget batches vary in T: weight every target 1/budget (as a fixed batch does), not 1/T
+    num_targets = batch.labels["next_item"].numel()
+    return loss * (num_targets * token_loss_scale(num_targets, cfg.train.token_budget)), loss
+
+
+def _train_step(s: Setup, batch: JaggedBatch) -> tuple[float, int]:
+    cfg = s.cfg
+    batch = batch.to(s.device)
+    objective, loss = _loss(s, batch)
     s.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    objective.backward()
     if cfg.optim.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(s.model.parameters(), cfg.optim.grad_clip)
     s.optimizer.step()
@@ -100,13 +119,17 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     run_dir = prepare_run_dir(cfg, resume)
     s = setup(cfg)
     samples = s.seqs.training_samples(s.holdout, cfg.data.max_seq_len, cfg.data.train_windows)
+    if cfg.train.loader == "pipeline":
+        inputs = {"source": _pipeline_source(s, samples, resume), "step": lambda batch: _train_step(s, batch)}
+    else:
+        step = lambda ids: _train_step(s, s.seqs.training_batch(samples[ids], cfg.data.max_seq_len))
+        inputs = {"num_samples": samples.shape[0], "step": step}
     state = run_loop(
         cfg,
         model=s.model,
         optimizer=s.optimizer,
         device=s.device,
-        num_samples=samples.shape[0],
-        step=lambda ids: _train_step(s, samples[ids]),
+        **inputs,
         evaluate=lambda: _eval_during_training(s),
         manifest={"num_items": s.seqs.num_items},
         resume=resume,
@@ -116,6 +139,24 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     summary = evaluate_run(run_dir)
     summary["train_minutes"] = state["train_minutes"]
     return summary
+
+
+def _pipeline_source(s: Setup, samples: torch.Tensor, resume: bool) -> RetrievalBatches:
+    """Write the training samples under the run directory (kept for a resume: the saved pipeline
+    state refers to their rows) and stream them."""
+    cfg = s.cfg
+    if samples.shape[0] == 0:
+        raise ValueError("the training split has no samples; check the dataset and the data settings")
+    path = cfg.run_dir / "samples" / "train-00000.parquet"
+    if not (resume and path.is_file()):
+        path.parent.mkdir(exist_ok=True)
+        write_retrieval_samples(s.seqs, samples, cfg.data.max_seq_len, path)
+    t = cfg.train
+    return RetrievalBatches(
+        [path], cfg.data.max_seq_len, t.batch_size, timestamps=s.seqs.timestamps is not None, num_workers=t.loader_workers,
+        token_budget=t.token_budget, seed=t.seed,
+        num_steps_estimate=steps_per_epoch(samples, cfg.data.max_seq_len, t.batch_size, t.token_budget, t.seed),
+    )  # fmt: skip
 
 
 def _eval_during_training(s: Setup) -> tuple[str, dict[str, float]]:
