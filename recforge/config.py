@@ -51,7 +51,7 @@ class RankingConfig:
 
 @dataclass
 class ModelConfig:
-    kind: str = "hstu"  # hstu | sasrec (retrieval) | hstu | dlrm (ranking)
+    kind: str = "hstu"  # hstu | sasrec (retrieval) | hstu | dlrm | item (ranking; item = non-personalised baseline)
     dim: int = 50  # embedding / model width
     num_blocks: int = 2
     num_heads: int = 1
@@ -161,7 +161,7 @@ CHOICES = {
     "model.head": ("mlp", "mmoe", "ple"),
     "data.protocol": ("paper", "clean"),
     "data.train_windows": ("last", "all"),
-    "model.kind": ("hstu", "sasrec", "dlrm"),
+    "model.kind": ("hstu", "sasrec", "dlrm", "item"),
     "model.kernel": ("auto", "pytorch", "triton"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "loss.negatives": ("per_position", "shared", "full"),
@@ -264,8 +264,8 @@ def validate(cfg: RunConfig) -> list[str]:
         problems.append(f"eval.select_metric: {cfg.eval.select_metric!r} is not a metric; use hr@K, ndcg@K or mrr")
     if cfg.recipe == "ranking" and cfg.model.embedding == "dynamic":
         problems.append("model.embedding: dynamic is supported by the retrieval recipe only; use static for ranking")
-    if cfg.recipe == "retrieval" and cfg.model.kind == "dlrm":
-        problems.append("model.kind: dlrm is a ranking baseline; use recipe: ranking (or model.kind hstu/sasrec)")
+    if cfg.recipe == "retrieval" and cfg.model.kind in ("dlrm", "item"):
+        problems.append(f"model.kind: {cfg.model.kind} is a ranking baseline; use recipe: ranking (or model.kind hstu/sasrec)")
     if any(k <= 0 for k in cfg.eval.ks):
         problems.append(f"eval.ks: cut-offs must be > 0, got {cfg.eval.ks}")
     if cfg.train.checkpoint_every < 0 or cfg.train.eval_every < 0 or cfg.train.max_steps < 0:
@@ -299,7 +299,7 @@ def _validate_ranking(cfg: RunConfig) -> list[str]:
     except ValueError as err:
         problems.append(f"ranking.valid_fraction / test_fraction: {err}")
     if cfg.model.kind == "sasrec":
-        problems.append("model.kind: the ranking recipe supports hstu and dlrm")
+        problems.append("model.kind: the ranking recipe supports hstu, dlrm and item")
     binary = [t.name for t in names if t.kind == "binary"]
     if r.listwise_weight and not binary:
         problems.append("ranking.listwise_weight: needs a binary task")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from recforge.config import ModelConfig, SparseConfig
 from recforge.models.hstu import HSTUConfig, HSTUEncoder
-from recforge.models.ranking import PLE, ContextPool, MMoE, MultiTaskMLP, RankingModel, RankingPrefix
+from recforge.models.ranking import PLE, ContextPool, ItemOnly, MMoE, MultiTaskMLP, RankingModel, RankingPrefix
 from recforge.models.retrieval import ItemPrefix, L2NormPostfix, RetrievalModel
 from recforge.models.sasrec import SASRecConfig, SASRecEncoder
 from recforge.sparse import AdmissionConfig, DynamicEmbedding, EvictionConfig, SparseOptimConfig, TableConfig
@@ -97,7 +97,7 @@ def build_ranking_model(
     item_feature_width: int = 0,
     num_item_feature_values: int = 0,
 ) -> RankingModel:
-    """Ranking model: ``RankingPrefix`` -> HSTU (``kind=hstu``) or ``ContextPool`` (``kind=dlrm``) -> heads."""
+    """Ranking model: ``RankingPrefix`` -> HSTU (``kind=hstu``), ``ContextPool`` (``kind=dlrm``) or nothing (``kind=item``) -> heads."""
     prefix = RankingPrefix(
         num_items, num_actions, num_context_values, cfg.dim, item_feature_width, num_item_feature_values, cfg.dropout
     )
@@ -105,8 +105,10 @@ def build_ranking_model(
         encoder = hstu_encoder(cfg, max_seq_len)
     elif cfg.kind == "dlrm":
         encoder = ContextPool(cfg.dim, hidden=cfg.head_hidden * 2, dropout=cfg.dropout)
+    elif cfg.kind == "item":
+        encoder = ItemOnly(cfg.dim)
     else:
-        raise ValueError(f"model.kind={cfg.kind!r}: ranking supports hstu and dlrm")
+        raise ValueError(f"model.kind={cfg.kind!r}: ranking supports hstu, dlrm and item")
     if cfg.head == "mlp":
         postfix = MultiTaskMLP(cfg.dim, num_tasks, cfg.head_hidden, cfg.dropout)
     elif cfg.head == "mmoe":

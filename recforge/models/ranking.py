@@ -212,6 +212,24 @@ class ContextPool(nn.Module):
         return out
 
 
+class ItemOnly(nn.Module):
+    """Non-personalised baseline encoder: every token passes through unchanged, so a target's
+    score depends on the candidate item (and its side features) alone, never on the user.
+    """
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.kwargs = {"dim": dim}
+
+    def slice_config(self) -> dict:
+        return dict(self.kwargs)
+
+    def forward(
+        self, x: Tensor, seq_offsets: Tensor, max_seq_len: int, mask: AttentionMask, timestamps: Tensor | None = None
+    ) -> Tensor:
+        return x
+
+
 class RankingModel(nn.Module):
     """Prefix -> encoder -> postfix over ranking batches (see ``recforge.data.ranking``)."""
 

@@ -16,6 +16,7 @@ from recforge.models import HSTUConfig, HSTUEncoder
 from recforge.models.ranking import (
     HEADS,
     ContextPool,
+    ItemOnly,
     MultiTaskMLP,
     RankingModel,
     RankingPrefix,
@@ -53,6 +54,8 @@ def _model(data: RankingData, kind: str = "hstu", seed: int = 0) -> RankingModel
         for block in encoder.blocks:  # non-zero relative biases, so they are exercised too
             nn.init.normal_(block.pos_weights, std=0.5)
             nn.init.normal_(block.time_weights, std=0.5)
+    elif kind == "item":
+        encoder = ItemOnly(DIM)
     else:
         encoder = ContextPool(DIM, hidden=32)
     return RankingModel(prefix, encoder, MultiTaskMLP(DIM, 2, hidden=32)).eval()
@@ -119,6 +122,21 @@ def test_dlrm_baseline_ignores_history(data: RankingData) -> None:
         torch.testing.assert_close(model(changed), base, rtol=0, atol=0)
         changed.features["context_ids"][changed.features["context_ids"] > 0] = 1  # the user matters
         assert (model(changed) - base).abs().max() > 1e-6
+
+
+def test_item_baseline_ignores_the_user(data: RankingData) -> None:
+    model = _model(data, "item")
+    batch = _multi_target_batch(data, "sum")
+    with torch.no_grad():
+        base = model(batch)
+        changed = _clone(batch)
+        is_hist = (changed.features["item_ids"] > 0) & (changed.features["actions"] > 0)
+        changed.features["item_ids"][is_hist] = 1
+        changed.features["context_ids"][changed.features["context_ids"] > 0] = 1
+        torch.testing.assert_close(model(changed), base, rtol=0, atol=0)
+        targets = RankingModel.split_inputs(batch)[2]
+        changed.features["item_ids"][targets] = changed.features["item_ids"][targets] % data.num_items + 1
+        assert (model(changed) - base).abs().max() > 1e-6  # the candidate matters
 
 
 @pytest.mark.parametrize("head", sorted(HEADS))
