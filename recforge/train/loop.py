@@ -13,7 +13,7 @@ function and an evaluation function; the loop owns seeding, logging (``train_log
   exactly once per epoch across crashes (in a different order than an uninterrupted run).
 
 Every step re-seeds the RNGs from (seed, global step). Each ``train_log.jsonl`` row records
-``data_wait_s``, the time the step waited for its input, next to the step's own time.
+``data_wait_s``, the time the step waited for its input, next to ``step_s``, the step's own time.
 """
 
 from __future__ import annotations
@@ -234,11 +234,12 @@ def run_loop(
                 group["lr"] = lr
             t0 = time.perf_counter()
             loss, tokens = step(batch)
-            tokens_per_s = tokens / (time.perf_counter() - t0)
+            step_s = time.perf_counter() - t0
+            tokens_per_s = tokens / step_s
             state["global_step"] += 1
             state["step_in_epoch"] += 1
             append_jsonl(steps_log, {"step": state["global_step"], "epoch": epoch, "loss": loss, "tokens_per_s": tokens_per_s,
-                                     "data_wait_s": data_wait_s})  # fmt: skip
+                                     "step_s": step_s, "data_wait_s": data_wait_s})  # fmt: skip
             if state["global_step"] % cfg.train.log_every == 0:
                 writer.add_scalar("train/loss", loss, state["global_step"])
                 writer.add_scalar("train/tokens_per_s", tokens_per_s, state["global_step"])

@@ -63,7 +63,7 @@ def test_pipeline_loader_trains(tmp_path: Path, data_dir: Path, monkeypatch: pyt
     steps_per_epoch = -(-n // 12)
     log = [json.loads(line) for line in (cfg.run_dir / "train_log.jsonl").read_text().splitlines()]
     assert [row["step"] for row in log] == list(range(1, 5 * steps_per_epoch + 1))  # as many steps as the memory loader
-    assert all(row["data_wait_s"] >= 0.0 for row in log)
+    assert all(row["data_wait_s"] >= 0.0 and row["step_s"] > 0.0 for row in log)
     losses = [row["loss"] for row in log]
     first, last = np.mean(losses[:steps_per_epoch]), np.mean(losses[-steps_per_epoch:])
     assert last < 0.9 * first, (first, last)
