@@ -85,6 +85,6 @@ def test_ranking_config_errors_are_collected() -> None:
              "model.kind=sasrec", "ranking.max_targets=300", "ranking.test_fraction=0"],
         )  # fmt: skip
     message = str(err.value)
-    for fragment in ("'bad'", "'z' is not a number", "3 weights for 2 tasks", "TASK/auc", "hstu and dlrm",
+    for fragment in ("'bad'", "'z' is not a number", "3 weights for 2 tasks", "TASK/auc", "hstu, dlrm and item",
                      "max_targets", "test_fraction"):  # fmt: skip
         assert fragment in message, fragment
