@@ -12,11 +12,12 @@ Seed 000 Table 1 configurations (bs / L / d): 32/4000/128, 128/4000/128, 256/400
     nn.sparse   nn.Embedding(sparse=True) + torch.optim.SparseAdam on pre-mapped row IDs
     lazy-adam   unique + index_select + hand-written lazy Adam + index_copy_ on pre-mapped IDs
 (b) host table 10x the device cache, power-law (Zipf) IDs reused across steps:
-    tiered      DynamicEmbedding(cache_rows=rows/10), prefetching the next batch each step
+    tiered      DynamicEmbedding(cache_rows=rows/10); each step: lookup (pins its rows), prefetch the next
+                batch (its misses evict only unpinned rows), backward, update
     naive-host  rows and Adam state in (pinned) host memory: gather, H2D, update, D2H, scatter per step
     floor       bytes the naive path must move / measured copy bandwidth
-(hash) at table size n: insert n/100 new keys and look up n keys, IdHashTable against a sorted key
-    array (searchsorted; an insert re-sorts, as torch has no merge).
+(hash) at table size n: insert n/100 new keys and look up n keys, IdHashTable against SortedIdIndex
+    (searchsorted; an insert merges). ``--index`` picks the tables' index (default: auto, by device).
 
 Times are medians over ``--repeats`` steps after ``--warmup``, synchronising the device around each step.
 """
@@ -39,6 +40,7 @@ from torch import nn
 
 from recforge.sparse import DynamicEmbedding, SparseOptimConfig, TableConfig, warm_start
 from recforge.sparse.hash_table import IdHashTable
+from recforge.sparse.sorted_index import SortedIdIndex
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _machine import cpu_model
@@ -98,7 +100,7 @@ def mode_a(bs: int, length: int, dim: int, rows: int, device: torch.device, args
     raw_keys = torch.randint(0, 2**62, (rows,), generator=gen)  # raw IDs: row r is ID raw_keys[r]
     results = []
 
-    table = DynamicEmbedding(TableConfig(name="bench", dim=dim, capacity=rows, optimizer=SparseOptimConfig(kind="adam", lr=LR)), device)
+    table = DynamicEmbedding(TableConfig(name="bench", dim=dim, capacity=rows, index=args.index, optimizer=SparseOptimConfig(kind="adam", lr=LR)), device)
     warm_start(table, torch.randn(rows, dim) * 0.01, raw_keys)
     raw_batches = [raw_keys[b].to(device) for b in batches]
 
@@ -167,13 +169,14 @@ def mode_b(bs: int, length: int, dim: int, rows: int, device: torch.device, args
     raw_keys = torch.randint(0, 2**62, (rows,), generator=gen)
     raw_batches = [raw_keys[b].to(device) for b in batches]
     table = DynamicEmbedding(
-        TableConfig(name="bench", dim=dim, capacity=rows, cache_rows=cache, optimizer=SparseOptimConfig(kind="adam", lr=LR)), device
+        TableConfig(name="bench", dim=dim, capacity=rows, cache_rows=cache, index=args.index, optimizer=SparseOptimConfig(kind="adam", lr=LR)), device
     )
     warm_start(table, torch.randn(rows, dim) * 0.01, raw_keys)
 
     def tiered_step(i: int) -> None:
-        table.prefetch([raw_batches[i + 1]])
-        table(raw_batches[i]).backward(grad_out)
+        out = table(raw_batches[i])  # pins this batch's cache rows
+        table.prefetch([raw_batches[i + 1]])  # next batch's misses, evicting unpinned rows only
+        out.backward(grad_out)
         table.apply_gradients()
 
     tiered = median_ms(tiered_step, device, args.warmup, args.repeats)
@@ -215,18 +218,30 @@ def hash_rates(n: int, device: torch.device, args) -> list[dict]:
     keys, new = pool[:n], pool[n : n + reps * batch].view(reps, batch)
     probe = keys[torch.randint(0, n, (n,), generator=gen).to(device)]
     zeros = torch.zeros(n, dtype=torch.int64, device=device)
-    table = IdHashTable(n + reps * batch, device)
-    table.insert(keys, zeros, zeros)
-    sorted_keys = torch.sort(keys).values
-    out = [
-        ("hash table", "insert", batch, median_ms(lambda i: table.insert(new[i], zeros[:batch], zeros[:batch]), device, 1, args.repeats)),
-        ("hash table", "lookup", n, median_ms(lambda _: table.lookup(probe, zeros), device, 1, args.repeats)),
-        # a sorted array must merge every new batch into all n keys (torch has no merge: re-sort)
-        ("sorted array", "insert", batch, median_ms(lambda i: torch.sort(torch.cat([sorted_keys, new[i]])), device, 1, args.repeats)),
-        ("sorted array", "lookup", n, median_ms(lambda _: torch.searchsorted(sorted_keys, probe), device, 1, args.repeats)),
-    ]
+    out = []
+    for name, table in (("hash table", IdHashTable(n + reps * batch, device)), ("sorted index", SortedIdIndex(n, device))):
+        table.insert(keys, None, zeros)
+        # each timed insert adds a fresh batch (the table grows by n/100 per repeat); a sorted index merges it in
+        out.append((name, "insert", batch, median_ms(lambda i, t=table: t.insert(new[i], None, zeros[:batch]), device, 1, args.repeats)))
+        out.append((name, "lookup", n, median_ms(lambda _, t=table: t.lookup(probe, None), device, 1, args.repeats)))
     return [{"mode": "hash", "structure": st, "op": op, "table_keys": n, "keys": k, "ms": ms, "mkeys_per_s": k / ms / 1e3}
             for st, op, k, ms in out]  # fmt: skip
+
+
+def _line(r: dict) -> str:
+    if r["mode"] == "hash":
+        what = f"{r['structure']} {r['op']} ({r['keys']:,} keys)"
+        size = f"n={r['table_keys']:,}"
+        return f"{'hash':<5} {size:<16} {what:<40} {r['ms']:>10.2f} {r['mkeys_per_s']:>9.1f} Mkey/s"
+    ratio = f"{r['vs_nn_sparse']:.2f}x" if "vs_nn_sparse" in r else ""
+    shape = f"{r['bs']}/{r['L']}/{r['d']}"
+    return f"{r['mode']:<5} {shape:<16} {r['method']:<40} {r['ms']:>10.2f} {ratio:>13}"
+
+
+def _progress(rows: list[dict]) -> list[dict]:
+    for r in rows:  # as they come (the table is printed again at the end)
+        print("..", _line(r), file=sys.stderr, flush=True)
+    return rows
 
 
 def main() -> None:
@@ -238,6 +253,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--modes", default="a,b,hash")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--index", default="auto", help="tables' ID index: auto (by device) | sorted | hash")
     p.add_argument("--out", default="")
     args = p.parse_args()
     if args.threads:
@@ -250,25 +266,18 @@ def main() -> None:
     for bs0, l0, dim in CONFIGS:
         bs, length = scaled(bs0, l0, args.scale)
         if "a" in modes:
-            results += mode_a(bs, length, dim, rows, device, args)
+            results += _progress(mode_a(bs, length, dim, rows, device, args))
         if "b" in modes:
-            results += mode_b(bs, length, dim, rows, device, args, bandwidth)
+            results += _progress(mode_b(bs, length, dim, rows, device, args, bandwidth))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if "hash" in modes:
-        results += hash_rates(max(10_000, int(4_000_000 * args.scale)), device, args)
+        results += _progress(hash_rates(max(10_000, int(4_000_000 * args.scale)), device, args))
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu_model()}, {os.cpu_count()} cores"
     print(f"# {machine}; torch {torch.__version__}; rows {rows:,}; copy bandwidth {bandwidth / 1e9:.2f} GB/s (H2D+D2H)")
     print(f"{'mode':<5} {'bs/L/d':<16} {'method':<40} {'ms':>10} {'vs nn.sparse':>13}")
     for r in results:
-        if r["mode"] == "hash":
-            what = f"{r['structure']} {r['op']} ({r['keys']:,} keys)"
-            size = f"n={r['table_keys']:,}"
-            print(f"{'hash':<5} {size:<16} {what:<40} {r['ms']:>10.2f} {r['mkeys_per_s']:>9.1f} Mkey/s")
-        else:
-            ratio = f"{r['vs_nn_sparse']:.2f}x" if "vs_nn_sparse" in r else ""
-            shape = f"{r['bs']}/{r['L']}/{r['d']}"
-            print(f"{r['mode']:<5} {shape:<16} {r['method']:<40} {r['ms']:>10.2f} {ratio:>13}")
+        print(_line(r))
     if args.out:
         payload = {"benchmark": "sparse_embedding", "command": "python " + " ".join(sys.argv), "machine": machine,
                    "torch": torch.__version__, "date": datetime.date.today().isoformat(), "args": vars(args),

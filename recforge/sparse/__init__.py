@@ -2,8 +2,10 @@
 
 Pieces (one process; a shard on a rank is simply a table):
 
-- ``DynamicEmbedding`` (table.py): hash index + rows + policies + sparse optimizer + tiers.
-- ``IdHashTable`` (hash_table.py): vectorised open addressing in torch tensors.
+- ``DynamicEmbedding`` (table.py): ID index + rows + policies + sparse optimizer + tiers.
+- ``IdHashTable`` (hash_table.py): vectorised open addressing in torch tensors (the CPU index);
+  ``SortedIdIndex`` (sorted_index.py): sorted key array, searchsorted + merge (the CUDA index).
+- kernels.py: optional Triton kernels of the CUDA path (fused lazy Adam, host<->cache row swaps).
 - ``AdmissionConfig`` / ``EvictionConfig`` (policies.py), ``SparseOptimConfig`` /
   ``SparseOptimizer`` (optim.py), ``RowStore`` / ``TieredStore`` (storage.py).
 - ``EmbeddingCollection`` (collection.py): features, merged tables, jagged/pooled lookups.
@@ -29,10 +31,11 @@ from recforge.sparse.collection import EmbeddingCollection, FeatureConfig, Jagge
 from recforge.sparse.hash_table import IdHashTable
 from recforge.sparse.optim import SparseOptimConfig, SparseOptimizer
 from recforge.sparse.policies import AdmissionConfig, EvictionConfig
+from recforge.sparse.sorted_index import SortedIdIndex
 from recforge.sparse.table import DynamicEmbedding, TableConfig
 
 __all__ = [
     "AdmissionConfig", "DynamicEmbedding", "EmbeddingCollection", "EvictionConfig", "FeatureConfig", "IdHashTable",
-    "JaggedIds", "SparseOptimConfig", "SparseOptimizer", "TableConfig", "export_rows", "load_export",
+    "JaggedIds", "SortedIdIndex", "SparseOptimConfig", "SparseOptimizer", "TableConfig", "export_rows", "load_export",
     "load_sparse_checkpoint", "save_sparse_checkpoint", "to_dense", "to_embedding", "warm_start",
 ]  # fmt: skip

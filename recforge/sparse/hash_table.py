@@ -17,10 +17,12 @@ into ``values`` and reading it back: exactly one claimant of a slot sees its own
 position (the last write on CPU, an arbitrary one on CUDA) and the others probe on.
 Rows are assigned by the caller, not by the race, so row numbers are deterministic.
 
-Why hashing and not a sorted key array with ``torch.searchsorted``: a sorted array
-looks a key up in ``log2(N)`` dependent random reads and must re-sort (or merge,
-O(N)) on every insert; a probe here is 1-2 reads, and insert touches only the new
-keys. ``benchmarks/sparse_embedding.py`` measures both (the "hash" rows).
+Hashing or a sorted key array (``SortedIdIndex``, sorted_index.py): a sorted array looks a
+key up in ``log2(N)`` dependent reads and merges (O(N)) on every insert; a probe here is 1-2
+reads and insert touches only the new keys, but every probing round ends in a host
+synchronisation. On a CPU that costs nothing and this table is the index; on a GPU the
+round trips dominate and tables use the sorted array (``make_index``).
+``benchmarks/sparse_embedding.py`` measures both (the "hash" rows).
 """
 
 from __future__ import annotations
@@ -69,8 +71,9 @@ class IdHashTable:
         self.tags = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
         self.values = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
 
-    def find_slots(self, keys: Tensor, tags: Tensor) -> Tensor:
-        """Slot of each (key, tag), -1 where absent."""
+    def find_slots(self, keys: Tensor, tags: Tensor | None) -> Tensor:
+        """Slot of each (key, tag), -1 where absent (``tags=None``: all zero)."""
+        tags = torch.zeros_like(keys) if tags is None else tags
         mask = self.num_slots - 1
         out = torch.full_like(keys, -1)
         active = torch.arange(keys.numel(), device=keys.device)
@@ -86,16 +89,17 @@ class IdHashTable:
             active, k, t, slot = active[go_on], k[go_on], t[go_on], (slot[go_on] + 1) & mask
         return out
 
-    def lookup(self, keys: Tensor, tags: Tensor) -> Tensor:
+    def lookup(self, keys: Tensor, tags: Tensor | None) -> Tensor:
         """Value of each (key, tag), -1 where absent."""
         slots = self.find_slots(keys, tags)
         return torch.where(slots >= 0, self.values[slots.clamp(min=0)], -1)
 
-    def insert(self, keys: Tensor, tags: Tensor, values: Tensor) -> None:
+    def insert(self, keys: Tensor, tags: Tensor | None, values: Tensor) -> None:
         """Insert (key, tag) -> value for keys that are distinct and NOT in the table (the caller looked them up)."""
         n = keys.numel()
         if n == 0:
             return
+        tags = torch.zeros_like(keys) if tags is None else tags
         if self.used + n > self.max_load * self.num_slots:
             self._rehash(self.size + n)
         mask = self.num_slots - 1
@@ -120,7 +124,7 @@ class IdHashTable:
         self.size += n
         self.used += claimed_empty
 
-    def delete(self, keys: Tensor, tags: Tensor) -> int:
+    def delete(self, keys: Tensor, tags: Tensor | None) -> int:
         """Remove the (key, tag) pairs that are present; return how many were."""
         slots = self.find_slots(keys, tags)
         slots = slots[slots >= 0]

@@ -6,12 +6,14 @@ import torch
 from torch import Tensor
 
 
-def check_ids(ids: Tensor, what: str = "ids") -> Tensor:
+def check_ids(ids: Tensor, what: str = "ids", negatives: bool = True) -> Tensor:
     """Return ``ids`` as int64; raise ``ValueError`` for a non-integer dtype or a negative ID.
 
     IDs are raw, any value in [0, 2**63 - 1]; there is no vocabulary size to exceed.
     Negative values are reserved (the hash table's empty/tombstone markers) and are a
     data error: map them to non-negative IDs (e.g. ``ids & (2**63 - 1)``) upstream.
+    ``negatives=False`` skips that check (a host synchronisation on a GPU): the caller checks
+    later, at a synchronisation it makes anyway (``DynamicEmbedding.forward``), with ``raise_negative``.
     """
     if not isinstance(ids, Tensor):
         raise ValueError(f"{what}: expected a torch.Tensor of int64 IDs, got {type(ids).__name__}")
@@ -19,10 +21,15 @@ def check_ids(ids: Tensor, what: str = "ids") -> Tensor:
         ids = ids.long()
     elif ids.dtype != torch.int64:
         raise ValueError(f"{what}: dtype {ids.dtype} is not an integer type; pass int64 IDs (e.g. ids.long() for exact integers)")
-    if ids.numel() and bool((ids < 0).any()):
-        bad = ids[ids < 0][:3].tolist()
-        raise ValueError(f"{what}: negative IDs {bad} are not allowed; IDs must be >= 0 (remap them upstream, e.g. ids & (2**63 - 1))")
+    if negatives and ids.numel() and bool((ids < 0).any()):
+        raise_negative(ids, what)
     return ids
+
+
+def raise_negative(ids: Tensor, what: str = "ids") -> None:
+    """Raise the ``ValueError`` for negative values in ``ids``."""
+    bad = ids[ids < 0][:3].tolist()
+    raise ValueError(f"{what}: negative IDs {bad} are not allowed; IDs must be >= 0 (remap them upstream, e.g. ids & (2**63 - 1))")
 
 
 def unique_keys(ids: Tensor, tags: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:

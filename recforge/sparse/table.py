@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recforge.sparse.hash_table import IdHashTable
-from recforge.sparse.ids import check_ids, unique_keys
+from recforge.sparse import kernels
+from recforge.sparse.ids import check_ids, raise_negative, unique_keys
 from recforge.sparse.optim import SparseOptimConfig, apply_update, initial_state, lr_at, state_spec
 from recforge.sparse.policies import AdmissionConfig, EvictionConfig, RowCounters, admit, eviction_scores, scheduled_threshold
+from recforge.sparse.sorted_index import index_kind, make_index
 from recforge.sparse.storage import RowStore, TieredStore
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class TableConfig:
     optimizer: SparseOptimConfig = field(default_factory=SparseOptimConfig)
     cache_rows: int = 0  # > 0: full table in host memory, this many hot rows on the compute device
     seed: int = 0  # row initialisation and probability admission
+    index: str = "auto"  # ID -> row index: auto (sorted array; see sorted_index.py) | sorted | hash
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field and how to fix it."""
@@ -61,6 +63,7 @@ class TableConfig:
             raise ValueError(f"table {self.name!r}: default={self.default!r}, expected one of {DEFAULTS}")
         if self.cache_rows < 0:
             raise ValueError(f"table {self.name!r}: cache_rows must be >= 0")
+        index_kind("cpu", self.index)
         self.admission.validate()
         self.eviction.validate()
         self.optimizer.validate()
@@ -75,12 +78,12 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor: Tensor, table: DynamicEmbedding, slots: Tensor, rows: Tensor) -> Tensor:
-        ctx.table, ctx.rows = table, rows
+        ctx.table, ctx.rows, ctx.slots = table, rows, slots
         return table.store.weight.index_select(0, slots)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        ctx.table._pending.append((ctx.rows, grad))
+        ctx.table._pending.append((ctx.rows, ctx.slots, grad))  # slots stay valid: the step pinned them
         return None, None, None, None
 
 
@@ -111,7 +114,7 @@ class DynamicEmbedding(nn.Module):
     def _build(self, rows: int) -> None:
         cfg, dev = self.cfg, self.device
         self.step = 0
-        self.index = IdHashTable(rows, dev)
+        self.index = make_index(rows, dev, cfg.index)
         spec = state_spec(cfg.optimizer.kind, cfg.dim)
         self.store = TieredStore(rows, cfg.dim, torch.float32, spec, dev, cfg.cache_rows) if cfg.cache_rows else RowStore(
             rows, cfg.dim, torch.float32, spec, dev
@@ -125,7 +128,7 @@ class DynamicEmbedding(nn.Module):
         self.deleted: list[tuple[Tensor, Tensor]] = []  # (keys, tags) evicted since the last delta export
         self.generator = torch.Generator(dev).manual_seed(cfg.seed)
         if cfg.admission.needs_candidates:
-            self.cand_index = IdHashTable(min(cfg.admission.max_candidates, 1 << 16), dev)
+            self.cand_index = make_index(min(cfg.admission.max_candidates, 1 << 16), dev, cfg.index)
             self.cand = RowCounters.zeros(cfg.admission.max_candidates, dev)
             self.cand_used = 0
         default = torch.zeros(cfg.dim, device=dev)
@@ -133,11 +136,24 @@ class DynamicEmbedding(nn.Module):
             default.normal_(0.0, cfg.init_std, generator=self.generator)
         self.default_row = nn.Parameter(default) if cfg.default == "learned" else default
         self._anchor = torch.empty(0, requires_grad=True)  # makes lookups part of the autograd graph
-        self._pending: list[tuple[Tensor, Tensor]] = []
-        self.stats = dict.fromkeys(
+        self._pending: list[tuple[Tensor, Tensor, Tensor]] = []
+        # counts the CUDA path keeps on the device (no host synchronisation): non-finite gradient rows
+        self._device_counts = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._stats = dict.fromkeys(
             ("lookups", "ids", "admitted", "not_admitted", "rejected_full", "evicted", "evicted_pressure",
              "evicted_scheduled", "nonfinite_grad_rows", "updated_rows", "candidates_reset", "grown"), 0
         )  # fmt: skip
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Event counts (admitted, evicted, updated_rows, ...); reading them synchronises device-side counts."""
+        bad = int(self._device_counts[0])
+        if bad:
+            self._device_counts.zero_()
+            self._stats["nonfinite_grad_rows"] += bad
+            self._stats["updated_rows"] -= bad
+            log.warning("table %r: %d rows had NaN/inf gradients and were not updated (by step %d)", self.cfg.name, bad, self.step)
+        return self._stats
 
     @property
     def num_rows(self) -> int:
@@ -157,65 +173,115 @@ class DynamicEmbedding(nn.Module):
         nothing changes in the table. ``tags`` (same shape) name the logical table of each
         ID when several share this physical table.
         """
-        ids = check_ids(ids)
+        ids = check_ids(ids, negatives=False)  # negative IDs are caught at _rows's synchronisation
         flat = ids.reshape(-1)
         flat_tags = None if tags is None else tags.reshape(-1).to(torch.int64)
-        keys, key_tags, inverse, occurrences = unique_keys(flat, flat_tags)
-        rows = self.rows_for(keys, key_tags, occurrences, train=self.training, admit=admit)
-        unique_emb = self._gather(rows)  # (U, d)
+        if flat_tags is None and flat.is_cuda and flat.numel():
+            keys, inverse, occurrences, looked_up = self._unique_lookup(flat)
+            rows, absent = self._rows(keys, None, occurrences, self.training, admit, looked_up=looked_up, n_ids=flat.numel())
+        else:
+            keys, key_tags, inverse, occurrences = unique_keys(flat, flat_tags)
+            rows, absent = self._rows(keys, None if tags is None else key_tags, occurrences, self.training, admit, check=True,
+                                      n_ids=flat.numel())  # fmt: skip
+        unique_emb = self._gather(rows, absent)  # (U, d)
         # F.embedding's backward sums duplicates with the tuned embedding kernel (index_add semantics)
         return F.embedding(inverse, unique_emb).view(*ids.shape, self.dim)
 
-    def rows_for(self, keys: Tensor, tags: Tensor, occurrences: Tensor, *, train: bool, admit: bool = True) -> Tensor:
+    def rows_for(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor, *, train: bool, admit: bool = True) -> Tensor:
         """Row of each distinct (key, tag), -1 where it has none; in training, admit and count."""
-        rows = self.index.lookup(keys, tags)
+        return self._rows(keys, tags, occurrences, train, admit)[0]
+
+    def _unique_lookup(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, int]]:
+        """``unique_keys`` and the index lookup in one host synchronisation (CUDA; ``torch.unique`` makes its own).
+
+        Sorts the N ids, looks all of them up (a sorted-index lookup costs little per key) and reads
+        back (distinct ids, distinct ids without a row, smallest id) at once.
+        """
+        sorted_ids, order = torch.sort(flat)
+        start = torch.ones_like(sorted_ids, dtype=torch.bool)
+        start[1:] = sorted_ids[1:] != sorted_ids[:-1]
+        group = torch.cumsum(start, 0) - 1  # (N,) distinct-id index of each sorted id
+        found = self.index.lookup(sorted_ids, None)
+        facts = torch.stack([group[-1] + 1, ((found < 0) & start).sum(), sorted_ids[0]]).tolist()  # the one synchronisation
+        if facts[2] < 0:
+            raise_negative(flat)
+        u = facts[0]
+        keys = sorted_ids.new_empty(u).scatter_(0, group, sorted_ids)  # a group's writes are all equal
+        rows = found.new_empty(u).scatter_(0, group, found)
+        occurrences = torch.zeros(u, dtype=torch.int64, device=flat.device).index_add_(0, group, torch.ones_like(group))
+        inverse = torch.empty_like(group).index_copy_(0, order, group)
+        return keys, inverse, occurrences, (rows, facts[1])
+
+    def _rows(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor, train: bool, admit: bool, check: bool = False,
+              looked_up: tuple[Tensor, int] | None = None, n_ids: int | None = None):  # fmt: skip
+        """(rows, how many are -1). One host synchronisation when every key has a row (the usual step)."""
+        if looked_up is not None:
+            rows, n_absent = looked_up
+        else:
+            rows = self.index.lookup(keys, tags)
+            if keys.numel() == 0:
+                return rows, 0
+            facts = [(rows < 0).sum()] + ([(keys.min() < 0).long()] if check else [])
+            facts = torch.stack(facts).tolist()  # the one synchronisation of a lookup without new IDs
+            if check and facts[1]:
+                raise_negative(keys)
+            n_absent = facts[0]
         if not train:
-            return rows
-        self.stats["lookups"] += 1
-        self.stats["ids"] += int(occurrences.sum())
-        hit = rows >= 0
+            return rows, n_absent
+        self._stats["lookups"] += 1
+        self._stats["ids"] += int(occurrences.sum()) if n_ids is None else n_ids
+        if n_absent == 0:
+            self._touch(rows, occurrences)
+            return rows, 0
+        absent = rows < 0
+        hit = (~absent).nonzero().squeeze(1)
         self._touch(rows[hit], occurrences[hit])
-        missing = (~hit).nonzero().squeeze(1)
-        if missing.numel() and admit:
-            new_rows = self._admit(keys[missing], tags[missing], occurrences[missing])
+        missing = absent.nonzero().squeeze(1)
+        if admit:
+            new_rows = self._admit(keys[missing], None if tags is None else tags[missing], occurrences[missing])
             rows[missing] = new_rows
             self._touch(new_rows[new_rows >= 0], occurrences[missing][new_rows >= 0])
-        self.stats["not_admitted"] += int(occurrences[rows < 0].sum())
-        return rows
+        absent = rows < 0
+        self._stats["not_admitted"] += int(occurrences[absent].sum())
+        return rows, int(absent.sum())
 
     def _touch(self, rows: Tensor, occurrences: Tensor) -> None:
-        self.counters.count[rows] += occurrences
-        self.counters.last_step[rows] = self.step
-        self.counters.last_time[rows] = self.clock()
+        self.counters.count.index_add_(0, rows, occurrences)
+        self.counters.last_step.index_fill_(0, rows, self.step)
+        self.counters.last_time.index_fill_(0, rows, self.clock())
 
-    def _admit(self, keys: Tensor, tags: Tensor, occurrences: Tensor) -> Tensor:
+    def _admit(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor) -> Tensor:
         cfg = self.cfg.admission
         slots = None
         if cfg.needs_candidates:
             slots = self._candidate_slots(keys, tags)
             self.cand.count[slots] += occurrences
-        ok = admit(cfg, occurrences, getattr(self, "cand", None), slots, self.generator)
-        chosen = ok.nonzero().squeeze(1)
+        if cfg.kind == "always":
+            chosen = torch.arange(keys.numel(), device=keys.device)
+        else:
+            chosen = admit(cfg, occurrences, getattr(self, "cand", None), slots, self.generator).nonzero().squeeze(1)
         new_rows = self._allocate(chosen.numel())
         taken = chosen[: new_rows.numel()]
         if taken.numel() < chosen.numel():
             refused = chosen.numel() - taken.numel()
-            self.stats["rejected_full"] += refused
+            self._stats["rejected_full"] += refused
             log.warning("table %r is full (%d rows, eviction %r): %d new IDs read the default this step; "
                         "raise max_rows or enable eviction", self.cfg.name, self.num_rows, self.cfg.eviction.kind, refused)  # fmt: skip
         out = torch.full_like(keys, -1)
         out[taken] = new_rows
         if taken.numel():
-            self.index.insert(keys[taken], tags[taken], new_rows)
-            self.row_key[new_rows], self.row_tag[new_rows] = keys[taken], tags[taken]
+            taken_tags = None if tags is None else tags[taken]
+            self.index.insert(keys[taken], taken_tags, new_rows)
+            self.row_key[new_rows] = keys[taken]
+            self.row_tag[new_rows] = 0 if taken_tags is None else taken_tags
             self.counters.reset(new_rows)
             self._init_rows(new_rows)
-            self.stats["admitted"] += taken.numel()
+            self._stats["admitted"] += taken.numel()
             if cfg.needs_candidates:
-                self.cand_index.delete(keys[taken], tags[taken])
+                self.cand_index.delete(keys[taken], taken_tags)
         return out
 
-    def _candidate_slots(self, keys: Tensor, tags: Tensor) -> Tensor:
+    def _candidate_slots(self, keys: Tensor, tags: Tensor | None) -> Tensor:
         slots = self.cand_index.lookup(keys, tags)
         new = (slots < 0).nonzero().squeeze(1)
         if keys.numel() > self.cand.count.numel():
@@ -224,13 +290,13 @@ class DynamicEmbedding(nn.Module):
                 f"({self.cand.count.numel()}); raise max_candidates"
             )
         if self.cand_used + new.numel() > self.cand.count.numel():  # tracker full: start over
-            self.cand_index = IdHashTable(self.cand_index.num_slots // 2, self.device)
+            self.cand_index = make_index(min(self.cfg.admission.max_candidates, 1 << 16), self.device, self.cfg.index)
             self.cand = RowCounters.zeros(self.cand.count.numel(), self.device)
             self.cand_used = 0
-            self.stats["candidates_reset"] += 1
+            self._stats["candidates_reset"] += 1
             slots, new = torch.full_like(keys, -1), torch.arange(keys.numel(), device=keys.device)
         fresh = torch.arange(self.cand_used, self.cand_used + new.numel(), device=keys.device)
-        self.cand_index.insert(keys[new], tags[new], fresh)
+        self.cand_index.insert(keys[new], None if tags is None else tags[new], fresh)
         self.cand_used += new.numel()
         slots[new] = fresh
         return slots
@@ -272,7 +338,7 @@ class DynamicEmbedding(nn.Module):
         free[rows - old : rows - old + self.num_free] = self.free[: self.num_free]
         self.free = free
         self.num_free += rows - old
-        self.stats["grown"] += 1
+        self._stats["grown"] += 1
 
     def live_rows(self) -> Tensor:
         """Rows that hold an ID, ascending."""
@@ -290,7 +356,7 @@ class DynamicEmbedding(nn.Module):
         scores = eviction_scores(self.cfg.eviction, self.counters, rows, self.step, self.clock(), norms)
         victims = rows[torch.topk(scores, min(n, rows.numel()), largest=False).indices]
         self.evict_rows(victims)
-        self.stats["evicted_pressure"] += victims.numel()
+        self._stats["evicted_pressure"] += victims.numel()
 
     def run_eviction(self) -> int:
         """Scheduled pass: evict the rows whose policy score is below its threshold; return how many."""
@@ -303,7 +369,7 @@ class DynamicEmbedding(nn.Module):
         scores = eviction_scores(cfg, self.counters, rows, self.step, self.clock(), norms)
         victims = rows[scores < threshold]
         self.evict_rows(victims)
-        self.stats["evicted_scheduled"] += victims.numel()
+        self._stats["evicted_scheduled"] += victims.numel()
         return victims.numel()
 
     def evict_rows(self, rows: Tensor) -> None:
@@ -318,11 +384,11 @@ class DynamicEmbedding(nn.Module):
         self.changed[rows] = False
         self.free[self.num_free : self.num_free + rows.numel()] = rows
         self.num_free += rows.numel()
-        self.stats["evicted"] += rows.numel()
+        self._stats["evicted"] += rows.numel()
 
-    def _gather(self, rows: Tensor) -> Tensor:
+    def _gather(self, rows: Tensor, absent: int) -> Tensor:
         found = rows >= 0
-        all_found = bool(found.all())
+        all_found = absent == 0
         idx = None if all_found else found.nonzero().squeeze(1)
         present = rows if all_found else rows[idx]
         if self.training and torch.is_grad_enabled():
@@ -340,27 +406,40 @@ class DynamicEmbedding(nn.Module):
     def apply_gradients(self) -> None:
         """The fused sparse step: merge this step's row gradients, update those rows, advance the step."""
         if self._pending:
-            rows = torch.cat([r for r, _ in self._pending])
-            grads = torch.cat([g for _, g in self._pending])
-            if len(self._pending) > 1:  # several lookups this step: sum per row
+            if len(self._pending) == 1:
+                rows, slots, grads = self._pending[0]
+            else:  # several lookups this step: sum per row
+                rows = torch.cat([r for r, _, _ in self._pending])
+                grads = torch.cat([g for _, _, g in self._pending])
                 rows, inverse = torch.unique(rows, return_inverse=True)
                 grads = torch.zeros(rows.numel(), self.dim, device=grads.device, dtype=grads.dtype).index_add_(0, inverse, grads)
-            finite = torch.isfinite(grads).all(1)
-            if not bool(finite.all()):
-                bad = int((~finite).sum())
-                self.stats["nonfinite_grad_rows"] += bad
-                log.warning("table %r step %d: %d rows had NaN/inf gradients and were not updated", self.cfg.name, self.step, bad)
-                rows, grads = rows[finite], grads[finite]
-            slots = self.store.ensure(rows, pin=True)
-            apply_update(self.cfg.optimizer, lr_at(self.cfg.optimizer, self.step), self.store.weight, self.store.state, slots, grads)
+                slots = self.store.ensure(rows, pin=True)
+            opt, lr = self.cfg.optimizer, lr_at(self.cfg.optimizer, self.step)
+            if self._fused_update(opt, grads):  # one kernel; non-finite rows skipped and counted on the device
+                kernels.lazy_adam_rows(self.store.weight, self.store.state["exp_avg"], self.store.state["exp_avg_sq"],
+                                       self.store.state["step"], slots, grads, lr=lr, betas=tuple(opt.betas), eps=opt.eps,
+                                       weight_decay=opt.weight_decay, decoupled=opt.kind == "adamw", bad=self._device_counts)  # fmt: skip
+            else:
+                finite = torch.isfinite(grads).all(1)
+                if not bool(finite.all()):
+                    bad = int((~finite).sum())
+                    self._stats["nonfinite_grad_rows"] += bad
+                    log.warning("table %r step %d: %d rows had NaN/inf gradients and were not updated", self.cfg.name, self.step, bad)
+                    rows, slots, grads = rows[finite], slots[finite], grads[finite]
+                apply_update(opt, lr, self.store.weight, self.store.state, slots, grads)
             self.store.mark_dirty(slots)
-            self.changed[rows] = True
-            self.stats["updated_rows"] += rows.numel()
+            self.changed.index_fill_(0, rows, True)
+            self._stats["updated_rows"] += rows.numel()
         self.zero_grad_rows()
         self.step += 1
         every = self.cfg.eviction.every_steps
         if every and self.step % every == 0:
             self.run_eviction()
+
+    def _fused_update(self, opt: SparseOptimConfig, grads: Tensor) -> bool:
+        w = self.store.weight
+        return (kernels.available(w.device) and opt.kind in ("adam", "adamw") and w.dtype == torch.float32
+                and w.is_contiguous() and grads.dtype == torch.float32)  # fmt: skip
 
     def zero_grad_rows(self) -> None:
         """Drop pending row gradients and release the cache rows this step pinned."""
@@ -378,7 +457,7 @@ class DynamicEmbedding(nn.Module):
         total = 0
         for ahead, ids in enumerate(upcoming, start=1):
             keys = torch.unique(check_ids(ids, "prefetch ids").reshape(-1).to(self.device))
-            rows = self.index.lookup(keys, torch.zeros_like(keys))
+            rows = self.index.lookup(keys, None)
             rows = rows[rows >= 0]
             self.store.ensure(rows, pin=False, future=ahead)
             total += rows.numel()

@@ -1,4 +1,4 @@
-"""IdHashTable against a Python dict on random IDs (huge values, tags, deletes, growth)."""
+"""Both (tag, key) indexes (IdHashTable, SortedIdIndex) against a Python dict on random IDs (huge values, tags, deletes, growth)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,16 @@ import pytest
 import torch
 
 from recforge.sparse.hash_table import IdHashTable
+from recforge.sparse.sorted_index import SortedIdIndex, index_kind, make_index
+
+KINDS = ["hash", "sorted"]
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_matches_dict_reference(seed: int) -> None:
+def test_matches_dict_reference(seed: int, kind: str) -> None:
     gen = torch.Generator().manual_seed(seed)
-    table, ref = IdHashTable(8), {}
+    table, ref = make_index(8, "cpu", kind), {}
     for it in range(12):
         high = 2**63 - 1 if it % 2 else 300  # huge IDs and dense small ones (many collisions/duplicates)
         keys = torch.randint(0, high, (400,), generator=gen, dtype=torch.int64)
@@ -35,10 +39,45 @@ def test_matches_dict_reference(seed: int) -> None:
     assert dict(zip(zip(keys.tolist(), tags.tolist(), strict=True), values.tolist(), strict=True)) == ref
 
 
-def test_same_key_different_tag_is_a_different_entry() -> None:
-    table = IdHashTable(16)
+@pytest.mark.parametrize("kind", KINDS)
+def test_same_key_different_tag_is_a_different_entry(kind: str) -> None:
+    table = make_index(16, "cpu", kind)
     table.insert(torch.tensor([7, 7]), torch.tensor([0, 1]), torch.tensor([10, 11]))
     assert table.lookup(torch.tensor([7, 7, 7]), torch.tensor([1, 0, 2])).tolist() == [11, 10, -1]
+    table.insert(torch.tensor([7, 3]), torch.tensor([2, 1]), torch.tensor([12, 13]))  # a third tag of 7
+    assert table.lookup(torch.tensor([7, 7, 7, 3, 3]), torch.tensor([1, 0, 2, 1, 0])).tolist() == [11, 10, 12, 13, -1]
+    assert table.lookup(torch.tensor([7, 9]), None).tolist() == [10, -1]  # tags=None: tag 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_untagged_calls_match_zero_tags(kind: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    table, ref = make_index(8, "cpu", kind), {}
+    for it in range(6):
+        keys = torch.randint(0, 2**63 - 1 if it % 2 else 50, (64,), generator=gen).unique()
+        found = table.lookup(keys, None)
+        assert found.tolist() == [ref.get(k, -1) for k in keys.tolist()]
+        assert torch.equal(found, table.lookup(keys, torch.zeros_like(keys)))
+        new = keys[found < 0]
+        table.insert(new, None, new % 1000)
+        ref.update({k: k % 1000 for k in new.tolist()})
+        gone = keys[::4]
+        assert table.delete(gone, None) == sum(k in ref for k in gone.tolist())
+        for k in gone.tolist():
+            ref.pop(k, None)
+    assert table.size == len(ref)
+
+
+def test_sorted_index_stays_sorted_and_picks_by_device() -> None:
+    index = SortedIdIndex()
+    index.insert(torch.tensor([9, 2, 2**62, 5]), torch.tensor([0, 1, 0, 0]), torch.arange(4))
+    index.insert(torch.tensor([2, 6, 0]), torch.tensor([0, 0, 3]), torch.arange(4, 7))
+    keys, tags, _ = index.items()
+    assert keys.tolist() == [0, 2, 2, 5, 6, 9, 2**62] and tags.tolist() == [3, 0, 1, 0, 0, 0, 0]
+    assert index_kind("cpu") == "hash" and index_kind("cuda") == "sorted" and index_kind("cuda", "hash") == "hash"
+    assert isinstance(make_index(16, "cpu"), IdHashTable) and isinstance(make_index(16, "cpu", "sorted"), SortedIdIndex)
+    with pytest.raises(ValueError, match="index kind"):
+        make_index(16, "cpu", "btree")
 
 
 def test_tombstones_are_reused_and_rehash_keeps_entries() -> None:

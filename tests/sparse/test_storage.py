@@ -3,28 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 
 import pytest
 import torch
+from _sparse_cases import tiered_cfg, zipf_batches
 
-from recforge.sparse import AdmissionConfig, DynamicEmbedding, EvictionConfig, SparseOptimConfig, TableConfig, to_dense
+from recforge.sparse import AdmissionConfig, DynamicEmbedding, kernels, to_dense
+
+# the kernels on CPU tensors: only in Triton's interpreter (tests/conftest.py turns it on without CUDA)
+INTERPRETED_TRITON = importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
 
 D = 8
-
-
-def _cfg(**kw) -> TableConfig:
-    return TableConfig(
-        name="t", dim=D, capacity=64, max_rows=200, seed=3,
-        optimizer=SparseOptimConfig(kind="adamw", lr=0.05, weight_decay=0.01),
-        admission=AdmissionConfig(kind="count", threshold=2), eviction=EvictionConfig(kind="lfu"), **kw,
-    )  # fmt: skip
-
-
-def _batches(n: int, seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    zipf = 1.0 / torch.arange(1, 401, dtype=torch.float64) ** 1.1  # power-law popularity over 400 raw IDs
-    raw = torch.randint(0, 2**60, (400,), generator=gen)
-    return [raw[torch.multinomial(zipf, 40, replacement=True, generator=gen)] for _ in range(n)]
+_cfg, _batches = tiered_cfg, zipf_batches
 
 
 def _train(table: DynamicEmbedding, batches: list[torch.Tensor], prefetch: int = 0) -> None:
@@ -79,3 +71,53 @@ def test_eval_reads_through_the_cache_without_filling_it() -> None:
         out = table(torch.arange(64))  # more rows than the cache holds
     table.train()
     assert torch.equal(out, to_dense(table, torch.arange(64)))
+
+
+def test_index_kinds_train_identically() -> None:
+    """The sorted-array index (CUDA's default) and the hash table give the same table, tags included."""
+    batches = _batches(20, seed=5)
+    gen = torch.Generator().manual_seed(4)
+    tags = [torch.randint(0, 2, b.shape, generator=gen) for b in batches]
+    tables = [DynamicEmbedding(dataclasses.replace(_cfg(), index=kind, max_rows=64)) for kind in ("hash", "sorted")]
+    for table in tables:
+        for ids, tag in zip(batches, tags, strict=True):
+            table(ids, tag).sum().backward()
+            table.apply_gradients()
+    hashed, ordered = tables
+    assert hashed.stats == ordered.stats and hashed.stats["evicted"] > 0
+    for tag in (0, 1):
+        ids = torch.cat(batches).unique()
+        assert torch.equal(to_dense(hashed, ids, tag), to_dense(ordered, ids, tag))
+
+
+@pytest.mark.skipif(not INTERPRETED_TRITON, reason="needs triton's interpreter (TRITON_INTERPRET=1); CUDA: test_cuda.py")
+def test_cuda_kernels_train_like_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused lazy-AdamW kernel and the host<->cache swap kernel (as on CUDA, here interpreted) against torch ops."""
+    batches = _batches(12, seed=1)
+    reference = DynamicEmbedding(_cfg())
+    _train(reference, batches)
+    monkeypatch.setattr(kernels, "available", lambda device: True)
+    single = DynamicEmbedding(_cfg())
+    tiered = DynamicEmbedding(dataclasses.replace(_cfg(), cache_rows=48))
+    tiered.store.uva = True  # the GPU path: swap_rows on the host table (here plain memory)
+    _train(single, batches)
+    _train(tiered, batches, prefetch=1)
+    ids = torch.cat(batches).unique()
+    assert torch.equal(to_dense(single, ids), to_dense(tiered, ids)) and single.stats == tiered.stats
+    assert tiered.store.stats()["rows_written_back"] > 0
+    torch.testing.assert_close(to_dense(single, ids), to_dense(reference, ids), rtol=1e-5, atol=1e-6)
+    out = single(batches[0][:2])
+    (out * torch.tensor([[float("nan")] * D, [1.0] * D])).sum().backward()
+    before = single.stats["updated_rows"]
+    single.apply_gradients()
+    assert single.stats["nonfinite_grad_rows"] == 1 and single.stats["updated_rows"] == before + 1
+
+
+def test_prefetch_loads_what_fits_beside_pinned_rows() -> None:
+    table = DynamicEmbedding(dataclasses.replace(_cfg(), cache_rows=16, admission=AdmissionConfig()))
+    _train(table, [torch.arange(12), torch.arange(100, 110)])  # rows for 0..11 and 100..109 (the cache cycles)
+    out = table(torch.arange(12))  # 12 of 16 slots pinned by this step
+    assert table.prefetch([torch.arange(100, 110)]) == 10  # 4 slots free of pinned rows: no error, 4 loaded
+    out.sum().backward()
+    table.apply_gradients()
+    assert int((table.store.row_to_slot[:-1] >= 0).sum()) == 16
