@@ -86,7 +86,11 @@ async def drive(url: str, bodies: list[dict], rate: float, max_in_flight: int) -
         async def one(body: dict, scheduled: float) -> None:
             nonlocal errors, cached
             async with slots:
-                response = await client.post("/v1/rank", json=body)
+                try:
+                    response = await client.post("/v1/rank", json=body)
+                except httpx.TransportError:  # a dropped connection is a failed request, not a crash
+                    errors += 1
+                    return
             if response.status_code != 200:
                 errors += 1
                 return
@@ -172,7 +176,10 @@ def main() -> None:
         cmd = [sys.executable, "-m", "recforge.cli", "serve", str(run), "--port", str(port), "--device", args.device,
                "--dtype", args.dtype, "--threads", str(args.server_threads), "--token-budget", str(args.token_budget),
                "--max-wait-ms", str(args.max_wait_ms), "--max-history", str(args.history), "--cache-mb", "1024"]  # fmt: skip
-        server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # the server's output goes to a file: an unread pipe would fill and stall the server
+        log_path = Path(tmp) / "server.log"
+        server_log = log_path.open("w")
+        server = subprocess.Popen(cmd, stdout=server_log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
             for _ in range(600):
@@ -182,7 +189,7 @@ def main() -> None:
                 except httpx.HTTPError:
                     time.sleep(0.1)
             else:
-                sys.exit(f"server did not start: {server.stderr.read().decode()[-2000:]}")
+                sys.exit(f"server did not start: {log_path.read_text()[-2000:]}")
             rng = np.random.default_rng(0)
             asyncio.run(drive(url, [make_body(10**6 + i, args.history, args.candidates, rng) for i in range(20)], 20, 8))
             rows, next_user = [], 0
@@ -198,9 +205,13 @@ def main() -> None:
                           f"cache hits {row['cache_hits']}/{row['requests']}", flush=True)  # fmt: skip
             metrics = httpx.get(f"{url}/metrics").text
             health = httpx.get(f"{url}/health").json()
+        except Exception:
+            print(f"server output (last 3000 characters):\n{log_path.read_text()[-3000:]}", file=sys.stderr)
+            raise
         finally:
             server.terminate()
             server.wait(timeout=30)
+            server_log.close()
     machine = (f"{cpu_model()}, {os.cpu_count()} cores, server {args.server_threads} torch thread(s)"
                if args.device == "cpu" else torch.cuda.get_device_name())  # fmt: skip
     print(f"\nrecforge serve under an open-loop client on loopback, {machine}, {args.dtype}, torch {torch.__version__}")
