@@ -272,8 +272,6 @@ def validate(cfg: RunConfig) -> list[str]:
         problems.append("train.checkpoint_every, train.eval_every and train.max_steps must be >= 0")
     if cfg.train.loader_workers < 1 or cfg.train.token_budget < 0 or (cfg.train.loader == "memory" and cfg.train.token_budget):
         problems.append("train.loader_workers must be >= 1 and train.token_budget >= 0 (> 0 needs train.loader=pipeline)")
-    if cfg.recipe == "ranking" and cfg.train.loader == "pipeline":
-        problems.append("train.loader: pipeline is supported by the retrieval recipe only; use memory for ranking")
     if not cfg.data.path:
         problems.append("data.path: required (a directory written by `recforge data prepare`)")
     return problems

@@ -14,6 +14,12 @@ those probabilities is reported beside the model's.
 
 After training, the best checkpoint is exported as prefix/encoder/postfix slices to
 ``RUN_DIR/model`` (see ``recforge.models.ranking.save_slices``) for serving.
+
+With ``train.loader=pipeline`` the training samples are written once to
+``RUN_DIR/samples/train-00000.parquet`` and streamed by the sample engine (same batches per
+sample as the memory loader); a resumed run then trains each sample exactly once per epoch,
+and ``train.token_budget`` > 0 cuts batches by tokens with a label-weighted loss (see
+``recforge.data.ranking_samples.TokenReference``).
 """
 
 from __future__ import annotations
@@ -27,8 +33,19 @@ import torch
 import torch.nn.functional as F
 
 from recforge.config import RunConfig, load_config
+from recforge.data.batch import JaggedBatch
 from recforge.data.dataset import load_dataset
 from recforge.data.ranking import RankingData, RankingSamples
+from recforge.data.ranking_samples import (
+    SAMPLES_FILE,
+    RankingBatches,
+    TokenReference,
+    sample_tokens,
+    steps_per_epoch,
+    token_reference,
+    write_ranking_samples,
+)
+from recforge.data.token_batching import token_loss_scale
 from recforge.models.builders import build_ranking_model
 from recforge.models.ranking import (
     RankingModel,
@@ -49,6 +66,7 @@ class Setup:
     optimizer: torch.optim.Optimizer
     device: torch.device
     weights: list[float]
+    reference: TokenReference | None = None  # token-budget batches: the loss weights' denominators
 
     @property
     def kinds(self) -> list[str]:
@@ -98,18 +116,49 @@ def _batch(s: Setup, samples: RankingSamples, ids: torch.Tensor):
     return s.data.batch(samples, ids, s.cfg.data.max_seq_len, s.cfg.ranking.action_encoding).to(s.device)
 
 
-def _train_step(s: Setup, samples: RankingSamples, ids: torch.Tensor) -> tuple[float, int]:
-    batch = _batch(s, samples, ids)
+def _loss(s: Setup, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(objective to minimise, the loss with per-batch means) of ``batch`` (already on the device)."""
     outputs = s.model(batch)  # (N, K)
     labels = batch.labels["tasks"]
+    if s.reference is not None:
+        return _token_weighted_loss(s, outputs, labels, batch.mask.num_targets, s.reference)
     loss, _ = pointwise_loss(outputs, labels, s.kinds, s.weights)
     if s.cfg.ranking.listwise_weight:
         k = s.kinds.index("binary")
         loss = loss + s.cfg.ranking.listwise_weight * listwise_loss(
             outputs[:, k : k + 1], labels[:, k : k + 1], batch.mask.num_targets
         )
+    return loss, loss
+
+
+def _token_weighted_loss(
+    s: Setup, outputs: torch.Tensor, labels: torch.Tensor, num_targets: torch.Tensor, ref: TokenReference
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-budget batches vary in labels and lists: weight each known label of task k 1/ref.labels[k]
+    and each list with a positive 1/ref.lists (constant weights, as a fixed batch gives on average)
+    instead of 1/count in this batch."""
+    objective = loss = outputs.new_zeros(())
+    for k, (kind, weight) in enumerate(zip(s.kinds, s.weights)):
+        mean, _ = pointwise_loss(outputs[:, k : k + 1], labels[:, k : k + 1], [kind], [weight])
+        known = int((~torch.isnan(labels[:, k])).sum())
+        loss = loss + mean
+        if known:
+            objective = objective + mean * (known * token_loss_scale(known, float(ref.labels[k])))
+    if s.cfg.ranking.listwise_weight:
+        k = s.kinds.index("binary")
+        mean = s.cfg.ranking.listwise_weight * listwise_loss(outputs[:, k : k + 1], labels[:, k : k + 1], num_targets)
+        sample_of_target = torch.repeat_interleave(torch.arange(num_targets.numel(), device=num_targets.device), num_targets)
+        lists = int(torch.unique(sample_of_target[torch.nan_to_num(labels[:, k], nan=0.0) > 0]).numel())
+        loss = loss + mean
+        if lists:
+            objective = objective + mean * (lists * token_loss_scale(lists, ref.lists))
+    return objective, loss
+
+
+def _train_step(s: Setup, batch: JaggedBatch) -> tuple[float, int]:
+    objective, loss = _loss(s, batch)
     s.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    objective.backward()
     if s.cfg.optim.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.cfg.optim.grad_clip)
     s.optimizer.step()
@@ -175,13 +224,16 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     run_dir = prepare_run_dir(cfg, resume)
     s = setup(cfg)
     samples = _samples(s, "train")
+    if cfg.train.loader == "pipeline":
+        inputs = {"source": _pipeline_source(s, samples, resume), "step": lambda batch: _train_step(s, batch.to(s.device))}
+    else:
+        inputs = {"num_samples": len(samples), "step": lambda ids: _train_step(s, _batch(s, samples, ids))}
     state = run_loop(
         cfg,
         model=s.model,
         optimizer=s.optimizer,
         device=s.device,
-        num_samples=len(samples),
-        step=lambda ids: _train_step(s, samples, ids),
+        **inputs,
         evaluate=lambda: ("valid", task_metrics(s, predict(s, "valid"))),
         manifest={"num_items": s.data.num_items},
         resume=resume,
@@ -191,6 +243,26 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     summary = evaluate_run(run_dir)
     summary["train_minutes"] = state["train_minutes"]
     return summary
+
+
+def _pipeline_source(s: Setup, samples: RankingSamples, resume: bool) -> RankingBatches:
+    """Write the training samples under the run directory (kept for a resume: the saved pipeline
+    state refers to their rows) and stream them; with a token budget, set the loss references."""
+    cfg, t = s.cfg, s.cfg.train
+    if len(samples) == 0:
+        raise ValueError("the training split has no samples; check the dataset and the data/ranking settings")
+    tokens = sample_tokens(s.data, samples, cfg.data.max_seq_len, cfg.ranking.action_encoding)
+    path = cfg.run_dir / "samples" / SAMPLES_FILE
+    if not (resume and path.is_file()):
+        write_ranking_samples(s.data, samples, tokens, path.parent)
+    if t.token_budget:
+        list_task = s.kinds.index("binary") if cfg.ranking.listwise_weight else None
+        s.reference = token_reference(s.data, samples, tokens, t.token_budget, list_task)
+    return RankingBatches(
+        [path], s.data, cfg.data.max_seq_len, t.batch_size, action_encoding=cfg.ranking.action_encoding,
+        num_workers=t.loader_workers, token_budget=t.token_budget, seed=t.seed,
+        num_steps_estimate=steps_per_epoch(tokens, t.batch_size, t.token_budget, t.seed),
+    )  # fmt: skip
 
 
 def export_model(s: Setup, out_dir: Path, manifest: dict) -> Path:

@@ -1,0 +1,216 @@
+"""Ranking training samples on disk: the Parquet form of ``RankingSamples``.
+
+One row per (user, period) sample of ``RankingData.samples``, in sample order (so the
+row number is the sample id)::
+
+    sample      int64          the sample's index in RankingData.samples(split, ...)
+    user_index  int64          row of the user in RankingData
+    events      list<int64>    the sample's target event rows (RankingSamples.events[offsets[s]:offsets[s+1]])
+    num_tokens  int64          contextual + history + target tokens of the sample's sequence
+
+The rows hold the samples' identity, not their tokens: histories, items, actions and labels
+are gathered from the ``RankingData`` arrays (in memory for evaluation anyway) by
+``RankingData.batch`` itself, so a streamed batch equals the memory loader's batch of the
+same samples by construction, for both action encodings. (``recforge.data.compress`` is the
+self-contained on-disk form with raw IDs; the recipe's model needs ``RankingData``'s coded
+IDs, item features and task labels.)
+
+``ranking_pipeline`` streams these rows through ``Pipeline`` (shuffle, fixed or token-budget
+batches, prefetch, exactly-once resume); ``RankingBatches`` is that pipeline as the training
+loop's ``BatchSource`` (``train.loader=pipeline``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from recforge.data.batch import JaggedBatch
+from recforge.data.collate import _tensor
+from recforge.data.parquet_source import ROW_ID
+from recforge.data.pipeline import Pipeline
+from recforge.data.ranking import ACTION_ENCODINGS, RankingData, RankingSamples
+from recforge.data.retrieval_samples import RetrievalBatches
+from recforge.data.token_batching import token_budget_cuts
+from recforge.io import atomic_directory
+
+SAMPLES_FILE = "train-00000.parquet"
+TOKEN_SLOTS = "token_slots"  # list<null> of num_tokens entries: the length column token-budget batching cuts by
+
+
+def sample_tokens(data: RankingData, samples: RankingSamples, max_seq_len: int, action_encoding: str = "sum") -> torch.Tensor:
+    """(S,) tokens of each sample's sequence in ``RankingData.batch``: contextual + history + targets."""
+    if action_encoding not in ACTION_ENCODINGS:
+        raise ValueError(f"action_encoding={action_encoding!r}: expected one of {ACTION_ENCODINGS}")
+    per_event = 2 if action_encoding == "interleave" else 1
+    c = data.num_contextual
+    t_count = samples.offsets[1:] - samples.offsets[:-1]
+    if len(samples) and int(t_count.max()) + c >= max_seq_len:
+        raise ValueError(f"max_seq_len={max_seq_len} leaves no room for history after {c} contextual tokens and "
+                         f"{int(t_count.max())} targets; raise data.max_seq_len or lower ranking.max_targets")  # fmt: skip
+    last_target = samples.events[samples.offsets[1:] - 1]
+    # the same history window as RankingData.batch: the latest events before the last target that fit
+    budget = (max_seq_len - c - t_count) // per_event
+    h_count = last_target - torch.maximum(data.user_starts[samples.user], last_target - budget)
+    return c + per_event * h_count + t_count
+
+
+def write_ranking_samples(data: RankingData, samples: RankingSamples, tokens: torch.Tensor, out_dir: str | os.PathLike,
+                          row_group_size: int = 8192) -> Path:  # fmt: skip
+    """Write ``samples`` (with their ``sample_tokens``) as ``out_dir/train-00000.parquet``; the
+    directory appears whole or not at all. Returns the file's path."""
+    if tokens.shape != (len(samples),):
+        raise ValueError(f"tokens must be (S,) = ({len(samples)},) from sample_tokens, got {tuple(tokens.shape)}")
+    if len(samples) and int(samples.user.max()) >= data.num_users:
+        raise ValueError(f"samples name user rows up to {int(samples.user.max())} but the data has {data.num_users} users")
+    columns = {
+        "sample": pa.array(np.arange(len(samples), dtype=np.int64)),
+        "user_index": pa.array(samples.user.numpy()),
+        "events": pa.LargeListArray.from_arrays(pa.array(samples.offsets.numpy()), pa.array(samples.events.numpy())),
+        "num_tokens": pa.array(tokens.numpy()),
+    }
+    with atomic_directory(Path(out_dir)) as tmp:
+        pq.write_table(pa.table(columns), tmp / SAMPLES_FILE, row_group_size=row_group_size)
+    return Path(out_dir) / SAMPLES_FILE
+
+
+def samples_of(rb: pa.RecordBatch) -> RankingSamples:
+    """The rows of ``rb`` as a ``RankingSamples`` view (sample b = row b), without a per-row loop."""
+    events = rb.column("events")
+    off = events.offsets.to_numpy()  # a slice of a larger batch: offsets need not start at 0
+    return RankingSamples(
+        user=_tensor(rb.column("user_index")),
+        offsets=torch.from_numpy(off - off[0]),
+        events=_tensor(events.values.slice(off[0], off[-1] - off[0])),
+    )
+
+
+def _with_token_slots(rb: pa.RecordBatch) -> pa.RecordBatch:
+    # Pipeline.batch(token_budget=...) measures a row by a list column's length; a null-typed list
+    # has no value buffer, so these slots cost only their offsets
+    tokens = rb.column("num_tokens").to_numpy()
+    offsets = np.zeros(len(tokens) + 1, np.int64)
+    np.cumsum(tokens, out=offsets[1:])
+    slots = pa.LargeListArray.from_arrays(pa.array(offsets), pa.nulls(int(offsets[-1])))
+    return rb.append_column(TOKEN_SLOTS, slots)
+
+
+@dataclass(frozen=True)
+class RankingCollate:
+    """RecordBatch of ``write_ranking_samples`` rows -> ``RankingData.batch`` of those samples.
+
+    Adds ``dense["row_ids"]`` (the pipeline's row identity) and ``dense["sample_ids"]``.
+    """
+
+    data: RankingData
+    max_seq_len: int
+    action_encoding: str = "sum"
+
+    def __call__(self, rb: pa.RecordBatch) -> JaggedBatch:
+        batch = self.data.batch(samples_of(rb), torch.arange(rb.num_rows), self.max_seq_len, self.action_encoding)
+        batch.dense["sample_ids"] = _tensor(rb.column("sample"))
+        if ROW_ID in rb.schema.names:
+            batch.dense["row_ids"] = _tensor(rb.column(ROW_ID))
+        return batch
+
+
+def ranking_pipeline(paths, data: RankingData, max_seq_len: int, batch_size: int, *, action_encoding: str = "sum",
+                     num_workers: int = 2, shuffle_rows: int = 65536, prefetch: int = 4, seed: int = 0,
+                     state: dict | None = None, token_budget: int = 0) -> Pipeline:  # fmt: skip
+    """The ranking recipe's training batches from ``write_ranking_samples`` files.
+
+    Each batch equals ``data.batch(samples, ids, max_seq_len, action_encoding)`` for the
+    batch's sample ids. With ``token_budget`` > 0 a batch holds as many samples as fit that
+    many tokens (contextual + history + targets; ``batch_size`` is then ignored).
+
+    Example:
+        >>> pipe = ranking_pipeline(["run/samples/train-00000.parquet"], data, 256, 64, token_budget=8192)
+        >>> for batch in pipe:                      # JaggedBatch, batch.dense["sample_ids"]
+        ...     train_step(batch); save(model, pipe.state_dict())
+    """
+    pipe = Pipeline.from_parquet(paths, columns=["sample", "user_index", "events", "num_tokens"], num_workers=num_workers,
+                                 seed=seed, state=state)  # fmt: skip
+    if token_budget:
+        pipe = pipe.map(_with_token_slots).shuffle(shuffle_rows).batch(token_budget=token_budget, length_column=TOKEN_SLOTS)
+    else:
+        pipe = pipe.shuffle(shuffle_rows).batch(batch_size)
+    return pipe.collate(RankingCollate(data, max_seq_len, action_encoding)).prefetch(prefetch)
+
+
+def steps_per_epoch(tokens: torch.Tensor, batch_size: int, token_budget: int = 0, seed: int = 0) -> int:
+    """Batches one epoch of samples with ``tokens`` (S,) makes: exact for fixed batches; for token
+    budgets the count of a seeded shuffle of the same rows (the real one varies by a few batches)."""
+    if not token_budget:
+        return -(-tokens.numel() // batch_size)
+    return len(token_budget_cuts(np.random.default_rng(seed).permutation(tokens.numpy()), token_budget)) - 1
+
+
+@dataclass(frozen=True)
+class TokenReference:
+    """What a batch of ``token_budget`` tokens holds on average over the training samples.
+
+    A token-budget batch weighs each known label of task k ``1 / labels[k]`` and each list with a
+    positive ``1 / lists``: constant weights, so the objective of two batches is that of their
+    union, and a batch of average content gets the memory loader's per-batch-mean loss.
+    """
+
+    labels: torch.Tensor  # (K,) float64: known (non-NaN) labels per task
+    lists: float  # samples with a positive label of the listwise task (0 without one)
+
+
+def token_reference(data: RankingData, samples: RankingSamples, tokens: torch.Tensor, token_budget: int,
+                    list_task: int | None = None) -> TokenReference:  # fmt: skip
+    """Labels (and positive lists of task ``list_task``) per ``token_budget`` tokens of ``samples``."""
+    per_token = token_budget / max(1, int(tokens.sum()))
+    labels = data.labels[samples.events]  # (N, K)
+    known = (~torch.isnan(labels)).sum(0).double() * per_token
+    lists = 0.0
+    if list_task is not None:
+        positives = torch.nan_to_num(labels[:, list_task], nan=0.0) > 0
+        sample_of_target = torch.repeat_interleave(torch.arange(len(samples)), samples.offsets[1:] - samples.offsets[:-1])
+        has_positive = torch.zeros(len(samples), dtype=torch.bool).index_fill_(0, sample_of_target[positives], True)
+        lists = int(has_positive.sum()) * per_token
+    return TokenReference(known, lists)
+
+
+@dataclass
+class RankingBatches:
+    """``ranking_pipeline`` as the training loop's ``BatchSource``: one pipeline for the whole run,
+    its ``PipelineState`` saved in every checkpoint (the state handling is ``RetrievalBatches``').
+
+    Example:
+        >>> source = RankingBatches(["run/samples/train-00000.parquet"], data, 256, 64, num_steps_estimate=40)
+        >>> run_loop(cfg, ..., source=source, step=lambda batch: train_step(batch))
+    """
+
+    paths: Sequence[str | os.PathLike]
+    data: RankingData
+    max_seq_len: int
+    batch_size: int  # rows per batch when token_budget is 0
+    num_steps_estimate: int  # batches per epoch (see steps_per_epoch)
+    action_encoding: str = "sum"
+    num_workers: int = 2
+    token_budget: int = 0
+    seed: int = 0
+    pipeline: Pipeline | None = field(default=None, init=False)  # built by the first epoch_iter, kept for the run
+
+    def _build(self, state: dict | None) -> Pipeline:
+        return ranking_pipeline(self.paths, self.data, self.max_seq_len, self.batch_size,
+                                action_encoding=self.action_encoding, num_workers=self.num_workers, seed=self.seed,
+                                state=state, token_budget=self.token_budget)  # fmt: skip
+
+    # Which epoch a saved state is in, and when a new one starts, is the same bookkeeping for any
+    # pipeline: RetrievalBatches' methods need only ``self.pipeline`` and ``self._build``.
+    epoch_iter = RetrievalBatches.epoch_iter
+
+    def state_dict(self) -> dict:
+        if self.pipeline is None:
+            raise RuntimeError("RankingBatches.state_dict() before the first epoch_iter(); there is no state yet")
+        return self.pipeline.state_dict()
