@@ -344,6 +344,26 @@ class RankingData:
         offsets = torch.cat([starts, torch.tensor([events.numel()])])
         return RankingSamples(user[starts], offsets, events)
 
+    def window(
+        self, samples: RankingSamples, ids: torch.Tensor, max_seq_len: int, per_event: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(target start, target count, history start, history count) per sample ``ids``.
+
+        The history is the user's latest events before the sample's last target that fit in
+        ``max_seq_len`` after the contextual tokens and the targets (``per_event`` tokens each).
+        """
+        c = self.num_contextual
+        t_start, t_count = samples.offsets[ids], samples.offsets[ids + 1] - samples.offsets[ids]
+        if ids.numel() and int(t_count.max()) + c >= max_seq_len:
+            raise ValueError(
+                f"max_seq_len={max_seq_len} leaves no room for history after {c} contextual tokens and "
+                f"{int(t_count.max())} targets; raise data.max_seq_len or lower ranking.max_targets"
+            )
+        last_target = samples.events[samples.offsets[ids + 1] - 1]
+        budget = (max_seq_len - c - t_count) // per_event
+        h_start = torch.maximum(self.user_starts[samples.user[ids]], last_target - budget)
+        return t_start, t_count, h_start, last_target - h_start
+
     def batch(
         self, samples: RankingSamples, ids: torch.Tensor, max_seq_len: int, action_encoding: str = "sum"
     ) -> JaggedBatch:
@@ -361,19 +381,9 @@ class RankingData:
         c = self.num_contextual
         ids = ids.to(torch.int64)
         user = samples.user[ids]
-        t_start, t_count = samples.offsets[ids], samples.offsets[ids + 1] - samples.offsets[ids]
-        if ids.numel() and int(t_count.max()) + c >= max_seq_len:
-            raise ValueError(
-                f"max_seq_len={max_seq_len} leaves no room for history after {c} contextual tokens and "
-                f"{int(t_count.max())} targets; raise data.max_seq_len or lower ranking.max_targets"
-            )
+        t_start, t_count, h_start, h_count = self.window(samples, ids, max_seq_len, per_event)
         target_rows, _ = range_index(t_start, t_count)
         target_events = samples.events[target_rows]
-        last_target = samples.events[samples.offsets[ids + 1] - 1]
-        user_start = self.user_starts[user]
-        budget = (max_seq_len - c - t_count) // per_event
-        h_start = torch.maximum(user_start, last_target - budget)
-        h_count = last_target - h_start
         hist_events, _ = range_index(h_start, h_count)
         lengths = c + per_event * h_count + t_count
         offsets = offsets_from_lengths(lengths)

@@ -50,16 +50,8 @@ def sample_tokens(data: RankingData, samples: RankingSamples, max_seq_len: int, 
     if action_encoding not in ACTION_ENCODINGS:
         raise ValueError(f"action_encoding={action_encoding!r}: expected one of {ACTION_ENCODINGS}")
     per_event = 2 if action_encoding == "interleave" else 1
-    c = data.num_contextual
-    t_count = samples.offsets[1:] - samples.offsets[:-1]
-    if len(samples) and int(t_count.max()) + c >= max_seq_len:
-        raise ValueError(f"max_seq_len={max_seq_len} leaves no room for history after {c} contextual tokens and "
-                         f"{int(t_count.max())} targets; raise data.max_seq_len or lower ranking.max_targets")  # fmt: skip
-    last_target = samples.events[samples.offsets[1:] - 1]
-    # the same history window as RankingData.batch: the latest events before the last target that fit
-    budget = (max_seq_len - c - t_count) // per_event
-    h_count = last_target - torch.maximum(data.user_starts[samples.user], last_target - budget)
-    return c + per_event * h_count + t_count
+    _, t_count, _, h_count = data.window(samples, torch.arange(len(samples)), max_seq_len, per_event)
+    return data.num_contextual + per_event * h_count + t_count
 
 
 def write_ranking_samples(data: RankingData, samples: RankingSamples, tokens: torch.Tensor, out_dir: str | os.PathLike,
