@@ -262,8 +262,6 @@ def validate(cfg: RunConfig) -> list[str]:
         problems += _validate_ranking(cfg)
     elif not re.fullmatch(r"(hr|ndcg)@[1-9][0-9]*|mrr", cfg.eval.select_metric):
         problems.append(f"eval.select_metric: {cfg.eval.select_metric!r} is not a metric; use hr@K, ndcg@K or mrr")
-    if cfg.recipe == "ranking" and cfg.model.embedding == "dynamic":
-        problems.append("model.embedding: dynamic is supported by the retrieval recipe only; use static for ranking")
     if cfg.recipe == "retrieval" and cfg.model.kind in ("dlrm", "item"):
         problems.append(f"model.kind: {cfg.model.kind} is a ranking baseline; use recipe: ranking (or model.kind hstu/sasrec)")
     if any(k <= 0 for k in cfg.eval.ks):

@@ -27,12 +27,18 @@ def hstu_encoder(cfg: ModelConfig, max_seq_len: int) -> HSTUEncoder:
     )
 
 
-def dynamic_item_table(cfg: ModelConfig, sparse: SparseConfig, num_items: int) -> DynamicEmbedding:
-    """The ``model.embedding=dynamic`` item table: raw item IDs -> rows, per ``sparse``."""
+def dynamic_item_table(
+    cfg: ModelConfig, sparse: SparseConfig, num_items: int, *, name: str = "item", seed: int = 0
+) -> DynamicEmbedding:
+    """The ``model.embedding=dynamic`` item table: raw item IDs -> rows, per ``sparse``.
+
+    ``name``/``seed`` build another table of ids under the same policies (ranking's contextual
+    features); a distinct seed keeps its new rows from repeating the item table's.
+    """
     probability = sparse.admission == "probability"
     return DynamicEmbedding(
         TableConfig(
-            name="item",
+            name=name,
             dim=cfg.dim,
             capacity=sparse.capacity or num_items + 1,
             max_rows=sparse.max_rows,
@@ -45,6 +51,7 @@ def dynamic_item_table(cfg: ModelConfig, sparse: SparseConfig, num_items: int) -
             eviction=EvictionConfig(kind=sparse.eviction, every_steps=sparse.eviction_every, ttl_steps=sparse.ttl_steps),
             optimizer=SparseOptimConfig(kind=sparse.optimizer, lr=sparse.lr),
             cache_rows=sparse.cache_rows,
+            seed=seed,
         )
     )
 
@@ -96,11 +103,21 @@ def build_ranking_model(
     num_context_values: int,
     item_feature_width: int = 0,
     num_item_feature_values: int = 0,
+    sparse: SparseConfig | None = None,
 ) -> RankingModel:
-    """Ranking model: ``RankingPrefix`` -> HSTU (``kind=hstu``), ``ContextPool`` (``kind=dlrm``) or nothing (``kind=item``) -> heads."""
+    """Ranking model: ``RankingPrefix`` -> HSTU (``kind=hstu``), ``ContextPool`` (``kind=dlrm``) or nothing (``kind=item``) -> heads.
+
+    ``cfg.embedding == "dynamic"`` puts the item IDs and the contextual feature ids (one table
+    for all user features) in ``DynamicEmbedding`` tables built from ``sparse``.
+    """
+    item_table = context_table = None
+    if cfg.embedding == "dynamic":
+        item_table = dynamic_item_table(cfg, sparse or SparseConfig(), num_items)
+        context_table = dynamic_item_table(cfg, sparse or SparseConfig(), num_context_values, name="context", seed=1)
     prefix = RankingPrefix(
-        num_items, num_actions, num_context_values, cfg.dim, item_feature_width, num_item_feature_values, cfg.dropout
-    )
+        num_items, num_actions, num_context_values, cfg.dim, item_feature_width, num_item_feature_values, cfg.dropout,
+        item_table, context_table,
+    )  # fmt: skip
     if cfg.kind == "hstu":
         encoder = hstu_encoder(cfg, max_seq_len)
     elif cfg.kind == "dlrm":

@@ -49,6 +49,11 @@ class RankingPrefix(nn.Module):
     Every token sums the embeddings of the ids it carries (0 = none for each kind), then
     LayerNorm and dropout. Item side features are a fixed (num_items + 1, F) id table kept
     as a buffer, so a slice holds everything needed to embed an item.
+
+    ``item_table`` / ``context_table`` replace the static item / contextual-feature tables
+    (e.g. a ``recforge.sparse.DynamicEmbedding`` keyed by the same ids; it maps (T,) ids to
+    (T, dim)). Id 0 never reaches them: it reads zeros, as ``padding_idx=0`` does. Such a
+    prefix is not a slice; ``to_static()`` gives the plain one to export.
     """
 
     def __init__(
@@ -60,6 +65,8 @@ class RankingPrefix(nn.Module):
         item_feature_width: int = 0,
         num_item_feature_values: int = 0,
         dropout: float = 0.0,
+        item_table: nn.Module | None = None,
+        context_table: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.kwargs = {
@@ -68,24 +75,55 @@ class RankingPrefix(nn.Module):
             "dropout": dropout,
         }  # fmt: skip
         self.dim = dim
-        self.item = nn.Embedding(num_items + 1, dim, padding_idx=0)
+        self.item = item_table if item_table is not None else nn.Embedding(num_items + 1, dim, padding_idx=0)
         self.action = nn.Embedding(num_actions + 1, dim, padding_idx=0)
-        self.context = nn.Embedding(num_context_values + 1, dim, padding_idx=0)
+        self.context = context_table if context_table is not None else nn.Embedding(num_context_values + 1, dim, padding_idx=0)
         self.register_buffer("item_features", torch.zeros(num_items + 1, item_feature_width, dtype=torch.int64))
         self.item_feature = nn.Embedding(num_item_feature_values + 1, dim, padding_idx=0) if item_feature_width else None
         self.norm = nn.LayerNorm(dim)
         self.dropout = nn.Dropout(dropout)
         for emb in (self.item, self.action, self.context, self.item_feature):
-            if emb is not None:
+            if isinstance(emb, nn.Embedding):
                 nn.init.normal_(emb.weight, std=0.02)
                 emb.weight.data[0] = 0
 
+    def _dynamic_tables(self) -> dict[str, nn.Module]:
+        return {name: table for name, table in (("item", self.item), ("context", self.context)) if not isinstance(table, nn.Embedding)}
+
     def slice_config(self) -> dict:
+        if dynamic := self._dynamic_tables():
+            raise TypeError(f"RankingPrefix with dynamic tables ({', '.join(dynamic)}) is not a slice; save prefix.to_static()")
         return dict(self.kwargs)
+
+    def to_static(self) -> RankingPrefix:
+        """This prefix with every dynamic table read into a plain ``nn.Embedding``: what ``save_slices``
+        writes and serving loads. Row ``i`` holds id ``i``'s row; ids without one (never admitted,
+        evicted) read the table's default, as the dynamic lookup does; row 0 stays zero.
+        """
+        from recforge.sparse import to_dense
+
+        state = self.state_dict()
+        sizes = {"item": self.kwargs["num_items"] + 1, "context": self.kwargs["num_context_values"] + 1}
+        for name, table in self._dynamic_tables().items():
+            state = {k: v for k, v in state.items() if not k.startswith(f"{name}.")}
+            weight = to_dense(table, torch.arange(sizes[name])).to(self.norm.weight.device)  # (rows, d)
+            weight[0] = 0
+            state[f"{name}.weight"] = weight
+        static = RankingPrefix(**self.kwargs).to(self.norm.weight.device)
+        static.load_state_dict(state)
+        return static.train(self.training)
+
+    def _embed(self, table: nn.Module, ids: Tensor) -> Tensor:
+        if isinstance(table, nn.Embedding):
+            return table(ids)
+        # a dynamic table never sees id 0 ("none"), so it neither admits nor trains a row for it
+        present = (ids != 0).nonzero().squeeze(1)  # (P,)
+        rows = table(ids[present])  # (P, d)
+        return rows.new_zeros(ids.shape[0], self.dim).index_copy(0, present, rows)  # (T, d)
 
     def forward(self, features: dict[str, Tensor]) -> Tensor:
         items = features["item_ids"]
-        x = self.item(items) + self.action(features["actions"]) + self.context(features["context_ids"])
+        x = self._embed(self.item, items) + self.action(features["actions"]) + self._embed(self.context, features["context_ids"])
         if self.item_feature is not None:
             x = x + self.item_feature(self.item_features[items]).sum(1)  # (T, F, d) -> (T, d); row 0 of the table is all 0
         return self.dropout(self.norm(x))

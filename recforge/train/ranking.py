@@ -49,10 +49,12 @@ from recforge.data.token_batching import token_loss_scale
 from recforge.models.builders import build_ranking_model
 from recforge.models.ranking import (
     RankingModel,
+    RankingPrefix,
     listwise_loss,
     pointwise_loss,
     save_slices,
 )
+from recforge.sparse import SparseOptimizer
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
 from recforge.train.loop import make_optimizer, prepare_run_dir, prepare_runtime, run_loop
 from recforge.train.metrics import auc, gauc
@@ -67,6 +69,7 @@ class Setup:
     device: torch.device
     weights: list[float]
     reference: TokenReference | None = None  # token-budget batches: the loss weights' denominators
+    sparse_optimizer: SparseOptimizer | None = None  # the dynamic item/context tables' (model.embedding=dynamic)
 
     @property
     def kinds(self) -> list[str]:
@@ -100,12 +103,14 @@ def setup(cfg: RunConfig) -> Setup:
         num_context_values=data.num_context_values,
         item_feature_width=data.item_features.shape[1],
         num_item_feature_values=data.num_item_feature_values,
+        sparse=cfg.sparse,
     )
     model.prefix.item_features.copy_(data.item_features)
     model = model.to(device)
-    optimizer = make_optimizer(cfg, model)
+    optimizer = make_optimizer(cfg, model)  # dense parameters; dynamic tables step with their own optimizer
+    sparse = SparseOptimizer([model]) if cfg.model.embedding == "dynamic" else None
     weights = list(cfg.ranking.task_weights) or [1.0] * len(data.tasks)
-    return Setup(cfg, data, model, optimizer, device, weights)
+    return Setup(cfg, data, model, optimizer, device, weights, sparse_optimizer=sparse)
 
 
 def _samples(s: Setup, split: str) -> RankingSamples:
@@ -162,6 +167,8 @@ def _train_step(s: Setup, batch: JaggedBatch) -> tuple[float, int]:
     if s.cfg.optim.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.cfg.optim.grad_clip)
     s.optimizer.step()
+    if s.sparse_optimizer is not None:
+        s.sparse_optimizer.step()
     return loss.item(), batch.num_tokens
 
 
@@ -267,7 +274,10 @@ def _pipeline_source(s: Setup, samples: RankingSamples, resume: bool) -> Ranking
 
 def export_model(s: Setup, out_dir: Path, manifest: dict) -> Path:
     """Write the model's prefix/encoder/postfix slices with the task list, training step and the
-    raw-ID vocabularies (``vocab.json``: item IDs, action values, user feature values)."""
+    raw-ID vocabularies (``vocab.json``: item IDs, action values, user feature values).
+
+    A prefix with dynamic tables (``model.embedding=dynamic``) is written as its static
+    ``RankingPrefix`` (``to_static()``), so the slices load and serve as any other."""
     tasks = [{"name": t.name, "kind": t.kind, "column": t.column, "op": t.op, "value": t.value} for t in s.data.tasks]
     extra = {
         "step": manifest["step"],
@@ -277,7 +287,10 @@ def export_model(s: Setup, out_dir: Path, manifest: dict) -> Path:
         "user_features": list(s.cfg.ranking.user_features),
         "item_features": list(s.cfg.ranking.item_features),
     }
-    return save_slices(s.model, out_dir, tasks=tasks, extra=extra, json_files={"vocab.json": s.data.vocab})
+    model = s.model
+    if isinstance(model.prefix, RankingPrefix) and s.cfg.model.embedding == "dynamic":
+        model = RankingModel(model.prefix.to_static(), model.encoder, model.postfix)
+    return save_slices(model, out_dir, tasks=tasks, extra=extra, json_files={"vocab.json": s.data.vocab})
 
 
 def evaluate_run(run_dir: str | Path, *, checkpoint: str = "auto", split: str = "test", command: str | None = None) -> dict:

@@ -65,8 +65,3 @@ def test_dynamic_item_table_trains_and_resumes_exactly(tmp_path: Path, data_dir:
     assert manifest["stats"]["admitted"] > 0 and manifest["stats"]["not_admitted"] > 0  # count admission at work
     assert evaluate_run(rest.run_dir)["hr@10"] == evaluate_run(reference.run_dir)["hr@10"]
 
-
-def test_dynamic_embedding_is_rejected_for_ranking(data_dir: Path) -> None:
-    with pytest.raises(ValueError, match="retrieval recipe only"):
-        config_from_dict({"recipe": "ranking", "data": {"path": str(data_dir)}, "model": {"embedding": "dynamic"},
-                          "ranking": {"tasks": ["like:rating>=4"]}, "eval": {"select_metric": "like/auc"}})  # fmt: skip
