@@ -64,12 +64,12 @@ class ModelConfig:
     head: str = "mlp"  # ranking task heads: mlp | mmoe | ple
     head_hidden: int = 128  # ranking head / expert width
     num_experts: int = 4  # MMoE experts; PLE shared experts
-    embedding: str = "static"  # retrieval item IDs: static (nn.Embedding) | dynamic (recforge.sparse table, see sparse:)
+    embedding: str = "static"  # item IDs (ranking: also user features): static (nn.Embedding) | dynamic (recforge.sparse tables, see sparse:)
 
 
 @dataclass
 class SparseConfig:
-    """The dynamic item table (``model.embedding=dynamic``): its own sparse optimizer and policies."""
+    """The dynamic tables (``model.embedding=dynamic``): their own sparse optimizer and policies."""
 
     optimizer: str = "adam"  # sgd | adagrad | rowwise_adagrad | adam (lazy) | adamw
     lr: float = 1e-3
