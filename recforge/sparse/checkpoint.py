@@ -48,9 +48,8 @@ def table_state(table: DynamicEmbedding) -> tuple[dict[str, Tensor], dict]:
     per_key.update({f"state.{k}": v for k, v in states.items()})
     per_key.update({f"counter.{k}": v[live] for k, v in table.counters.tensors().items()})
     glob = {"free": table.free[: table.num_free], "generator": table.generator.get_state(), "default_row": table.default_row.detach()}
-    if table.deleted:
-        glob["deleted_keys"] = torch.cat([k for k, _ in table.deleted])
-        glob["deleted_tags"] = torch.cat([t for _, t in table.deleted])
+    if table.deleted is not None:  # tracked since an export (possibly none evicted yet)
+        glob["deleted_keys"], glob["deleted_tags"] = _deleted(table)
     if table.cfg.admission.needs_candidates:
         keys, tags, slots = table.cand_index.items()
         glob.update({"cand.keys": keys, "cand.tags": tags, "cand.slots": slots})
@@ -154,6 +153,12 @@ def load_sparse_checkpoint(path: str | Path, tables: dict[str, DynamicEmbedding]
     return manifest
 
 
+def _deleted(table: DynamicEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, tags) evicted since the last export, concatenated (empty int64 tensors if none)."""
+    parts = table.deleted or [(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))]
+    return torch.cat([k.cpu() for k, _ in parts]), torch.cat([t.cpu() for _, t in parts])
+
+
 def export_rows(path: str | Path, table: DynamicEmbedding, *, precision: str = "fp32", delta: bool = False) -> dict:
     """Export keys + weights for serving (atomically); ``delta`` only rows changed / keys evicted since the last export.
 
@@ -177,8 +182,7 @@ def export_rows(path: str | Path, table: DynamicEmbedding, *, precision: str = "
         out["weight"] = (torch.round((weight - lo[:, None]) / scale[:, None]) - 128).to(torch.int8)
         out["scale"], out["offset"] = scale, lo
     if delta and table.deleted:
-        out["deleted_keys"] = torch.cat([k for k, _ in table.deleted])
-        out["deleted_tags"] = torch.cat([t for _, t in table.deleted])
+        out["deleted_keys"], out["deleted_tags"] = _deleted(table)
     meta = {"format_version": FORMAT_VERSION, "table": table.cfg.name, "dim": table.dim, "step": table.step,
             "precision": precision, "delta": delta, "num_rows": int(rows.numel()),
             "num_deleted": int(out["deleted_keys"].numel()) if "deleted_keys" in out else 0}  # fmt: skip

@@ -125,7 +125,9 @@ class DynamicEmbedding(nn.Module):
         self.changed = torch.zeros(rows, dtype=torch.bool, device=dev)  # since the last delta export
         self.free = torch.arange(rows - 1, -1, -1, device=dev)  # stack: rows 0, 1, 2... are taken first
         self.num_free = rows
-        self.deleted: list[tuple[Tensor, Tensor]] = []  # (keys, tags) evicted since the last delta export
+        # (keys, tags) evicted since the last export_rows; None until the first export: before it no
+        # consumer holds any key, so evictions need no record (and the list cannot grow unbounded)
+        self.deleted: list[tuple[Tensor, Tensor]] | None = None
         self.generator = torch.Generator(dev).manual_seed(cfg.seed)
         if cfg.admission.needs_candidates:
             self.cand_index = make_index(min(cfg.admission.max_candidates, 1 << 16), dev, cfg.index)
@@ -378,7 +380,8 @@ class DynamicEmbedding(nn.Module):
             return
         keys, tags = self.row_key[rows], self.row_tag[rows]
         self.index.delete(keys, tags)
-        self.deleted.append((keys.clone(), tags.clone()))
+        if self.deleted is not None:
+            self.deleted.append((keys.clone(), tags.clone()))
         self.row_key[rows] = -1
         self.counters.reset(rows)
         self.changed[rows] = False

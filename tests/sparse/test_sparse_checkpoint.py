@@ -120,3 +120,28 @@ def test_loading_into_a_different_table_raises(tmp_path: Path) -> None:
         load_sparse_checkpoint(tmp_path / "c", {"item": DynamicEmbedding(dataclasses.replace(_cfg(), dim=D + 1))})
     with pytest.raises(ValueError, match="no state for tables"):
         load_sparse_checkpoint(tmp_path / "c", {"user": DynamicEmbedding(_cfg())})
+
+
+def test_evictions_are_recorded_only_once_rows_have_been_exported(tmp_path: Path) -> None:
+    """Before the first export no consumer holds a key: evictions leave no record (nothing grows while
+    a recipe trains); after it, they are kept for the next delta and survive a checkpoint round trip."""
+    cfg = dataclasses.replace(_cfg(), admission=AdmissionConfig(), max_rows=0, optimizer=SparseOptimConfig(kind="sgd", lr=0.1))
+    table = DynamicEmbedding(cfg)
+    zero = torch.zeros(1, dtype=torch.int64)
+    table(torch.tensor([1, 2, 3, 4])).sum().backward()
+    table.apply_gradients()
+    table.evict_rows(table.index.lookup(torch.tensor([4]), zero))
+    assert table.deleted is None
+    export_rows(tmp_path / "full", table)
+    table.evict_rows(table.index.lookup(torch.tensor([3]), zero))
+    save_sparse_checkpoint(tmp_path / "ckpt", {"item": table})
+    fresh = DynamicEmbedding(cfg)
+    load_sparse_checkpoint(tmp_path / "ckpt", {"item": fresh})
+    assert load_export(tmp_path / "full")["keys"].tolist() == [1, 2, 3]
+    assert export_rows(tmp_path / "delta", fresh, delta=True)["num_deleted"] == 1
+    assert load_export(tmp_path / "delta")["deleted_keys"].tolist() == [3]
+    assert fresh.deleted == []
+    save_sparse_checkpoint(tmp_path / "ckpt2", {"item": fresh})  # tracked with nothing evicted yet
+    again = DynamicEmbedding(cfg)
+    load_sparse_checkpoint(tmp_path / "ckpt2", {"item": again})
+    assert again.deleted is not None and export_rows(tmp_path / "d2", again, delta=True)["num_deleted"] == 0
