@@ -16,6 +16,7 @@ import torch
 from recforge.config import load_config
 from recforge.train import ranking
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
+from recforge.ops.jagged import offsets_from_lengths, positions_in_sequence, sequence_ids
 from recforge.train.metrics import auc, gauc
 
 
@@ -50,9 +51,9 @@ def main() -> None:
     for _ in range(args.samples):
         pick = torch.randint(0, uniq.numel(), (uniq.numel(),), generator=gen)
         weight = torch.bincount(pick, minlength=uniq.numel())[inverse]  # times each row's user was drawn
-        rows = torch.repeat_interleave(torch.arange(y.numel()), weight)
-        # a user drawn twice counts as two users: give each copy its own group id
-        copy = torch.cat([torch.arange(int(w)) for w in weight.tolist()]) if rows.numel() else rows
+        offsets = offsets_from_lengths(weight)
+        rows = sequence_ids(offsets)
+        copy = positions_in_sequence(offsets)  # a user drawn twice counts as two users: one group id per copy
         groups = inverse[rows] * (int(weight.max()) + 1) + copy
         m = known[rows]
         diffs["auc"].append(auc(za[rows], y[rows], m) - auc(zb[rows], y[rows], m))
