@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from recforge.ops.jagged import sequence_ids
 from recforge.sparse.ids import check_ids
 from recforge.sparse.table import DynamicEmbedding, TableConfig
 
@@ -129,7 +130,7 @@ class EmbeddingCollection(nn.Module):
         if pooling == "none":
             return emb  # (total, d)
         lengths = ids.lengths.to(emb.device)
-        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=emb.device), lengths)  # (total,)
+        bag = sequence_ids(ids.offsets.to(emb.device), emb.shape[0])  # (total,), no host sync
         pooled = torch.zeros(lengths.numel(), emb.shape[1], device=emb.device, dtype=emb.dtype).index_add(0, bag, emb)
         if pooling == "mean":
             pooled = pooled / lengths.clamp(min=1)[:, None].to(emb.dtype)
