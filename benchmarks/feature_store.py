@@ -30,7 +30,7 @@ import pyarrow as pa
 from recforge.data.feature_store import ArrowFeatureStore, RedisFeatureStore
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline import cpu_model
+from _machine import cpu_model
 
 DIM = 16
 
@@ -144,6 +144,8 @@ def main() -> None:
                         break
                     except redis.ConnectionError:
                         time.sleep(0.05)
+                else:
+                    raise RuntimeError(f"redis-server did not answer on 127.0.0.1:{port}")
                 t0 = time.perf_counter()
                 store = RedisFeatureStore(client, table.drop_columns(["item_id"]).schema, defaults={"category": -1, "price": 0.0})
                 store.write(table)

@@ -43,7 +43,7 @@ from recforge.models.builders import build_retrieval_model
 from recforge.train.losses import sampled_softmax_loss
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline import cpu_model
+from _machine import cpu_model
 
 
 def make_samples(directory: Path, rows: int, mean_len: int, num_items: int, seed: int = 0) -> None:

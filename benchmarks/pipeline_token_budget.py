@@ -33,7 +33,8 @@ from recforge.data.collate import JaggedCollate
 from recforge.data.pipeline import Pipeline
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline import cpu_model, make_samples
+from _machine import cpu_model
+from pipeline import make_samples
 
 
 def make_lognormal_samples(directory: Path, rows: int, mean_len: int, files: int, seed: int = 0) -> None:

@@ -58,21 +58,6 @@ class BiasIndex:
         return out
 
 
-def relative_bias_rows(
-    q_pos: Tensor,
-    k_pos: Tensor,
-    q_ts: Tensor,
-    k_ts: Tensor,
-    pos_weights: Tensor | None,
-    time_weights: Tensor | None,
-    num_contextual: int = 0,
-) -> Tensor | None:
-    """(m', n) position + time bias; m' = 1 when every query has the same position and time."""
-    index = BiasIndex.build(q_pos, k_pos, q_ts, k_ts, 0 if pos_weights is None else pos_weights.numel(),
-                            None if time_weights is None else time_weights.numel() - 1, num_contextual)  # fmt: skip
-    return index.bias(pos_weights, time_weights)
-
-
 def cached_attention(
     q: Tensor,
     k: Tensor,
@@ -111,4 +96,4 @@ def self_attention_term(
     return (F.silu(scores) * scale).unsqueeze(-1) * v
 
 
-__all__ = ["BiasIndex", "cached_attention", "relative_bias_rows", "self_attention_term"]
+__all__ = ["BiasIndex", "cached_attention", "self_attention_term"]
