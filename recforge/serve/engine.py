@@ -239,7 +239,7 @@ class RankEngine:
     def new_state(self, req: EncodedRequest, capacity: int) -> PrefixState:
         cfg = self.model.encoder.cfg
         return PrefixState(cfg.num_blocks, capacity, cfg.num_heads, cfg.dqk, cfg.dv, req.context_ids.numel(),
-                           req.request_time, self.dtype, self.device)  # fmt: skip
+                           self.dtype, self.device)  # fmt: skip
 
     def reusable(self, state: PrefixState, req: EncodedRequest, tokens: dict[str, Tensor]) -> bool:
         """True when ``state`` is a prefix of this request's tokens (same contextual features and events).

@@ -48,7 +48,6 @@ class _DeviceEntry:
     tokens: Tensor  # (n, 4) CPU token identities
     timestamps: Tensor  # (n,) device
     num_contextual: int
-    context_time: int
     version: str
 
 
@@ -59,7 +58,6 @@ class _HostEntry:
     timestamps: Tensor
     tokens: Tensor
     num_contextual: int
-    context_time: int
     version: str
     ready: object = None  # torch.cuda.Event of the copy, None when complete
 
@@ -74,7 +72,7 @@ class PoolStats:
     device_hits: int = 0
     host_hits: int = 0
     misses: int = 0
-    stale: int = 0  # found but not reusable (other version or context, history changed)
+    stale: int = 0  # found but not reusable (other model version, history changed)
     evicted_to_host: int = 0
     dropped: int = 0
     too_large: int = 0
@@ -140,8 +138,8 @@ class KVCachePool:
     def _materialize(self, entry: _DeviceEntry, capacity: int) -> PrefixState:
         n, idx = entry.length, torch.tensor(entry.blocks, device=self.device)
         layers, heads, dqk, dv = self.keys.shape[1], self.keys.shape[3], self.keys.shape[4], self.values.shape[4]
-        state = PrefixState(layers, max(capacity, n), heads, dqk, dv, entry.num_contextual, entry.context_time,
-                            self.keys.dtype, self.device)  # fmt: skip
+        state = PrefixState(layers, max(capacity, n), heads, dqk, dv, entry.num_contextual, self.keys.dtype,
+                            self.device)  # fmt: skip
         state.keys[:, :n] = self.keys[idx].transpose(0, 1).reshape(layers, -1, heads, dqk)[:, :n]
         state.values[:, :n] = self.values[idx].transpose(0, 1).reshape(layers, -1, heads, dv)[:, :n]
         state.timestamps[:n] = entry.timestamps
@@ -152,7 +150,7 @@ class KVCachePool:
     def _state_from_host(self, host: _HostEntry, capacity: int) -> PrefixState:
         layers, n, heads, dqk = host.keys.shape
         state = PrefixState(layers, max(capacity, n), heads, dqk, host.values.shape[3], host.num_contextual,
-                            host.context_time, self.keys.dtype, self.device)  # fmt: skip
+                            self.keys.dtype, self.device)  # fmt: skip
         state.keys[:, :n] = host.keys.to(self.device, non_blocking=True)
         state.values[:, :n] = host.values.to(self.device, non_blocking=True)
         state.timestamps[:n] = host.timestamps.to(self.device)
@@ -175,7 +173,7 @@ class KVCachePool:
         if entry is None or entry.version != self.version or entry.length != start or start == 0:
             self.discard(user)
             entry = _DeviceEntry([], 0, state.tokens[:0], state.timestamps[:0], state.num_contextual,
-                                 state.context_time, self.version)  # fmt: skip
+                                 self.version)  # fmt: skip
             start = 0
         else:
             self.entries.pop(user)
@@ -236,7 +234,7 @@ class KVCachePool:
         else:
             host_k, host_v = keys.clone(), values.clone()
         return _HostEntry(host_k, host_v, state.timestamps[:n].cpu(), state.tokens[:n].clone(), entry.num_contextual,
-                          entry.context_time, entry.version, ready)  # fmt: skip
+                          entry.version, ready)  # fmt: skip
 
     def _release(self, blocks: list[int]) -> None:
         self.free.extend(blocks)

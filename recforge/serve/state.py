@@ -16,14 +16,13 @@ class PrefixState:
     """
 
     def __init__(self, num_layers: int, capacity: int, heads: int, dqk: int, dv: int, num_contextual: int,
-                 context_time: int, dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
         self.keys = torch.zeros(num_layers, capacity, heads, dqk, dtype=dtype, device=device)
         self.values = torch.zeros(num_layers, capacity, heads, dv, dtype=dtype, device=device)
         self.timestamps = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(capacity, 4, dtype=torch.int64)
         self.length = 0
         self.num_contextual = num_contextual
-        self.context_time = context_time
 
     @property
     def capacity(self) -> int:

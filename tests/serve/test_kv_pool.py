@@ -7,6 +7,7 @@ import torch
 
 from recforge.serve.engine import EngineConfig, RankEngine
 from recforge.serve.kv_pool import KVCachePool, PoolConfig
+from recforge.serve.layout import prefix_tokens
 from _serve_helpers import build_model, export, random_history
 
 CANDS = [1001, 1002, 1010, 1033, 1049]
@@ -52,7 +53,7 @@ def test_a_changed_history_is_recomputed_and_a_later_request_reuses_the_cache(tm
     assert engine.pool.report()["stale"] == 1
     later = engine.encode("u1", rewritten, CANDS, timestamp=now + 86400)  # the same user a day later
     result = engine.rank_encoded(later)
-    assert result.cached_tokens > 0
+    assert result.cached_tokens == prefix_tokens(later, engine.action_encoding)["item_ids"].numel()  # the whole prefix
     torch.testing.assert_close(result.scores, _scratch(engine, later), rtol=1e-5, atol=1e-5)
 
 
