@@ -36,17 +36,31 @@ def atomic_directory(final: Path) -> Iterator[Path]:
         raise
 
 
-def atomic_write_json(path: Path, payload: dict) -> None:
-    """Write JSON to a temporary file in the same directory, fsync, then rename over ``path``."""
+@contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; when the block succeeds its file is fsynced and
+    renamed over ``path``. On any exception the temporary file is removed and ``path`` is untouched.
+
+    Example:
+        >>> with atomic_file(out) as tmp:
+        ...     pq.write_table(table, tmp)
+    """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2)
-            f.write("\n")
-            f.flush()
+        yield tmp
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_write_json(path: Path, payload: dict) -> None:
+    """Write JSON to a temporary file in the same directory, fsync, then rename over ``path``."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(payload, indent=2) + "\n")

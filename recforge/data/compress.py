@@ -39,6 +39,7 @@ from recforge.data.batch import JaggedBatch
 from recforge.data.collate import _tensor
 from recforge.data.parquet_source import ROW_ID
 from recforge.data.ranking import SPLITS, fraction_check
+from recforge.io import atomic_file
 from recforge.ops.mask import AttentionMask
 
 
@@ -149,7 +150,6 @@ def compress_events(events_paths: list[str | os.PathLike] | str | os.PathLike, o
     paths = [events_paths] if isinstance(events_paths, (str, os.PathLike)) else list(events_paths)
     needed = ["user_id", "item_id", "timestamp", *cfg.label_columns] + ([cfg.action_column] if cfg.action_column else [])
     out_path = Path(out_path)
-    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
     writer, carry, counts = None, None, {"events": 0, "samples": 0, "targets": 0, "history_tokens": 0}
 
     def emit(chunk: pa.Table) -> None:
@@ -163,37 +163,34 @@ def compress_events(events_paths: list[str | os.PathLike] | str | os.PathLike, o
         counts["targets"] += int(np.diff(samples.column("target_item_ids").combine_chunks().offsets.to_numpy()).sum())
         counts["history_tokens"] += int(np.diff(samples.column("history_item_ids").combine_chunks().offsets.to_numpy()).sum())
 
-    try:
-        for path in paths:
-            try:
-                pf = pq.ParquetFile(path)
-            except (pa.ArrowException, OSError) as err:
-                raise ValueError(f"{path}: cannot read Parquet ({err}); the file is truncated or corrupt") from err
-            missing = [c for c in needed if c not in pf.schema_arrow.names]
-            if missing:
-                raise ValueError(f"{path}: no column(s) {missing} (have {pf.schema_arrow.names})")
-            for rb in pf.iter_batches(batch_size=cfg.chunk_rows, columns=needed):
-                table = pa.Table.from_batches([rb])
-                if carry is not None:
-                    table = pa.concat_tables([carry, table])
-                counts["events"] += rb.num_rows
-                users = table.column("user_id").to_numpy()
-                last = np.flatnonzero(users != users[-1])
-                cut = int(last[-1]) + 1 if len(last) else 0  # the last user may continue in the next chunk
-                if cut:
-                    emit(table.slice(0, cut))
-                carry = table.slice(cut)
-        if carry is not None and carry.num_rows:
-            emit(carry)
-        if writer is None:
-            raise ValueError(f"no events in {[str(p) for p in paths]}")
-        writer.close()
-        os.replace(tmp, out_path)
-    except BaseException:
-        if writer is not None:
-            writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_file(out_path) as tmp:
+        try:
+            for path in paths:
+                try:
+                    pf = pq.ParquetFile(path)
+                except (pa.ArrowException, OSError) as err:
+                    raise ValueError(f"{path}: cannot read Parquet ({err}); the file is truncated or corrupt") from err
+                missing = [c for c in needed if c not in pf.schema_arrow.names]
+                if missing:
+                    raise ValueError(f"{path}: no column(s) {missing} (have {pf.schema_arrow.names})")
+                for rb in pf.iter_batches(batch_size=cfg.chunk_rows, columns=needed):
+                    table = pa.Table.from_batches([rb])
+                    if carry is not None:
+                        table = pa.concat_tables([carry, table])
+                    counts["events"] += rb.num_rows
+                    users = table.column("user_id").to_numpy()
+                    last = np.flatnonzero(users != users[-1])
+                    cut = int(last[-1]) + 1 if len(last) else 0  # the last user may continue in the next chunk
+                    if cut:
+                        emit(table.slice(0, cut))
+                    carry = table.slice(cut)
+            if carry is not None and carry.num_rows:
+                emit(carry)
+            if writer is None:
+                raise ValueError(f"no events in {[str(p) for p in paths]}")
+        finally:
+            if writer is not None:
+                writer.close()
     return counts
 
 

@@ -30,6 +30,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyarrow import ipc
 
+from recforge.io import atomic_file
+
 
 @dataclass
 class LookupStats:
@@ -90,10 +92,8 @@ class ArrowFeatureStore:
         if len(sorted_keys) > 1 and (sorted_keys[1:] == sorted_keys[:-1]).any():
             raise ValueError(f"feature table: duplicate keys in {key!r}")
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, table.schema) as writer:
+        with atomic_file(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
-        os.replace(tmp, path)
         return path
 
     def lookup(self, keys: np.ndarray) -> pa.RecordBatch:

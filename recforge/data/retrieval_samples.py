@@ -34,6 +34,7 @@ from recforge.data.pipeline import Pipeline
 from recforge.data.sequences import UserSequences
 from recforge.data.token_batching import token_budget_cuts
 from recforge.data.transforms import next_item_targets
+from recforge.io import atomic_file
 from recforge.ops.jagged import range_index
 
 
@@ -56,13 +57,8 @@ def write_retrieval_samples(
     if seqs.timestamps is not None:
         columns["timestamps"] = pa.LargeListArray.from_arrays(off, pa.array(seqs.timestamps[index].numpy()))
     out_path = Path(out_path)
-    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_file(out_path) as tmp:
         pq.write_table(pa.table(columns), tmp, row_group_size=row_group_size)
-        os.replace(tmp, out_path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return out_path
 
 
