@@ -123,7 +123,7 @@ class Pipeline:
     def batch(self, batch_size: int | None = None, *, token_budget: int | None = None, length_column: str = "item_ids",
               max_rows: int | None = None, drop_last: bool = False) -> Pipeline:  # fmt: skip
         """Group rows: ``batch_size`` rows each, or as many rows as fit ``token_budget`` tokens
-        (lengths of list column ``length_column``)."""
+        (per row: the length of list column ``length_column``, or its value for an integer column)."""
         if (batch_size is None) == (token_budget is None):
             raise ValueError("batch() needs exactly one of batch_size or token_budget")
         if batch_size is not None and batch_size < 1:

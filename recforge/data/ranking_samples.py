@@ -42,7 +42,6 @@ from recforge.data.token_batching import token_budget_cuts
 from recforge.io import atomic_directory
 
 SAMPLES_FILE = "train-00000.parquet"
-TOKEN_SLOTS = "token_slots"  # list<null> of num_tokens entries: the length column token-budget batching cuts by
 
 
 def sample_tokens(data: RankingData, samples: RankingSamples, max_seq_len: int, action_encoding: str = "sum") -> torch.Tensor:
@@ -84,16 +83,6 @@ def samples_of(rb: pa.RecordBatch) -> RankingSamples:
     )
 
 
-def _with_token_slots(rb: pa.RecordBatch) -> pa.RecordBatch:
-    # Pipeline.batch(token_budget=...) measures a row by a list column's length; a null-typed list
-    # has no value buffer, so these slots cost only their offsets
-    tokens = rb.column("num_tokens").to_numpy()
-    offsets = np.zeros(len(tokens) + 1, np.int64)
-    np.cumsum(tokens, out=offsets[1:])
-    slots = pa.LargeListArray.from_arrays(pa.array(offsets), pa.nulls(int(offsets[-1])))
-    return rb.append_column(TOKEN_SLOTS, slots)
-
-
 @dataclass(frozen=True)
 class RankingCollate:
     """RecordBatch of ``write_ranking_samples`` rows -> ``RankingData.batch`` of those samples.
@@ -130,7 +119,7 @@ def ranking_pipeline(paths, data: RankingData, max_seq_len: int, batch_size: int
     pipe = Pipeline.from_parquet(paths, columns=["sample", "user_index", "events", "num_tokens"], num_workers=num_workers,
                                  seed=seed, state=state)  # fmt: skip
     if token_budget:
-        pipe = pipe.map(_with_token_slots).shuffle(shuffle_rows).batch(token_budget=token_budget, length_column=TOKEN_SLOTS)
+        pipe = pipe.shuffle(shuffle_rows).batch(token_budget=token_budget, length_column="num_tokens")
     else:
         pipe = pipe.shuffle(shuffle_rows).batch(batch_size)
     return pipe.collate(RankingCollate(data, max_seq_len, action_encoding)).prefetch(prefetch)

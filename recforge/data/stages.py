@@ -87,7 +87,9 @@ def _batch(stream: Iterator[Item], spec: tuple, rng: np.random.Generator) -> Ite
         if batch_size is not None:
             cuts = list(range(0, table.num_rows, batch_size)) + [table.num_rows]
         else:
-            lengths = pc.list_value_length(table.column(length_column)).to_numpy()
+            col = table.column(length_column)
+            # a list column counts its values; an integer column already holds each row's tokens
+            lengths = (col if pa.types.is_integer(col.type) else pc.list_value_length(col)).to_numpy()
             cuts = token_budget_cuts(lengths, token_budget, max_rows).tolist()
         out = []
         for a, b in itertools.pairwise(cuts[:-1]):

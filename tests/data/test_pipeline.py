@@ -150,6 +150,17 @@ def test_token_budget_batches(sample_dir):
     assert len({b.batch_size for b in batches}) > 1  # the row count varies
 
 
+def test_token_budget_by_an_integer_length_column(sample_dir):
+    """An integer column of per-row token counts cuts the same batches as the list column it counts."""
+
+    def with_counts(rb):
+        return rb.append_column("n", pc.list_value_length(rb.column("item_ids")).cast(pa.int64()))
+
+    by_list = [b.column(ROW_ID) for b in Pipeline.from_parquet(sample_dir).batch(token_budget=300, length_column="item_ids")]
+    by_count = [b.column(ROW_ID) for b in Pipeline.from_parquet(sample_dir).map(with_counts).batch(token_budget=300, length_column="n")]
+    assert len(by_list) > 1 and [c.to_pylist() for c in by_count] == [c.to_pylist() for c in by_list]
+
+
 def test_replay_cycles_cached_batches(sample_dir):
     cached = list(Pipeline.from_parquet(sample_dir).batch(10).take(3))
     out = list(replay(cached, 7))
