@@ -204,6 +204,42 @@ class Pipeline:
             state.share_done = True
 
 
+class PipelineSource:
+    """A ``Pipeline`` as the training loop's ``BatchSource``: one pipeline for the whole run, its
+    ``PipelineState`` saved in every checkpoint. Subclasses set ``pipeline = None`` and ``_build(state)``.
+
+    Rows are marked consumed when the pipeline hands a batch to the loop, and the loop asks for the
+    next batch only when it is about to train on it, so ``state_dict()`` between steps holds exactly
+    the rows of the steps taken; batches still in the prefetch queue stay unconsumed.
+    """
+
+    pipeline: Pipeline | None
+    num_steps_estimate: int
+
+    def _build(self, state: dict | None) -> Pipeline:
+        raise NotImplementedError
+
+    def epoch_iter(self, epoch: int, state: dict | None) -> Iterator[Any]:
+        if state is not None or self.pipeline is None:
+            self.pipeline = self._build(state)
+        s = self.pipeline.state
+        finished = s.share_done or (s.complete and s.num_rows > 0)  # every row of s.epoch is consumed
+        if finished and s.epoch == epoch:
+            # saved after the epoch's last batch but before its end was seen (a budget stop or checkpoint_every)
+            return iter(())
+        if s.epoch + finished != epoch:
+            raise RuntimeError(
+                f"the pipeline state is in epoch {s.epoch} (finished={finished}) but training is in epoch {epoch}: "
+                "the checkpoint's data_state and train_state disagree; resume from an unmodified checkpoint"
+            )
+        return iter(self.pipeline)  # a new epoch starts (all rows unconsumed) when the state's epoch is finished
+
+    def state_dict(self) -> dict:
+        if self.pipeline is None:
+            raise RuntimeError(f"{type(self).__name__}.state_dict() before the first epoch_iter(); there is no state yet")
+        return self.pipeline.state_dict()
+
+
 def replay(batches: list, steps: int) -> Iterator:
     """IO-free mode: cycle over batches already in memory for ``steps`` steps.
 

@@ -35,10 +35,8 @@ import torch
 from recforge.data.batch import JaggedBatch
 from recforge.data.collate import _tensor
 from recforge.data.parquet_source import ROW_ID
-from recforge.data.pipeline import Pipeline
+from recforge.data.pipeline import Pipeline, PipelineSource
 from recforge.data.ranking import ACTION_ENCODINGS, RankingData, RankingSamples
-from recforge.data.retrieval_samples import RetrievalBatches
-from recforge.data.token_batching import token_budget_cuts
 from recforge.io import atomic_directory
 
 SAMPLES_FILE = "train-00000.parquet"
@@ -125,14 +123,6 @@ def ranking_pipeline(paths, data: RankingData, max_seq_len: int, batch_size: int
     return pipe.collate(RankingCollate(data, max_seq_len, action_encoding)).prefetch(prefetch)
 
 
-def steps_per_epoch(tokens: torch.Tensor, batch_size: int, token_budget: int = 0, seed: int = 0) -> int:
-    """Batches one epoch of samples with ``tokens`` (S,) makes: exact for fixed batches; for token
-    budgets the count of a seeded shuffle of the same rows (the real one varies by a few batches)."""
-    if not token_budget:
-        return -(-tokens.numel() // batch_size)
-    return len(token_budget_cuts(np.random.default_rng(seed).permutation(tokens.numpy()), token_budget)) - 1
-
-
 @dataclass(frozen=True)
 class TokenReference:
     """What a batch of ``token_budget`` tokens holds on average over the training samples.
@@ -162,9 +152,8 @@ def token_reference(data: RankingData, samples: RankingSamples, tokens: torch.Te
 
 
 @dataclass
-class RankingBatches:
-    """``ranking_pipeline`` as the training loop's ``BatchSource``: one pipeline for the whole run,
-    its ``PipelineState`` saved in every checkpoint (the state handling is ``RetrievalBatches``').
+class RankingBatches(PipelineSource):
+    """``ranking_pipeline`` as the training loop's ``BatchSource`` (see ``PipelineSource``).
 
     Example:
         >>> source = RankingBatches(["run/samples/train-00000.parquet"], data, 256, 64, num_steps_estimate=40)
@@ -186,12 +175,3 @@ class RankingBatches:
         return ranking_pipeline(self.paths, self.data, self.max_seq_len, self.batch_size,
                                 action_encoding=self.action_encoding, num_workers=self.num_workers, seed=self.seed,
                                 state=state, token_budget=self.token_budget)  # fmt: skip
-
-    # Which epoch a saved state is in, and when a new one starts, is the same bookkeeping for any
-    # pipeline: RetrievalBatches' methods need only ``self.pipeline`` and ``self._build``.
-    epoch_iter = RetrievalBatches.epoch_iter
-
-    def state_dict(self) -> dict:
-        if self.pipeline is None:
-            raise RuntimeError("RankingBatches.state_dict() before the first epoch_iter(); there is no state yet")
-        return self.pipeline.state_dict()

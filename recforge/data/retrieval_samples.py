@@ -19,20 +19,17 @@ training batches without building them in memory each step, with exact resume;
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from recforge.data.batch import JaggedBatch
 from recforge.data.collate import JaggedCollate
-from recforge.data.pipeline import Pipeline
+from recforge.data.pipeline import Pipeline, PipelineSource
 from recforge.data.sequences import UserSequences
-from recforge.data.token_batching import token_budget_cuts
 from recforge.data.transforms import next_item_targets
 from recforge.io import atomic_file
 from recforge.ops.jagged import range_index
@@ -85,23 +82,14 @@ def retrieval_pipeline(paths, max_seq_len: int, batch_size: int, *, timestamps: 
     )
 
 
-def steps_per_epoch(samples: torch.Tensor, max_seq_len: int, batch_size: int, token_budget: int = 0, seed: int = 0) -> int:
-    """Batches one epoch of ``samples`` makes: exact for fixed batches; for token budgets the count of a
-    seeded shuffle of the same rows (the real one varies by a few batches with the order)."""
-    if not token_budget:
-        return -(-samples.shape[0] // batch_size)
-    tokens = torch.clamp(samples[:, 1] - 1, max=max_seq_len).numpy()  # inputs per sample (each predicts the next item)
-    return len(token_budget_cuts(np.random.default_rng(seed).permutation(tokens), token_budget)) - 1
+def sample_tokens(samples: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """(S,) input tokens of each (user, end) sample (each input predicts the next item)."""
+    return torch.clamp(samples[:, 1] - 1, max=max_seq_len)
 
 
 @dataclass
-class RetrievalBatches:
-    """``retrieval_pipeline`` as the training loop's ``BatchSource``: one pipeline for the whole run,
-    its ``PipelineState`` saved in every checkpoint.
-
-    Rows are marked consumed when the pipeline hands a batch to the loop, and the loop asks for the
-    next batch only when it is about to train on it, so ``state_dict()`` between steps holds exactly
-    the rows of the steps taken; batches still in the prefetch queue stay unconsumed.
+class RetrievalBatches(PipelineSource):
+    """``retrieval_pipeline`` as the training loop's ``BatchSource`` (see ``PipelineSource``).
 
     Example:
         >>> source = RetrievalBatches(["run/samples/train-00000.parquet"], 200, 128, timestamps=False,
@@ -123,23 +111,3 @@ class RetrievalBatches:
         return retrieval_pipeline(self.paths, self.max_seq_len, self.batch_size, timestamps=self.timestamps,
                                   num_workers=self.num_workers, seed=self.seed, state=state,
                                   token_budget=self.token_budget)  # fmt: skip
-
-    def epoch_iter(self, epoch: int, state: dict | None) -> Iterator[JaggedBatch]:
-        if state is not None or self.pipeline is None:
-            self.pipeline = self._build(state)
-        s = self.pipeline.state
-        finished = s.share_done or (s.complete and s.num_rows > 0)  # every row of s.epoch is consumed
-        if finished and s.epoch == epoch:
-            # saved after the epoch's last batch but before its end was seen (a budget stop or checkpoint_every)
-            return iter(())
-        if s.epoch + finished != epoch:
-            raise RuntimeError(
-                f"the pipeline state is in epoch {s.epoch} (finished={finished}) but training is in epoch {epoch}: "
-                "the checkpoint's data_state and train_state disagree; resume from an unmodified checkpoint"
-            )
-        return iter(self.pipeline)  # a new epoch starts (all rows unconsumed) when the state's epoch is finished
-
-    def state_dict(self) -> dict:
-        if self.pipeline is None:
-            raise RuntimeError("RetrievalBatches.state_dict() before the first epoch_iter(); there is no state yet")
-        return self.pipeline.state_dict()

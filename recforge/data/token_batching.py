@@ -46,6 +46,16 @@ def token_budget_cuts(lengths: np.ndarray, budget: int, max_rows: int | None = N
     return np.asarray(cuts, np.int64)
 
 
+def steps_per_epoch(tokens: np.ndarray | torch.Tensor, batch_size: int, token_budget: int = 0, seed: int = 0) -> int:
+    """Batches one epoch of rows with ``tokens`` (S,) makes: exact for fixed batches of ``batch_size``;
+    for token budgets the count of a seeded shuffle of the same rows (the real one varies by a few
+    batches with the order)."""
+    tokens = tokens.numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens)
+    if not token_budget:
+        return -(-len(tokens) // batch_size)
+    return len(token_budget_cuts(np.random.default_rng(seed).permutation(tokens), token_budget)) - 1
+
+
 def token_loss_scale(local_tokens: int, reference_tokens: int, world_size: int = 1) -> float:
     """Factor that turns a per-token loss *sum* into a fixed-batch-semantics loss.
 

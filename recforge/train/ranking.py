@@ -41,11 +41,10 @@ from recforge.data.ranking_samples import (
     RankingBatches,
     TokenReference,
     sample_tokens,
-    steps_per_epoch,
     token_reference,
     write_ranking_samples,
 )
-from recforge.data.token_batching import token_loss_scale
+from recforge.data.token_batching import steps_per_epoch, token_loss_scale
 from recforge.models.builders import build_ranking_model
 from recforge.models.ranking import (
     RankingModel,

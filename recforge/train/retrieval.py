@@ -26,7 +26,8 @@ import torch
 from recforge.config import RunConfig, load_config
 from recforge.data.batch import JaggedBatch
 from recforge.data.dataset import load_dataset
-from recforge.data.retrieval_samples import RetrievalBatches, steps_per_epoch, write_retrieval_samples
+from recforge.data.retrieval_samples import RetrievalBatches, sample_tokens, write_retrieval_samples
+from recforge.data.token_batching import steps_per_epoch
 from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences
 from recforge.data.token_batching import token_loss_scale
 from recforge.models.builders import build_retrieval_model
@@ -155,7 +156,7 @@ def _pipeline_source(s: Setup, samples: torch.Tensor, resume: bool) -> Retrieval
     return RetrievalBatches(
         [path], cfg.data.max_seq_len, t.batch_size, timestamps=s.seqs.timestamps is not None, num_workers=t.loader_workers,
         token_budget=t.token_budget, seed=t.seed,
-        num_steps_estimate=steps_per_epoch(samples, cfg.data.max_seq_len, t.batch_size, t.token_budget, t.seed),
+        num_steps_estimate=steps_per_epoch(sample_tokens(samples, cfg.data.max_seq_len), t.batch_size, t.token_budget, t.seed),
     )  # fmt: skip
 
 

@@ -15,10 +15,10 @@ from recforge.data.ranking_samples import (
     RankingBatches,
     ranking_pipeline,
     sample_tokens,
-    steps_per_epoch,
     token_reference,
     write_ranking_samples,
 )
+from recforge.data.token_batching import steps_per_epoch
 from recforge.train import ranking
 from recforge.train.checkpoint import find_checkpoint
 from tests.train.test_ranking_recipe import CONFIG, SMALL, data_dir  # noqa: F401 - data_dir is a fixture
