@@ -38,6 +38,7 @@ from recforge.data.parquet_source import ROW_ID
 from recforge.data.pipeline import Pipeline, PipelineSource
 from recforge.data.ranking import ACTION_ENCODINGS, RankingData, RankingSamples
 from recforge.io import atomic_directory
+from recforge.ops.jagged import sequence_ids
 
 SAMPLES_FILE = "train-00000.parquet"
 
@@ -145,7 +146,7 @@ def token_reference(data: RankingData, samples: RankingSamples, tokens: torch.Te
     lists = 0.0
     if list_task is not None:
         positives = torch.nan_to_num(labels[:, list_task], nan=0.0) > 0
-        sample_of_target = torch.repeat_interleave(torch.arange(len(samples)), samples.offsets[1:] - samples.offsets[:-1])
+        sample_of_target = sequence_ids(samples.offsets, samples.events.numel())
         has_positive = torch.zeros(len(samples), dtype=torch.bool).index_fill_(0, sample_of_target[positives], True)
         lists = int(has_positive.sum()) * per_token
     return TokenReference(known, lists)

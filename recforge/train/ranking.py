@@ -53,6 +53,7 @@ from recforge.models.ranking import (
     pointwise_loss,
     save_slices,
 )
+from recforge.ops.jagged import offsets_from_lengths, sequence_ids
 from recforge.sparse import SparseOptimizer
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
 from recforge.train.loop import make_optimizer, prepare_run_dir, prepare_runtime, run_loop
@@ -151,7 +152,7 @@ def _token_weighted_loss(
     if s.cfg.ranking.listwise_weight:
         k = s.kinds.index("binary")
         mean = s.cfg.ranking.listwise_weight * listwise_loss(outputs[:, k : k + 1], labels[:, k : k + 1], num_targets)
-        sample_of_target = torch.repeat_interleave(torch.arange(num_targets.numel(), device=num_targets.device), num_targets)
+        sample_of_target = sequence_ids(offsets_from_lengths(num_targets), labels.shape[0])
         lists = int(torch.unique(sample_of_target[torch.nan_to_num(labels[:, k], nan=0.0) > 0]).numel())
         loss = loss + mean
         if lists:
