@@ -138,10 +138,11 @@ class SparseOptimizer:
             raise ValueError("SparseOptimizer: no DynamicEmbedding tables given")
         self.tables = found
 
-    def step(self) -> None:
-        """Apply each table's pending row gradients."""
+    def step(self, lr_scale: float = 1.0) -> None:
+        """Apply each table's pending row gradients; ``lr_scale`` multiplies every table's learning
+        rate this step (a run-level schedule, e.g. warm-up, on top of the tables' own)."""
         for table in self.tables:
-            table.apply_gradients()
+            table.apply_gradients(lr_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop pending gradients (after ``step()`` there are none; this is for skipped steps)."""

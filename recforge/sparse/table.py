@@ -406,8 +406,9 @@ class DynamicEmbedding(nn.Module):
             out = torch.where(found[:, None], out, self.default_row[None, :])
         return out
 
-    def apply_gradients(self) -> None:
-        """The fused sparse step: merge this step's row gradients, update those rows, advance the step."""
+    def apply_gradients(self, lr_scale: float = 1.0) -> None:
+        """The fused sparse step: merge this step's row gradients, update those rows (learning rate
+        ``lr_at(step) * lr_scale``), advance the step."""
         if self._pending:
             if len(self._pending) == 1:
                 rows, slots, grads = self._pending[0]
@@ -417,7 +418,7 @@ class DynamicEmbedding(nn.Module):
                 rows, inverse = torch.unique(rows, return_inverse=True)
                 grads = torch.zeros(rows.numel(), self.dim, device=grads.device, dtype=grads.dtype).index_add_(0, inverse, grads)
                 slots = self.store.ensure(rows, pin=True)
-            opt, lr = self.cfg.optimizer, lr_at(self.cfg.optimizer, self.step)
+            opt, lr = self.cfg.optimizer, lr_at(self.cfg.optimizer, self.step) * lr_scale
             if self._fused_update(opt, grads):  # one kernel; non-finite rows skipped and counted on the device
                 kernels.lazy_adam_rows(self.store.weight, self.store.state["exp_avg"], self.store.state["exp_avg_sq"],
                                        self.store.state["step"], slots, grads, lr=lr, betas=tuple(opt.betas), eps=opt.eps,

@@ -96,6 +96,12 @@ def lr_at(cfg: RunConfig, step: int, total_steps: int) -> float:
     return opt.lr * (opt.min_lr_fraction + (1.0 - opt.min_lr_fraction) * shape)
 
 
+def run_lr_scale(cfg: RunConfig, optimizer: torch.optim.Optimizer) -> float:
+    """This step's learning rate over ``optim.lr`` (what ``optim.schedule`` set): the factor sparse
+    tables apply on top of their own schedule, so ``model.embedding=dynamic`` follows the run's."""
+    return optimizer.param_groups[0]["lr"] / cfg.optim.lr if cfg.optim.lr else 1.0
+
+
 def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path:
     """Create the run directory; refuse to overwrite an existing run unless resuming."""
     run_dir = cfg.run_dir

@@ -56,7 +56,7 @@ from recforge.models.ranking import (
 from recforge.ops.jagged import offsets_from_lengths, sequence_ids
 from recforge.sparse import SparseOptimizer
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
-from recforge.train.loop import make_optimizer, prepare_run_dir, prepare_runtime, run_loop
+from recforge.train.loop import make_optimizer, prepare_run_dir, prepare_runtime, run_loop, run_lr_scale
 from recforge.train.metrics import auc, gauc
 
 
@@ -168,7 +168,7 @@ def _train_step(s: Setup, batch: JaggedBatch) -> tuple[float, int]:
         torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.cfg.optim.grad_clip)
     s.optimizer.step()
     if s.sparse_optimizer is not None:
-        s.sparse_optimizer.step()
+        s.sparse_optimizer.step(lr_scale=run_lr_scale(s.cfg, s.optimizer))
     return loss.item(), batch.num_tokens
 
 

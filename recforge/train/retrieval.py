@@ -35,7 +35,7 @@ from recforge.models.retrieval import RetrievalModel
 from recforge.sparse import SparseOptimizer
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
 from recforge.train.evaluate import evaluate_ranking, model_scorer
-from recforge.train.loop import make_optimizer, prepare_run_dir, prepare_runtime, run_loop
+from recforge.train.loop import make_optimizer, prepare_run_dir, prepare_runtime, run_loop, run_lr_scale
 from recforge.train.losses import sampled_softmax_loss
 
 
@@ -105,7 +105,7 @@ def _train_step(s: Setup, batch: JaggedBatch) -> tuple[float, int]:
         torch.nn.utils.clip_grad_norm_(s.model.parameters(), cfg.optim.grad_clip)
     s.optimizer.step()
     if s.sparse_optimizer is not None:
-        s.sparse_optimizer.step()
+        s.sparse_optimizer.step(lr_scale=run_lr_scale(s.cfg, s.optimizer))
     return loss.item(), batch.num_tokens
 
 

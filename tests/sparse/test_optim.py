@@ -112,3 +112,19 @@ def test_schedule_drives_the_update() -> None:
         table(torch.tensor([1])).sum().backward()
         table.apply_gradients()
     torch.testing.assert_close(table.store.weight[1], torch.full((D,), -(1 + 0.5 + 0.25)))
+
+
+def test_lr_scale_multiplies_the_tables_learning_rate() -> None:
+    """step(lr_scale=s) equals a table configured with lr * s; s = 0 leaves the rows untouched."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    ids, init, grad = torch.arange(V), torch.randn(V, D, generator=gen), torch.randn(V, D, generator=gen)
+    tables = {}
+    for name, lr, scale in (("scaled", 0.2, 0.25), ("plain", 0.05, 1.0), ("frozen", 0.2, 0.0)):
+        table = _table("sgd", lr=lr)
+        warm_start(table, init, ids)
+        (table(ids) * grad).sum().backward()
+        SparseOptimizer([table]).step(lr_scale=scale)
+        tables[name] = table(ids).detach()
+    torch.testing.assert_close(tables["scaled"], tables["plain"], rtol=0, atol=1e-7)
+    torch.testing.assert_close(tables["frozen"], init, rtol=0, atol=0)
+    torch.testing.assert_close(tables["plain"], init - 0.05 * grad, rtol=0, atol=1e-6)

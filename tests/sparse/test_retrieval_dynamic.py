@@ -65,3 +65,22 @@ def test_dynamic_item_table_trains_and_resumes_exactly(tmp_path: Path, data_dir:
     assert manifest["stats"]["admitted"] > 0 and manifest["stats"]["not_admitted"] > 0  # count admission at work
     assert evaluate_run(rest.run_dir)["hr@10"] == evaluate_run(reference.run_dir)["hr@10"]
 
+
+
+def test_dynamic_tables_follow_the_run_learning_rate_schedule(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """optim.schedule (here a warm-up) scales the sparse tables' learning rate each step, as the dense one's."""
+    from recforge.sparse import SparseOptimizer
+    from recforge.train.loop import lr_at
+
+    scales = []
+    real = SparseOptimizer.step
+
+    def recording(self, lr_scale: float = 1.0) -> None:
+        scales.append(lr_scale)
+        real(self, lr_scale)
+
+    monkeypatch.setattr(SparseOptimizer, "step", recording)
+    cfg = _cfg(tmp_path, data_dir, "warm", "optim.warmup_steps=4", "train.max_steps=6", "train.eval_every=0")
+    train(cfg, progress=False)
+    assert scales == pytest.approx([lr_at(cfg, step, 6) / cfg.optim.lr for step in range(6)], rel=1e-12)
+    assert scales[0] == pytest.approx(0.25) and scales[-1] == pytest.approx(1.0)
