@@ -234,13 +234,30 @@ def free_tile_span(lo, free_lo, free_hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def masked_tile(t, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK: tl.constexpr):
-    """Start and key bound of the t-th tile that needs the mask: contextual prefix tiles first,
-    then the tiles of [start, end) outside the free span [m_lo, m_hi)."""
-    in_ctx = t < n_ctx
+def key_tile(t, n_masked, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK: tl.constexpr):
+    """(first key, key bound, needs the mask) of the t-th key tile a query block walks.
+
+    Tiles t < n_masked need the mask: the contextual prefix tiles, then the tiles of
+    [start, end) outside the free span [m_lo, m_hi); the free span's tiles follow. One loop
+    over both, with the mask math behind a run-time branch, is half the code of two loops:
+    it halves compile time, and the branch is uniform per tile.
+    """
+    masked = t < n_masked
     u = t - n_ctx
     u = tl.where(u < m_lo, u, u - m_lo + m_hi)
-    return tl.where(in_ctx, t * BLOCK, start + u * BLOCK), tl.where(in_ctx, ctx_end, end)
+    j_masked = tl.where(t < n_ctx, t * BLOCK, start + u * BLOCK)
+    j_start = tl.where(masked, j_masked, start + (t - n_masked + m_lo) * BLOCK)
+    khi = tl.where(masked & (t < n_ctx), ctx_end, end)
+    return j_start, khi, masked
+
+
+@triton.jit
+def query_tile(t, n_masked, m_lo, m_hi, lo, BLOCK: tl.constexpr):
+    """(first row, needs the mask) of the t-th query tile a key block walks: the tiles of
+    [lo, hi) outside the free span [m_lo, m_hi) first, then the free span (see ``key_tile``)."""
+    masked = t < n_masked
+    u = tl.where(masked, tl.where(t < m_lo, t, t - m_lo + m_hi), t - n_masked + m_lo)
+    return lo + u * BLOCK, masked
 
 
 @triton.jit

@@ -20,15 +20,16 @@ from recforge.ops.triton._common import (
     MaskArgs,
     free_tile_span,
     key_block_ranges,
+    key_tile,
     mask_args,
-    masked_tile,
     max_len_bucket,
     query_block_ranges,
+    query_tile,
     time_bucket,
     time_thresholds,
     visible,
 )
-from recforge.ops.triton.tuning import fixed_config, is_interpreting, tuned
+from recforge.ops.triton.tuning import dot_precision, launch, tuned
 
 
 @triton.jit
@@ -87,34 +88,25 @@ def _hstu_fwd(
     V_h = V + h * sv_h
 
     m_lo, m_hi = free_tile_span(start, free_lo, free_hi, BLOCK_N)
-    num_tiles = tl.cdiv(end - start, BLOCK_N)
     n_ctx = tl.cdiv(ctx_end, BLOCK_N)
-    for phase in tl.static_range(2):
-        # 0: tiles that need the mask (contextual prefix, edges); 1: the fully visible span
-        if phase == 0:
-            lo_t, hi_t = 0, n_ctx + m_lo + num_tiles - m_hi
-        else:
-            lo_t, hi_t = m_lo, m_hi
-        for t in range(lo_t, hi_t):
-            if phase == 0:
-                j_start, khi = masked_tile(t, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
-            else:
-                j_start, khi = start + t * BLOCK_N, end
-            j_vec = j_start + offs_n
-            key_ok = j_vec < khi
-            tok = (start_tok + j_vec).to(tl.int64)
-            kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
-            v = tl.load(V_h + tok[:, None] * sv_t + dv_[None, :], mask=key_ok[:, None] & (dv_[None, :] < DV), other=0.0)
-            j = j_vec[None, :]
-            s = _scores(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
-                        HAS_POS, HAS_TIME, DOT_PREC)
-            a = s * tl.sigmoid(s) * scale
-            if phase == 0:
-                ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
-                vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
-                              S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
-                a = tl.where(vis, a, 0.0)
-            acc += tl.dot(a.to(v.dtype), v, input_precision=DOT_PREC)
+    n_masked = n_ctx + m_lo + tl.cdiv(end - start, BLOCK_N) - m_hi
+    for t in range(n_masked + m_hi - m_lo):  # masked tiles, then the fully visible span
+        j_start, khi, masked = key_tile(t, n_masked, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
+        j_vec = j_start + offs_n
+        key_ok = j_vec < khi
+        tok = (start_tok + j_vec).to(tl.int64)
+        kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
+        v = tl.load(V_h + tok[:, None] * sv_t + dv_[None, :], mask=key_ok[:, None] & (dv_[None, :] < DV), other=0.0)
+        j = j_vec[None, :]
+        s = _scores(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
+                    HAS_POS, HAS_TIME, DOT_PREC)
+        a = s * tl.sigmoid(s) * scale
+        if masked:
+            ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
+            vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
+                          S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
+            a = tl.where(vis, a, 0.0)
+        acc += tl.dot(a.to(v.dtype), v, input_precision=DOT_PREC)
     tl.store(O + (start_tok + offs_m)[:, None].to(tl.int64) * so_t + h * so_h + dv_[None, :],
              acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv_[None, :] < DV))
 
@@ -159,36 +151,27 @@ def _hstu_bwd_dq(
     V_h = V + h * sv_h
 
     m_lo, m_hi = free_tile_span(start, free_lo, free_hi, BLOCK_N)
-    num_tiles = tl.cdiv(end - start, BLOCK_N)
     n_ctx = tl.cdiv(ctx_end, BLOCK_N)
-    for phase in tl.static_range(2):
-        # 0: tiles that need the mask (contextual prefix, edges); 1: the fully visible span
-        if phase == 0:
-            lo_t, hi_t = 0, n_ctx + m_lo + num_tiles - m_hi
-        else:
-            lo_t, hi_t = m_lo, m_hi
-        for t in range(lo_t, hi_t):
-            if phase == 0:
-                j_start, khi = masked_tile(t, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
-            else:
-                j_start, khi = start + t * BLOCK_N, end
-            j_vec = j_start + offs_n
-            key_ok = j_vec < khi
-            tok = (start_tok + j_vec).to(tl.int64)
-            kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
-            vT = tl.load(V_h + tok[None, :] * sv_t + dv_[:, None], mask=key_ok[None, :] & (dv_[:, None] < DV), other=0.0)
-            j = j_vec[None, :]
-            s = _scores(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
-                        HAS_POS, HAS_TIME, DOT_PREC)
-            sig = tl.sigmoid(s)
-            da = tl.dot(do, vT, input_precision=DOT_PREC)
-            ds = da * (scale * sig * (1.0 + s * (1.0 - sig)))
-            if phase == 0:
-                ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
-                vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
-                              S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
-                ds = tl.where(vis, ds, 0.0)
-            dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=DOT_PREC)
+    n_masked = n_ctx + m_lo + tl.cdiv(end - start, BLOCK_N) - m_hi
+    for t in range(n_masked + m_hi - m_lo):  # masked tiles, then the fully visible span
+        j_start, khi, masked = key_tile(t, n_masked, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
+        j_vec = j_start + offs_n
+        key_ok = j_vec < khi
+        tok = (start_tok + j_vec).to(tl.int64)
+        kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
+        vT = tl.load(V_h + tok[None, :] * sv_t + dv_[:, None], mask=key_ok[None, :] & (dv_[:, None] < DV), other=0.0)
+        j = j_vec[None, :]
+        s = _scores(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
+                    HAS_POS, HAS_TIME, DOT_PREC)
+        sig = tl.sigmoid(s)
+        da = tl.dot(do, vT, input_precision=DOT_PREC)
+        ds = da * (scale * sig * (1.0 + s * (1.0 - sig)))
+        if masked:
+            ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
+            vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
+                          S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
+            ds = tl.where(vis, ds, 0.0)
+        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=DOT_PREC)
     tl.store(DQ + rows * sdq_t + h * sdq_h + dq_[None, :], dq.to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (dq_[None, :] < DQK))
 
@@ -234,49 +217,41 @@ def _hstu_bwd_dkdv(
     DO_h = DO + h * so_h
 
     m_lo, m_hi = free_tile_span(lo, free_lo, free_hi, BLOCK_M)
-    num_tiles = tl.cdiv(hi - lo, BLOCK_M)
-    for phase in tl.static_range(2):
-        # 0: row tiles that need the mask; 1: the fully visible span
-        if phase == 0:
-            lo_t, hi_t = 0, m_lo + num_tiles - m_hi
-        else:
-            lo_t, hi_t = m_lo, m_hi
-        for t in range(lo_t, hi_t):
-            if phase == 0:
-                i_vec = lo + tl.where(t < m_lo, t, t - m_lo + m_hi) * BLOCK_M + offs_m
+    n_masked = m_lo + tl.cdiv(hi - lo, BLOCK_M) - m_hi
+    for t in range(n_masked + m_hi - m_lo):  # masked row tiles, then the fully visible span
+        i_start, masked = query_tile(t, n_masked, m_lo, m_hi, lo, BLOCK_M)
+        i_vec = i_start + offs_m
+        row_ok = i_vec < hi
+        tok = (start_tok + i_vec).to(tl.int64)
+        qT = tl.load(Q_h + tok[None, :] * sq_t + dq_[:, None], mask=row_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
+        doT = tl.load(DO_h + tok[None, :] * so_t + dv_[:, None], mask=row_ok[None, :] & (dv_[:, None] < DV), other=0.0)
+        i = i_vec[None, :]
+        sT = _scores(k, qT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
+                     HAS_POS, HAS_TIME, DOT_PREC)  # (BLOCK_N, BLOCK_M)
+        sig = tl.sigmoid(sT)
+        aT = sT * sig * scale
+        daT = tl.dot(v, doT, input_precision=DOT_PREC)
+        dsT = daT * (scale * sig * (1.0 + sT * (1.0 - sig)))
+        if masked:
+            ts_i = tl.load(ts_mask + start_tok + i_vec, mask=row_ok, other=0) if HAS_TS else i_vec
+            vis = visible(i, j, n, c, he, ends, ts_i[None, :], ts_j[:, None], window,
+                          S, FULL_BITS, HAS_WINDOW, HAS_TS) & (i < hi)
+            aT = tl.where(vis, aT, 0.0)
+            dsT = tl.where(vis, dsT, 0.0)
+        dv += tl.dot(aT.to(doT.dtype), tl.trans(doT), input_precision=DOT_PREC)
+        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
+        if POS_GRAD:
+            dist = tl.minimum(i, he) - tl.minimum(j, he)
+            if tl.min(dist) >= P - 1:  # every pair of the tile uses the last weight
+                tl.atomic_add(dpos + P - 1, tl.sum(dsT))
             else:
-                i_vec = lo + t * BLOCK_M + offs_m
-            row_ok = i_vec < hi
-            tok = (start_tok + i_vec).to(tl.int64)
-            qT = tl.load(Q_h + tok[None, :] * sq_t + dq_[:, None], mask=row_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
-            doT = tl.load(DO_h + tok[None, :] * so_t + dv_[:, None], mask=row_ok[None, :] & (dv_[:, None] < DV), other=0.0)
-            i = i_vec[None, :]
-            sT = _scores(k, qT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
-                         HAS_POS, HAS_TIME, DOT_PREC)  # (BLOCK_N, BLOCK_M)
-            sig = tl.sigmoid(sT)
-            aT = sT * sig * scale
-            daT = tl.dot(v, doT, input_precision=DOT_PREC)
-            dsT = daT * (scale * sig * (1.0 + sT * (1.0 - sig)))
-            if phase == 0:
-                ts_i = tl.load(ts_mask + start_tok + i_vec, mask=row_ok, other=0) if HAS_TS else i_vec
-                vis = visible(i, j, n, c, he, ends, ts_i[None, :], ts_j[:, None], window,
-                              S, FULL_BITS, HAS_WINDOW, HAS_TS) & (i < hi)
-                aT = tl.where(vis, aT, 0.0)
-                dsT = tl.where(vis, dsT, 0.0)
-            dv += tl.dot(aT.to(doT.dtype), tl.trans(doT), input_precision=DOT_PREC)
-            dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
-            if POS_GRAD:
-                dist = tl.minimum(i, he) - tl.minimum(j, he)
-                if tl.min(dist) >= P - 1:  # every pair of the tile uses the last weight
-                    tl.atomic_add(dpos + P - 1, tl.sum(dsT))
-                else:
-                    tl.atomic_add(dpos + tl.minimum(tl.maximum(dist, 0), P - 1), dsT, mask=dsT != 0.0)
-            if TIME_GRAD:
-                in_seq = (i < n) & (j < n)
-                ts_bi = tl.load(ts_bias + start_tok + i, mask=in_seq, other=0)
-                ts_bj = tl.load(ts_bias + start_tok + j, mask=in_seq, other=0)
-                events = (i >= c) & (j >= c)  # contextual tokens carry no time bias
-                tl.atomic_add(dtime + time_bucket(ts_bi - ts_bj, time_thr, NB), dsT, mask=(dsT != 0.0) & events)
+                tl.atomic_add(dpos + tl.minimum(tl.maximum(dist, 0), P - 1), dsT, mask=dsT != 0.0)
+        if TIME_GRAD:
+            in_seq = (i < n) & (j < n)
+            ts_bi = tl.load(ts_bias + start_tok + i, mask=in_seq, other=0)
+            ts_bj = tl.load(ts_bias + start_tok + j, mask=in_seq, other=0)
+            events = (i >= c) & (j >= c)  # contextual tokens carry no time bias
+            tl.atomic_add(dtime + time_bucket(ts_bi - ts_bj, time_thr, NB), dsT, mask=(dsT != 0.0) & events)
     tl.store(DK + keys * sdk_t + h * sdk_h + dq_[None, :], dk.to(DK.dtype.element_ty),
              mask=key_ok[:, None] & (dq_[None, :] < DQK))
     tl.store(DV_ + keys * sdv_t + h * sdv_h + dv_[None, :], dv.to(DV_.dtype.element_ty),
@@ -288,29 +263,13 @@ _bwd_dq = tuned(_hstu_bwd_dq, kind="bwd_dq")
 _bwd_dkdv = tuned(_hstu_bwd_dkdv, kind="bwd_dkdv", reset_to_zero=["dpos", "dtime"])
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _meta(ma: MaskArgs, dqk: int, dv: int, has_pos: bool, has_time: bool, dtype: torch.dtype) -> dict:
     return {
         "S": ma.num_segments, "FULL_BITS": ma.full_bits, "CAUSAL": ma.causal, "HAS_TARGETS": ma.has_targets,
         "HAS_CONTEXT": ma.has_contextual, "HAS_WINDOW": ma.has_window, "HAS_TS": ma.has_ts, "HAS_POS": has_pos,
         "HAS_TIME": has_time, "DQK": dqk, "DV": dv, "BD_QK": max(16, triton.next_power_of_2(dqk)),
-        "BD_V": max(16, triton.next_power_of_2(dv)), "DOT_PREC": _dot_precision(dtype),
+        "BD_V": max(16, triton.next_power_of_2(dv)), "DOT_PREC": dot_precision(dtype),
     }
-
-
-def _launch(kernel, grid_blocks: str, batch: int, heads: int, max_seq_len: int, args: tuple, meta: dict) -> None:
-    """Run a kernel: autotuned on long sequences, a fixed tile otherwise (and in the interpreter)."""
-    if is_interpreting() or max_seq_len <= 256:
-        cfg = fixed_config(grid_blocks, meta["BD_QK"], meta["BD_V"], max_seq_len)
-        block = cfg.kwargs["BLOCK_M" if grid_blocks == "m" else "BLOCK_N"]
-        grid = (batch * heads, triton.cdiv(max_seq_len, block))
-        kernel.fn[grid](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    else:
-        block_key = "BLOCK_M" if grid_blocks == "m" else "BLOCK_N"
-        kernel[lambda m: (batch * heads, triton.cdiv(max_seq_len, m[block_key]))](*args, **meta)
 
 
 class _HSTUAttention(torch.autograd.Function):
@@ -331,7 +290,7 @@ class _HSTUAttention(torch.autograd.Function):
         common = (offsets, ma.num_targets, ma.num_contextual, ma.segment_ends, ma.ts, ts_arg, pos_arg, time_arg, thr)
         scalars = (scale, ma.window, P, num_buckets, heads, max_len_bucket(max_seq_len))
         if total > 0 and batch > 0:
-            _launch(_fwd, "m", batch, heads, max_seq_len,
+            launch(_fwd, "m", batch, heads, max_seq_len,
                     (q, k, v, out, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2], *common, *scalars), meta)
         ctx.save_for_backward(q, k, v, offsets, pos_arg, time_arg, ts_arg, thr)
         ctx.stuff = (max_seq_len, ma, P, num_buckets, meta, scalars, has_pos, has_time)
@@ -354,9 +313,9 @@ class _HSTUAttention(torch.autograd.Function):
         dtime = torch.zeros(num_buckets + 1 if time_grad else 1, dtype=torch.float32, device=q.device)
         if total > 0 and batch > 0:
             strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2])
-            _launch(_bwd_dq, "m", batch, heads, max_seq_len,
+            launch(_bwd_dq, "m", batch, heads, max_seq_len,
                     (q, k, v, do, dq, *strides, *dq.stride()[:2], *common, *scalars), meta)
-            _launch(_bwd_dkdv, "n", batch, heads, max_seq_len,
+            launch(_bwd_dkdv, "n", batch, heads, max_seq_len,
                     (q, k, v, do, dk, dv, *strides, *dk.stride()[:2], *dv.stride()[:2], *common, dpos, dtime, *scalars),
                     dict(meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad))
         else:

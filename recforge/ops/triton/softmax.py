@@ -18,14 +18,14 @@ from recforge.ops.mask import AttentionMask
 from recforge.ops.triton._common import (
     free_tile_span,
     key_block_ranges,
+    key_tile,
     mask_args,
-    masked_tile,
     max_len_bucket,
     query_block_ranges,
+    query_tile,
     visible,
 )
-from recforge.ops.triton.hstu import _dot_precision, _launch
-from recforge.ops.triton.tuning import tuned
+from recforge.ops.triton.tuning import dot_precision, launch, tuned
 
 LOG2E = 1.4426950408889634
 
@@ -71,38 +71,29 @@ def _sm_fwd(
     V_h = V + h * sv_h
 
     m_lo, m_hi = free_tile_span(start, free_lo, free_hi, BLOCK_N)
-    num_tiles = tl.cdiv(end - start, BLOCK_N)
     n_ctx = tl.cdiv(ctx_end, BLOCK_N)
-    for phase in tl.static_range(2):
-        # 0: tiles that need the mask (contextual prefix, edges); 1: the fully visible span
-        if phase == 0:
-            lo_t, hi_t = 0, n_ctx + m_lo + num_tiles - m_hi
-        else:
-            lo_t, hi_t = m_lo, m_hi
-        for t in range(lo_t, hi_t):
-            if phase == 0:
-                j_start, khi = masked_tile(t, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
-            else:
-                j_start, khi = start + t * BLOCK_N, end
-            j_vec = j_start + offs_n
-            key_ok = j_vec < khi
-            tok = (start_tok + j_vec).to(tl.int64)
-            kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
-            v = tl.load(V_h + tok[:, None] * sv_t + dv_[None, :], mask=key_ok[:, None] & (dv_[None, :] < DV), other=0.0)
-            s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale
-            if phase == 0:
-                j = j_vec[None, :]
-                ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
-                vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
-                              S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
-                s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
+    n_masked = n_ctx + m_lo + tl.cdiv(end - start, BLOCK_N) - m_hi
+    for t in range(n_masked + m_hi - m_lo):  # masked tiles, then the fully visible span
+        j_start, khi, masked = key_tile(t, n_masked, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
+        j_vec = j_start + offs_n
+        key_ok = j_vec < khi
+        tok = (start_tok + j_vec).to(tl.int64)
+        kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
+        v = tl.load(V_h + tok[:, None] * sv_t + dv_[None, :], mask=key_ok[:, None] & (dv_[None, :] < DV), other=0.0)
+        s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale
+        if masked:
+            j = j_vec[None, :]
+            ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
+            vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
+                          S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
+            s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     tl.store(O + rows[:, None] * so_t + h * so_h + dv_[None, :], (acc / l_safe[:, None]).to(O.dtype.element_ty),
              mask=row_ok[:, None] & (dv_[None, :] < DV))
@@ -151,35 +142,26 @@ def _sm_bwd_dq(
     V_h = V + h * sv_h
 
     m_lo, m_hi = free_tile_span(start, free_lo, free_hi, BLOCK_N)
-    num_tiles = tl.cdiv(end - start, BLOCK_N)
     n_ctx = tl.cdiv(ctx_end, BLOCK_N)
-    for phase in tl.static_range(2):
-        # 0: tiles that need the mask (contextual prefix, edges); 1: the fully visible span
-        if phase == 0:
-            lo_t, hi_t = 0, n_ctx + m_lo + num_tiles - m_hi
-        else:
-            lo_t, hi_t = m_lo, m_hi
-        for t in range(lo_t, hi_t):
-            if phase == 0:
-                j_start, khi = masked_tile(t, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
-            else:
-                j_start, khi = start + t * BLOCK_N, end
-            j_vec = j_start + offs_n
-            key_ok = j_vec < khi
-            tok = (start_tok + j_vec).to(tl.int64)
-            kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
-            vT = tl.load(V_h + tok[None, :] * sv_t + dv_[:, None], mask=key_ok[None, :] & (dv_[:, None] < DV), other=0.0)
-            s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale
-            p = tl.math.exp2(s - lse[:, None])
-            if phase == 0:
-                j = j_vec[None, :]
-                ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
-                vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
-                              S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
-                p = tl.where(vis, p, 0.0)
-            dp = tl.dot(do, vT, input_precision=DOT_PREC)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=DOT_PREC)
+    n_masked = n_ctx + m_lo + tl.cdiv(end - start, BLOCK_N) - m_hi
+    for t in range(n_masked + m_hi - m_lo):  # masked tiles, then the fully visible span
+        j_start, khi, masked = key_tile(t, n_masked, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
+        j_vec = j_start + offs_n
+        key_ok = j_vec < khi
+        tok = (start_tok + j_vec).to(tl.int64)
+        kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
+        vT = tl.load(V_h + tok[None, :] * sv_t + dv_[:, None], mask=key_ok[None, :] & (dv_[:, None] < DV), other=0.0)
+        s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale
+        p = tl.math.exp2(s - lse[:, None])
+        if masked:
+            j = j_vec[None, :]
+            ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
+            vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
+                          S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
+            p = tl.where(vis, p, 0.0)
+        dp = tl.dot(do, vT, input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=DOT_PREC)
     tl.store(DQ + rows[:, None] * sdq_t + h * sdq_h + dq_[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (dq_[None, :] < DQK))
 
@@ -224,36 +206,28 @@ def _sm_bwd_dkdv(
     DO_h = DO + h * so_h
 
     m_lo, m_hi = free_tile_span(lo, free_lo, free_hi, BLOCK_M)
-    num_tiles = tl.cdiv(hi - lo, BLOCK_M)
-    for phase in tl.static_range(2):
-        # 0: row tiles that need the mask; 1: the fully visible span
-        if phase == 0:
-            lo_t, hi_t = 0, m_lo + num_tiles - m_hi
-        else:
-            lo_t, hi_t = m_lo, m_hi
-        for t in range(lo_t, hi_t):
-            if phase == 0:
-                i_vec = lo + tl.where(t < m_lo, t, t - m_lo + m_hi) * BLOCK_M + offs_m
-            else:
-                i_vec = lo + t * BLOCK_M + offs_m
-            row_ok = i_vec < hi
-            tok = (start_tok + i_vec).to(tl.int64)
-            qT = tl.load(Q_h + tok[None, :] * sq_t + dq_[:, None], mask=row_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
-            doT = tl.load(DO_h + tok[None, :] * so_t + dv_[:, None], mask=row_ok[None, :] & (dv_[:, None] < DV), other=0.0)
-            lse = tl.load(LSE + tok * num_heads + h, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + tok * num_heads + h, mask=row_ok, other=0.0)
-            sT = tl.dot(k, qT, input_precision=DOT_PREC) * qk_scale
-            pT = tl.math.exp2(sT - lse[None, :])
-            if phase == 0:
-                i = i_vec[None, :]
-                ts_i = tl.load(ts_mask + start_tok + i_vec, mask=row_ok, other=0) if HAS_TS else i_vec
-                vis = visible(i, j, n, c, he, ends, ts_i[None, :], ts_j[:, None], window,
-                              S, FULL_BITS, HAS_WINDOW, HAS_TS) & (i < hi)
-                pT = tl.where(vis, pT, 0.0)
-            dv += tl.dot(pT.to(doT.dtype), tl.trans(doT), input_precision=DOT_PREC)
-            dpT = tl.dot(v, doT, input_precision=DOT_PREC)
-            dsT = pT * (dpT - delta[None, :])
-            dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
+    n_masked = m_lo + tl.cdiv(hi - lo, BLOCK_M) - m_hi
+    for t in range(n_masked + m_hi - m_lo):  # masked row tiles, then the fully visible span
+        i_start, masked = query_tile(t, n_masked, m_lo, m_hi, lo, BLOCK_M)
+        i_vec = i_start + offs_m
+        row_ok = i_vec < hi
+        tok = (start_tok + i_vec).to(tl.int64)
+        qT = tl.load(Q_h + tok[None, :] * sq_t + dq_[:, None], mask=row_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
+        doT = tl.load(DO_h + tok[None, :] * so_t + dv_[:, None], mask=row_ok[None, :] & (dv_[:, None] < DV), other=0.0)
+        lse = tl.load(LSE + tok * num_heads + h, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + tok * num_heads + h, mask=row_ok, other=0.0)
+        sT = tl.dot(k, qT, input_precision=DOT_PREC) * qk_scale
+        pT = tl.math.exp2(sT - lse[None, :])
+        if masked:
+            i = i_vec[None, :]
+            ts_i = tl.load(ts_mask + start_tok + i_vec, mask=row_ok, other=0) if HAS_TS else i_vec
+            vis = visible(i, j, n, c, he, ends, ts_i[None, :], ts_j[:, None], window,
+                          S, FULL_BITS, HAS_WINDOW, HAS_TS) & (i < hi)
+            pT = tl.where(vis, pT, 0.0)
+        dv += tl.dot(pT.to(doT.dtype), tl.trans(doT), input_precision=DOT_PREC)
+        dpT = tl.dot(v, doT, input_precision=DOT_PREC)
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
     tl.store(DK + keys * sdk_t + h * sdk_h + dq_[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
              mask=key_ok[:, None] & (dq_[None, :] < DQK))
     tl.store(DV_ + keys * sdv_t + h * sdv_h + dv_[None, :], dv.to(DV_.dtype.element_ty),
@@ -277,11 +251,11 @@ class _SoftmaxAttention(torch.autograd.Function):
             "S": ma.num_segments, "FULL_BITS": ma.full_bits, "CAUSAL": ma.causal, "HAS_TARGETS": ma.has_targets,
             "HAS_CONTEXT": ma.has_contextual, "HAS_WINDOW": ma.has_window, "HAS_TS": ma.has_ts, "DQK": dqk, "DV": dv,
             "BD_QK": max(16, triton.next_power_of_2(dqk)), "BD_V": max(16, triton.next_power_of_2(dv)),
-            "DOT_PREC": _dot_precision(q.dtype),
+            "DOT_PREC": dot_precision(q.dtype),
         }
         common = (offsets, ma.num_targets, ma.num_contextual, ma.segment_ends, ma.ts)
         if total > 0 and batch > 0:
-            _launch(_fwd, "m", batch, heads, max_seq_len,
+            launch(_fwd, "m", batch, heads, max_seq_len,
                     (q, k, v, out, lse, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2], *common,
                      sm_scale * LOG2E, ma.window, heads, max_len_bucket(max_seq_len)), meta)
         ctx.save_for_backward(q, k, v, out, lse, offsets, ma.num_targets, ma.num_contextual, ma.segment_ends, ma.ts)
@@ -304,9 +278,9 @@ class _SoftmaxAttention(torch.autograd.Function):
         common = (offsets, *mask_tensors)
         scalars = (sm_scale * LOG2E, sm_scale, ma.window, heads, max_len_bucket(max_seq_len))
         strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2])
-        _launch(_bwd_dq, "m", batch, heads, max_seq_len,
+        launch(_bwd_dq, "m", batch, heads, max_seq_len,
                 (q, k, v, do, dq, lse, delta, *strides, *dq.stride()[:2], *common, *scalars), meta)
-        _launch(_bwd_dkdv, "n", batch, heads, max_seq_len,
+        launch(_bwd_dkdv, "n", batch, heads, max_seq_len,
                 (q, k, v, do, dk, dv, lse, delta, *strides, *dk.stride()[:2], *dv.stride()[:2], *common, *scalars), meta)
         return dq, dk, dv, None, None, None, None
 

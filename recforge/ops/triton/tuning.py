@@ -1,7 +1,8 @@
-"""Tile sizes: autotuned per (sequence-length bucket, head dims, dtype) on long sequences.
+"""Tile sizes and launches: autotuned per (sequence-length bucket, head dims, dtype) for
+bf16/fp16 on long sequences.
 
-Short sequences (<= 256 tokens, e.g. ML-1M) and the interpreter use one fixed tile, so
-a training run or a test never pays for autotuning many kernel variants.
+Short sequences (<= 256 tokens, e.g. ML-1M), float32 and the interpreter use one fixed tile,
+so a training run or a test never pays for autotuning many kernel variants.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import torch
 import triton
 
 
@@ -69,9 +71,33 @@ def tuned(kernel, kind: str, reset_to_zero: list[str] | None = None):
     )(kernel)
 
 
-def fixed_config(grid_blocks: str, bd_qk: int, bd_v: int, max_seq_len: int) -> triton.Config:
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` precision: exact ("ieee") for float32, the exactness path; bf16/fp16 use tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def fixed_config(bd_qk: int, bd_v: int, dot_prec: str) -> triton.Config:
+    """The one tile for short sequences, float32 and the interpreter.
+
+    float32 ("ieee" dots) never takes tensor cores: Triton unrolls each dot into scalar FMAs,
+    and at 64x64 tiles ptxas spilled 16-33 KB per thread and took up to 159 s for one kernel
+    specialization on an H100. At 32x32 one specialization (forward + both backward kernels)
+    compiles in ~10 s. float32 is for tests and CPU parity, not speed, so it is never autotuned.
+    """
     if is_interpreting():
         return _cfg(16, 16, 4, 1)
-    if max(bd_qk, bd_v) > 128:
+    if dot_prec == "ieee" or max(bd_qk, bd_v) > 128:
         return _cfg(32, 32, 4, 2)
     return _cfg(64, 64, 4, 2)
+
+
+def launch(kernel, grid_blocks: str, batch: int, heads: int, max_seq_len: int, args: tuple, meta: dict) -> None:
+    """Run an attention kernel over a (batch * heads, row or key blocks) grid: autotuned for
+    bf16/fp16 on long sequences, the fixed tile otherwise (``grid_blocks``: "m" or "n")."""
+    block_key = "BLOCK_M" if grid_blocks == "m" else "BLOCK_N"
+    if is_interpreting() or max_seq_len <= 256 or meta["DOT_PREC"] == "ieee":
+        cfg = fixed_config(meta["BD_QK"], meta["BD_V"], meta["DOT_PREC"])
+        grid = (batch * heads, triton.cdiv(max_seq_len, cfg.kwargs[block_key]))
+        kernel.fn[grid](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        kernel[lambda m: (batch * heads, triton.cdiv(max_seq_len, m[block_key]))](*args, **meta)
