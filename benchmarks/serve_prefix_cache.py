@@ -15,6 +15,9 @@ fits) scores C candidates after an L-event history (sum action encoding, 4 conte
   once over all C candidates unless ``--naive-candidates`` caps it (then the row says so and
   the time is per-candidate time x C). The training path's reference attention materialises
   padded N x N scores and masks, so this is slower per FLOP than the engine.
+- warm: only the candidates, after a prefix already cached (a KV-cache pool hit).
+- graphs (CUDA only): cached and warm again with ``EngineConfig.cuda_graphs`` (each pass
+  replayed as a CUDA graph of its shape bucket; captured in the warm-up, not timed).
 - recompute: the engine's own kernels without the cache — for each candidate, the history is
   computed again (``prefix_state`` from scratch) and then that one candidate scored. Same code
   per FLOP as "cached", so its ratio tracks the FLOP ratio.
@@ -46,7 +49,7 @@ from _machine import cpu_model
 NUM_ITEMS, NUM_CONTEXT, DIM, BLOCKS, HEADS, DQK, DV, MAX_LEN = 100_000, 4, 64, 2, 2, 32, 32, 4096
 
 
-def build_engine(device: str, dtype: str) -> RankEngine:
+def build_engine(device: str, dtype: str, cuda_graphs: int = 0) -> RankEngine:
     torch.manual_seed(0)
     prefix = RankingPrefix(NUM_ITEMS, 5, 1000, DIM)
     encoder = HSTUEncoder(HSTUConfig(dim=DIM, num_blocks=BLOCKS, num_heads=HEADS, dqk=DQK, dv=DV, dropout=0.0,
@@ -57,7 +60,8 @@ def build_engine(device: str, dtype: str) -> RankEngine:
     model = RankingModel(prefix, encoder, MultiTaskMLP(DIM, 3, hidden=128))
     manifest = {"tasks": [{"name": n, "kind": "binary"} for n in ("click", "like", "buy")], "action_encoding": "sum",
                 "num_contextual": NUM_CONTEXT, "user_features": [f"f{i}" for i in range(NUM_CONTEXT)]}  # fmt: skip
-    return RankEngine(model, manifest, None, EngineConfig(device=device, dtype=dtype, max_candidates=100_000))
+    return RankEngine(model, manifest, None, EngineConfig(device=device, dtype=dtype, max_candidates=100_000,
+                                                               cuda_graphs=cuda_graphs))  # fmt: skip
 
 
 def make_request(events: int, candidates: int, seed: int) -> EncodedRequest:
@@ -111,6 +115,7 @@ def main() -> None:
     device = engine.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     engine.rank_encoded(make_request(100, 10, 0))  # warm-up
+    graphs = build_engine(args.device, args.dtype, cuda_graphs=64) if device.type == "cuda" else None
     engine.rank_naive(make_request(100, 2, 0))
     tol = 1e-4 if args.dtype == "float32" else 5e-2
     rows = []
@@ -118,6 +123,17 @@ def main() -> None:
         for count in [int(x) for x in args.candidates.split(",")]:
             req = make_request(events, count, seed=events + count)
             cached_s, cached = timed(lambda: engine.rank_encoded(req).scores, args.repeats, sync)
+            state = engine.prefix_state(req, prefix_tokens(req, "sum"))
+            cands = candidate_tokens(req)
+            warm_s, warm = timed(lambda: engine.score(state, cands), args.repeats, sync)
+            graph_row = {}
+            if graphs is not None:
+                graphs.rank_encoded(req)  # captures this shape's buckets
+                graph_s, graph_scores = timed(lambda: graphs.rank_encoded(req).scores, args.repeats, sync)
+                warm_graph_s, warm_graph = timed(lambda: graphs.score(state, cands), args.repeats, sync)
+                graph_diff = max(float((graph_scores - cached).abs().max()), float((warm_graph - warm).abs().max()))
+                graph_row = {"graph_ms": graph_s * 1e3, "warm_graph_ms": warm_graph_s * 1e3, "graph_max_abs_diff": graph_diff,
+                             "graph_speedup": cached_s / graph_s, "warm_graph_speedup": warm_s / warm_graph_s}  # fmt: skip
             measured = count if not args.naive_candidates else min(count, args.naive_candidates)
             part = EncodedRequest(**{**req.__dict__, "candidates": req.candidates[:measured]})
             naive_s, naive = timed(lambda: engine.rank_naive(part, args.naive_batch), 1, sync)
@@ -130,16 +146,20 @@ def main() -> None:
 
             recompute_s, recomputed = timed(recompute, 1, sync)
             recompute_s *= count / measured
-            diff = max(float((cached[:measured] - naive).abs().max()), float((cached[:measured] - recomputed).abs().max()))
+            diff = max(float((cached[:measured] - naive).abs().max()), float((cached[:measured] - recomputed).abs().max()),
+                       float((warm - cached).abs().max()), graph_row.get("graph_max_abs_diff", 0.0))  # fmt: skip
             naive_f, cached_f = flops(NUM_CONTEXT + events, count)
             rows.append({"L": events, "C": count, "cached_ms": cached_s * 1e3, "naive_ms": naive_s * 1e3,
                          "speedup": naive_s / cached_s, "recompute_ms": recompute_s * 1e3,
                          "recompute_speedup": recompute_s / cached_s, "flop_ratio": naive_f / cached_f,
-                         "naive_measured_candidates": measured, "max_abs_diff": diff})  # fmt: skip
+                         "naive_measured_candidates": measured, "max_abs_diff": diff, "warm_ms": warm_s * 1e3,
+                         **graph_row})  # fmt: skip
             r = rows[-1]
             print(f"L={events:>5} C={count:>5}  cached {r['cached_ms']:9.1f} ms  naive {r['naive_ms']:11.1f} ms "
                   f"{r['speedup']:7.1f}x  recompute {r['recompute_ms']:11.1f} ms {r['recompute_speedup']:7.1f}x  "
-                  f"(FLOP ratio {r['flop_ratio']:.0f}x, |diff| {diff:.1e})", flush=True)  # fmt: skip
+                  f"(FLOP ratio {r['flop_ratio']:.0f}x, |diff| {diff:.1e})  warm {r['warm_ms']:.2f} ms"
+                  + (f"  graphs: cached {r['graph_ms']:.2f} ms, warm {r['warm_graph_ms']:.2f} ms" if graph_row else ""),
+                  flush=True)  # fmt: skip
             if not diff <= tol:
                 sys.exit(f"cached and naive scores disagree by {diff} > {tol}")
     machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -153,6 +173,17 @@ def main() -> None:
         note = "" if r["naive_measured_candidates"] == r["C"] else f"  (baselines timed on {r['naive_measured_candidates']}, x C)"
         print(f"{r['L']:>6}{r['C']:>6}{r['cached_ms']:>12.1f}{r['naive_ms']:>13.1f}{r['speedup']:>9.1f}x"
               f"{r['recompute_ms']:>15.1f}{r['recompute_speedup']:>9.1f}x{r['flop_ratio']:>11.0f}x{r['max_abs_diff']:>12.1e}{note}")  # fmt: skip
+    print("\nwarm = candidates only, after a cached prefix (a KV-cache pool hit)")
+    if graphs is not None:
+        print("graphs = the same passes replayed as CUDA graphs (EngineConfig.cuda_graphs); ratio = eager / graphs")
+        print(f"{'L':>6}{'C':>6}{'cached ms':>12}{'graphs ms':>12}{'ratio':>8}{'warm ms':>10}{'graphs ms':>12}{'ratio':>8}")
+        for r in rows:
+            print(f"{r['L']:>6}{r['C']:>6}{r['cached_ms']:>12.2f}{r['graph_ms']:>12.2f}{r['graph_speedup']:>7.1f}x"
+                  f"{r['warm_ms']:>10.2f}{r['warm_graph_ms']:>12.2f}{r['warm_graph_speedup']:>7.1f}x")  # fmt: skip
+    else:
+        print(f"{'L':>6}{'C':>6}{'cached ms':>12}{'warm ms':>10}")
+        for r in rows:
+            print(f"{r['L']:>6}{r['C']:>6}{r['cached_ms']:>12.2f}{r['warm_ms']:>10.2f}")
     print(f"1-min load average at start {load_at_start:.2f}")
     if args.out:
         payload = {

@@ -114,7 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     engine = RankEngine.from_run(args.run_dir, EngineConfig(
         device=args.device, dtype=args.dtype, prefill_chunk=args.prefill_chunk, max_candidates=args.max_candidates,
         max_history_events=args.max_history, unknown_ids=args.unknown_ids,
-        unknown_feature_values=args.unknown_feature_values))  # fmt: skip
+        unknown_feature_values=args.unknown_feature_values, cuda_graphs=args.cuda_graphs))  # fmt: skip
     config = ServerConfig(
         scheduler=SchedulerConfig(token_budget=args.token_budget, max_wait_ms=args.max_wait_ms,
                                   prefill_chunk=args.prefill_chunk, max_queue=args.max_queue),
@@ -192,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="user feature values not seen in training (e.g. a new user_id): 'none' (default) or 422")
     p.add_argument("--cache-mb", type=float, default=256.0, help="KV-cache device tier (0: no cache)")
     p.add_argument("--host-cache-mb", type=float, default=1024.0, help="KV-cache host tier (0: none)")
+    p.add_argument("--cuda-graphs", type=int, default=32,
+                   help="on CUDA: replay engine passes as CUDA graphs, keeping this many shape buckets (0: off)")
     p.add_argument("--allow-reload", action="store_true", help="expose POST /v1/reload")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)

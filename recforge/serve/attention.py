@@ -80,7 +80,7 @@ def cached_attention(
     scores = torch.einsum("mhd,nhd->hmn", q, k)  # (H, m, n)
     if bias is not None:
         scores = scores + bias.to(scores.dtype).unsqueeze(0)
-    weights = F.silu(scores) * (visible.unsqueeze(0).to(scores.dtype) * scale)
+    weights = torch.where(visible.unsqueeze(0), F.silu(scores), 0) * scale  # where: invisible keys may hold anything
     return torch.einsum("hmn,nhd->mhd", weights, v)
 
 

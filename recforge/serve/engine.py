@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from recforge.models.hstu import HSTUEncoder
 from recforge.models.ranking import RankingModel, load_slices
 from recforge.serve.attention import BiasIndex, cached_attention, self_attention_term
+from recforge.serve.graphs import GraphCaptureError, GraphRunner, encode_blocks
 from recforge.serve.layout import (
     EncodedRequest,
     History,
@@ -57,6 +57,7 @@ class EngineConfig:
     max_history_events: int = 100_000  # a request with more events is rejected; the model sees the latest that fit
     unknown_ids: str = "error"  # items and actions outside the vocabulary: error (422) | zero (the "none" embedding)
     unknown_feature_values: str = "zero"  # user feature values never seen in training (a new user_id): zero | error
+    cuda_graphs: int = 32  # on CUDA: replay passes as CUDA graphs, keeping this many shape buckets (0 = eager)
 
     def validate(self) -> None:
         problems = []
@@ -70,6 +71,8 @@ class EngineConfig:
         for name in ("prefill_chunk", "max_candidates", "max_history_events"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cuda_graphs < 0:
+            problems.append(f"cuda_graphs must be >= 0 (0 turns them off), got {self.cuda_graphs}")
         if problems:
             raise ValueError("EngineConfig: " + "; ".join(problems))
 
@@ -135,6 +138,8 @@ class RankEngine:
             self.time_bias = False
             log.info("encoder %s is not HSTU: no prefix cache, each request runs the full forward pass "
                      "with all candidates as targets", type(model.encoder).__name__)  # fmt: skip
+        use_graphs = self.cached and self.device.type == "cuda" and self.config.cuda_graphs > 0
+        self.graphs = GraphRunner(self, self.config.cuda_graphs) if use_graphs else None
         per_event = 2 if self.action_encoding == "interleave" else 1
         # a prefix of at most max_seq_len - 1 tokens leaves the candidates' position (the history end) in range
         self.max_events = max(0, (self.max_seq_len - 1 - self.num_contextual) // per_event)
@@ -286,12 +291,17 @@ class RankEngine:
     def run(self, items: list[WorkItem]) -> list[Tensor | None]:
         """One pass of several requests' work items through prefix -> blocks (-> postfix for targets).
 
-        Linear layers run on all items' tokens at once; attention runs per item over its own state.
-        Prefix items are written into their states; returns (C, K) scores per targets item, None per prefix item.
+        Prefix items are written into their states; returns (C, K) scores per targets item, None per
+        prefix item. On CUDA each item replays the CUDA graph of its shape bucket (``graphs.py``);
+        otherwise linear layers run on all items' tokens at once and attention per item over its own state.
         """
+        if self.graphs is not None:
+            try:
+                return [self.graphs.run(it) for it in items]
+            except GraphCaptureError as err:  # items are idempotent: the eager pass below redoes them all
+                log.warning("%s; serving without CUDA graphs", err)
+                self.graphs = None
         enc: HSTUEncoder = self.model.encoder
-        cfg = enc.cfg
-        heads, dqk, dv = cfg.num_heads, cfg.dqk, cfg.dv
         feats = {k: torch.cat([it.features[k] for it in items]).to(self.device) for k in items[0].features}
         x = self.model.prefix(feats)  # (T, d)
         spans, lo = [], 0
@@ -302,30 +312,28 @@ class RankEngine:
                 s, e = it.start, it.start + it.size
                 it.state.timestamps[s:e] = it.features["timestamps"].to(self.device)
                 it.state.tokens[s:e] = token_identity(it.features)
-        tokens = x.shape[0]
-        scale = 1.0 / cfg.max_seq_len
+        scale = 1.0 / enc.cfg.max_seq_len
         first = enc.blocks[0]
         num_pos = first.pos_weights.numel()
         num_buckets = first.time_weights.numel() - 1 if first.time_weights is not None else None
         plans = [self._plan(it, feats["timestamps"][a:b], num_pos, num_buckets) for it, (a, b) in zip(items, spans)]
-        for layer, block in enumerate(enc.blocks):
-            u, v, q, k = F.silu(block.uvqk(block.norm(x))).split(block.split_sizes, dim=-1)
-            q, k, v = q.view(tokens, heads, dqk), k.view(tokens, heads, dqk), v.view(tokens, heads, dv)
-            pos_w, time_w = block.pos_weights, block.time_weights
+
+        def attend(layer: int, block, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             outs = []
             for it, (a, b), (n_keys, visible, index) in zip(items, spans, plans):
                 st = it.state
                 if it.kind == "prefix":
                     s, e = it.start, it.start + it.size
                     st.keys[layer, s:e], st.values[layer, s:e] = k[a:b], v[a:b]
-                bias = index.bias(pos_w, time_w)
                 out = cached_attention(q[a:b], st.keys[layer, :n_keys], st.values[layer, :n_keys], visible=visible,
-                                       bias=bias, scale=scale)  # fmt: skip
+                                       bias=index.bias(block.pos_weights, block.time_weights), scale=scale)  # fmt: skip
                 if it.kind == "targets":  # each candidate also sees itself (and no other candidate)
-                    out = out + self_attention_term(q[a:b], k[a:b], v[a:b], feats["timestamps"][a:b], pos_w, time_w, scale)
+                    out = out + self_attention_term(q[a:b], k[a:b], v[a:b], feats["timestamps"][a:b], block.pos_weights,
+                                                    block.time_weights, scale)  # fmt: skip
                 outs.append(out)
-            attn = torch.cat(outs).reshape(tokens, heads * dv)
-            x = x + block.out(block.attn_norm(attn) * u)
+            return torch.cat(outs)
+
+        x = encode_blocks(enc, x, attend)
         results: list[Tensor | None] = []
         for it, (a, b) in zip(items, spans):
             if it.kind == "prefix":

@@ -124,7 +124,8 @@ class Vocab:
         if bad and unknown == "error":
             known = self.actions if self.actions is not None else f"1..{self.num_actions}"
             raise RequestError(f"{len(bad)} unknown history actions, e.g. {bad[:5]} (known: {known})")
-        return torch.tensor([max(c, 0) if (self.actions is not None or 0 <= c <= self.num_actions) else 0 for c in codes])
+        codes = [max(c, 0) if (self.actions is not None or 0 <= c <= self.num_actions) else 0 for c in codes]
+        return torch.tensor(codes, dtype=torch.int64)  # int64 when empty too (a user with no history yet)
 
     def context_codes(self, features: dict[str, Any], unknown: str) -> Tensor:
         extra = set(features) - set(self.feature_names)

@@ -198,6 +198,7 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
                        "max_history_events": engine.config.max_history_events,
                        "model_history_events": engine.max_events},  # fmt: skip
             "kv_cache": engine.pool.report() if engine.pool is not None else None,
+            "cuda_graphs": engine.graphs.report() if engine.graphs is not None else None,
         }
 
     @app.get("/metrics", response_class=PlainTextResponse)
