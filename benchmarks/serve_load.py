@@ -116,14 +116,14 @@ async def drive(url: str, bodies: list[dict], rate: float, max_in_flight: int) -
     }  # fmt: skip
 
 
-def engine_latency(run: Path, bodies: list[dict]) -> dict:
+def engine_latency(run: Path, bodies: list[dict], config) -> dict:
     """Median in-process latency (ms) of cold (first) and warm (repeated) requests."""
     import statistics
 
     from recforge.serve.engine import RankEngine
     from recforge.serve.kv_pool import KVCachePool, PoolConfig
 
-    engine = RankEngine.from_run(run)
+    engine = RankEngine.from_run(run, config)
     engine.pool = KVCachePool.for_engine(engine, PoolConfig(device_mb=1024))
     reqs = [engine.encode(b["user_id"], b["history"], b["candidates"], user_features=b["user_features"],
                           timestamp=b["timestamp"]) for b in bodies]  # fmt: skip
@@ -158,6 +158,7 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=8192)
     parser.add_argument("--max-wait-ms", type=float, default=2.0)
     parser.add_argument("--engine-requests", type=int, default=50, help="users timed in-process (0: skip)")
+    parser.add_argument("--cuda-graphs", type=int, default=32, help="recforge serve --cuda-graphs (0: eager)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     load_at_start = os.getloadavg()[0]
@@ -165,17 +166,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run = export_model(Path(tmp) / "run", max_len=max(512, args.history + 8))
         in_process = {}
-        if args.engine_requests and args.device == "cpu":
+        if args.engine_requests:
+            from recforge.serve.engine import EngineConfig
+
             torch.set_num_threads(args.server_threads)
             rng = np.random.default_rng(1)
+            config = EngineConfig(device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs)
             in_process = engine_latency(run, [make_body(2 * 10**6 + i, args.history, args.candidates, rng)
-                                              for i in range(args.engine_requests)])  # fmt: skip
+                                              for i in range(args.engine_requests)], config)  # fmt: skip
             print(f"in-process engine: cold {in_process['engine_cold_ms']:.1f} ms, warm {in_process['engine_warm_ms']:.1f} ms "
                   f"(median of {args.engine_requests} users)", flush=True)  # fmt: skip
         port = free_port()
         cmd = [sys.executable, "-m", "recforge.cli", "serve", str(run), "--port", str(port), "--device", args.device,
                "--dtype", args.dtype, "--threads", str(args.server_threads), "--token-budget", str(args.token_budget),
-               "--max-wait-ms", str(args.max_wait_ms), "--max-history", str(args.history), "--cache-mb", "1024"]  # fmt: skip
+               "--max-wait-ms", str(args.max_wait_ms), "--max-history", str(args.history), "--cache-mb", "1024",
+               "--cuda-graphs", str(args.cuda_graphs)]  # fmt: skip
         # the server's output goes to a file: an unread pipe would fill and stall the server
         log_path = Path(tmp) / "server.log"
         server_log = log_path.open("w")
@@ -214,7 +219,8 @@ def main() -> None:
             server_log.close()
     machine = (f"{cpu_model()}, {os.cpu_count()} cores, server {args.server_threads} torch thread(s)"
                if args.device == "cpu" else torch.cuda.get_device_name())  # fmt: skip
-    print(f"\nrecforge serve under an open-loop client on loopback, {machine}, {args.dtype}, torch {torch.__version__}")
+    graphs = f", CUDA graphs {health['cuda_graphs']}" if health.get("cuda_graphs") else ""
+    print(f"\nrecforge serve under an open-loop client on loopback, {machine}, {args.dtype}, torch {torch.__version__}{graphs}")
     print(f"request: {args.history}-event history, {args.candidates} candidates; token budget {args.token_budget}, "
           f"max wait {args.max_wait_ms} ms; at most {args.max_in_flight} requests in flight")  # fmt: skip
     print(f"{'cache':<6}{'offered/s':>10}{'achieved/s':>12}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}{'hits':>8}")
@@ -231,7 +237,7 @@ def main() -> None:
         payload = {"benchmark": "serve_load", "command": "python " + " ".join(sys.argv), "machine": machine,
                    "dtype": args.dtype, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
                    "load_average_1m_at_start": load_at_start, "in_process": in_process, "rows": rows,
-                   "kv_cache": health["kv_cache"],
+                   "kv_cache": health["kv_cache"], "cuda_graphs": health.get("cuda_graphs"),
                    "batch_requests_histogram": batch_lines}  # fmt: skip
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
