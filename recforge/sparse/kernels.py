@@ -37,7 +37,7 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def lazy_adam_kernel(W, M, V, S, SLOTS, G, BAD, n, dim, lr, beta1, beta2, log2_beta1, log2_beta2, eps, wd,
+    def lazy_adam_kernel(W, M, V, S, SLOTS, G, BAD, n, dim, sw, sm, sv, ss, lr, beta1, beta2, log2_beta1, log2_beta2, eps, wd,
                          L2: tl.constexpr, DECOUPLED: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         rmask = r < n
@@ -50,12 +50,11 @@ def _kernels():
         good = rmask & (nonfinite == 0)
         tl.atomic_add(BAD, tl.sum((rmask & (nonfinite > 0)).to(tl.int64), axis=0))
         mask = mask & good[:, None]
-        off = slot[:, None] * dim + c[None, :]
-        w = tl.load(W + off, mask=mask, other=0.0)
-        m = tl.load(M + off, mask=mask, other=0.0)
-        v = tl.load(V + off, mask=mask, other=0.0)
-        step = tl.load(S + slot, mask=good, other=0) + 1
-        tl.store(S + slot, step, mask=good)
+        w = tl.load(W + slot[:, None] * sw + c[None, :], mask=mask, other=0.0)  # row strides: a tiered store's
+        m = tl.load(M + slot[:, None] * sm + c[None, :], mask=mask, other=0.0)  # fields share one record per row
+        v = tl.load(V + slot[:, None] * sv + c[None, :], mask=mask, other=0.0)
+        step = tl.load(S + slot * ss, mask=good, other=0) + 1
+        tl.store(S + slot * ss, step, mask=good)
         if L2:
             g = g + wd * w
         m = m + (1.0 - beta1) * (g - m)
@@ -66,9 +65,9 @@ def _kernels():
         bias1 = 1.0 - tl.exp2(stepf * log2_beta1)
         bias2_sqrt = tl.sqrt(1.0 - tl.exp2(stepf * log2_beta2))
         w = w - (lr / bias1)[:, None] * m / (tl.sqrt(v) / bias2_sqrt[:, None] + eps)
-        tl.store(W + off, w, mask=mask)
-        tl.store(M + off, m, mask=mask)
-        tl.store(V + off, v, mask=mask)
+        tl.store(W + slot[:, None] * sw + c[None, :], w, mask=mask)
+        tl.store(M + slot[:, None] * sm + c[None, :], m, mask=mask)
+        tl.store(V + slot[:, None] * sv + c[None, :], v, mask=mask)
 
     @triton.jit
     def swap_rows_kernel(CACHE, HOST, SLOTS, WB, LOAD, n, width,
@@ -84,21 +83,18 @@ def _kernels():
             c = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
             cmask = c < width
             coff = slot[:, None] * width + c[None, :]
-            if HAS_WB:  # dirty victim -> host (before the slot is overwritten)
-                wmask = (wb >= 0)[:, None] & cmask[None, :]
-                x = tl.load(CACHE + coff, mask=wmask)
-                tl.store(HOST + wb[:, None] * width + c[None, :], x, mask=wmask)
+            # both loads first (the host read is the slow one; a victim's row is never the missed row)
             if HAS_LOAD:  # missing row -> cache
                 lmask = (ld >= 0)[:, None] & cmask[None, :]
                 y = tl.load(HOST + ld[:, None] * width + c[None, :], mask=lmask)
+            if HAS_WB:  # dirty victim -> host (read before the slot is overwritten)
+                wmask = (wb >= 0)[:, None] & cmask[None, :]
+                x = tl.load(CACHE + coff, mask=wmask)
+                tl.store(HOST + wb[:, None] * width + c[None, :], x, mask=wmask)
+            if HAS_LOAD:
                 tl.store(CACHE + coff, y, mask=lmask)
 
     return lazy_adam_kernel, swap_rows_kernel
-
-
-def _tile(width: int, max_block: int = 1024) -> tuple[int, int]:
-    block = min(max_block, 1 << max(0, width - 1).bit_length())
-    return max(1, 4096 // block), block
 
 
 def lazy_adam_rows(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, slots: Tensor, grad: Tensor, *,
@@ -106,7 +102,8 @@ def lazy_adam_rows(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Te
     """Lazy Adam (``decoupled``: AdamW) on ``weight[slots]`` and its state, in place; ``bad`` (1,) int64 += non-finite rows.
 
     Same math as ``optim.apply_update`` (per-row step count, bias corrections per row).
-    ``weight``/moments: (R, d) float32 contiguous; ``step``: (R,) int64; ``grad``: (U, d).
+    ``weight``/moments: (R, d) float32 with unit column stride (rows may be strided); ``step``: (R,)
+    int64; ``grad``: (U, d).
     """
     n, dim = grad.shape
     if n == 0:
@@ -117,24 +114,31 @@ def lazy_adam_rows(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Te
     beta1, beta2 = betas
     lazy_adam_kernel[(math.ceil(n / rows_per),)](
         weight, exp_avg, exp_avg_sq, step, slots.contiguous(), grad.contiguous(), bad, n, dim,
-        lr, beta1, beta2, math.log2(beta1) if beta1 > 0 else -1e30, math.log2(beta2) if beta2 > 0 else -1e30, eps, weight_decay,
+        weight.stride(0), exp_avg.stride(0), exp_avg_sq.stride(0), step.stride(0), lr, beta1, beta2, math.log2(beta1) if beta1 > 0 else -1e30, math.log2(beta2) if beta2 > 0 else -1e30, eps, weight_decay,
         L2=bool(weight_decay) and not decoupled, DECOUPLED=bool(weight_decay) and decoupled, ROWS=rows_per, BLOCK_D=block,
     )  # fmt: skip
 
 
-def swap_rows(cache: Tensor, host: Tensor, slots: Tensor, write_back: Tensor | None, load: Tensor | None) -> None:
+SWAP_WARPS = 4  # warps per program of swap_rows (benchmarks/sparse_embedding.py --modes uva compares)
+
+
+def swap_rows(cache: Tensor, host: Tensor, slots: Tensor, write_back: Tensor | None, load: Tensor | None,
+              num_warps: int = 0, tile: int = 4096) -> None:  # fmt: skip
     """For each i: ``host[write_back[i]] = cache[slots[i]]`` (where >= 0), then ``cache[slots[i]] = host[load[i]]`` (where >= 0).
 
     ``cache``: (C, ...) on the GPU; ``host``: (R, ...) pinned host memory, same row shape and dtype.
+    ``num_warps`` (0: ``SWAP_WARPS``) and ``tile`` (elements per program) only tune the speed.
     """
     n = slots.numel()
     if n == 0:
         return
     _, swap_rows_kernel = _kernels()
     width = cache[0].numel() if cache.shape[0] else 1
-    rows_per, block = _tile(width)
+    block = min(1024, 1 << max(0, width - 1).bit_length())
+    rows_per = max(1, tile // block)
     dummy = slots
     swap_rows_kernel[(math.ceil(n / rows_per),)](
         cache, host, slots, dummy if write_back is None else write_back, dummy if load is None else load, n, width,
         HAS_WB=write_back is not None, HAS_LOAD=load is not None, ROWS=rows_per, BLOCK_D=block, CHUNKS=math.ceil(width / block),
+        num_warps=num_warps or SWAP_WARPS,
     )  # fmt: skip

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from recforge.sparse import kernels
 from recforge.sparse.ids import check_ids, raise_negative, unique_keys
+from recforge.sparse.lookup import LookupPlan, plan_lookup
 from recforge.sparse.optim import SparseOptimConfig, apply_update, initial_state, lr_at, state_spec
 from recforge.sparse.policies import AdmissionConfig, EvictionConfig, RowCounters, admit, eviction_scores, scheduled_threshold
 from recforge.sparse.sorted_index import index_kind, make_index
@@ -85,6 +86,25 @@ class _GatherRows(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         ctx.table._pending.append((ctx.rows, ctx.slots, grad))  # slots stay valid: the step pinned them
         return None, None, None, None
+
+
+class _LookupIds(torch.autograd.Function):
+    """``_GatherRows`` + ``F.embedding(inverse, ·)`` in one node (the kernel path, every id with a row).
+
+    Forward: each id's cached row (N, d), read once. Backward: the per-row gradient (U, d), duplicates
+    summed along the lookup's sort (``LookupPlan.row_gradients``), handed to the table.
+    """
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, table: DynamicEmbedding, slots: Tensor, rows: Tensor, plan: LookupPlan, longest: int) -> Tensor:
+        ctx.table, ctx.rows, ctx.slots, ctx.plan, ctx.longest = table, rows, slots, plan, longest
+        return table.store.weight.index_select(0, slots.index_select(0, plan.inverse))  # (N, d)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad_rows = ctx.plan.row_gradients(grad, ctx.rows.numel(), ctx.longest)  # (U, d)
+        ctx.table._pending.append((ctx.rows, ctx.slots, grad_rows))
+        return None, None, None, None, None, None
 
 
 class DynamicEmbedding(nn.Module):
@@ -178,6 +198,8 @@ class DynamicEmbedding(nn.Module):
         ids = check_ids(ids, negatives=False)  # negative IDs are caught at _rows's synchronisation
         flat = ids.reshape(-1)
         flat_tags = None if tags is None else tags.reshape(-1).to(torch.int64)
+        if flat_tags is None and flat.numel() and kernels.available(flat.device):
+            return self._forward_planned(flat, admit).view(*ids.shape, self.dim)
         if flat_tags is None and flat.is_cuda and flat.numel():
             keys, inverse, occurrences, looked_up = self._unique_lookup(flat)
             rows, absent = self._rows(keys, None, occurrences, self.training, admit, looked_up=looked_up, n_ids=flat.numel())
@@ -188,6 +210,21 @@ class DynamicEmbedding(nn.Module):
         unique_emb = self._gather(rows, absent)  # (U, d)
         # F.embedding's backward sums duplicates with the tuned embedding kernel (index_add semantics)
         return F.embedding(inverse, unique_emb).view(*ids.shape, self.dim)
+
+    def _forward_planned(self, flat: Tensor, admit: bool) -> Tensor:
+        """``forward`` on the kernel path (lookup.py): dedup, index lookup and counters queued before the one sync."""
+        train = self.training
+        plan = plan_lookup(flat, self.index, self.counters if train else None, self.step, self.clock() if train else 0.0)
+        u, n_absent, smallest, longest = plan.facts.tolist()  # the one synchronisation of a lookup without new IDs
+        if smallest < 0:
+            raise_negative(flat)
+        looked_up = (plan.rows[:u], n_absent)
+        rows, absent = self._rows(plan.keys[:u], None, plan.occurrences[:u], train, admit, looked_up=looked_up,
+                                  n_ids=flat.numel(), touched=True)  # fmt: skip
+        if absent == 0 and train and torch.is_grad_enabled():
+            slots = self.store.ensure(rows, pin=True)
+            return _LookupIds.apply(self._anchor, self, slots, rows, plan, longest)
+        return F.embedding(plan.inverse, self._gather(rows, absent))
 
     def rows_for(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor, *, train: bool, admit: bool = True) -> Tensor:
         """Row of each distinct (key, tag), -1 where it has none; in training, admit and count."""
@@ -215,8 +252,11 @@ class DynamicEmbedding(nn.Module):
         return keys, inverse, occurrences, (rows, facts[1])
 
     def _rows(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor, train: bool, admit: bool, check: bool = False,
-              looked_up: tuple[Tensor, int] | None = None, n_ids: int | None = None):  # fmt: skip
-        """(rows, how many are -1). One host synchronisation when every key has a row (the usual step)."""
+              looked_up: tuple[Tensor, int] | None = None, n_ids: int | None = None, touched: bool = False):  # fmt: skip
+        """(rows, how many are -1). One host synchronisation when every key has a row (the usual step).
+
+        ``touched``: the lookup already counted the rows it found (``plan_lookup``).
+        """
         if looked_up is not None:
             rows, n_absent = looked_up
         else:
@@ -233,11 +273,13 @@ class DynamicEmbedding(nn.Module):
         self._stats["lookups"] += 1
         self._stats["ids"] += int(occurrences.sum()) if n_ids is None else n_ids
         if n_absent == 0:
-            self._touch(rows, occurrences)
+            if not touched:
+                self._touch(rows, occurrences)
             return rows, 0
         absent = rows < 0
-        hit = (~absent).nonzero().squeeze(1)
-        self._touch(rows[hit], occurrences[hit])
+        if not touched:
+            hit = (~absent).nonzero().squeeze(1)
+            self._touch(rows[hit], occurrences[hit])
         missing = absent.nonzero().squeeze(1)
         if admit:
             new_rows = self._admit(keys[missing], None if tags is None else tags[missing], occurrences[missing])
@@ -309,9 +351,9 @@ class DynamicEmbedding(nn.Module):
         slots = self.store.ensure(rows, pin=False)
         self.store.weight[slots] = values
         for name, tensor in self.store.state.items():
-            tensor[slots] = initial_state(self.cfg.optimizer, name)
+            tensor.index_fill_(0, slots, initial_state(self.cfg.optimizer, name))  # t[i] = x would sync (host copy of x)
         self.store.mark_dirty(slots)
-        self.changed[rows] = True
+        self.changed.index_fill_(0, rows, True)
 
     def _allocate(self, n: int) -> Tensor:
         """Up to ``n`` free rows: grow, else evict on pressure; fewer when neither frees enough."""
@@ -441,9 +483,10 @@ class DynamicEmbedding(nn.Module):
             self.run_eviction()
 
     def _fused_update(self, opt: SparseOptimConfig, grads: Tensor) -> bool:
-        w = self.store.weight
+        w, st = self.store.weight, self.store.state
         return (kernels.available(w.device) and opt.kind in ("adam", "adamw") and w.dtype == torch.float32
-                and w.is_contiguous() and grads.dtype == torch.float32)  # fmt: skip
+                and w.stride(1) == st["exp_avg"].stride(1) == st["exp_avg_sq"].stride(1) == 1
+                and grads.dtype == torch.float32)  # fmt: skip
 
     def zero_grad_rows(self) -> None:
         """Drop pending row gradients and release the cache rows this step pinned."""
@@ -459,13 +502,29 @@ class DynamicEmbedding(nn.Module):
         if not isinstance(self.store, TieredStore):
             return 0
         total = 0
-        for ahead, ids in enumerate(upcoming, start=1):
-            keys = torch.unique(check_ids(ids, "prefetch ids").reshape(-1).to(self.device))
-            rows = self.index.lookup(keys, None)
-            rows = rows[rows >= 0]
-            self.store.ensure(rows, pin=False, future=ahead)
-            total += rows.numel()
+        with self.store.side_stream() as stream:  # CUDA: the row copies overlap the step's backward and update
+            for ahead, ids in enumerate(upcoming, start=1):
+                rows = self._distinct_rows(check_ids(ids, "prefetch ids", negatives=False).reshape(-1).to(self.device), stream)
+                self.store.ensure(rows, pin=False, future=ahead)
+                total += rows.numel()
         return total
+
+    def _distinct_rows(self, flat: Tensor, stream: torch.cuda.Stream | None) -> Tensor:
+        """Rows of the distinct ids of ``flat`` that have one (one host synchronisation)."""
+        if stream is not None:
+            flat.record_stream(stream)  # may come from the compute stream, which could free it before the copies ran
+        if flat.numel() and kernels.available(flat.device):
+            # the sync below also finishes this stream's reads of the index before a later insert could replace it
+            plan = plan_lookup(flat, self.index)
+            u, n_absent, smallest, _ = plan.facts.tolist()
+            if smallest < 0:
+                raise_negative(flat, "prefetch ids")
+            rows = plan.rows[:u]
+        else:
+            check_ids(flat, "prefetch ids")
+            rows = self.index.lookup(torch.unique(flat), None)
+            n_absent = 1
+        return rows[rows >= 0] if n_absent else rows
 
     def record_feedback(self, ids: Tensor, shows: Tensor, clicks: Tensor, tags: Tensor | None = None) -> None:
         """Add shows/clicks per ID occurrence to the rows (and admission candidates) of ``ids``."""
