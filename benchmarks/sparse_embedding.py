@@ -15,9 +15,14 @@ Seed 000 Table 1 configurations (bs / L / d): 32/4000/128, 128/4000/128, 256/400
     tiered      DynamicEmbedding(cache_rows=rows/10); each step: lookup (pins its rows), prefetch the next
                 batch (its misses evict only unpinned rows), backward, update
     naive-host  rows and Adam state in (pinned) host memory: gather, H2D, update, D2H, scatter per step
-    floor       bytes the naive path must move / measured copy bandwidth
+    floor       bytes the naive path must move / measured copy bandwidth; the tiered floor counts the rows
+                the cache really loaded and wrote back over the timed steps (same bandwidth)
 (hash) at table size n: insert n/100 new keys and look up n keys, IdHashTable against SortedIdIndex
     (searchsorted; an insert merges). ``--index`` picks the tables' index (default: auto, by device).
+(uva, CUDA) GB/s of the tiered store's row-swap kernel between a pinned host table and a device cache
+    (missed-row loads, dirty write-backs, both), per warps/tile setting.
+``--profile DIR`` writes torch.profiler tables of the dynamic and tiered steps (and Chrome traces of
+those ``--trace`` names) to DIR.
 
 Times are medians over ``--repeats`` steps after ``--warmup``, synchronising the device around each step.
 """
@@ -38,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recforge.sparse import DynamicEmbedding, SparseOptimConfig, TableConfig, warm_start
+from recforge.sparse import DynamicEmbedding, SparseOptimConfig, TableConfig, kernels, warm_start
 from recforge.sparse.hash_table import IdHashTable
 from recforge.sparse.sorted_index import SortedIdIndex
 
@@ -64,6 +69,29 @@ def median_ms(step: Callable[[int], None], device: torch.device, warmup: int, re
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def profile(name: str, step: Callable[[int], None], steps: list[int], device: torch.device, args) -> None:
+    """torch.profiler table (and, for ``trace``-named steps, a Chrome trace) of ``steps`` into ``args.profile``."""
+    if not args.profile:
+        return
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    out = Path(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with torch_profile(activities=activities) as prof:
+        for i in steps:
+            step(i)
+        sync(device)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    with open(out / "profile.txt", "a") as f:
+        f.write(f"\n### {name} ({len(steps)} steps)\n")
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60) + "\n")
+    if args.trace and any(name.startswith(prefix) for prefix in args.trace.split(",")):
+        prof.export_chrome_trace(str(out / f"trace-{name.split()[0]}.json"))
 
 
 def scaled(bs: int, length: int, scale: float) -> tuple[int, int]:
@@ -109,6 +137,7 @@ def mode_a(bs: int, length: int, dim: int, rows: int, device: torch.device, args
         table.apply_gradients()
 
     results.append(("dynamic (raw IDs, hashed)", median_ms(dynamic_step, device, args.warmup, args.repeats)))
+    profile(f"a-{bs}-{length}-{dim} dynamic", dynamic_step, [0, 1, 2], device, args)
     del table
     row_batches = [b.to(device) for b in batches]
 
@@ -173,14 +202,21 @@ def mode_b(bs: int, length: int, dim: int, rows: int, device: torch.device, args
     )
     warm_start(table, torch.randn(rows, dim) * 0.01, raw_keys)
 
+    before: dict[str, int] = {}
+
     def tiered_step(i: int) -> None:
         out = table(raw_batches[i])  # pins this batch's cache rows
         table.prefetch([raw_batches[i + 1]])  # next batch's misses, evicting unpinned rows only
         out.backward(grad_out)
         table.apply_gradients()
+        if i == args.warmup - 1:  # untimed: cache traffic before the timed steps
+            before.update(table.store.stats())
 
     tiered = median_ms(tiered_step, device, args.warmup, args.repeats)
     stats = table.store.stats()
+    moved = sum(stats[k] - before.get(k, 0) for k in ("rows_loaded", "rows_written_back")) / args.repeats
+    tiered_floor_ms = moved * (3 * dim * 4 + 8) / bandwidth * 1e3  # weight, Adam moments, step count per row
+    profile(f"b-{bs}-{length}-{dim} tiered", tiered_step, [steps - 4, steps - 3, steps - 2], device, args)
     del table
     pin = device.type == "cuda"
     host_w = torch.randn(rows, dim, pin_memory=pin) * 0.01
@@ -205,6 +241,7 @@ def mode_b(bs: int, length: int, dim: int, rows: int, device: torch.device, args
         {**common, "method": "tiered (cache + prefetch)", "ms": tiered, "cache": stats},
         {**common, "method": "naive host (gather/H2D/D2H)", "ms": naive},
         {**common, "method": "floor: naive bytes / copy bandwidth", "ms": floor_ms},
+        {**common, "method": "floor: tiered misses / copy bandwidth", "ms": tiered_floor_ms, "rows_moved_per_step": moved},
     ]
 
 
@@ -228,7 +265,33 @@ def hash_rates(n: int, device: torch.device, args) -> list[dict]:
             for st, op, k, ms in out]  # fmt: skip
 
 
+def uva_rates(device: torch.device, args) -> list[dict]:
+    """GB/s of ``kernels.swap_rows`` moving rows of 3 x 256 floats (a d=256 row and its Adam moments) between
+    a pinned host table and a device cache: loads only, write-backs only, both at once."""
+    if device.type != "cuda" or not kernels.available(device):
+        return []
+    gen = torch.Generator().manual_seed(3)
+    rows, cache, width = max(20_000, int(2_000_000 * args.scale)), max(4000, int(400_000 * args.scale)), 768
+    n = cache * 7 // 20  # ~140K of 400K slots, as a 256/4000/256 tiered step
+    host = torch.randn(rows, width).pin_memory()
+    dev = torch.randn(cache, width, device=device)
+    slots = torch.randperm(cache, generator=gen)[:n].to(device)
+    load = torch.randperm(rows, generator=gen)[:n].to(device)
+    wb = torch.randperm(rows, generator=gen)[:n].to(device)
+    out = []
+    for warps, tile in ((4, 4096), (8, 4096), (8, 8192), (16, 16384)):
+        for what, w, ld in (("load", None, load), ("write-back", wb, None), ("both", wb, load)):
+            ms = median_ms(lambda _: kernels.swap_rows(dev, host, slots, w, ld, num_warps=warps, tile=tile), device, 2, args.repeats)
+            nbytes = n * width * 4 * (2 if what == "both" else 1)
+            out.append({"mode": "uva", "what": what, "num_warps": warps, "tile": tile, "rows": n, "row_bytes": width * 4,
+                        "ms": ms, "gb_per_s": nbytes / ms / 1e6})  # fmt: skip
+    return out
+
+
 def _line(r: dict) -> str:
+    if r["mode"] == "uva":
+        what = f"swap {r['what']} (warps {r['num_warps']}, tile {r['tile']})"
+        return f"{'uva':<5} {r['rows']:<16,} {what:<40} {r['ms']:>10.2f} {r['gb_per_s']:>9.1f} GB/s"
     if r["mode"] == "hash":
         what = f"{r['structure']} {r['op']} ({r['keys']:,} keys)"
         size = f"n={r['table_keys']:,}"
@@ -251,10 +314,12 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=4_000_000, help="table rows in mode (a), host rows in mode (b), before --scale")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--modes", default="a,b,hash")
+    p.add_argument("--modes", default="a,b,hash,uva", help="a,b,hash,uva (uva: CUDA only)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--index", default="auto", help="tables' ID index: auto (by device) | sorted | hash")
     p.add_argument("--out", default="")
+    p.add_argument("--profile", default="", help="directory for torch.profiler tables of the dynamic and tiered steps")
+    p.add_argument("--trace", default="", help="comma-separated name prefixes (e.g. a-32,b-256) of profiled steps to trace too")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -273,6 +338,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     if "hash" in modes:
         results += _progress(hash_rates(max(10_000, int(4_000_000 * args.scale)), device, args))
+    if "uva" in modes:
+        results += _progress(uva_rates(device, args))
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu_model()}, {os.cpu_count()} cores"
     print(f"# {machine}; torch {torch.__version__}; rows {rows:,}; copy bandwidth {bandwidth / 1e9:.2f} GB/s (H2D+D2H)")
     print(f"{'mode':<5} {'bs/L/d':<16} {'method':<40} {'ms':>10} {'vs nn.sparse':>13}")
