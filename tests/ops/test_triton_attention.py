@@ -105,10 +105,15 @@ def interpreter(monkeypatch):
 
 @pytest.mark.parametrize("op", ["hstu", "softmax"])
 @pytest.mark.parametrize("kind", ["causal", "full", "targets", "window", "segments", "all"])
-def test_interpreter_matches_reference(interpreter, op: str, kind: str) -> None:
+@pytest.mark.parametrize("loops", ["split", "merged"])
+def test_interpreter_matches_reference(interpreter, monkeypatch, op: str, kind: str, loops: str) -> None:
+    # both tile walks: two loops (the GPU speed path) and one loop (GPU fixed-tile launches)
+    from recforge.ops.triton import tuning
+
+    monkeypatch.setattr(tuning, "split_loops", lambda fixed_tile: loops == "split")
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     errors = _case(op, kind, seed, batch=4, max_len=37, heads=2, dqk=24, dv=20, dtype=torch.float32, device="cpu")
-    _check(errors, 1e-5, f"{op}/{kind} seed {seed}")
+    _check(errors, 1e-5, f"{op}/{kind}/{loops} seed {seed}")
 
 
 def test_triton_on_cpu_without_interpreter_raises(monkeypatch) -> None:

@@ -238,9 +238,8 @@ def key_tile(t, n_masked, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK: tl.cons
     """(first key, key bound, needs the mask) of the t-th key tile a query block walks.
 
     Tiles t < n_masked need the mask: the contextual prefix tiles, then the tiles of
-    [start, end) outside the free span [m_lo, m_hi); the free span's tiles follow. One loop
-    over both, with the mask math behind a run-time branch, is half the code of two loops:
-    it halves compile time, and the branch is uniform per tile.
+    [start, end) outside the free span [m_lo, m_hi); the free span's tiles follow. Kernels walk
+    them in one loop or two (``SPLIT_LOOPS``, see ``recforge.ops.triton.tuning.split_loops``).
     """
     masked = t < n_masked
     u = t - n_ctx

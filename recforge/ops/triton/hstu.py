@@ -29,7 +29,7 @@ from recforge.ops.triton._common import (
     time_thresholds,
     visible,
 )
-from recforge.ops.triton.tuning import dot_precision, launch, tuned
+from recforge.ops.triton.tuning import dot_precision, is_interpreting, launch, tuned
 
 
 @triton.jit
@@ -50,6 +50,21 @@ def _scores(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, 
 
 
 @triton.jit
+def _sigmoid(x, FAST: tl.constexpr):
+    """1 / (1 + exp(-x)) in float32. FAST (bf16/fp16 inputs): 0.5 + 0.5 tanh(x / 2) on the
+    hardware tanh (relative error ~2^-11, under bf16/fp16 rounding of the tile before the next
+    dot): one special-function op per element instead of two (exp, reciprocal). At head dim 64
+    those ops, not the tensor cores, bound the forward: a 128x64 tile's two dots take ~512 cycles
+    per SM, its 8192 exp + 8192 reciprocals at 16 per cycle ~1024."""
+    if FAST:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [0.5 * x], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+        return 0.5 + 0.5 * t
+    else:
+        return tl.sigmoid(x)
+
+
+@triton.jit
 def _hstu_fwd(
     Q, K, V, O, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
     offsets, num_targets, num_contextual, seg_ends, ts_mask, ts_bias, pos_w, time_w, time_thr,
@@ -57,7 +72,8 @@ def _hstu_fwd(
     S: tl.constexpr, FULL_BITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
-    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # longest key walks first
     b = tl.program_id(0) // num_heads
@@ -90,23 +106,26 @@ def _hstu_fwd(
     m_lo, m_hi = free_tile_span(start, free_lo, free_hi, BLOCK_N)
     n_ctx = tl.cdiv(ctx_end, BLOCK_N)
     n_masked = n_ctx + m_lo + tl.cdiv(end - start, BLOCK_N) - m_hi
-    for t in range(n_masked + m_hi - m_lo):  # masked tiles, then the fully visible span
-        j_start, khi, masked = key_tile(t, n_masked, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
-        j_vec = j_start + offs_n
-        key_ok = j_vec < khi
-        tok = (start_tok + j_vec).to(tl.int64)
-        kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
-        v = tl.load(V_h + tok[:, None] * sv_t + dv_[None, :], mask=key_ok[:, None] & (dv_[None, :] < DV), other=0.0)
-        j = j_vec[None, :]
-        s = _scores(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
-                    HAS_POS, HAS_TIME, DOT_PREC)
-        a = s * tl.sigmoid(s) * scale
-        if masked:
-            ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
-            vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
-                          S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
-            a = tl.where(vis, a, 0.0)
-        acc += tl.dot(a.to(v.dtype), v, input_precision=DOT_PREC)
+    for phase in tl.static_range(1 + SPLIT_LOOPS):  # see SPLIT_LOOPS in tuning.launch
+        for t in range(phase * n_masked, n_masked if SPLIT_LOOPS and phase == 0 else n_masked + m_hi - m_lo):
+            j_start, khi, masked = key_tile(t, n_masked, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
+            if SPLIT_LOOPS:
+                masked = phase == 0  # a compile-time constant: no branch in the loop
+            j_vec = j_start + offs_n
+            key_ok = j_vec < khi
+            tok = (start_tok + j_vec).to(tl.int64)
+            kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
+            v = tl.load(V_h + tok[:, None] * sv_t + dv_[None, :], mask=key_ok[:, None] & (dv_[None, :] < DV), other=0.0)
+            j = j_vec[None, :]
+            s = _scores(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
+                        HAS_POS, HAS_TIME, DOT_PREC)
+            a = s * _sigmoid(s, FAST_SIGMOID) * scale
+            if masked:
+                ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
+                vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
+                              S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
+                a = tl.where(vis, a, 0.0)
+            acc += tl.dot(a.to(v.dtype), v, input_precision=DOT_PREC)
     tl.store(O + (start_tok + offs_m)[:, None].to(tl.int64) * so_t + h * so_h + dv_[None, :],
              acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv_[None, :] < DV))
 
@@ -119,7 +138,8 @@ def _hstu_bwd_dq(
     S: tl.constexpr, FULL_BITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
-    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     b = tl.program_id(0) // num_heads
@@ -153,25 +173,28 @@ def _hstu_bwd_dq(
     m_lo, m_hi = free_tile_span(start, free_lo, free_hi, BLOCK_N)
     n_ctx = tl.cdiv(ctx_end, BLOCK_N)
     n_masked = n_ctx + m_lo + tl.cdiv(end - start, BLOCK_N) - m_hi
-    for t in range(n_masked + m_hi - m_lo):  # masked tiles, then the fully visible span
-        j_start, khi, masked = key_tile(t, n_masked, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
-        j_vec = j_start + offs_n
-        key_ok = j_vec < khi
-        tok = (start_tok + j_vec).to(tl.int64)
-        kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
-        vT = tl.load(V_h + tok[None, :] * sv_t + dv_[:, None], mask=key_ok[None, :] & (dv_[:, None] < DV), other=0.0)
-        j = j_vec[None, :]
-        s = _scores(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
-                    HAS_POS, HAS_TIME, DOT_PREC)
-        sig = tl.sigmoid(s)
-        da = tl.dot(do, vT, input_precision=DOT_PREC)
-        ds = da * (scale * sig * (1.0 + s * (1.0 - sig)))
-        if masked:
-            ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
-            vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
-                          S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
-            ds = tl.where(vis, ds, 0.0)
-        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=DOT_PREC)
+    for phase in tl.static_range(1 + SPLIT_LOOPS):  # see SPLIT_LOOPS in tuning.launch
+        for t in range(phase * n_masked, n_masked if SPLIT_LOOPS and phase == 0 else n_masked + m_hi - m_lo):
+            j_start, khi, masked = key_tile(t, n_masked, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
+            if SPLIT_LOOPS:
+                masked = phase == 0  # a compile-time constant: no branch in the loop
+            j_vec = j_start + offs_n
+            key_ok = j_vec < khi
+            tok = (start_tok + j_vec).to(tl.int64)
+            kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
+            vT = tl.load(V_h + tok[None, :] * sv_t + dv_[:, None], mask=key_ok[None, :] & (dv_[:, None] < DV), other=0.0)
+            j = j_vec[None, :]
+            s = _scores(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
+                        HAS_POS, HAS_TIME, DOT_PREC)
+            sig = _sigmoid(s, FAST_SIGMOID)
+            da = tl.dot(do, vT, input_precision=DOT_PREC)
+            ds = da * (scale * sig * (1.0 + s * (1.0 - sig)))
+            if masked:
+                ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
+                vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
+                              S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
+                ds = tl.where(vis, ds, 0.0)
+            dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=DOT_PREC)
     tl.store(DQ + rows * sdq_t + h * sdq_h + dq_[None, :], dq.to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (dq_[None, :] < DQK))
 
@@ -185,7 +208,8 @@ def _hstu_bwd_dkdv(
     HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
-    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(1)  # the first keys are seen by the most rows: they run first
     b = tl.program_id(0) // num_heads
@@ -218,40 +242,43 @@ def _hstu_bwd_dkdv(
 
     m_lo, m_hi = free_tile_span(lo, free_lo, free_hi, BLOCK_M)
     n_masked = m_lo + tl.cdiv(hi - lo, BLOCK_M) - m_hi
-    for t in range(n_masked + m_hi - m_lo):  # masked row tiles, then the fully visible span
-        i_start, masked = query_tile(t, n_masked, m_lo, m_hi, lo, BLOCK_M)
-        i_vec = i_start + offs_m
-        row_ok = i_vec < hi
-        tok = (start_tok + i_vec).to(tl.int64)
-        qT = tl.load(Q_h + tok[None, :] * sq_t + dq_[:, None], mask=row_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
-        doT = tl.load(DO_h + tok[None, :] * so_t + dv_[:, None], mask=row_ok[None, :] & (dv_[:, None] < DV), other=0.0)
-        i = i_vec[None, :]
-        sT = _scores(k, qT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
-                     HAS_POS, HAS_TIME, DOT_PREC)  # (BLOCK_N, BLOCK_M)
-        sig = tl.sigmoid(sT)
-        aT = sT * sig * scale
-        daT = tl.dot(v, doT, input_precision=DOT_PREC)
-        dsT = daT * (scale * sig * (1.0 + sT * (1.0 - sig)))
-        if masked:
-            ts_i = tl.load(ts_mask + start_tok + i_vec, mask=row_ok, other=0) if HAS_TS else i_vec
-            vis = visible(i, j, n, c, he, ends, ts_i[None, :], ts_j[:, None], window,
-                          S, FULL_BITS, HAS_WINDOW, HAS_TS) & (i < hi)
-            aT = tl.where(vis, aT, 0.0)
-            dsT = tl.where(vis, dsT, 0.0)
-        dv += tl.dot(aT.to(doT.dtype), tl.trans(doT), input_precision=DOT_PREC)
-        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
-        if POS_GRAD:
-            dist = tl.minimum(i, he) - tl.minimum(j, he)
-            if tl.min(dist) >= P - 1:  # every pair of the tile uses the last weight
-                tl.atomic_add(dpos + P - 1, tl.sum(dsT))
-            else:
-                tl.atomic_add(dpos + tl.minimum(tl.maximum(dist, 0), P - 1), dsT, mask=dsT != 0.0)
-        if TIME_GRAD:
-            in_seq = (i < n) & (j < n)
-            ts_bi = tl.load(ts_bias + start_tok + i, mask=in_seq, other=0)
-            ts_bj = tl.load(ts_bias + start_tok + j, mask=in_seq, other=0)
-            events = (i >= c) & (j >= c)  # contextual tokens carry no time bias
-            tl.atomic_add(dtime + time_bucket(ts_bi - ts_bj, time_thr, NB), dsT, mask=(dsT != 0.0) & events)
+    for phase in tl.static_range(1 + SPLIT_LOOPS):  # see SPLIT_LOOPS in tuning.launch
+        for t in range(phase * n_masked, n_masked if SPLIT_LOOPS and phase == 0 else n_masked + m_hi - m_lo):
+            i_start, masked = query_tile(t, n_masked, m_lo, m_hi, lo, BLOCK_M)
+            if SPLIT_LOOPS:
+                masked = phase == 0  # a compile-time constant: no branch in the loop
+            i_vec = i_start + offs_m
+            row_ok = i_vec < hi
+            tok = (start_tok + i_vec).to(tl.int64)
+            qT = tl.load(Q_h + tok[None, :] * sq_t + dq_[:, None], mask=row_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
+            doT = tl.load(DO_h + tok[None, :] * so_t + dv_[:, None], mask=row_ok[None, :] & (dv_[:, None] < DV), other=0.0)
+            i = i_vec[None, :]
+            sT = _scores(k, qT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
+                         HAS_POS, HAS_TIME, DOT_PREC)  # (BLOCK_N, BLOCK_M)
+            sig = _sigmoid(sT, FAST_SIGMOID)
+            aT = sT * sig * scale
+            daT = tl.dot(v, doT, input_precision=DOT_PREC)
+            dsT = daT * (scale * sig * (1.0 + sT * (1.0 - sig)))
+            if masked:
+                ts_i = tl.load(ts_mask + start_tok + i_vec, mask=row_ok, other=0) if HAS_TS else i_vec
+                vis = visible(i, j, n, c, he, ends, ts_i[None, :], ts_j[:, None], window,
+                              S, FULL_BITS, HAS_WINDOW, HAS_TS) & (i < hi)
+                aT = tl.where(vis, aT, 0.0)
+                dsT = tl.where(vis, dsT, 0.0)
+            dv += tl.dot(aT.to(doT.dtype), tl.trans(doT), input_precision=DOT_PREC)
+            dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
+            if POS_GRAD:
+                dist = tl.minimum(i, he) - tl.minimum(j, he)
+                if tl.min(dist) >= P - 1:  # every pair of the tile uses the last weight
+                    tl.atomic_add(dpos + P - 1, tl.sum(dsT))
+                else:
+                    tl.atomic_add(dpos + tl.minimum(tl.maximum(dist, 0), P - 1), dsT, mask=dsT != 0.0)
+            if TIME_GRAD:
+                in_seq = (i < n) & (j < n)
+                ts_bi = tl.load(ts_bias + start_tok + i, mask=in_seq, other=0)
+                ts_bj = tl.load(ts_bias + start_tok + j, mask=in_seq, other=0)
+                events = (i >= c) & (j >= c)  # contextual tokens carry no time bias
+                tl.atomic_add(dtime + time_bucket(ts_bi - ts_bj, time_thr, NB), dsT, mask=(dsT != 0.0) & events)
     tl.store(DK + keys * sdk_t + h * sdk_h + dq_[None, :], dk.to(DK.dtype.element_ty),
              mask=key_ok[:, None] & (dq_[None, :] < DQK))
     tl.store(DV_ + keys * sdv_t + h * sdv_h + dv_[None, :], dv.to(DV_.dtype.element_ty),
@@ -269,6 +296,7 @@ def _meta(ma: MaskArgs, dqk: int, dv: int, has_pos: bool, has_time: bool, dtype:
         "HAS_CONTEXT": ma.has_contextual, "HAS_WINDOW": ma.has_window, "HAS_TS": ma.has_ts, "HAS_POS": has_pos,
         "HAS_TIME": has_time, "DQK": dqk, "DV": dv, "BD_QK": max(16, triton.next_power_of_2(dqk)),
         "BD_V": max(16, triton.next_power_of_2(dv)), "DOT_PREC": dot_precision(dtype),
+        "FAST_SIGMOID": dtype != torch.float32 and not is_interpreting(),  # PTX tanh: compiled CUDA only
     }
 
 

@@ -38,7 +38,7 @@ def _sm_fwd(
     S: tl.constexpr, FULL_BITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
-    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr, SPLIT_LOOPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     b = tl.program_id(0) // num_heads
@@ -73,27 +73,30 @@ def _sm_fwd(
     m_lo, m_hi = free_tile_span(start, free_lo, free_hi, BLOCK_N)
     n_ctx = tl.cdiv(ctx_end, BLOCK_N)
     n_masked = n_ctx + m_lo + tl.cdiv(end - start, BLOCK_N) - m_hi
-    for t in range(n_masked + m_hi - m_lo):  # masked tiles, then the fully visible span
-        j_start, khi, masked = key_tile(t, n_masked, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
-        j_vec = j_start + offs_n
-        key_ok = j_vec < khi
-        tok = (start_tok + j_vec).to(tl.int64)
-        kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
-        v = tl.load(V_h + tok[:, None] * sv_t + dv_[None, :], mask=key_ok[:, None] & (dv_[None, :] < DV), other=0.0)
-        s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale
-        if masked:
-            j = j_vec[None, :]
-            ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
-            vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
-                          S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
-            s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+    for phase in tl.static_range(1 + SPLIT_LOOPS):  # see SPLIT_LOOPS in tuning.launch
+        for t in range(phase * n_masked, n_masked if SPLIT_LOOPS and phase == 0 else n_masked + m_hi - m_lo):
+            j_start, khi, masked = key_tile(t, n_masked, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
+            if SPLIT_LOOPS:
+                masked = phase == 0  # a compile-time constant: no branch in the loop
+            j_vec = j_start + offs_n
+            key_ok = j_vec < khi
+            tok = (start_tok + j_vec).to(tl.int64)
+            kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
+            v = tl.load(V_h + tok[:, None] * sv_t + dv_[None, :], mask=key_ok[:, None] & (dv_[None, :] < DV), other=0.0)
+            s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale
+            if masked:
+                j = j_vec[None, :]
+                ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
+                vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
+                              S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
+                s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     tl.store(O + rows[:, None] * so_t + h * so_h + dv_[None, :], (acc / l_safe[:, None]).to(O.dtype.element_ty),
              mask=row_ok[:, None] & (dv_[None, :] < DV))
@@ -108,7 +111,7 @@ def _sm_bwd_dq(
     S: tl.constexpr, FULL_BITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
-    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr, SPLIT_LOOPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     b = tl.program_id(0) // num_heads
@@ -144,24 +147,27 @@ def _sm_bwd_dq(
     m_lo, m_hi = free_tile_span(start, free_lo, free_hi, BLOCK_N)
     n_ctx = tl.cdiv(ctx_end, BLOCK_N)
     n_masked = n_ctx + m_lo + tl.cdiv(end - start, BLOCK_N) - m_hi
-    for t in range(n_masked + m_hi - m_lo):  # masked tiles, then the fully visible span
-        j_start, khi, masked = key_tile(t, n_masked, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
-        j_vec = j_start + offs_n
-        key_ok = j_vec < khi
-        tok = (start_tok + j_vec).to(tl.int64)
-        kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
-        vT = tl.load(V_h + tok[None, :] * sv_t + dv_[:, None], mask=key_ok[None, :] & (dv_[:, None] < DV), other=0.0)
-        s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale
-        p = tl.math.exp2(s - lse[:, None])
-        if masked:
-            j = j_vec[None, :]
-            ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
-            vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
-                          S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
-            p = tl.where(vis, p, 0.0)
-        dp = tl.dot(do, vT, input_precision=DOT_PREC)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=DOT_PREC)
+    for phase in tl.static_range(1 + SPLIT_LOOPS):  # see SPLIT_LOOPS in tuning.launch
+        for t in range(phase * n_masked, n_masked if SPLIT_LOOPS and phase == 0 else n_masked + m_hi - m_lo):
+            j_start, khi, masked = key_tile(t, n_masked, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
+            if SPLIT_LOOPS:
+                masked = phase == 0  # a compile-time constant: no branch in the loop
+            j_vec = j_start + offs_n
+            key_ok = j_vec < khi
+            tok = (start_tok + j_vec).to(tl.int64)
+            kT = tl.load(K_h + tok[None, :] * sk_t + dq_[:, None], mask=key_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
+            vT = tl.load(V_h + tok[None, :] * sv_t + dv_[:, None], mask=key_ok[None, :] & (dv_[:, None] < DV), other=0.0)
+            s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale
+            p = tl.math.exp2(s - lse[:, None])
+            if masked:
+                j = j_vec[None, :]
+                ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
+                vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
+                              S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
+                p = tl.where(vis, p, 0.0)
+            dp = tl.dot(do, vT, input_precision=DOT_PREC)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=DOT_PREC)
     tl.store(DQ + rows[:, None] * sdq_t + h * sdq_h + dq_[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (dq_[None, :] < DQK))
 
@@ -174,7 +180,7 @@ def _sm_bwd_dkdv(
     S: tl.constexpr, FULL_BITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
-    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr, SPLIT_LOOPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(1)
     b = tl.program_id(0) // num_heads
@@ -207,27 +213,30 @@ def _sm_bwd_dkdv(
 
     m_lo, m_hi = free_tile_span(lo, free_lo, free_hi, BLOCK_M)
     n_masked = m_lo + tl.cdiv(hi - lo, BLOCK_M) - m_hi
-    for t in range(n_masked + m_hi - m_lo):  # masked row tiles, then the fully visible span
-        i_start, masked = query_tile(t, n_masked, m_lo, m_hi, lo, BLOCK_M)
-        i_vec = i_start + offs_m
-        row_ok = i_vec < hi
-        tok = (start_tok + i_vec).to(tl.int64)
-        qT = tl.load(Q_h + tok[None, :] * sq_t + dq_[:, None], mask=row_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
-        doT = tl.load(DO_h + tok[None, :] * so_t + dv_[:, None], mask=row_ok[None, :] & (dv_[:, None] < DV), other=0.0)
-        lse = tl.load(LSE + tok * num_heads + h, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + tok * num_heads + h, mask=row_ok, other=0.0)
-        sT = tl.dot(k, qT, input_precision=DOT_PREC) * qk_scale
-        pT = tl.math.exp2(sT - lse[None, :])
-        if masked:
-            i = i_vec[None, :]
-            ts_i = tl.load(ts_mask + start_tok + i_vec, mask=row_ok, other=0) if HAS_TS else i_vec
-            vis = visible(i, j, n, c, he, ends, ts_i[None, :], ts_j[:, None], window,
-                          S, FULL_BITS, HAS_WINDOW, HAS_TS) & (i < hi)
-            pT = tl.where(vis, pT, 0.0)
-        dv += tl.dot(pT.to(doT.dtype), tl.trans(doT), input_precision=DOT_PREC)
-        dpT = tl.dot(v, doT, input_precision=DOT_PREC)
-        dsT = pT * (dpT - delta[None, :])
-        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
+    for phase in tl.static_range(1 + SPLIT_LOOPS):  # see SPLIT_LOOPS in tuning.launch
+        for t in range(phase * n_masked, n_masked if SPLIT_LOOPS and phase == 0 else n_masked + m_hi - m_lo):
+            i_start, masked = query_tile(t, n_masked, m_lo, m_hi, lo, BLOCK_M)
+            if SPLIT_LOOPS:
+                masked = phase == 0  # a compile-time constant: no branch in the loop
+            i_vec = i_start + offs_m
+            row_ok = i_vec < hi
+            tok = (start_tok + i_vec).to(tl.int64)
+            qT = tl.load(Q_h + tok[None, :] * sq_t + dq_[:, None], mask=row_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
+            doT = tl.load(DO_h + tok[None, :] * so_t + dv_[:, None], mask=row_ok[None, :] & (dv_[:, None] < DV), other=0.0)
+            lse = tl.load(LSE + tok * num_heads + h, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + tok * num_heads + h, mask=row_ok, other=0.0)
+            sT = tl.dot(k, qT, input_precision=DOT_PREC) * qk_scale
+            pT = tl.math.exp2(sT - lse[None, :])
+            if masked:
+                i = i_vec[None, :]
+                ts_i = tl.load(ts_mask + start_tok + i_vec, mask=row_ok, other=0) if HAS_TS else i_vec
+                vis = visible(i, j, n, c, he, ends, ts_i[None, :], ts_j[:, None], window,
+                              S, FULL_BITS, HAS_WINDOW, HAS_TS) & (i < hi)
+                pT = tl.where(vis, pT, 0.0)
+            dv += tl.dot(pT.to(doT.dtype), tl.trans(doT), input_precision=DOT_PREC)
+            dpT = tl.dot(v, doT, input_precision=DOT_PREC)
+            dsT = pT * (dpT - delta[None, :])
+            dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
     tl.store(DK + keys * sdk_t + h * sdk_h + dq_[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
              mask=key_ok[:, None] & (dq_[None, :] < DQK))
     tl.store(DV_ + keys * sdv_t + h * sdv_h + dv_[None, :], dv.to(DV_.dtype.element_ty),
