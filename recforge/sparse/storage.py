@@ -11,14 +11,18 @@ keeps the full table (weights and optimizer state) in host memory (pinned when t
 compute device is CUDA) and a ``cache_rows``-slot copy on the compute device::
 
     host (R rows, pinned)              device cache (C slots)             mappings (device)
-    weight[R, d], state[R, ...]  <-->  weight[C, d], state[C, ...]        row_to_slot[R]: slot or -1
+    host_all[R, record]          <-->  cache_all[C, record]               row_to_slot[R]: slot or -1
               H2D on a miss/prefetch;  dirty[C], stamp[C], pinned[C]      slot_to_row[C]: row or -1
               D2H write-back of dirty victims (least recently stamped, unpinned)
+
+    one float32 record per row:  | weight (d) | exp_avg (d) | exp_avg_sq (d) | step (int64) | pad |
+    (Adam; the fields follow the optimizer's state spec). ``weight``/``state[name]`` (and the
+    ``host_`` ones) are strided views of the records.
 
 The optimizer updates cache slots exactly as ``RowStore`` updates rows (the same ops on
 the same values), so a tiered table trains bit-identically to a one-tier one.
 
-On CUDA with Triton the cache traffic is one kernel per field (``kernels.swap_rows``) that
+On CUDA with Triton the cache traffic is one kernel over whole records (``kernels.swap_rows``) that
 reads the missed rows straight from the pinned host table and writes the dirty victims
 straight back (unified virtual addressing): only those rows cross PCIe, in both directions at
 once, with no CPU gather, no staging copy and no synchronisation but the miss count. Host
