@@ -2,7 +2,8 @@
 
 Usage:
     PYTHONPATH=. python benchmarks/attention.py --out benchmarks/results/attention-h100.json \
-        [--gr-path /path/to/generative-recommenders] [--head-dims 64 128] [--seq-lens 512 1024 2048 4096 8192]
+        [--gr-path /path/to/generative-recommenders] [--head-dims 64 128] [--seq-lens 512 1024 2048 4096 8192] \
+        [--baseline DIR] [--precompile 12]
 
 For each head dim and maximum sequence length L, one jagged batch of ~``--tokens`` tokens:
 the first sequence has L tokens, the others N(0.6 L, 0.25 L) clipped to [1, L] (histories are
@@ -15,6 +16,12 @@ HSTU variants: recforge Triton, the PyTorch reference (padded), torch.compile of
 (``--gr-path``, run in a child process so that an illegal memory access is reported per case).
 Softmax variants: recforge Triton, the PyTorch reference (padded SDPA with a dense mask), and
 FlexAttention with a block mask over the packed batch (document + causal).
+
+``--baseline DIR``: DIR holds a package ``base_triton``, a copy of ``recforge/ops/triton`` from
+another revision (imports rewritten to ``base_triton.``), timed as "recforge triton (baseline)"
+in the same run, so that a kernel change is judged by a ratio from one process on one GPU.
+``--precompile N``: compile every autotuning candidate of the recforge kernels in N processes
+first (Triton's disk cache), so that autotuning in the timed process only loads binaries.
 """
 
 from __future__ import annotations
@@ -22,10 +29,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import importlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -84,17 +95,21 @@ def inputs_for(lengths: list[int], dim: int, seed: int):
     return [x.requires_grad_() for x in qkv], offsets
 
 
-def hstu_variants(lengths, dim, seed, compiled_ref):
+def hstu_variants(lengths, dim, seed, compiled_ref, baseline):
     (q, k, v), offsets = inputs_for(lengths, dim, seed)
     L, mask, scale = max(lengths), AttentionMask(), 1.0 / max(lengths)
-    return [q, k, v], {
+    variants = {
         "recforge triton": lambda: hstu_attention(q, k, v, offsets, L, mask, scale=scale, kernel="triton"),
         "pytorch reference": lambda: hstu_attention_reference(q, k, v, offsets, L, mask, scale),
         "torch.compile(reference)": lambda: compiled_ref(q, k, v, offsets, L, mask, scale),
     }
+    if baseline is not None:
+        variants["recforge triton (baseline)"] = lambda: baseline.hstu.hstu_attention_triton(
+            q, k, v, offsets, L, mask, scale)
+    return [q, k, v], variants
 
 
-def softmax_variants(lengths, dim, seed, tokens, flex):
+def softmax_variants(lengths, dim, seed, tokens, flex, baseline):
     (q, k, v), offsets = inputs_for(lengths, dim, seed)
     L, mask = max(lengths), AttentionMask()
     from torch.nn.attention.flex_attention import create_block_mask
@@ -108,18 +123,24 @@ def softmax_variants(lengths, dim, seed, tokens, flex):
     def mask_mod(b, h, qi, ki):
         return (doc[qi] == doc[ki]) & (qi >= ki)
 
-    block_mask = create_block_mask(mask_mod, 1, 1, packed, packed, device="cuda")
+    @functools.cache
+    def block_mask():  # built on first use: not at all when FlexAttention is skipped
+        return create_block_mask(mask_mod, 1, 1, packed, packed, device="cuda")
 
     def run_flex():
         qp, kp, vp = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        out = flex(qp, kp, vp, block_mask=block_mask)  # (1, H, packed, D)
+        out = flex(qp, kp, vp, block_mask=block_mask())  # (1, H, packed, D)
         return out[0, :, :total].transpose(0, 1)
 
-    return [q, k, v], {
+    variants = {
         "recforge triton (softmax)": lambda: softmax_attention(q, k, v, offsets, L, mask, kernel="triton"),
         "pytorch reference (softmax, SDPA)": lambda: softmax_attention(q, k, v, offsets, L, mask, kernel="pytorch"),
         "FlexAttention (softmax, block mask)": run_flex,
     }
+    if baseline is not None:
+        variants["recforge triton (softmax, baseline)"] = lambda: baseline.softmax.softmax_attention_triton(
+            q, k, v, offsets, L, mask)
+    return [q, k, v], variants
 
 
 def measure(name, fn, inputs, fl_fwd, fl_bwd, peak) -> dict:
@@ -133,15 +154,66 @@ def measure(name, fn, inputs, fl_fwd, fl_bwd, peak) -> dict:
         except torch.cuda.OutOfMemoryError:
             row[f"{label}_error"] = "out of memory"
         except Exception as e:  # noqa: BLE001 - a failing baseline is reported, not fatal
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-            row[f"{label}_error"] = f"{type(e).__name__}: {' | '.join(lines[:1] + lines[-2:])[:300]}"
+            row[f"{label}_error"] = describe_error(e)
         torch.cuda.empty_cache()
     return row
+
+
+def chosen_tiles(baseline: SimpleNamespace | None, family: str) -> dict:
+    """The tile each recforge kernel's autotuner used last (BLOCK_M, BLOCK_N, warps, stages): run-to-run
+    differences in a row's speed are often a different tile picked on timing noise."""
+    if baseline is not None:
+        module = getattr(baseline, family)
+    else:
+        module = importlib.import_module(f"recforge.ops.triton.{family}")
+    tiles = {}
+    for name in ("_fwd", "_bwd_dq", "_bwd_dkdv"):
+        cfg = getattr(getattr(module, name), "best_config", None)
+        if cfg is not None:
+            tiles[name.lstrip("_")] = [cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages]
+    return tiles
+
+
+def describe_error(e: BaseException) -> str:
+    """The error and its innermost cause: Triton's CompilationError nests the real error
+    (e.g. an AttributeError) under one error per inlined function, each naming only a line."""
+    first = [line.strip() for line in str(e).splitlines() if line.strip()]
+    root = e
+    while root.__cause__ is not None or (root.__context__ is not None and not root.__suppress_context__):
+        root = root.__cause__ or root.__context__
+    text = f"{type(e).__name__}: {(first or [''])[0]}"
+    if root is not e:
+        root_lines = [line.strip() for line in str(root).splitlines() if line.strip()]
+        text += f" ... caused by {type(root).__name__}: {' | '.join(root_lines[-2:])}"
+    return text[:400]
+
+
+def install_gr_compat() -> list[str]:
+    """Stubs for Triton builtins that newer Triton removed and the generative-recommenders kernel
+    still names, in branches for ENABLE_TMA=True only (the benchmark runs enable_tma=False).
+    Without them its kernels fail to compile on Triton >= 3.4 ("module 'triton.language' has no
+    attribute '_experimental_descriptor_store'"). A stub that is ever reached raises."""
+    import triton.language as tl
+    from triton.language import core
+
+    @core.builtin
+    def removed(*args, _semantic=None, **kwargs):
+        raise RuntimeError("a removed Triton TMA-descriptor builtin was reached (enable_tma=True?)")
+
+    added = []
+    for name in ("_experimental_descriptor_load", "_experimental_descriptor_store"):
+        if not hasattr(tl, name):
+            setattr(tl, name, removed)
+            added.append(name)
+    return added
 
 
 def gr_worker(gr_path: str, cases: list[dict], seed: int) -> None:
     """Child process: the generative-recommenders kernel, one JSON line per case; exit on a CUDA error."""
     sys.path.insert(0, gr_path)
+    stubs = install_gr_compat()
+    if stubs:
+        print(f"generative-recommenders: stubbed removed Triton builtins {stubs}", file=sys.stderr, flush=True)
     from generative_recommenders.ops.triton import triton_hstu_attention as gr
     from triton.runtime.autotuner import Autotuner
 
@@ -160,27 +232,95 @@ def gr_worker(gr_path: str, cases: list[dict], seed: int) -> None:
         row = measure("generative-recommenders triton", fn, [q, k, v], fl_fwd, fl_bwd, peak)
         row.update(dim=dim, max_len=L)
         print("GRROW " + json.dumps(row), flush=True)
-        if any("error" in key for key in row):
+        errors = [value for key, value in row.items() if key.endswith("_error")]
+        if errors and not all(e.startswith("CompilationError") for e in errors):
             sys.exit(3)  # the CUDA context may be broken: the parent starts a fresh process
 
 
-def run_gr(gr_path: str, cases: list[dict], seed: int) -> list[dict]:
-    rows, todo = [], list(cases)
+def run_gr(gr_path: str, cases: list[dict], seed: int):
+    """Yield the generative-recommenders rows as the child process prints them (a fresh child
+    after a case that failed, since a CUDA error can break the context)."""
+    todo = list(cases)
     while todo:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--_gr-worker", json.dumps({"path": gr_path, "cases": todo, "seed": seed})],
-            capture_output=True, text=True, env=dict(os.environ), check=False,
-        )
-        got = [json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("GRROW ")]
-        rows += got
-        if len(got) < len(todo) and proc.returncode not in (0, 3):
-            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:160]
-            c = todo[len(got)]
-            rows.append({"variant": "generative-recommenders triton", "dim": c["dim"], "max_len": max(c["lengths"]),
-                         "fwd_error": f"process died: {tail}", "fwd_bwd_error": "not run"})
-            got.append(None)
-        todo = todo[len(got):]
-    return rows
+        spec = json.dumps({"path": gr_path, "cases": todo, "seed": seed})
+        with tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen([sys.executable, __file__, "--_gr-worker", spec], stdout=subprocess.PIPE,
+                                    stderr=err, text=True, env=dict(os.environ))
+            done = 0
+            for line in proc.stdout:
+                if line.startswith("GRROW "):
+                    done += 1
+                    yield json.loads(line[6:])
+            code = proc.wait()
+            if done < len(todo) and code not in (0, 3):
+                err.seek(0)
+                tail = (err.read().strip().splitlines() or ["no output"])[-1][:200]
+                c = todo[done]
+                yield {"variant": "generative-recommenders triton", "dim": c["dim"], "max_len": max(c["lengths"]),
+                       "fwd_error": f"process died (exit {code}): {tail}", "fwd_bwd_error": "not run"}
+                done += 1
+            elif done < len(todo) and code == 0:
+                raise RuntimeError(f"generative-recommenders worker exited after {done} of {len(todo)} cases")
+        todo = todo[done:]
+
+
+def load_baseline(path: str) -> SimpleNamespace:
+    """``base_triton.hstu`` and ``base_triton.softmax`` from DIR (see the module doc)."""
+    sys.path.insert(0, os.path.abspath(path))
+    return SimpleNamespace(hstu=importlib.import_module("base_triton.hstu"),
+                           softmax=importlib.import_module("base_triton.softmax"))
+
+
+def _triton_calls(dim: int, seed: int, baseline: SimpleNamespace | None) -> list:
+    lengths = [512, 300, 77]  # > 256 tokens: the autotuned path
+    (q, k, v), offsets = inputs_for(lengths, dim, seed)
+    L, mask = max(lengths), AttentionMask()
+    calls = [lambda: hstu_attention(q, k, v, offsets, L, mask, scale=1.0 / L, kernel="triton"),
+             lambda: softmax_attention(q, k, v, offsets, L, mask, kernel="triton")]
+    if baseline is not None:
+        calls += [lambda: baseline.hstu.hstu_attention_triton(q, k, v, offsets, L, mask, 1.0 / L),
+                  lambda: baseline.softmax.softmax_attention_triton(q, k, v, offsets, L, mask)]
+    return calls
+
+
+def precompile_worker(index: int, count: int, dims: list[int], baseline_path: str | None, seed: int) -> None:
+    """Child: compile, without running, this worker's share of the autotuning candidates of every
+    recforge kernel the timed run will use (same argument specialization, so the same cache entries)."""
+    from recforge.ops.triton import hstu as hstu_mod
+    from recforge.ops.triton import softmax as softmax_mod
+    from recforge.ops.triton import tuning
+
+    launchers = [(hstu_mod, "launch"), (softmax_mod, "launch")]
+    baseline = load_baseline(baseline_path) if baseline_path else None
+    if baseline is not None:
+        launchers += [(baseline.hstu, "_launch"), (baseline.softmax, "_launch")]
+    jobs = []
+
+    def collect(kernel, grid_blocks, batch, heads, max_seq_len, args, meta):
+        kind = "fwd" if kernel.fn.__name__.endswith("_fwd") else "bwd"
+        if "SPLIT_LOOPS" in kernel.fn.arg_names:  # set by launch(), which collect() replaces
+            meta = dict(meta, SPLIT_LOOPS=tuning.split_loops(fixed_tile=False))
+        jobs.extend((kernel.fn, args, meta, cfg) for cfg in tuning.candidates(kind, meta["BD_QK"], meta["BD_V"]))
+
+    for module, name in launchers:
+        setattr(module, name, collect)
+    for dim in dims:
+        for call in _triton_calls(dim, seed, baseline):
+            out = call()  # launches nothing: collect() only records
+            out.backward(torch.ones_like(out))
+    for fn, args, meta, cfg in jobs[index::count]:
+        fn.warmup(*args, grid=(1,), **meta, **cfg.all_kwargs())
+
+
+def precompile(workers: int, dims: list[int], baseline_path: str | None, seed: int) -> None:
+    start = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, __file__, "--_precompile-worker",
+                               json.dumps({"index": i, "count": workers, "dims": dims, "baseline": baseline_path,
+                                           "seed": seed})])
+             for i in range(workers)]
+    codes = [p.wait() for p in procs]
+    print(f"precompiled the autotuning candidates in {workers} processes: {time.perf_counter() - start:.0f} s, "
+          f"exit codes {codes}", flush=True)
 
 
 def main() -> None:
@@ -192,12 +332,25 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[], help="variant names to skip")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON output path")
+    parser.add_argument("--baseline", default=None, help="folder holding base_triton, another revision's kernels")
+    parser.add_argument("--precompile", type=int, default=0, help="compile autotuning candidates in N processes first")
+    parser.add_argument("--precompile-only", action="store_true", help="exit after --precompile")
     parser.add_argument("--_gr-worker", dest="gr_worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--_precompile-worker", dest="precompile_worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.gr_worker:
         spec = json.loads(args.gr_worker)
         gr_worker(spec["path"], spec["cases"], spec["seed"])
         return
+    if args.precompile_worker:
+        spec = json.loads(args.precompile_worker)
+        precompile_worker(spec["index"], spec["count"], spec["dims"], spec["baseline"], spec["seed"])
+        return
+    if args.precompile:
+        precompile(args.precompile, args.head_dims, args.baseline, args.seed)
+        if args.precompile_only:
+            return
+    baseline = load_baseline(args.baseline) if args.baseline else None
 
     peak = matmul_peak()
     compiled_ref = torch.compile(hstu_attention_reference, dynamic=True)
@@ -211,14 +364,17 @@ def main() -> None:
             fl_fwd, fl_bwd = flops(lengths, dim)
             for family in ("hstu", "softmax"):
                 if family == "hstu":
-                    inputs, variants = hstu_variants(lengths, dim, args.seed, compiled_ref)
+                    inputs, variants = hstu_variants(lengths, dim, args.seed, compiled_ref, baseline)
                 else:
-                    inputs, variants = softmax_variants(lengths, dim, args.seed, args.tokens, flex)
+                    inputs, variants = softmax_variants(lengths, dim, args.seed, args.tokens, flex, baseline)
                 for name, fn in variants.items():
                     if name in args.skip:
                         continue
                     row = measure(name, fn, inputs, fl_fwd, fl_bwd, peak)
                     row.update(dim=dim, max_len=L, batch=len(lengths), tokens=sum(lengths))
+                    if name.startswith("recforge triton"):
+                        row["tiles"] = chosen_tiles(baseline if "baseline" in name else None,
+                                                    "softmax" if "softmax" in name else "hstu")
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     save(args, rows, peak)  # partial results survive a killed run
@@ -229,6 +385,8 @@ def main() -> None:
             case = next(c for c in gr_cases if c["dim"] == row["dim"] and max(c["lengths"]) == row["max_len"])
             row.update(batch=len(case["lengths"]), tokens=sum(case["lengths"]))
             rows.append(row)
+            print(json.dumps(row), flush=True)
+            save(args, rows, peak)
     save(args, rows, peak)
     machine = torch.cuda.get_device_name()
     print(f"\nattention on {machine}, torch {torch.__version__}, triton {triton.__version__}, bf16, {HEADS} heads, "
