@@ -75,8 +75,3 @@ def token_loss_scale(local_tokens: int, reference_tokens: int, world_size: int =
     if local_tokens < 0:
         raise ValueError(f"local_tokens must be >= 0, got {local_tokens}")
     return world_size / reference_tokens
-
-
-def token_weighted_loss(per_token_loss: torch.Tensor, reference_tokens: int, world_size: int = 1) -> torch.Tensor:
-    """``per_token_loss.sum()`` scaled by :func:`token_loss_scale` (a scalar tensor)."""
-    return per_token_loss.sum() * token_loss_scale(per_token_loss.numel(), reference_tokens, world_size)

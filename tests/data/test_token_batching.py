@@ -9,7 +9,6 @@ import torch
 from recforge.data.token_batching import (
     token_budget_cuts,
     token_loss_scale,
-    token_weighted_loss,
 )
 
 
@@ -30,14 +29,14 @@ def test_long_rows_get_their_own_batch_and_max_rows_caps():
         token_budget_cuts(np.array([1]), 0)
 
 
-def test_token_weighted_loss_gives_every_token_the_same_weight():
+def test_token_loss_scale_gives_every_token_the_same_weight():
     # two batches of different sizes: the summed gradient equals one big batch's mean over all tokens
     torch.manual_seed(0)
     w = torch.randn(4, requires_grad=True)
     x = torch.randn(30, 4)
     small, large = x[:10], x[10:]
     for part in (small, large):
-        token_weighted_loss((part @ w) ** 2, reference_tokens=30).backward()
+        (((part @ w) ** 2).sum() * token_loss_scale(len(part), reference_tokens=30)).backward()
     grad_parts = w.grad.clone()
     w.grad = None
     ((x @ w) ** 2).mean().backward()
