@@ -47,6 +47,7 @@ class RankingConfig:
     valid_fraction: float = 0.1  # per user, of the latest events before the test ones
     test_fraction: float = 0.1  # per user, of the latest events
     listwise_weight: float = 0.0  # weight of the listwise softmax loss on the first binary task (0: off)
+    refit: bool = False  # train on train + valid impressions (epochs fixed beforehand) and evaluate the last checkpoint
 
 
 @dataclass
@@ -64,6 +65,9 @@ class ModelConfig:
     head: str = "mlp"  # ranking task heads: mlp | mmoe | ple
     head_hidden: int = 128  # ranking head / expert width
     num_experts: int = 4  # MMoE experts; PLE shared experts
+    attn_norm: str = "layernorm"  # HSTU attention output: layernorm (paper) | visible_mean (no LayerNorm, divided by the keys each query sees)
+    item_tower: float = 0.0  # ranking: > 0 adds a candidate-only tower with its own loss; score = (1 - w) * main + w * tower
+    target_attention: str = "none"  # ranking: none | din (DIN-style pooling of each candidate's visible history, added to its encoder output)
     embedding: str = "static"  # item IDs (ranking: also user features): static (nn.Embedding) | dynamic (recforge.sparse tables, see sparse:)
 
 
@@ -166,6 +170,8 @@ CHOICES = {
     "optim.schedule": ("constant", "cosine", "linear"),
     "loss.negatives": ("per_position", "shared", "full"),
     "model.embedding": ("static", "dynamic"),
+    "model.target_attention": ("none", "din"),
+    "model.attn_norm": ("layernorm", "visible_mean"),
     "train.loader": ("memory", "pipeline"),
     "sparse.optimizer": ("sgd", "adagrad", "rowwise_adagrad", "adam", "adamw"),
     "sparse.admission": ("always", "count", "probability"),

@@ -4,10 +4,26 @@ from __future__ import annotations
 
 from recforge.config import ModelConfig, SparseConfig
 from recforge.models.hstu import HSTUConfig, HSTUEncoder
-from recforge.models.ranking import PLE, ContextPool, ItemOnly, MMoE, MultiTaskMLP, RankingModel, RankingPrefix
+from recforge.models.ranking import (
+    PLE,
+    CandidateTower,
+    ContextPool,
+    ItemOnly,
+    MMoE,
+    MultiTaskMLP,
+    RankingModel,
+    RankingPrefix,
+    TargetHistoryPool,
+)
 from recforge.models.retrieval import ItemPrefix, L2NormPostfix, RetrievalModel
 from recforge.models.sasrec import SASRecConfig, SASRecEncoder
-from recforge.sparse import AdmissionConfig, DynamicEmbedding, EvictionConfig, SparseOptimConfig, TableConfig
+from recforge.sparse import (
+    AdmissionConfig,
+    DynamicEmbedding,
+    EvictionConfig,
+    SparseOptimConfig,
+    TableConfig,
+)
 
 
 def hstu_encoder(cfg: ModelConfig, max_seq_len: int) -> HSTUEncoder:
@@ -23,6 +39,7 @@ def hstu_encoder(cfg: ModelConfig, max_seq_len: int) -> HSTUEncoder:
             max_seq_len=max_seq_len,
             num_time_buckets=cfg.num_time_buckets,
             kernel=cfg.kernel,
+            attn_norm=cfg.attn_norm,
         )
     )
 
@@ -126,10 +143,14 @@ def build_ranking_model(
         encoder = ItemOnly(cfg.dim)
     else:
         raise ValueError(f"model.kind={cfg.kind!r}: ranking supports hstu, dlrm and item")
+    if cfg.target_attention == "din":
+        encoder = TargetHistoryPool.wrap(encoder, cfg.dim, dropout=cfg.dropout)
     if cfg.head == "mlp":
         postfix = MultiTaskMLP(cfg.dim, num_tasks, cfg.head_hidden, cfg.dropout)
     elif cfg.head == "mmoe":
         postfix = MMoE(cfg.dim, num_tasks, cfg.num_experts, cfg.head_hidden, cfg.dropout)
     else:
         postfix = PLE(cfg.dim, num_tasks, shared_experts=cfg.num_experts, hidden=cfg.head_hidden, dropout=cfg.dropout)
+    if cfg.item_tower:
+        postfix = CandidateTower.wrap(postfix, MultiTaskMLP(cfg.dim, num_tasks, cfg.head_hidden, cfg.dropout), cfg.item_tower)
     return RankingModel(prefix, encoder, postfix)

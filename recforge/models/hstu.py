@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recforge.ops.hstu_attention import hstu_attention
+from recforge.ops.jagged import padding_index
 from recforge.ops.mask import AttentionMask
 
 
@@ -35,6 +36,10 @@ class HSTUConfig:
     max_seq_len: int = 200  # attention normaliser and position-bias range
     num_time_buckets: int = 128  # 0 disables the time bias; unused when data has no timestamps
     kernel: str = "auto"  # attention backend: auto | pytorch | triton
+    # attention output normalisation: "layernorm" (the paper: LayerNorm(A V) ⊙ U, which keeps only the
+    # direction of A V, so *how many* history items match a query is lost) | "visible_mean" (no
+    # LayerNorm; A V divided by the number of keys the query sees: a match count becomes a share)
+    attn_norm: str = "layernorm"
 
 
 class HSTUBlock(nn.Module):
@@ -47,7 +52,9 @@ class HSTUBlock(nn.Module):
         self.split_sizes = [h * cfg.dv, h * cfg.dv, h * cfg.dqk, h * cfg.dqk]
         self.norm = nn.LayerNorm(cfg.dim)
         self.uvqk = nn.Linear(cfg.dim, sum(self.split_sizes))
-        self.attn_norm = nn.LayerNorm(h * cfg.dv)
+        if cfg.attn_norm not in ("layernorm", "visible_mean"):
+            raise ValueError(f"HSTUConfig.attn_norm={cfg.attn_norm!r}: expected layernorm or visible_mean")
+        self.attn_norm = nn.LayerNorm(h * cfg.dv) if cfg.attn_norm == "layernorm" else None
         self.out = nn.Linear(h * cfg.dv, cfg.dim)
         self.dropout = nn.Dropout(cfg.dropout)
         self.pos_weights = nn.Parameter(torch.zeros(cfg.max_seq_len))
@@ -70,7 +77,15 @@ class HSTUBlock(nn.Module):
             time_weights=self.time_weights if timestamps is not None else None,
             kernel=cfg.kernel,
         )  # (T, H, Dv)
-        gated = self.attn_norm(attn.reshape(tokens, cfg.num_heads * cfg.dv)) * u  # (T, H*Dv)
+        attn = attn.reshape(tokens, cfg.num_heads * cfg.dv)  # (T, H*Dv)
+        if self.attn_norm is not None:
+            attn = self.attn_norm(attn)
+        else:  # undo 1/max_seq_len, divide by each query's visible keys (reference mask: CPU-scale batches)
+            visible = mask.dense(seq_offsets, max_seq_len).sum(-1).to(attn.dtype)  # (B, N)
+            seq, pos = padding_index(seq_offsets, tokens)
+            per_token = visible[seq, pos]  # (T,)
+            attn = attn * (cfg.max_seq_len / per_token).unsqueeze(1)
+        gated = attn * u  # (T, H*Dv)
         return x + self.out(self.dropout(gated))
 
 

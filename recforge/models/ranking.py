@@ -214,6 +214,46 @@ class PLE(nn.Module):
 HEADS = {"mlp": MultiTaskMLP, "mmoe": MMoE, "ple": PLE}
 
 
+class CandidateTower(nn.Module):
+    """Postfix with a second, candidate-only tower: an ensemble of the sequence model and an
+    item-only scorer inside one model, on shared embeddings.
+
+    Input (N, 2d) = [target encoder output, candidate prefix embedding]. ``parts`` gives the two
+    towers' outputs, each trained with the task losses on its own (so the candidate tower is a
+    non-personalised item scorer, not a correction of the main one); the score mixes them:
+    ``(1 - weight) * main + weight * candidate``. RankingModel feeds this input when the postfix
+    has ``takes_candidate``.
+    """
+
+    takes_candidate = True
+
+    def __init__(self, main: dict, candidate: dict, weight: float = 0.5) -> None:
+        super().__init__()
+        self.kwargs = {"main": main, "candidate": candidate, "weight": weight}
+        self.main = _build_slice(main["class"], main["kwargs"])
+        self.candidate = _build_slice(candidate["class"], candidate["kwargs"])
+        self.weight = weight
+
+    @classmethod
+    def wrap(cls, main: nn.Module, candidate: nn.Module, weight: float) -> CandidateTower:
+        spec = lambda m: {"class": f"{type(m).__module__}:{type(m).__qualname__}", "kwargs": _slice_config(m)}
+        tower = cls(spec(main), spec(candidate), weight)
+        tower.main, tower.candidate = main, candidate
+        return tower
+
+    def slice_config(self) -> dict:
+        return dict(self.kwargs)
+
+    def parts(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(main tower outputs, candidate tower outputs), each (N, K)."""
+        h, e = x.chunk(2, dim=1)  # (N, d) each
+        return self.main(h), self.candidate(e)
+
+    def forward(self, x: Tensor) -> Tensor:
+        main, candidate = self.parts(x)
+        return (1 - self.weight) * main + self.weight * candidate
+
+
 class ContextPool(nn.Module):
     """Non-sequential encoder for a DLRM-style baseline: each target sees only the contextual
     tokens (user features) and itself, never the history.
@@ -268,6 +308,92 @@ class ItemOnly(nn.Module):
         return x
 
 
+class TargetHistoryPool(nn.Module):
+    """An encoder plus DIN-style target attention (Zhou et al. 2018): each candidate pools the
+    history events it may see, weighted by a learned match with the candidate.
+
+    For target t (prefix embedding e_t) and each visible history token j (prefix embedding x_j,
+    recency r = how many visible events come after it, 0 = the previous event)::
+
+        w_tj     = sigmoid(v . SiLU(A e_t + B x_j + C (e_t * x_j) + R[min(r, R - 1)]))
+        pooled_t = sum_j w_tj x_j / (visible events)      # a learned, candidate-specific share
+        out_t    = inner(x)_t + MLP([pooled_t, pooled_t * e_t])
+
+    Unnormalised sigmoid weights keep *how much* of the history matches the candidate (softmax
+    would only say which events match), and the recency table lets it single out the previous
+    event. Visibility is the ranking mask's: history events strictly before the target's
+    timestamp (all history when there are no timestamps). Non-target tokens pass through.
+    """
+
+    def __init__(self, inner: dict, dim: int, hidden: int = 32, recency_buckets: int = 16, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.kwargs = {"inner": inner, "dim": dim, "hidden": hidden, "recency_buckets": recency_buckets, "dropout": dropout}
+        self.inner = _build_slice(inner["class"], inner["kwargs"])
+        self.query = nn.Linear(dim, hidden)
+        self.key = nn.Linear(dim, hidden, bias=False)
+        self.cross = nn.Linear(dim, hidden, bias=False)
+        self.recency = nn.Embedding(recency_buckets, hidden)
+        nn.init.zeros_(self.recency.weight)
+        self.score = nn.Linear(hidden, 1)
+        self.out = nn.Sequential(nn.Linear(2 * dim, 2 * dim), nn.SiLU(), nn.Dropout(dropout), nn.Linear(2 * dim, dim))
+        self.recency_buckets = recency_buckets
+
+    @classmethod
+    def wrap(cls, inner: nn.Module, dim: int, **kwargs: Any) -> TargetHistoryPool:
+        """Wrap an existing encoder (its weights are kept)."""
+        cls_path = f"{type(inner).__module__}:{type(inner).__qualname__}"
+        pool = cls({"class": cls_path, "kwargs": _slice_config(inner)}, dim, **kwargs)
+        pool.inner = inner
+        return pool
+
+    def slice_config(self) -> dict:
+        return dict(self.kwargs)
+
+    def forward(
+        self, x: Tensor, seq_offsets: Tensor, max_seq_len: int, mask: AttentionMask, timestamps: Tensor | None = None
+    ) -> Tensor:
+        encoded = self.inner(x, seq_offsets, max_seq_len, mask, timestamps)
+        hist, visible, target_index = visible_history(seq_offsets, mask)  # (N, H), (N, H), (N,)
+        if target_index.numel() == 0 or hist.shape[1] == 0:
+            return encoded
+        e = x[target_index]  # (N, d)
+        xh = x[hist]  # (N, H, d)
+        count = visible.sum(1, keepdim=True)  # (N, 1)
+        recency = (count - 1 - torch.arange(hist.shape[1], device=x.device)).clamp(0, self.recency_buckets - 1)  # (N, H)
+        z = self.query(e).unsqueeze(1) + self.key(xh) + self.cross(xh * e.unsqueeze(1)) + self.recency(recency)  # (N, H, h)
+        weight = torch.sigmoid(self.score(F.silu(z)).squeeze(2)) * visible  # (N, H)
+        pooled = (weight.unsqueeze(2) * xh).sum(1) / count.clamp(min=1).to(x.dtype)  # (N, d)
+        out = encoded.clone()
+        out[target_index] = encoded[target_index] + self.out(torch.cat([pooled, pooled * e], 1))
+        return out
+
+
+def visible_history(seq_offsets: Tensor, mask: AttentionMask) -> tuple[Tensor, Tensor, Tensor]:
+    """Each target's history as a padded index: (hist (N, H) token index, visible (N, H) bool,
+    target token index (N,)), N = targets in the batch, H = the longest history.
+
+    History tokens sit between the contextual prefix and the targets, in time order; a target sees
+    those strictly before its own timestamp when ``mask.timestamps`` is set, else all of them.
+    """
+    batch = seq_offsets.numel() - 1
+    device = seq_offsets.device
+    zeros = torch.zeros(batch, dtype=torch.int64, device=device)
+    c = mask.num_contextual if mask.num_contextual is not None else zeros
+    t = mask.num_targets if mask.num_targets is not None else zeros
+    lengths = seq_offsets[1:] - seq_offsets[:-1]
+    hist_len = lengths - c - t  # (B,)
+    target_index, target_off = range_index(seq_offsets[1:] - t, t)
+    seq = sequence_ids(target_off, target_index.numel())  # (N,) sequence of each target
+    width = int(hist_len.max()) if batch else 0
+    cols = torch.arange(width, device=device)
+    hist = (seq_offsets[:-1] + c)[seq].unsqueeze(1) + cols  # (N, H)
+    visible = cols < hist_len[seq].unsqueeze(1)
+    hist = torch.where(visible, hist, target_index.unsqueeze(1))  # padding reads the target itself (masked)
+    if mask.timestamps is not None:
+        visible = visible & (mask.timestamps[hist] < mask.timestamps[target_index].unsqueeze(1))
+    return hist, visible, target_index
+
+
 class RankingModel(nn.Module):
     """Prefix -> encoder -> postfix over ranking batches (see ``recforge.data.ranking``)."""
 
@@ -292,12 +418,19 @@ class RankingModel(nn.Module):
         }
         return batch.features, encoder_args, targets
 
-    def forward(self, batch: JaggedBatch) -> Tensor:
-        """(sum of num_targets, K) task outputs, in target order."""
+    def postfix_inputs(self, batch: JaggedBatch) -> Tensor:
+        """What the postfix reads: the targets' encoder outputs (N, d), with their prefix
+        embeddings beside them (N, 2d) when the postfix ``takes_candidate``."""
         features, encoder_args, targets = self.split_inputs(batch)
         tokens = self.prefix(features)
         encoded = self.encoder(tokens, **encoder_args)
-        return self.postfix(encoded[targets])
+        if getattr(self.postfix, "takes_candidate", False):
+            return torch.cat([encoded[targets], tokens[targets]], 1)
+        return encoded[targets]
+
+    def forward(self, batch: JaggedBatch) -> Tensor:
+        """(sum of num_targets, K) task outputs, in target order."""
+        return self.postfix(self.postfix_inputs(batch))
 
 
 # ----------------------------------------------------------------------------------- slices
@@ -444,14 +577,17 @@ def listwise_loss(outputs: Tensor, labels: Tensor, num_targets: Tensor) -> Tenso
 __all__ = [
     "HEADS",
     "PLE",
+    "CandidateTower",
     "ContextPool",
     "MMoE",
     "MultiTaskMLP",
     "RankingModel",
     "RankingPrefix",
+    "TargetHistoryPool",
     "listwise_loss",
     "load_slice",
     "load_slices",
     "pointwise_loss",
     "save_slices",
+    "visible_history",
 ]

@@ -56,7 +56,13 @@ from recforge.models.ranking import (
 from recforge.ops.jagged import offsets_from_lengths, sequence_ids
 from recforge.sparse import SparseOptimizer
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
-from recforge.train.loop import make_optimizer, prepare_run_dir, prepare_runtime, run_loop, run_lr_scale
+from recforge.train.loop import (
+    make_optimizer,
+    prepare_run_dir,
+    prepare_runtime,
+    run_loop,
+    run_lr_scale,
+)
 from recforge.train.metrics import auc, gauc
 
 
@@ -117,14 +123,36 @@ def _samples(s: Setup, split: str) -> RankingSamples:
     return s.data.samples(split, s.cfg.ranking.period_seconds, s.cfg.ranking.max_targets)
 
 
+def _training_samples(s: Setup) -> RankingSamples:
+    """The training split's samples; with ``ranking.refit`` the validation split's follow them
+    (the usual refit for time splits: the epoch count comes from a run that held validation out)."""
+    train = _samples(s, "train")
+    if not s.cfg.ranking.refit:
+        return train
+    valid = _samples(s, "valid")
+    return RankingSamples(
+        torch.cat([train.user, valid.user]),
+        torch.cat([train.offsets, valid.offsets[1:] + train.offsets[-1]]),
+        torch.cat([train.events, valid.events]),
+    )
+
+
 def _batch(s: Setup, samples: RankingSamples, ids: torch.Tensor):
     return s.data.batch(samples, ids, s.cfg.data.max_seq_len, s.cfg.ranking.action_encoding).to(s.device)
 
 
 def _loss(s: Setup, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(objective to minimise, the loss with per-batch means) of ``batch`` (already on the device)."""
-    outputs = s.model(batch)  # (N, K)
     labels = batch.labels["tasks"]
+    x = s.model.postfix_inputs(batch)
+    if hasattr(s.model.postfix, "parts"):  # CandidateTower: each tower learns the tasks on its own
+        main, candidate = s.model.postfix.parts(x)
+        outputs = s.model.postfix(x)
+        loss = pointwise_loss(main, labels, s.kinds, s.weights)[0] + pointwise_loss(candidate, labels, s.kinds, s.weights)[0]
+        if s.reference is not None or s.cfg.ranking.listwise_weight:
+            raise ValueError("model.item_tower supports pointwise losses with fixed batches only (no token_budget, listwise)")
+        return loss, loss
+    outputs = s.model.postfix(x)  # (N, K)
     if s.reference is not None:
         return _token_weighted_loss(s, outputs, labels, batch.mask.num_targets, s.reference)
     loss, _ = pointwise_loss(outputs, labels, s.kinds, s.weights)
@@ -230,7 +258,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     """Train per ``cfg``; export the best checkpoint's slices; return the test evaluation."""
     run_dir = prepare_run_dir(cfg, resume)
     s = setup(cfg)
-    samples = _samples(s, "train")
+    samples = _training_samples(s)
     if cfg.train.loader == "pipeline":
         inputs = {"source": _pipeline_source(s, samples, resume), "step": lambda batch: _train_step(s, batch.to(s.device))}
     else:
@@ -298,7 +326,8 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str = "auto", split: str = 
 
     Args:
         run_dir: directory of a run made by ``train``.
-        checkpoint: ``auto``/``best`` (best validation), ``latest`` or a checkpoint directory.
+        checkpoint: ``auto`` (``best``, or ``latest`` for a ``ranking.refit`` run, whose validation
+            impressions were trained on), ``best`` (best validation), ``latest`` or a checkpoint directory.
         split: ``test`` or ``valid``.
         command: the command line recorded in ``eval.json``.
     """
@@ -308,7 +337,7 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str = "auto", split: str = 
     cfg = load_config(run_dir / "config.yaml")
     if split not in ("test", "valid"):
         raise ValueError(f"split={split!r}: expected test or valid")
-    which = "best" if checkpoint == "auto" else checkpoint
+    which = ("latest" if cfg.ranking.refit else "best") if checkpoint == "auto" else checkpoint
     ckpt = find_checkpoint(run_dir, which) if which in ("best", "latest") else Path(checkpoint)
     if ckpt is None:
         raise ValueError(f"{run_dir} has no {which} checkpoint; train it first")

@@ -15,16 +15,19 @@ from recforge.data.synthetic import SyntheticConfig, generate_impressions
 from recforge.models import HSTUConfig, HSTUEncoder
 from recforge.models.ranking import (
     HEADS,
+    CandidateTower,
     ContextPool,
     ItemOnly,
     MultiTaskMLP,
     RankingModel,
     RankingPrefix,
+    TargetHistoryPool,
     listwise_loss,
     load_slice,
     load_slices,
     pointwise_loss,
     save_slices,
+    visible_history,
 )
 
 DIM = 16
@@ -49,8 +52,10 @@ def _model(data: RankingData, kind: str = "hstu", seed: int = 0) -> RankingModel
         data.num_item_feature_values,
     )  # fmt: skip
     prefix.item_features.copy_(data.item_features)
-    if kind == "hstu":
-        encoder = HSTUEncoder(HSTUConfig(dim=DIM, num_blocks=2, num_heads=2, dqk=8, dv=8, dropout=0.0, max_seq_len=MAX_LEN))
+    if kind.startswith("hstu"):
+        attn_norm = "visible_mean" if kind == "hstu-vmean" else "layernorm"
+        hstu = HSTUConfig(dim=DIM, num_blocks=2, num_heads=2, dqk=8, dv=8, dropout=0.0, max_seq_len=MAX_LEN, attn_norm=attn_norm)
+        encoder = HSTUEncoder(hstu)
         for block in encoder.blocks:  # non-zero relative biases, so they are exercised too
             nn.init.normal_(block.pos_weights, std=0.5)
             nn.init.normal_(block.time_weights, std=0.5)
@@ -58,7 +63,13 @@ def _model(data: RankingData, kind: str = "hstu", seed: int = 0) -> RankingModel
         encoder = ItemOnly(DIM)
     else:
         encoder = ContextPool(DIM, hidden=32)
-    return RankingModel(prefix, encoder, MultiTaskMLP(DIM, 2, hidden=32)).eval()
+    if kind == "hstu-din":
+        encoder = TargetHistoryPool.wrap(encoder, DIM, hidden=8, recency_buckets=4)
+        nn.init.normal_(encoder.recency.weight, std=0.5)  # zero at init; exercise it
+    postfix = MultiTaskMLP(DIM, 2, hidden=32)
+    if kind == "hstu-tower":
+        postfix = CandidateTower.wrap(postfix, MultiTaskMLP(DIM, 2, hidden=16), weight=0.3)
+    return RankingModel(prefix, encoder, postfix).eval()
 
 
 def _multi_target_batch(data: RankingData, encoding: str):
@@ -74,11 +85,11 @@ def _clone(batch):
     return batch.__class__(batch.seq_offsets, features, batch.max_seq_len, labels=batch.labels, mask=batch.mask)
 
 
-@pytest.mark.parametrize("encoding", ["sum", "interleave"])
-def test_no_future_information_reaches_a_candidate(data: RankingData, encoding: str) -> None:
+@pytest.mark.parametrize(("encoding", "kind"), [("sum", "hstu"), ("interleave", "hstu"), ("sum", "hstu-vmean"), ("sum", "hstu-din"), ("sum", "hstu-tower")],)
+def test_no_future_information_reaches_a_candidate(data: RankingData, encoding: str, kind: str) -> None:
     """Changing events at or after a candidate's time, or another candidate, leaves its score unchanged;
     changing an earlier event does change it."""
-    model = _model(data)
+    model = _model(data, kind)
     batch = _multi_target_batch(data, encoding)
     with torch.no_grad():
         base = model(batch)
@@ -183,9 +194,9 @@ class CustomPrefix(nn.Module):
         return self.emb(features["item_ids"])
 
 
-@pytest.mark.parametrize("kind", ["hstu", "dlrm", "custom"])
+@pytest.mark.parametrize("kind", ["hstu", "dlrm", "custom", "hstu-vmean", "hstu-din", "hstu-tower"])
 def test_slices_round_trip(tmp_path: Path, data: RankingData, kind: str) -> None:
-    model = _model(data, "dlrm" if kind == "dlrm" else "hstu")
+    model = _model(data, "hstu" if kind == "custom" else kind)
     if kind == "custom":
         model = RankingModel(CustomPrefix(data.num_items, DIM), model.encoder, model.postfix).eval()
     batch = _multi_target_batch(data, "sum")
@@ -221,3 +232,57 @@ def test_split_inputs_requires_targets(data: RankingData) -> None:
     batch.mask = type(batch.mask)()
     with pytest.raises(ValueError, match="num_targets"):
         _model(data)(batch)
+
+
+@pytest.mark.parametrize("encoding", ["sum", "interleave"])
+def test_visible_history_matches_the_dense_mask(data: RankingData, encoding: str) -> None:
+    """Each target's visible history is exactly the history keys the reference mask lets it see."""
+    batch = _multi_target_batch(data, encoding)
+    hist, visible, targets = visible_history(batch.seq_offsets, batch.mask)
+    dense = batch.mask.dense(batch.seq_offsets, batch.max_seq_len)  # (B, N, N)
+    starts = batch.seq_offsets[:-1]
+    nt, c = batch.mask.num_targets, batch.mask.num_contextual
+    for n, t in enumerate(targets.tolist()):
+        b = int(torch.searchsorted(batch.seq_offsets, t, right=True)) - 1
+        i = t - int(starts[b])
+        lo, hi = int(c[b]), int(batch.seq_offsets[b + 1] - starts[b] - nt[b])  # history positions
+        want = {int(starts[b]) + j for j in range(lo, hi) if dense[b, i, j]}
+        assert set(hist[n][visible[n]].tolist()) == want
+        assert bool((hist[n][visible[n]].diff() > 0).all())  # in time order: recency counts from the end
+
+
+def test_visible_mean_divides_by_visible_keys() -> None:
+    """attn_norm=visible_mean: a query seeing n keys with equal values gets their mean, whatever max_seq_len is."""
+    from recforge.ops.mask import AttentionMask
+
+    for max_len in (8, 64):
+        cfg = HSTUConfig(dim=4, num_blocks=1, num_heads=1, dqk=2, dv=4, dropout=0.0, max_seq_len=max_len, attn_norm="visible_mean")
+        block = HSTUEncoder(cfg).blocks[0]
+        captured = {}
+        block.out.register_forward_hook(lambda m, i, o, captured=captured: captured.__setitem__("gated", i[0]))
+        with torch.no_grad():
+            block.uvqk.weight.zero_()
+            block.uvqk.bias.fill_(1.0)  # u = v = q = k = silu(1) on every token
+            x = torch.randn(5, 4)
+            block(x, torch.tensor([0, 5]), 5, AttentionMask(causal=True), None)
+        s1 = torch.nn.functional.silu(torch.tensor(1.0))
+        score = torch.nn.functional.silu(2 * s1 * s1)  # q . k over dqk = 2, no biases
+        torch.testing.assert_close(captured["gated"], torch.full((5, 4), float(score * s1 * s1)), rtol=1e-5, atol=1e-6)
+
+
+def test_candidate_tower_mixes_a_sequence_tower_and_a_candidate_only_tower(data: RankingData) -> None:
+    """The score is (1 - w) main + w candidate; the candidate tower reads only the candidate's own embedding."""
+    model = _model(data, "hstu-tower")
+    batch = _multi_target_batch(data, "sum")
+    with torch.no_grad():
+        x = model.postfix_inputs(batch)  # (N, 2 * DIM)
+        main, candidate = model.postfix.parts(x)
+        torch.testing.assert_close(model(batch), 0.7 * main + 0.3 * candidate)
+        features, _, targets = model.split_inputs(batch)
+        torch.testing.assert_close(candidate, model.postfix.candidate(model.prefix(features)[targets]))
+        changed = _clone(batch)
+        hist = torch.arange(int(batch.seq_offsets[0]) + data.num_contextual, int(batch.seq_offsets[1] - batch.mask.num_targets[0]))
+        changed.features["actions"][hist] = changed.features["actions"][hist] % data.num_actions + 1
+        main2, candidate2 = model.postfix.parts(model.postfix_inputs(changed))
+    torch.testing.assert_close(candidate2, candidate)  # the history never reaches the candidate tower
+    assert (main2 - main).abs().max() > 1e-6

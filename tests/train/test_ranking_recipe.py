@@ -70,11 +70,32 @@ def test_train_eval_and_export(tmp_path: Path, data_dir: Path, capsys: pytest.Ca
 def test_dlrm_interleave_listwise_mmoe_variants_train(tmp_path: Path, data_dir: Path) -> None:
     base = [f"data.path={data_dir}", f"train.output_dir={tmp_path}/{{name}}", "train.max_steps=2", *SMALL]
     for i, extra in enumerate(
-        (["model.kind=dlrm"], ["ranking.action_encoding=interleave", "model.head=ple"], ["ranking.listwise_weight=1.0"])
+        (["model.kind=dlrm"], ["ranking.action_encoding=interleave", "model.head=ple"], ["ranking.listwise_weight=1.0"],
+         ["model.target_attention=din"], ["model.attn_norm=visible_mean"], ["model.kind=dlrm", "model.target_attention=din"], ["model.item_tower=0.5"])
     ):
         cfg = load_config(CONFIG, [*base, f"name=v{i}", *extra])
         summary = ranking.train(cfg, progress=False)
         assert 0 <= summary["click/auc"] <= 1
+
+
+def test_refit_trains_on_train_and_valid_and_evaluates_the_last_checkpoint(tmp_path: Path, data_dir: Path) -> None:
+    base = [f"data.path={data_dir}", f"train.output_dir={tmp_path}/{{name}}", "train.epochs=2", "train.eval_every=0", *SMALL]
+    plain = ranking.setup(load_config(CONFIG, base))
+    refit_cfg = load_config(CONFIG, [*base, "ranking.refit=true", "name=refit"])
+    refit = ranking.setup(refit_cfg)
+    train, valid, both = ranking._samples(plain, "train"), ranking._samples(plain, "valid"), ranking._training_samples(refit)
+    assert len(ranking._training_samples(plain)) == len(train)
+    assert len(both) == len(train) + len(valid) and both.num_targets == train.num_targets + valid.num_targets
+    assert torch.equal(both.events.sort().values, torch.cat([train.events, valid.events]).sort().values)
+    for sid in (0, len(train), len(both) - 1):  # a sample's targets are one user's, in time order
+        events = both.events[both.offsets[sid] : both.offsets[sid + 1]]
+        assert bool((refit.data.event_user[events] == both.user[sid]).all()) and bool((events.diff() > 0).all())
+    summary = ranking.train(refit_cfg, progress=False)
+    run_dir = tmp_path / "refit"
+    assert summary["checkpoint"] == json.loads((run_dir / "eval.json").read_text())["checkpoint"]
+    from recforge.train.checkpoint import find_checkpoint
+
+    assert summary["checkpoint"] == find_checkpoint(run_dir, "latest").name
 
 
 def test_ranking_config_errors_are_collected() -> None:
