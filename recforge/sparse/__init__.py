@@ -6,7 +6,8 @@ Pieces (one process; a shard on a rank is simply a table):
 - ``IdHashTable`` (hash_table.py): vectorised open addressing in torch tensors (the CPU index);
   ``SortedIdIndex`` (sorted_index.py): sorted key array, searchsorted + merge (the CUDA index).
 - kernels.py: optional Triton kernels of the CUDA path (fused lazy Adam, host<->cache row swaps);
-  lookup.py: dedup, index lookup and counters queued before a lookup's one host synchronisation.
+  lookup.py: dedup, index lookup and counters queued before a lookup's one host synchronisation,
+  the duplicate-summing backward and the prefetch's row bitmap (its Triton kernels: lookup_kernels.py).
 - ``AdmissionConfig`` / ``EvictionConfig`` (policies.py), ``SparseOptimConfig`` /
   ``SparseOptimizer`` (optim.py), ``RowStore`` / ``TieredStore`` (storage.py).
 - ``EmbeddingCollection`` (collection.py): features, merged tables, jagged/pooled lookups.

@@ -1,20 +1,28 @@
 """The CUDA lookup path of a table: deduplicate raw IDs, find their rows and count them, before one host sync.
 
-For flat ids (N,) sorted once (``torch.sort``), three Triton kernels (behind ``plan_lookup``)
-do everything that does not need the distinct count U on the host, so the step's one
+For flat ids (N,) sorted once (``torch.sort``), one Triton kernel (behind ``plan_lookup``) does
+everything that does not need the distinct count U on the host, so the step's one
 synchronisation (``facts.tolist()``) waits on GPU work the CPU has already queued::
 
     sorted ids (N,)  [5, 5, 7, 9, 9, 9]      order: position of each sorted id in the input
     groups           [0, 0, 1, 2, 2, 2]      cumsum of run starts
     keys[:U]         [5, 7, 9]               distinct ids ascending; rows[:U]: their rows (-1: none)
-    seg[:U]          [0, 2, 3]               first sorted position of each distinct id (seg[U] = N)
-    inverse (N,)     distinct index of each input id;  facts (4,): U, #distinct without a row, min id, max run
+    seg[:U+1]        [0, 2, 3, 6]            first sorted position of each distinct id, then N
+    occurrences[:U]  [2, 1, 3]               run lengths (the lane ending a run finds its start by binary search)
+    inverse (N,)     distinct index of each input id;  row_of (N,): row of each input id
+    facts (4,)       U, #distinct without a row, min id, max run
 
-``touch`` adds each distinct row's occurrences to its counters and stamps its step and time
-(the eviction policies' inputs) in the same pass. ``row_gradients`` sums the (N, d) output
-gradient into (U, d) per distinct id along the same sort (a segment sum, one kernel) when no id
-repeats more than ``SEGMENT_MAX`` times, else with PyTorch's embedding backward: both are
-deterministic, so a tiered table stays bit-identical to a one-tier one.
+With counters (training) the same kernel adds each distinct row's occurrences to its counters and
+stamps its step and time (the eviction policies' inputs). ``row_gradients`` sums the (N, d) output
+gradient into (U, d) per distinct id along the same sort: one segment-sum kernel when no id repeats
+more than ``SEGMENT_MAX`` times, else two (pieces of at most ``SEGMENT_MAX`` sorted positions, an id
+of one piece written straight out, then each longer id's pieces in order). Each lane adds its rows
+one by one, four loads in flight, and a program loops only as long as its longest segment: both
+passes are deterministic, so a tiered table stays bit-identical to a one-tier one. The kernels are
+in ``lookup_kernels.py``.
+
+``mark_rows`` (prefetch) needs neither inverse nor counts: it marks the rows of all N ids in a
+bitmap over the table's rows, without a sort.
 
 The torch path (``DynamicEmbedding._unique_lookup``) computes the same with torch ops; tests
 compare the two under Triton's interpreter.
@@ -30,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-SEGMENT_MAX = 64  # longest run of one id the segment-sum kernel takes (longer: PyTorch's embedding backward)
+SEGMENT_MAX = 256  # runs up to this long: one segment-sum pass; longer: pieces of this many positions, then their sum
 _BLOCK = 1024
 
 
@@ -41,99 +49,53 @@ class LookupPlan:
     keys: Tensor  # (N,) distinct ids ascending
     rows: Tensor  # (N,) row of each distinct id, -1 without one
     occurrences: Tensor  # (N,) how often each distinct id occurs
-    seg: Tensor  # (N + 1,) first sorted position of each distinct id
+    seg: Tensor  # (N + 1,) first sorted position of each distinct id; seg[U] = N
+    pieces: Tensor  # (N + 1,) pieces[0] = 0, pieces[g + 1]: ceil(occurrences[g] / SEGMENT_MAX) (two-pass sums)
     order: Tensor  # (N,) input position of each sorted id
     inverse: Tensor  # (N,) distinct index of each input id
+    row_of: Tensor  # (N,) row of each input id, -1 without one (rows[inverse] without a gather)
     facts: Tensor  # (4,) int64: U, distinct ids without a row, smallest id, longest run
+    piece: int  # SEGMENT_MAX when the plan was made
 
     def row_gradients(self, grad: Tensor, num_distinct: int, longest_run: int) -> Tensor:
-        """(U, d): ``grad`` (N, d) summed per distinct id (``F.embedding(inverse, ·)``'s backward)."""
+        """(U, d): ``grad`` (N, d) summed per distinct id in sorted order (``F.embedding(inverse, ·)``'s backward)."""
         grad = grad.contiguous()
-        if longest_run > SEGMENT_MAX or grad.dtype != torch.float32:
+        if grad.dtype != torch.float32:  # the kernels accumulate float32 rows
             return torch.ops.aten.embedding_dense_backward(grad, self.inverse, num_distinct, -1, False)
-        out = torch.empty(num_distinct, grad.shape[1], dtype=grad.dtype, device=grad.device)
-        if num_distinct == 0:
+        u, dim = num_distinct, grad.shape[1]
+        out = torch.empty(u, dim, dtype=grad.dtype, device=grad.device)
+        if u == 0:
             return out
-        block_d = 1 << max(0, grad.shape[1] - 1).bit_length()
+        _, piece_sum_kernel, segment_sum_kernel = _kernels()
+        block_d = 1 << max(0, dim - 1).bit_length()
         groups = max(1, 2048 // block_d)
-        _kernels()[2][(math.ceil(num_distinct / groups),)](
-            grad, self.order, self.seg, out, num_distinct, self.order.numel(), grad.shape[1], longest_run,
+        if longest_run <= self.piece:
+            segment_sum_kernel[(math.ceil(u / groups),)](grad, self.order, self.seg, out, u, dim,
+                                                         IDENTITY=False, GROUPS=groups, BLOCK_D=block_d)  # fmt: skip
+            return out
+        # a long run in one lane would serialise its whole sum: split every run into pieces of at
+        # most `piece` sorted positions (summed in parallel), then sum each id's pieces in order
+        piece_seg = torch.cumsum(self.pieces[: u + 1], 0)  # (U + 1,) first piece of each id; [U]: all pieces
+        max_pieces = u + self.order.numel() // self.piece + 1  # sum of ceil(occ / piece) <= U + N / piece
+        partial = torch.empty(max_pieces, dim, dtype=grad.dtype, device=grad.device)
+        piece_sum_kernel[(math.ceil(max_pieces / groups),)](
+            grad, self.order, self.seg, piece_seg, out, partial, u, dim, u.bit_length(), self.piece,
             GROUPS=groups, BLOCK_D=block_d,
         )  # fmt: skip
+        segment_sum_kernel[(math.ceil(u / groups),)](partial, self.order, piece_seg, out, u, dim,
+                                                     IDENTITY=True, GROUPS=groups, BLOCK_D=block_d)  # fmt: skip
         return out
 
 
 @functools.cache
 def _kernels():
-    import triton
-    import triton.language as tl
+    from recforge.sparse import lookup_kernels as k
 
-    @triton.jit
-    def dedup_kernel(S, ORDER, CS, LO, IK, IV, FOUND, KEYS, ROWS, SEG, INV, FACTS, n, n_index,
-                     HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        m = i < n
-        s = tl.load(S + i, mask=m, other=0)
-        prev = tl.load(S + i - 1, mask=m & (i > 0), other=0)
-        start = m & ((i == 0) | (s != prev))
-        g = tl.load(CS + i - 1, mask=m & (i > 0), other=0)  # CS: cumsum of run starts after position 0
-        if HAS_INDEX:  # sorted index, untagged: searchsorted position -> value where the key matches
-            p = tl.minimum(tl.load(LO + i, mask=m, other=0), n_index - 1)
-            hit = m & (n_index > 0)
-            k = tl.load(IK + p, mask=hit, other=0)
-            found = tl.where(hit & (k == s), tl.load(IV + p, mask=hit, other=-1), -1)
-        else:
-            found = tl.load(FOUND + i, mask=m, other=-1)
-        o = tl.load(ORDER + i, mask=m, other=0)
-        tl.store(INV + o, g, mask=m)
-        tl.store(KEYS + g, s, mask=start)
-        tl.store(ROWS + g, found, mask=start)
-        tl.store(SEG + g, i.to(tl.int64), mask=start)
-        tl.atomic_add(FACTS + 1, tl.sum((start & (found < 0)).to(tl.int64), axis=0))
-        tl.store(FACTS + 0 + i * 0, g + 1, mask=m & (i == n - 1))
-        tl.store(FACTS + 2 + i * 0, s, mask=m & (i == 0))
-
-    @triton.jit(do_not_specialize=["step", "now_bits"])
-    def touch_kernel(SEG, ROWS, OCC, FACTS, COUNT, LAST_STEP, LAST_TIME, n, step, now_bits,
-                     TOUCH: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-        g = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        u = tl.load(FACTS + 0)
-        m = g < u
-        first = tl.load(SEG + g, mask=m, other=0)
-        nxt = tl.load(SEG + g + 1, mask=m & (g + 1 < u), other=n)
-        occ = tl.where(g + 1 < u, nxt, n) - first
-        tl.store(OCC + g, occ, mask=m)
-        tl.atomic_max(FACTS + 3, tl.max(tl.where(m, occ, 0), axis=0))
-        if TOUCH:  # distinct ids have distinct rows: no two lanes write one row
-            r = tl.load(ROWS + g, mask=m, other=-1)
-            t = m & (r >= 0)
-            c = tl.load(COUNT + r, mask=t, other=0)
-            tl.store(COUNT + r, c + occ, mask=t)
-            tl.store(LAST_STEP + r, tl.zeros_like(r) + step, mask=t)
-            now = (tl.zeros_like(r) + now_bits).to(tl.float64, bitcast=True)
-            tl.store(LAST_TIME + r, now, mask=t)
-
-    @triton.jit
-    def segment_sum_kernel(G, ORDER, SEG, OUT, u, n, dim, longest, GROUPS: tl.constexpr, BLOCK_D: tl.constexpr):
-        g = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
-        m = g < u
-        first = tl.load(SEG + g, mask=m, other=0)
-        end = tl.where(g + 1 < u, tl.load(SEG + g + 1, mask=m & (g + 1 < u), other=n), n)
-        c = tl.arange(0, BLOCK_D)
-        cmask = c < dim
-        acc = tl.zeros((GROUPS, BLOCK_D), dtype=tl.float32)
-        for j in range(longest):  # in sorted order: deterministic
-            p = first + j
-            valid = m & (p < end)
-            src = tl.load(ORDER + p, mask=valid, other=0)
-            acc += tl.load(G + src[:, None] * dim + c[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
-        tl.store(OUT + g.to(tl.int64)[:, None] * dim + c[None, :], acc, mask=m[:, None] & cmask[None, :])
-
-    return dedup_kernel, touch_kernel, segment_sum_kernel
+    return k.dedup_kernel, k.piece_sum_kernel, k.segment_sum_kernel
 
 
 def plan_lookup(flat: Tensor, index, counters=None, step: int = 0, now: float = 0.0) -> LookupPlan:
-    """Queue the dedup, index lookup and (with ``counters``) touch of ``flat`` ids; no host sync.
+    """Queue the dedup, index lookup and (with ``counters``) counting of ``flat`` ids; no host sync.
 
     ``index``: the table's ``SortedIdIndex`` or ``IdHashTable``. ``counters``: the table's
     ``RowCounters`` to add this lookup to (training), or None.
@@ -144,24 +106,33 @@ def plan_lookup(flat: Tensor, index, counters=None, step: int = 0, now: float = 
     sorted_ids, order = torch.sort(flat)
     cs = torch.cumsum(sorted_ids[1:] != sorted_ids[:-1], 0)  # (N-1,) group of positions 1..N-1
     dev = flat.device
-    keys, rows, occurrences = (torch.empty(n, dtype=torch.int64, device=dev) for _ in range(3))
-    seg = torch.empty(n + 1, dtype=torch.int64, device=dev)
-    inverse = torch.empty(n, dtype=torch.int64, device=dev)
+    keys, rows, occurrences, inverse, row_of = (torch.empty(n, dtype=torch.int64, device=dev) for _ in range(5))
+    seg, pieces = (torch.empty(n + 1, dtype=torch.int64, device=dev) for _ in range(2))
     facts = torch.zeros(4, dtype=torch.int64, device=dev)
     direct = isinstance(index, SortedIdIndex) and not index.tagged
     if direct:
         lo, found = torch.searchsorted(index.keys, sorted_ids), sorted_ids
     else:
         lo, found = sorted_ids, index.lookup(sorted_ids, None)
-    dedup_kernel, touch_kernel, _ = _kernels()
-    grid = (math.ceil(n / _BLOCK),)
     cs = cs if cs.numel() else facts  # N = 1: never read
-    dedup_kernel[grid](sorted_ids, order, cs, lo, index.keys if direct else lo, index.values if direct else lo, found,
-                       keys, rows, seg, inverse, facts, n, index.keys.numel() if direct else 0,
-                       HAS_INDEX=direct, BLOCK=_BLOCK)  # fmt: skip
     touch = counters is not None
-    target = counters if touch else None
+    target = (counters.count, counters.last_step, counters.last_time) if touch else (facts, facts, facts)
     now_bits = struct.unpack("<q", struct.pack("<d", float(now)))[0]
-    touch_kernel[grid](seg, rows, occurrences, facts, target.count if touch else facts, target.last_step if touch else facts,
-                       target.last_time if touch else facts, n, step, now_bits, TOUCH=touch, BLOCK=_BLOCK)  # fmt: skip
-    return LookupPlan(keys, rows, occurrences, seg, order, inverse, facts)
+    _kernels()[0][(math.ceil(n / _BLOCK),)](
+        sorted_ids, order, cs, lo, index.keys if direct else lo, index.values if direct else lo, found,
+        keys, rows, occurrences, seg, pieces, inverse, row_of, facts, *target,
+        n, index.keys.numel() if direct else 0, n.bit_length(), SEGMENT_MAX, step, now_bits,
+        HAS_INDEX=direct, TOUCH=touch, BLOCK=_BLOCK,
+    )  # fmt: skip
+    return LookupPlan(keys, rows, occurrences, seg, pieces, order, inverse, row_of, facts, SEGMENT_MAX)
+
+
+def mark_rows(flat: Tensor, index, num_rows: int) -> Tensor:
+    """(num_rows + 2,) bool: ``[2 + r]`` row r holds an id of ``flat``; ``[0]`` some id is negative; ``[1]`` some has no row.
+
+    A prefetch needs neither the inverse nor counts: instead of a sort, the rows of all N ids (index
+    lookups) are marked in a bitmap over the table's rows; no host synchronisation.
+    """
+    rows = index.lookup(flat, None)  # (N,) -1: no row
+    mark = torch.zeros(num_rows + 2, dtype=torch.bool, device=flat.device)
+    return mark.index_fill_(0, torch.where(flat < 0, 0, rows + 2), True)  # a negative id never marks a row

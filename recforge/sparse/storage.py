@@ -28,7 +28,9 @@ straight back (unified virtual addressing): only those rows cross PCIe, in both 
 once, with no CPU gather, no staging copy and no synchronisation but the miss count. Host
 reads of the table (``host_rows``, ``read``, checkpoints) first wait for those kernels.
 A prefetch runs on a side stream (``side_stream``): its copies overlap the backward and update
-queued after it, and the compute stream waits for it at the store's next call.
+queued after it, and the compute stream waits for it at the store's next call. On the CUDA path it
+hands over a bitmap of the rows it wants (``ensure_marked``): the miss count, the free slots and the
+caller's checks are read in one synchronisation, with no sort or list of the rows first.
 """
 
 from __future__ import annotations
@@ -188,12 +190,12 @@ class TieredStore:
         self.clock += 1
         slots = self.row_to_slot[rows]
         missing = slots < 0
-        key = self._victim_keys(slots)  # (C,) LRU stamps (-1: empty); _TOP: not a candidate
-        facts = torch.stack([missing.sum(), (key < _TOP).sum(), (key < 0).sum()])
-        n_miss, available, empty = facts.tolist()  # the one synchronisation
+        n_miss = int(missing.sum())  # the one synchronisation when every row is cached
         self.counts["cache_hits"] += rows.numel() - n_miss
         self.counts["cache_misses"] += n_miss
         if n_miss:
+            key = self._victim_keys(slots)  # (C,) LRU stamps (-1: empty); _TOP: not a candidate
+            available, empty = torch.stack([(key < _TOP).sum(), (key < 0).sum()]).tolist()
             miss = _positions(missing, n_miss)
             if available < n_miss and not future:
                 raise ValueError(
@@ -207,14 +209,42 @@ class TieredStore:
                 victims = torch.topk(key, n, largest=False, sorted=False).indices
             if n < n_miss:  # a prefetch that does not fit beside the pinned rows: load what fits
                 miss = miss[:n]
-                keep = (~missing).index_fill_(0, miss, True)
-                rows, slots, miss = rows[keep], slots[keep], torch.cumsum(keep, 0)[miss] - 1
+                keep = _positions((~missing).index_fill_(0, miss, True), rows.numel() - n_miss + n)  # no sync: count known
+                rows, slots, miss = rows[keep], slots[keep], torch.searchsorted(keep, miss)
             if n:
                 slots = self._fill(rows, slots, miss, victims)
         self.stamp.index_fill_(0, slots, self.clock + future)  # index_fill_: no host copy of the scalar (t[i] = x syncs)
         if pin:
             self.pinned.index_fill_(0, slots, True)
         return slots
+
+    def ensure_marked(self, marked: Tensor, future: int, extra: Tensor) -> tuple[int, list[int]]:
+        """``ensure(rows, pin=False, future)`` (a prefetch) for the rows where ``marked`` (R,) is True, in one sync.
+
+        Works on the bitmap, without listing the rows first: the miss count and the cache's free
+        slots are read in one synchronisation, together with the caller's ``extra`` (k,) int64 device
+        values. Loads the same rows as ``ensure`` given the marked rows ascending. Returns (rows marked,
+        ``extra`` read back).
+        """
+        self._join()
+        self.clock += 1
+        slot_of = self.row_to_slot[:-1]  # (R,)
+        cached = marked & (slot_of >= 0)
+        missing = marked & (slot_of < 0)
+        key = self._victim_keys(torch.where(cached, slot_of, -1))  # (C,) the marked cached rows are no victims
+        facts = torch.cat([torch.stack([marked.sum(), missing.sum(), (key < _TOP).sum(), (key < 0).sum()]), extra])
+        total, n_miss, available, empty, *extra_values = facts.tolist()  # the one synchronisation
+        self.counts["cache_hits"] += total - n_miss
+        self.counts["cache_misses"] += n_miss
+        slots = slot_of[_positions(cached, total - n_miss)]
+        n = min(n_miss, available)
+        if n:  # the n lowest missing rows (ensure's order), into empty slots first, then least recently stamped
+            victims = _positions(key < 0, n) if empty >= n else torch.topk(key, n, largest=False, sorted=False).indices
+            missing_rows = _positions(missing, n_miss)[:n]
+            loaded = self._fill(missing_rows, torch.full_like(missing_rows, -1), torch.arange(n, device=self.device), victims)
+            slots = torch.cat([slots, loaded])
+        self.stamp.index_fill_(0, slots, self.clock + future)
+        return total, extra_values
 
     def _fill(self, rows: Tensor, slots: Tensor, miss: Tensor, victims: Tensor) -> Tensor:
         """Load ``rows[miss]`` into the ``victims`` slots (writing dirty victims back); ``slots`` with them filled in."""
@@ -275,7 +305,7 @@ class TieredStore:
 
     def mark_dirty(self, slots: Tensor) -> None:
         self._join()
-        self.dirty[slots] = True
+        self.dirty.index_fill_(0, slots, True)  # dirty[slots] = True would synchronise (host copy of True)
 
     def unpin_all(self) -> None:
         self._join()

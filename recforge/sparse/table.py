@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from recforge.sparse import kernels
 from recforge.sparse.ids import check_ids, raise_negative, unique_keys
-from recforge.sparse.lookup import LookupPlan, plan_lookup
+from recforge.sparse.lookup import LookupPlan, mark_rows, plan_lookup
 from recforge.sparse.optim import SparseOptimConfig, apply_update, initial_state, lr_at, state_spec
 from recforge.sparse.policies import AdmissionConfig, EvictionConfig, RowCounters, admit, eviction_scores, scheduled_threshold
 from recforge.sparse.sorted_index import index_kind, make_index
@@ -96,15 +96,16 @@ class _LookupIds(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor: Tensor, table: DynamicEmbedding, slots: Tensor, rows: Tensor, plan: LookupPlan, longest: int) -> Tensor:
+    def forward(ctx, anchor: Tensor, table: DynamicEmbedding, slots: Tensor, rows: Tensor, plan: LookupPlan, longest: int,
+                id_slots: Tensor) -> Tensor:  # fmt: skip
         ctx.table, ctx.rows, ctx.slots, ctx.plan, ctx.longest = table, rows, slots, plan, longest
-        return table.store.weight.index_select(0, slots.index_select(0, plan.inverse))  # (N, d)
+        return table.store.weight.index_select(0, id_slots)  # (N, d)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         grad_rows = ctx.plan.row_gradients(grad, ctx.rows.numel(), ctx.longest)  # (U, d)
         ctx.table._pending.append((ctx.rows, ctx.slots, grad_rows))
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
 
 
 class DynamicEmbedding(nn.Module):
@@ -223,7 +224,9 @@ class DynamicEmbedding(nn.Module):
                                   n_ids=flat.numel(), touched=True)  # fmt: skip
         if absent == 0 and train and torch.is_grad_enabled():
             slots = self.store.ensure(rows, pin=True)
-            return _LookupIds.apply(self._anchor, self, slots, rows, plan, longest)
+            # each id's slot: one tier, every row found by the lookup (none admitted since): the lookup wrote it
+            id_slots = plan.row_of if slots is rows and n_absent == 0 else slots.index_select(0, plan.inverse)  # (N,)
+            return _LookupIds.apply(self._anchor, self, slots, rows, plan, longest, id_slots)
         return F.embedding(plan.inverse, self._gather(rows, absent))
 
     def rows_for(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor, *, train: bool, admit: bool = True) -> Tensor:
@@ -504,27 +507,24 @@ class DynamicEmbedding(nn.Module):
         total = 0
         with self.store.side_stream() as stream:  # CUDA: the row copies overlap the step's backward and update
             for ahead, ids in enumerate(upcoming, start=1):
-                rows = self._distinct_rows(check_ids(ids, "prefetch ids", negatives=False).reshape(-1).to(self.device), stream)
-                self.store.ensure(rows, pin=False, future=ahead)
-                total += rows.numel()
+                flat = check_ids(ids, "prefetch ids", negatives=False).reshape(-1).to(self.device)
+                if stream is not None:
+                    flat.record_stream(stream)  # may come from the compute stream, which could free it before the copies ran
+                if flat.numel() and kernels.available(flat.device):
+                    # a bitmap of the rows, no sort (lookup.py); the store's one sync also reads the negative-id flag
+                    # and finishes this stream's reads of the index before a later insert could replace it
+                    mark = mark_rows(flat, self.index, self.num_rows)  # (R + 2,)
+                    count, (negative,) = self.store.ensure_marked(mark[2:], ahead, mark[:1].long())
+                    if negative:
+                        raise_negative(flat, "prefetch ids")
+                else:
+                    check_ids(flat, "prefetch ids")
+                    rows = self.index.lookup(torch.unique(flat), None)
+                    rows = rows[rows >= 0]
+                    self.store.ensure(rows, pin=False, future=ahead)
+                    count = rows.numel()
+                total += count
         return total
-
-    def _distinct_rows(self, flat: Tensor, stream: torch.cuda.Stream | None) -> Tensor:
-        """Rows of the distinct ids of ``flat`` that have one (one host synchronisation)."""
-        if stream is not None:
-            flat.record_stream(stream)  # may come from the compute stream, which could free it before the copies ran
-        if flat.numel() and kernels.available(flat.device):
-            # the sync below also finishes this stream's reads of the index before a later insert could replace it
-            plan = plan_lookup(flat, self.index)
-            u, n_absent, smallest, _ = plan.facts.tolist()
-            if smallest < 0:
-                raise_negative(flat, "prefetch ids")
-            rows = plan.rows[:u]
-        else:
-            check_ids(flat, "prefetch ids")
-            rows = self.index.lookup(torch.unique(flat), None)
-            n_absent = 1
-        return rows[rows >= 0] if n_absent else rows
 
     def record_feedback(self, ids: Tensor, shows: Tensor, clicks: Tensor, tags: Tensor | None = None) -> None:
         """Add shows/clicks per ID occurrence to the rows (and admission candidates) of ``ids``."""

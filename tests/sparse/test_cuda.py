@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from _sparse_cases import tiered_cfg as _cfg
 from _sparse_cases import zipf_batches as _batches
 
-from recforge.sparse import AdmissionConfig, DynamicEmbedding, EvictionConfig, kernels, to_dense
+from recforge.sparse import AdmissionConfig, DynamicEmbedding, EvictionConfig, kernels, lookup, to_dense
 
 
 def _run(table: DynamicEmbedding, batches: list[torch.Tensor], prefetch: int = 0) -> None:
@@ -34,7 +35,9 @@ def test_cuda_table_matches_cpu(cuda_device: torch.device) -> None:
     torch.testing.assert_close(to_dense(gpu, ids).cpu(), to_dense(cpu, ids), rtol=1e-3, atol=2e-4)
 
 
-def test_cuda_tiered_equals_single_tier(cuda_device: torch.device) -> None:
+@pytest.mark.parametrize("segment_max", [lookup.SEGMENT_MAX, 2])  # 2: row gradients in two passes (pieces)
+def test_cuda_tiered_equals_single_tier(segment_max: int, cuda_device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lookup, "SEGMENT_MAX", segment_max)
     batches = _batches(30, seed=2)
     single = DynamicEmbedding(_cfg(), cuda_device)
     tiered = DynamicEmbedding(dataclasses.replace(_cfg(), cache_rows=48), cuda_device)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from _sparse_cases import tiered_cfg, zipf_batches
 
-from recforge.sparse import AdmissionConfig, DynamicEmbedding, kernels, to_dense
+from recforge.sparse import AdmissionConfig, DynamicEmbedding, kernels, lookup, to_dense
 
 # the kernels on CPU tensors: only in Triton's interpreter (tests/conftest.py turns it on without CUDA)
 INTERPRETED_TRITON = importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
@@ -46,8 +46,19 @@ def test_tiered_equals_single_tier(prefetch: int) -> None:
         assert torch.equal(state[live], tiered.store.host_state[name][live]), name
 
 
-def test_prefetch_turns_misses_into_hits() -> None:
+def _kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path (kernels, a bitmap prefetch) on CPU tensors: interpreted."""
+    if not INTERPRETED_TRITON:
+        pytest.skip("needs triton's interpreter (TRITON_INTERPRET=1); CUDA: test_cuda.py")
+    monkeypatch.setattr(kernels, "available", lambda device: True)
+
+
+@pytest.mark.parametrize("kernel_path", [False, True])
+def test_prefetch_turns_misses_into_hits(kernel_path: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if kernel_path:
+        _kernel_path(monkeypatch)
     table = DynamicEmbedding(dataclasses.replace(_cfg(), cache_rows=16, admission=AdmissionConfig()))
+    table.store.uva = kernel_path
     _train(table, [torch.arange(16), torch.arange(16, 32)])  # the cache now holds rows of IDs 16..31
     misses = table.store.stats()["cache_misses"]
     assert table.prefetch([torch.arange(16)]) == 16
@@ -91,8 +102,10 @@ def test_index_kinds_train_identically() -> None:
 
 
 @pytest.mark.skipif(not INTERPRETED_TRITON, reason="needs triton's interpreter (TRITON_INTERPRET=1); CUDA: test_cuda.py")
-def test_cuda_kernels_train_like_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused lazy-AdamW kernel and the host<->cache swap kernel (as on CUDA, here interpreted) against torch ops."""
+@pytest.mark.parametrize("segment_max", [lookup.SEGMENT_MAX, 2])  # 2: row gradients of longer runs in two passes
+def test_cuda_kernels_train_like_the_torch_path(segment_max: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lookup, fused lazy-AdamW and host<->cache swap kernels (as on CUDA, here interpreted) against torch ops."""
+    monkeypatch.setattr(lookup, "SEGMENT_MAX", segment_max)
     batches = _batches(12, seed=1)
     reference = DynamicEmbedding(_cfg())
     _train(reference, batches)
@@ -113,11 +126,25 @@ def test_cuda_kernels_train_like_the_torch_path(monkeypatch: pytest.MonkeyPatch)
     assert single.stats["nonfinite_grad_rows"] == 1 and single.stats["updated_rows"] == before + 1
 
 
-def test_prefetch_loads_what_fits_beside_pinned_rows() -> None:
+@pytest.mark.parametrize("kernel_path", [False, True])
+def test_prefetch_loads_what_fits_beside_pinned_rows(kernel_path: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if kernel_path:
+        _kernel_path(monkeypatch)
     table = DynamicEmbedding(dataclasses.replace(_cfg(), cache_rows=16, admission=AdmissionConfig()))
+    table.store.uva = kernel_path
     _train(table, [torch.arange(12), torch.arange(100, 110)])  # rows for 0..11 and 100..109 (the cache cycles)
     out = table(torch.arange(12))  # 12 of 16 slots pinned by this step
     assert table.prefetch([torch.arange(100, 110)]) == 10  # 4 slots free of pinned rows: no error, 4 loaded
     out.sum().backward()
     table.apply_gradients()
     assert int((table.store.row_to_slot[:-1] >= 0).sum()) == 16
+
+
+@pytest.mark.parametrize("kernel_path", [False, True])
+def test_prefetch_rejects_negative_ids(kernel_path: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if kernel_path:
+        _kernel_path(monkeypatch)
+    table = DynamicEmbedding(dataclasses.replace(_cfg(), cache_rows=16, admission=AdmissionConfig()))
+    _train(table, [torch.arange(8)])
+    with pytest.raises(ValueError, match="negative IDs"):
+        table.prefetch([torch.tensor([3, -5, 7])])
