@@ -66,6 +66,7 @@ class ModelConfig:
     head_hidden: int = 128  # ranking head / expert width
     num_experts: int = 4  # MMoE experts; PLE shared experts
     attn_norm: str = "layernorm"  # HSTU attention output: layernorm (paper) | visible_mean (no LayerNorm, divided by the keys each query sees)
+    context_cross: bool = False  # ranking: after the encoder, a DLRM-style target x user-feature cross (ContextPool) on its outputs
     item_tower: float = 0.0  # ranking: > 0 adds a candidate-only tower with its own loss; score = (1 - w) * main + w * tower
     target_attention: str = "none"  # ranking: none | din (DIN-style pooling of each candidate's visible history, added to its encoder output)
     embedding: str = "static"  # item IDs (ranking: also user features): static (nn.Embedding) | dynamic (recforge.sparse tables, see sparse:)

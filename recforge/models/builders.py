@@ -7,6 +7,7 @@ from recforge.models.hstu import HSTUConfig, HSTUEncoder
 from recforge.models.ranking import (
     PLE,
     CandidateTower,
+    ContextCross,
     ContextPool,
     ItemOnly,
     MMoE,
@@ -143,6 +144,8 @@ def build_ranking_model(
         encoder = ItemOnly(cfg.dim)
     else:
         raise ValueError(f"model.kind={cfg.kind!r}: ranking supports hstu, dlrm and item")
+    if cfg.context_cross:
+        encoder = ContextCross.wrap(encoder, cfg.dim, hidden=cfg.head_hidden * 2, dropout=cfg.dropout)
     if cfg.target_attention == "din":
         encoder = TargetHistoryPool.wrap(encoder, cfg.dim, dropout=cfg.dropout)
     if cfg.head == "mlp":

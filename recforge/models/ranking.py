@@ -236,8 +236,7 @@ class CandidateTower(nn.Module):
 
     @classmethod
     def wrap(cls, main: nn.Module, candidate: nn.Module, weight: float) -> CandidateTower:
-        spec = lambda m: {"class": f"{type(m).__module__}:{type(m).__qualname__}", "kwargs": _slice_config(m)}
-        tower = cls(spec(main), spec(candidate), weight)
+        tower = cls(_slice_spec(main), _slice_spec(candidate), weight)
         tower.main, tower.candidate = main, candidate
         return tower
 
@@ -246,6 +245,12 @@ class CandidateTower(nn.Module):
 
     def parts(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(main tower outputs, candidate tower outputs), each (N, K)."""
+        dim = self.kwargs["main"]["kwargs"].get("dim")
+        if dim is not None and x.shape[1] != 2 * dim:
+            raise ValueError(
+                f"CandidateTower reads [target encoder output, candidate prefix embedding] of width {2 * dim}, got "
+                f"{x.shape[1]}: feed it RankingModel.postfix_inputs(batch), not the encoder output alone"
+            )
         h, e = x.chunk(2, dim=1)  # (N, d) each
         return self.main(h), self.candidate(e)
 
@@ -288,6 +293,33 @@ class ContextPool(nn.Module):
         out = x.clone()
         out[tgt_index] = target + self.mlp(torch.cat([target, context, target * context], 1))
         return out
+
+
+class ContextCross(nn.Module):
+    """An encoder followed by ``ContextPool`` on its outputs: each target also gets the DLRM-style
+    cross ``MLP([h_t, mean(contextual), h_t * mean(contextual)])`` of its encoded state with the
+    encoded user features, a direct candidate x user-feature path beside the attention.
+    """
+
+    def __init__(self, inner: dict, dim: int, hidden: int = 256, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.kwargs = {"inner": inner, "dim": dim, "hidden": hidden, "dropout": dropout}
+        self.inner = _build_slice(inner["class"], inner["kwargs"])
+        self.cross = ContextPool(dim, hidden, dropout)
+
+    @classmethod
+    def wrap(cls, inner: nn.Module, dim: int, **kwargs: Any) -> ContextCross:
+        cross = cls(_slice_spec(inner), dim, **kwargs)
+        cross.inner = inner
+        return cross
+
+    def slice_config(self) -> dict:
+        return dict(self.kwargs)
+
+    def forward(
+        self, x: Tensor, seq_offsets: Tensor, max_seq_len: int, mask: AttentionMask, timestamps: Tensor | None = None
+    ) -> Tensor:
+        return self.cross(self.inner(x, seq_offsets, max_seq_len, mask, timestamps), seq_offsets, max_seq_len, mask)
 
 
 class ItemOnly(nn.Module):
@@ -341,8 +373,7 @@ class TargetHistoryPool(nn.Module):
     @classmethod
     def wrap(cls, inner: nn.Module, dim: int, **kwargs: Any) -> TargetHistoryPool:
         """Wrap an existing encoder (its weights are kept)."""
-        cls_path = f"{type(inner).__module__}:{type(inner).__qualname__}"
-        pool = cls({"class": cls_path, "kwargs": _slice_config(inner)}, dim, **kwargs)
+        pool = cls(_slice_spec(inner), dim, **kwargs)
         pool.inner = inner
         return pool
 
@@ -447,6 +478,13 @@ def _slice_config(module: nn.Module) -> dict:
     return module.slice_config()
 
 
+def _slice_spec(module: nn.Module) -> dict:
+    """``{"class", "kwargs"}`` of a module: what a slice's config.json holds, and how a wrapper
+    slice (TargetHistoryPool, ContextCross, CandidateTower) names the modules inside it."""
+    cls = type(module)
+    return {"class": f"{cls.__module__}:{cls.__qualname__}", "kwargs": _slice_config(module)}
+
+
 def _build_slice(class_path: str, kwargs: dict) -> nn.Module:
     module_name, _, qualname = class_path.partition(":")
     try:
@@ -482,8 +520,7 @@ def save_slices(
     with atomic_directory(out) as tmp:
         for name in SLICES:
             module = getattr(model, name)
-            cls = type(module)
-            config = {"class": f"{cls.__module__}:{cls.__qualname__}", "kwargs": _slice_config(module)}
+            config = _slice_spec(module)
             json.dumps(config)  # fail here, not at load time, when the config is not JSON
             (tmp / name).mkdir()
             weights = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
@@ -578,6 +615,7 @@ __all__ = [
     "HEADS",
     "PLE",
     "CandidateTower",
+    "ContextCross",
     "ContextPool",
     "MMoE",
     "MultiTaskMLP",

@@ -16,6 +16,7 @@ from recforge.models import HSTUConfig, HSTUEncoder
 from recforge.models.ranking import (
     HEADS,
     CandidateTower,
+    ContextCross,
     ContextPool,
     ItemOnly,
     MultiTaskMLP,
@@ -66,6 +67,8 @@ def _model(data: RankingData, kind: str = "hstu", seed: int = 0) -> RankingModel
     if kind == "hstu-din":
         encoder = TargetHistoryPool.wrap(encoder, DIM, hidden=8, recency_buckets=4)
         nn.init.normal_(encoder.recency.weight, std=0.5)  # zero at init; exercise it
+    if kind == "hstu-cross":
+        encoder = ContextCross.wrap(encoder, DIM, hidden=16)
     postfix = MultiTaskMLP(DIM, 2, hidden=32)
     if kind == "hstu-tower":
         postfix = CandidateTower.wrap(postfix, MultiTaskMLP(DIM, 2, hidden=16), weight=0.3)
@@ -85,7 +88,7 @@ def _clone(batch):
     return batch.__class__(batch.seq_offsets, features, batch.max_seq_len, labels=batch.labels, mask=batch.mask)
 
 
-@pytest.mark.parametrize(("encoding", "kind"), [("sum", "hstu"), ("interleave", "hstu"), ("sum", "hstu-vmean"), ("sum", "hstu-din"), ("sum", "hstu-tower")],)
+@pytest.mark.parametrize(("encoding", "kind"), [("sum", "hstu"), ("interleave", "hstu"), ("sum", "hstu-vmean"), ("sum", "hstu-din"), ("sum", "hstu-tower"), ("sum", "hstu-cross")],)
 def test_no_future_information_reaches_a_candidate(data: RankingData, encoding: str, kind: str) -> None:
     """Changing events at or after a candidate's time, or another candidate, leaves its score unchanged;
     changing an earlier event does change it."""
@@ -194,7 +197,7 @@ class CustomPrefix(nn.Module):
         return self.emb(features["item_ids"])
 
 
-@pytest.mark.parametrize("kind", ["hstu", "dlrm", "custom", "hstu-vmean", "hstu-din", "hstu-tower"])
+@pytest.mark.parametrize("kind", ["hstu", "dlrm", "custom", "hstu-vmean", "hstu-din", "hstu-tower", "hstu-cross"])
 def test_slices_round_trip(tmp_path: Path, data: RankingData, kind: str) -> None:
     model = _model(data, "hstu" if kind == "custom" else kind)
     if kind == "custom":

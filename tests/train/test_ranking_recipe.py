@@ -71,7 +71,7 @@ def test_dlrm_interleave_listwise_mmoe_variants_train(tmp_path: Path, data_dir: 
     base = [f"data.path={data_dir}", f"train.output_dir={tmp_path}/{{name}}", "train.max_steps=2", *SMALL]
     for i, extra in enumerate(
         (["model.kind=dlrm"], ["ranking.action_encoding=interleave", "model.head=ple"], ["ranking.listwise_weight=1.0"],
-         ["model.target_attention=din"], ["model.attn_norm=visible_mean"], ["model.kind=dlrm", "model.target_attention=din"], ["model.item_tower=0.5"])
+         ["model.target_attention=din"], ["model.attn_norm=visible_mean"], ["model.kind=dlrm", "model.target_attention=din"], ["model.item_tower=0.5"], ["model.context_cross=true"])
     ):
         cfg = load_config(CONFIG, [*base, f"name=v{i}", *extra])
         summary = ranking.train(cfg, progress=False)
