@@ -21,7 +21,10 @@ FlexAttention with a block mask over the packed batch (document + causal).
 another revision (imports rewritten to ``base_triton.``), timed as "recforge triton (baseline)"
 in the same run, so that a kernel change is judged by a ratio from one process on one GPU.
 ``--precompile N``: compile every autotuning candidate of the recforge kernels in N processes
-first (Triton's disk cache), so that autotuning in the timed process only loads binaries.
+first (Triton's disk cache), so that autotuning in the timed process only loads binaries; also
+each generative-recommenders candidate in a process of its own (one that breaks its process,
+e.g. by an illegal memory access, is left out of the timed run and named in its rows) and
+FlexAttention's graphs (torch.compile's disk caches).
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ from recforge.ops.mask import AttentionMask
 from recforge.ops.softmax_attention import softmax_attention
 
 HEADS = 4
+GR_VARIANT = "generative-recommenders triton"
+# every variant name (for --skip); "(baseline)" rows only with --baseline
+VARIANTS = ("recforge triton", "pytorch reference", "torch.compile(reference)", "recforge triton (baseline)",
+            "recforge triton (softmax)", "pytorch reference (softmax, SDPA)", "FlexAttention (softmax, block mask)",
+            "recforge triton (softmax, baseline)", GR_VARIANT)
 
 
 def make_lengths(max_len: int, tokens: int, seed: int) -> list[int]:
@@ -208,8 +216,17 @@ def install_gr_compat() -> list[str]:
     return added
 
 
-def gr_worker(gr_path: str, cases: list[dict], seed: int) -> None:
-    """Child process: the generative-recommenders kernel, one JSON line per case; exit on a CUDA error."""
+def gr_worker(gr_path: str, cases: list[dict], seed: int, config_slice: list[int] | None = None,
+              exclude: dict[str, list[int]] | None = None) -> None:
+    """Child process: the generative-recommenders kernel, one JSON line per case; exit on a CUDA error.
+
+    With ``config_slice`` = [i, 8]: compile only, i.e. run every case once (forward and backward,
+    untimed) with the i-th candidate of each autotuner, so that 8 such children
+    fill Triton's disk cache in parallel and the timed child's autotuning only loads binaries.
+    Each finished forward and backward prints a ``GRSTAGE`` line, so that the parent can tell
+    which candidate broke the process (see ``precompile``). ``exclude``: autotuner name -> indices
+    of candidates (among the 8 kept) that the timed child drops.
+    """
     sys.path.insert(0, gr_path)
     stubs = install_gr_compat()
     if stubs:
@@ -222,6 +239,28 @@ def gr_worker(gr_path: str, cases: list[dict], seed: int) -> None:
     for obj in vars(gr).values():
         if isinstance(obj, Autotuner) and len(obj.configs) > 8:
             obj.configs = sorted(obj.configs, key=lambda c: (-c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], -c.num_warps))[:8]
+    for name, indices in (exclude or {}).items():
+        tuner = getattr(gr, name)
+        tuner.configs = [c for i, c in enumerate(tuner.configs) if i not in indices]
+    if config_slice is not None:
+        index = config_slice[0]
+        for obj in vars(gr).values():
+            if isinstance(obj, Autotuner):
+                obj.configs = obj.configs[index:index + 1] if index < len(obj.configs) else obj.configs[:1]
+        for case in cases:
+            (q, k, v), offsets = inputs_for(case["lengths"], case["dim"], seed)
+            try:
+                out = gr.triton_hstu_mha(max(case["lengths"]), 1.0, q, k, v, offsets)
+                torch.cuda.synchronize()
+                print(f"GRSTAGE {case['dim']} {max(case['lengths'])} fwd", flush=True)
+                out.sum().backward()
+                torch.cuda.synchronize()
+                print(f"GRSTAGE {case['dim']} {max(case['lengths'])} bwd", flush=True)
+            except torch.AcceleratorError:
+                raise  # the context is broken: the parent reads the stage lines
+            except Exception as e:  # noqa: BLE001 - the timed child reports it
+                print(f"generative-recommenders precompile: {describe_error(e)}", file=sys.stderr, flush=True)
+        return
     peak = cases[0]["peak"]
     for case in cases:
         lengths, dim = case["lengths"], case["dim"]
@@ -229,7 +268,7 @@ def gr_worker(gr_path: str, cases: list[dict], seed: int) -> None:
         L = max(lengths)
         fl_fwd, fl_bwd = flops(lengths, dim)
         fn = functools.partial(gr.triton_hstu_mha, L, 1.0, q, k, v, offsets)
-        row = measure("generative-recommenders triton", fn, [q, k, v], fl_fwd, fl_bwd, peak)
+        row = measure(GR_VARIANT, fn, [q, k, v], fl_fwd, fl_bwd, peak)
         row.update(dim=dim, max_len=L)
         print("GRROW " + json.dumps(row), flush=True)
         errors = [value for key, value in row.items() if key.endswith("_error")]
@@ -237,12 +276,12 @@ def gr_worker(gr_path: str, cases: list[dict], seed: int) -> None:
             sys.exit(3)  # the CUDA context may be broken: the parent starts a fresh process
 
 
-def run_gr(gr_path: str, cases: list[dict], seed: int):
+def run_gr(gr_path: str, cases: list[dict], seed: int, exclude: dict[str, list[int]] | None = None):
     """Yield the generative-recommenders rows as the child process prints them (a fresh child
     after a case that failed, since a CUDA error can break the context)."""
     todo = list(cases)
     while todo:
-        spec = json.dumps({"path": gr_path, "cases": todo, "seed": seed})
+        spec = json.dumps({"path": gr_path, "cases": todo, "seed": seed, "exclude": exclude})
         with tempfile.TemporaryFile("w+") as err:
             proc = subprocess.Popen([sys.executable, __file__, "--_gr-worker", spec], stdout=subprocess.PIPE,
                                     stderr=err, text=True, env=dict(os.environ))
@@ -271,56 +310,107 @@ def load_baseline(path: str) -> SimpleNamespace:
                            softmax=importlib.import_module("base_triton.softmax"))
 
 
-def _triton_calls(dim: int, seed: int, baseline: SimpleNamespace | None) -> list:
+def _triton_calls(dim: int, seed: int, baseline: SimpleNamespace | None, families: list[str]) -> list:
     lengths = [512, 300, 77]  # > 256 tokens: the autotuned path
     (q, k, v), offsets = inputs_for(lengths, dim, seed)
     L, mask = max(lengths), AttentionMask()
-    calls = [lambda: hstu_attention(q, k, v, offsets, L, mask, scale=1.0 / L, kernel="triton"),
-             lambda: softmax_attention(q, k, v, offsets, L, mask, kernel="triton")]
-    if baseline is not None:
-        calls += [lambda: baseline.hstu.hstu_attention_triton(q, k, v, offsets, L, mask, 1.0 / L),
-                  lambda: baseline.softmax.softmax_attention_triton(q, k, v, offsets, L, mask)]
+    calls = []
+    if "hstu" in families:
+        calls.append(lambda: hstu_attention(q, k, v, offsets, L, mask, scale=1.0 / L, kernel="triton"))
+        if baseline is not None:
+            calls.append(lambda: baseline.hstu.hstu_attention_triton(q, k, v, offsets, L, mask, 1.0 / L))
+    if "softmax" in families:
+        calls.append(lambda: softmax_attention(q, k, v, offsets, L, mask, kernel="triton"))
+        if baseline is not None:
+            calls.append(lambda: baseline.softmax.softmax_attention_triton(q, k, v, offsets, L, mask))
     return calls
 
 
-def precompile_worker(index: int, count: int, dims: list[int], baseline_path: str | None, seed: int) -> None:
+def precompile_worker(index: int, count: int, dims: list[int], baseline_path: str | None, seed: int,
+                      families: list[str]) -> None:
     """Child: compile, without running, this worker's share of the autotuning candidates of every
     recforge kernel the timed run will use (same argument specialization, so the same cache entries)."""
     from recforge.ops.triton import hstu as hstu_mod
     from recforge.ops.triton import softmax as softmax_mod
     from recforge.ops.triton import tuning
 
-    launchers = [(hstu_mod, "launch"), (softmax_mod, "launch")]
+    modules = [(hstu_mod, tuning), (softmax_mod, tuning)]
     baseline = load_baseline(baseline_path) if baseline_path else None
     if baseline is not None:
-        launchers += [(baseline.hstu, "_launch"), (baseline.softmax, "_launch")]
+        base_tuning = importlib.import_module("base_triton.tuning")
+        modules += [(baseline.hstu, base_tuning), (baseline.softmax, base_tuning)]
     jobs = []
 
-    def collect(kernel, grid_blocks, batch, heads, max_seq_len, args, meta):
-        kind = "fwd" if kernel.fn.__name__.endswith("_fwd") else "bwd"
-        if "SPLIT_LOOPS" in kernel.fn.arg_names:  # set by launch(), which collect() replaces
-            meta = dict(meta, SPLIT_LOOPS=tuning.split_loops(fixed_tile=False))
-        jobs.extend((kernel.fn, args, meta, cfg) for cfg in tuning.candidates(kind, meta["BD_QK"], meta["BD_V"]))
+    def collector(tuning_mod):
+        def collect(kernel, grid_blocks, batch, heads, max_seq_len, args, meta):
+            name = kernel.fn.__name__  # revisions before per-kernel tables have no tuning_kind
+            kind = getattr(kernel, "tuning_kind", "fwd" if name.endswith("_fwd") else "bwd")
+            if "SPLIT_LOOPS" in kernel.fn.arg_names:  # set by launch(), which collect() replaces
+                meta = dict(meta, SPLIT_LOOPS=tuning_mod.split_loops(fixed_tile=False))
+            jobs.extend((kernel.fn, args, meta, cfg) for cfg in tuning_mod.candidates(kind, meta["BD_QK"], meta["BD_V"]))
 
-    for module, name in launchers:
-        setattr(module, name, collect)
+        return collect
+
+    for module, tuning_mod in modules:  # older revisions name their launcher _launch
+        setattr(module, "launch" if hasattr(module, "launch") else "_launch", collector(tuning_mod))
     for dim in dims:
-        for call in _triton_calls(dim, seed, baseline):
+        for call in _triton_calls(dim, seed, baseline, families):
             out = call()  # launches nothing: collect() only records
             out.backward(torch.ones_like(out))
     for fn, args, meta, cfg in jobs[index::count]:
         fn.warmup(*args, grid=(1,), **meta, **cfg.all_kwargs())
 
 
-def precompile(workers: int, dims: list[int], baseline_path: str | None, seed: int) -> None:
+def flex_warmup(dims: list[int], tokens: int, seed: int) -> None:
+    """Child: FlexAttention forward and backward once per head dim, so that the timed process
+    finds its compiled graphs in torch.compile's disk caches (one packed length for every L)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = torch.compile(flex_attention)
+    for dim in dims:
+        lengths = make_lengths(1024, tokens, seed)
+        _, variants = softmax_variants(lengths, dim, seed, tokens, flex, None)
+        variants["FlexAttention (softmax, block mask)"]().sum().backward()
+    torch.cuda.synchronize()
+
+
+def precompile(workers: int, dims: list[int], baseline_path: str | None, seed: int, families: list[str],
+               gr_path: str | None, gr_cases: list[dict], flex: bool, tokens: int) -> dict[str, list[int]]:
+    """Compile ahead, all at once in child processes: the autotuning candidates of the recforge
+    kernels of ``families`` ("hstu", "softmax"; ``workers`` processes), of the generative-recommenders
+    kernel (``gr_path``; one process per candidate) and FlexAttention's compiled graphs (``flex``;
+    torch.compile's disk caches). Returns the generative-recommenders candidates that broke their
+    process (an illegal memory access, say), for ``run_gr`` to leave out."""
     start = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, __file__, "--_precompile-worker",
-                               json.dumps({"index": i, "count": workers, "dims": dims, "baseline": baseline_path,
-                                           "seed": seed})])
-             for i in range(workers)]
-    codes = [p.wait() for p in procs]
-    print(f"precompiled the autotuning candidates in {workers} processes: {time.perf_counter() - start:.0f} s, "
-          f"exit codes {codes}", flush=True)
+    procs = []
+    if families:
+        procs += [subprocess.Popen([sys.executable, __file__, "--_precompile-worker",
+                                    json.dumps({"index": i, "count": workers, "dims": dims, "baseline": baseline_path,
+                                                "seed": seed, "families": families})])
+                  for i in range(workers)]
+    gr_procs = []
+    if gr_path:  # one child per kept candidate index (8, see gr_worker) of both its autotuners
+        gr_procs = [subprocess.Popen([sys.executable, __file__, "--_gr-worker",
+                                      json.dumps({"path": gr_path, "cases": gr_cases, "seed": seed, "slice": [i, 8]})],
+                                     stdout=subprocess.PIPE, text=True)
+                    for i in range(8)]
+    if flex:
+        procs.append(subprocess.Popen([sys.executable, __file__, "--_flex-warmup",
+                                       json.dumps({"dims": dims, "seed": seed, "tokens": tokens})]))
+    exclude: dict[str, list[int]] = {}
+    for i, proc in enumerate(gr_procs):
+        stages = [line.split() for line in proc.stdout if line.startswith("GRSTAGE ")]
+        if proc.wait() != 0:  # it died in the kernel after its last finished stage
+            name = "_hstu_attn_bwd" if stages and stages[-1][-1] == "fwd" else "_hstu_attn_fwd"
+            exclude.setdefault(name, []).append(i)
+            after = " ".join(stages[-1][1:]) if stages else "start"
+            print(f"generative-recommenders: candidate {i} of {name} broke its process after {after}; "
+                  "the timed run leaves it out", flush=True)
+    codes = [p.wait() for p in procs] + [p.returncode for p in gr_procs]
+    print(f"precompiled the autotuning candidates (recforge: {families}, generative-recommenders: {bool(gr_path)}, "
+          f"FlexAttention: {flex}) in {len(codes)} processes: {time.perf_counter() - start:.0f} s, exit codes {codes}",
+          flush=True)
+    return exclude
 
 
 def main() -> None:
@@ -329,27 +419,50 @@ def main() -> None:
     parser.add_argument("--head-dims", type=int, nargs="*", default=[64, 128])
     parser.add_argument("--tokens", type=int, default=65536, help="tokens per jagged batch")
     parser.add_argument("--gr-path", default=None, help="checkout of facebookresearch/generative-recommenders")
-    parser.add_argument("--skip", nargs="*", default=[], help="variant names to skip")
+    parser.add_argument("--skip", nargs="*", default=[], choices=VARIANTS, help="variant names to skip")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON output path")
     parser.add_argument("--baseline", default=None, help="folder holding base_triton, another revision's kernels")
     parser.add_argument("--precompile", type=int, default=0, help="compile autotuning candidates in N processes first")
     parser.add_argument("--precompile-only", action="store_true", help="exit after --precompile")
+    parser.add_argument("--gr-exclude-file", default=None,
+                        help="JSON of generative-recommenders candidates that broke their process: written by "
+                             "--precompile, read by a run without it")
     parser.add_argument("--_gr-worker", dest="gr_worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_precompile-worker", dest="precompile_worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--_flex-warmup", dest="flex_warmup", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.gr_worker:
         spec = json.loads(args.gr_worker)
-        gr_worker(spec["path"], spec["cases"], spec["seed"])
+        gr_worker(spec["path"], spec["cases"], spec["seed"], spec.get("slice"), spec.get("exclude"))
+        return
+    if args.flex_warmup:
+        spec = json.loads(args.flex_warmup)
+        flex_warmup(spec["dims"], spec["tokens"], spec["seed"])
         return
     if args.precompile_worker:
         spec = json.loads(args.precompile_worker)
-        precompile_worker(spec["index"], spec["count"], spec["dims"], spec["baseline"], spec["seed"])
+        precompile_worker(spec["index"], spec["count"], spec["dims"], spec["baseline"], spec["seed"], spec["families"])
         return
+    gr_cases = [{"lengths": make_lengths(L, args.tokens, args.seed), "dim": dim}
+                for dim in args.head_dims for L in args.seq_lens]
     if args.precompile:
-        precompile(args.precompile, args.head_dims, args.baseline, args.seed)
+        families = [f for f in ("hstu", "softmax") if any(
+            name.startswith("recforge triton") and ("softmax" in name) == (f == "softmax") and name not in args.skip
+            for name in VARIANTS)]
+        gr_exclude = precompile(args.precompile, args.head_dims, args.baseline, args.seed, families,
+                                None if GR_VARIANT in args.skip else args.gr_path, gr_cases,
+                                "FlexAttention (softmax, block mask)" not in args.skip, args.tokens)
+        if args.gr_exclude_file:
+            with open(args.gr_exclude_file, "w") as f:
+                json.dump(gr_exclude, f)
         if args.precompile_only:
             return
+    elif args.gr_exclude_file and os.path.exists(args.gr_exclude_file):
+        with open(args.gr_exclude_file) as f:
+            gr_exclude = json.load(f)
+    else:
+        gr_exclude = {}
     baseline = load_baseline(args.baseline) if args.baseline else None
 
     peak = matmul_peak()
@@ -357,7 +470,7 @@ def main() -> None:
     from torch.nn.attention.flex_attention import flex_attention
 
     flex = torch.compile(flex_attention)
-    rows, gr_cases = [], []
+    rows = []
     for dim in args.head_dims:
         for L in args.seq_lens:
             lengths = make_lengths(L, args.tokens, args.seed)
@@ -379,11 +492,14 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
                     save(args, rows, peak)  # partial results survive a killed run
                 del inputs, variants
-            gr_cases.append({"lengths": lengths, "dim": dim, "peak": peak})
-    if args.gr_path:
-        for row in run_gr(args.gr_path, gr_cases, args.seed):
+    for case in gr_cases:
+        case["peak"] = peak
+    if args.gr_path and GR_VARIANT not in args.skip:
+        for row in run_gr(args.gr_path, gr_cases, args.seed, gr_exclude):
             case = next(c for c in gr_cases if c["dim"] == row["dim"] and max(c["lengths"]) == row["max_len"])
             row.update(batch=len(case["lengths"]), tokens=sum(case["lengths"]))
+            if gr_exclude:
+                row["left_out_candidates"] = gr_exclude
             rows.append(row)
             print(json.dumps(row), flush=True)
             save(args, rows, peak)

@@ -159,12 +159,52 @@ def test_gpu_low_precision_head_dims(cuda_device, op: str, dtype: torch.dtype, d
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["hstu", "softmax"])
-@pytest.mark.parametrize("kind", ["causal", "all"])
-def test_gpu_long_jagged_autotuned(cuda_device, op: str, kind: str) -> None:
+@pytest.mark.parametrize(("kind", "dim"), [("causal", 128), ("all", 128), ("causal", 64)])
+def test_gpu_long_jagged_autotuned(cuda_device, op: str, kind: str, dim: int) -> None:
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
-    errors = _case(op, kind, seed, batch=5, max_len=1100, heads=2, dqk=128, dv=128, dtype=torch.bfloat16,
+    errors = _case(op, kind, seed, batch=5, max_len=1100, heads=2, dqk=dim, dv=dim, dtype=torch.bfloat16,
                    device=cuda_device)
-    _check(errors, TOL[torch.bfloat16], f"{op}/{kind}/long seed {seed}")
+    _check(errors, TOL[torch.bfloat16], f"{op}/{kind}/d{dim}/long seed {seed}")
+
+
+def _force_tile(monkeypatch, kernel_module, kind: str, tile) -> None:
+    """Launches of ``kernel_module``'s ``kind`` kernel take ``tile`` (through the fixed-tile path of
+    ``tuning.launch``, so sequences must be <= 256 tokens); every launch walks tiles in two loops."""
+    from recforge.ops.triton import tuning
+
+    launch, default_tile = tuning.launch, tuning.fixed_config
+    monkeypatch.setattr(tuning, "split_loops", lambda fixed_tile: True)
+
+    def forcing_launch(kernel, *args):
+        forced = kernel.tuning_kind == kind
+        tuning.fixed_config = (lambda bd_qk, bd_v, dot_prec: tile) if forced else default_tile
+        try:
+            launch(kernel, *args)
+        finally:
+            tuning.fixed_config = default_tile
+
+    monkeypatch.setattr(kernel_module, "launch", forcing_launch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["softmax_bwd_dq", "softmax_bwd_dkdv"])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("index", range(6))
+def test_gpu_softmax_backward_candidate_tile(cuda_device, monkeypatch, kind: str, dim: int, index: int) -> None:
+    """Each tile the softmax backward autotuner may pick, forced on its kernel (with the two-loop
+    tile walk of autotuned launches; the other kernels take the fixed tile): autotuning keeps
+    whichever is fastest, so each must be right."""
+    from recforge.ops.triton import softmax as softmax_mod
+    from recforge.ops.triton import tuning
+
+    tiles = tuning.candidates(kind, dim, dim)
+    if index >= len(tiles):
+        pytest.skip(f"{kind} has {len(tiles)} candidate tiles at head dim {dim}")
+    _force_tile(monkeypatch, softmax_mod, kind, tiles[index])
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    errors = _case("softmax", "targets", seed, batch=5, max_len=250, heads=2, dqk=dim, dv=dim,
+                   dtype=torch.bfloat16, device=cuda_device)
+    _check(errors, TOL[torch.bfloat16], f"softmax/d{dim}/{kind} tile {tuning._key(tiles[index])} seed {seed}")
 
 
 @pytest.mark.gpu

@@ -3,6 +3,14 @@
 Same tile walk as the HSTU kernels (``recforge.ops.triton._common``); the forward keeps a
 running max and sum per row and stores the row's log-sum-exp (base 2) for the backward.
 Every real row sees itself, so no row's softmax is empty.
+
+The backward recomputes P in both kernels (dQ: QKᵀ, dO Vᵀ, dS K; dK/dV: QKᵀ, Pᵀ dO, V dOᵀ,
+dSᵀ Q), as FlashAttention-2's Triton form and FlexAttention do. The dQ kernel runs first and
+also writes delta = rowsum(dO * O) for the dK/dV kernel (no separate pass over dO and O).
+Accumulating dQ with float32 atomics from the dK/dV kernel instead (5 matmuls, no dQ kernel;
+vectorised ``atom.add.v4.f32``) took 1.2x the time of the two kernels on an H100 (D 64/128,
+L 2048-8192; BENCHMARKS.md, "Attention kernels"): the atomics cost more than the two
+recomputed matmuls.
 """
 
 from __future__ import annotations
@@ -105,7 +113,7 @@ def _sm_fwd(
 
 @triton.jit
 def _sm_bwd_dq(
-    Q, K, V, DO, DQ, LSE, DELTA, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sdq_t, sdq_h,
+    Q, K, V, O, DO, DQ, LSE, DELTA, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sdq_t, sdq_h,
     offsets, num_targets, num_contextual, seg_ends, ts_mask,
     qk_scale, sm_scale, window, num_heads, len_key,
     S: tl.constexpr, FULL_BITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
@@ -135,9 +143,12 @@ def _sm_bwd_dq(
     row_ok = offs_m < n
     rows = (start_tok + offs_m).to(tl.int64)
     q = tl.load(Q + rows[:, None] * sq_t + h * sq_h + dq_[None, :], mask=row_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
-    do = tl.load(DO + rows[:, None] * so_t + h * so_h + dv_[None, :], mask=row_ok[:, None] & (dv_[None, :] < DV), other=0.0)
+    row_dv = row_ok[:, None] & (dv_[None, :] < DV)
+    do = tl.load(DO + rows[:, None] * so_t + h * so_h + dv_[None, :], mask=row_dv, other=0.0)
+    o = tl.load(O + rows[:, None] * so_t + h * so_h + dv_[None, :], mask=row_dv, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO * O), stored for the dK/dV kernel
+    tl.store(DELTA + rows * num_heads + h, delta, mask=row_ok)
     lse = tl.load(LSE + rows * num_heads + h, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + rows * num_heads + h, mask=row_ok, other=0.0)
     ts_i = tl.load(ts_mask + start_tok + offs_m, mask=row_ok, other=0) if HAS_TS else offs_m
     dq = tl.zeros((BLOCK_M, BD_QK), dtype=tl.float32)
     i = offs_m[:, None]
@@ -244,8 +255,8 @@ def _sm_bwd_dkdv(
 
 
 _fwd = tuned(_sm_fwd, kind="fwd")
-_bwd_dq = tuned(_sm_bwd_dq, kind="bwd_dq")
-_bwd_dkdv = tuned(_sm_bwd_dkdv, kind="bwd_dkdv")
+_bwd_dq = tuned(_sm_bwd_dq, kind="softmax_bwd_dq")
+_bwd_dkdv = tuned(_sm_bwd_dkdv, kind="softmax_bwd_dkdv")
 
 
 class _SoftmaxAttention(torch.autograd.Function):
@@ -283,12 +294,13 @@ class _SoftmaxAttention(torch.autograd.Function):
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         if total == 0 or batch == 0:
             return dq.zero_(), dk.zero_(), dv.zero_(), None, None, None, None
-        delta = (do.float() * out.float()).sum(-1).contiguous()  # (T, H)
+        delta = torch.empty(total, heads, dtype=torch.float32, device=q.device)  # rowsum(dO * O), by the dQ kernel
         common = (offsets, *mask_tensors)
         scalars = (sm_scale * LOG2E, sm_scale, ma.window, heads, max_len_bucket(max_seq_len))
         strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2])
+        assert out.stride() == do.stride()  # one set of strides for O and dO
         launch(_bwd_dq, "m", batch, heads, max_seq_len,
-                (q, k, v, do, dq, lse, delta, *strides, *dq.stride()[:2], *common, *scalars), meta)
+                (q, k, v, out, do, dq, lse, delta, *strides, *dq.stride()[:2], *common, *scalars), meta)
         launch(_bwd_dkdv, "n", batch, heads, max_seq_len,
                 (q, k, v, do, dk, dv, lse, delta, *strides, *dk.stride()[:2], *dv.stride()[:2], *common, *scalars), meta)
         return dq, dk, dv, None, None, None, None

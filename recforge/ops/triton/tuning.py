@@ -36,14 +36,35 @@ _BWD = {
 }
 
 
+# Softmax backward, per kernel: the dQ kernel (grid over row blocks) does best with 128-row blocks
+# at D = 128, the dK/dV kernel with 128-key blocks (as FlexAttention's Hopper defaults). From a
+# sweep of 11-12 tiles per kernel, each timed alone on an H100 (bf16, causal, L 2048-8192; the
+# table in BENCHMARKS.md), plus a 4-stage variant of the best tiles, which autotuning picked for
+# D = 128 at L 2048-8192 in the A/B run. (128, 64, 8, 4) needs too much shared memory for the
+# dK/dV kernel, so it stays a dQ candidate only.
+_SM_BWD_DQ = {
+    64: [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 3), (128, 64, 4, 2)],
+    128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 32, 4, 3), (64, 64, 4, 2), (128, 128, 8, 2)],
+    256: _BWD[256],
+}
+_SM_BWD_DKDV = {
+    64: [(32, 128, 4, 3), (32, 128, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 4)],
+    128: [(32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 2), (64, 128, 8, 2)],
+    256: _BWD[256],
+}
+_TABLES = {"fwd": _FWD, "bwd_dq": _BWD, "bwd_dkdv": _BWD, "softmax_bwd_dq": _SM_BWD_DQ, "softmax_bwd_dkdv": _SM_BWD_DKDV}
+
+
 def _dim_class(bd: int) -> int:
     return 64 if bd <= 64 else (128 if bd <= 128 else 256)
 
 
 def candidates(kind: str, bd_qk: int, bd_v: int) -> list[triton.Config]:
-    """The configs autotuning tries for a kernel ("fwd" or a backward kind) at these padded head dims."""
-    table = _FWD if kind == "fwd" else _BWD
-    return [_cfg(*c) for c in table[_dim_class(max(bd_qk, bd_v))]]
+    """The configs autotuning tries for a kernel at these padded head dims.
+
+    ``kind``: "fwd" (both forwards), "bwd_dq"/"bwd_dkdv" (HSTU) or "softmax_bwd_dq"/"softmax_bwd_dkdv".
+    """
+    return [_cfg(*c) for c in _TABLES[kind][_dim_class(max(bd_qk, bd_v))]]
 
 
 def _prune(kind: str):
@@ -63,9 +84,8 @@ def _key(c: triton.Config) -> tuple[int, int, int, int]:
 def tuned(kernel, kind: str, reset_to_zero: list[str] | None = None):
     """The kernel behind a Triton autotuner (``.fn`` is the plain kernel for fixed launches)."""
     if is_interpreting():
-        return SimpleNamespace(fn=kernel)
-    table = _FWD if kind == "fwd" else _BWD
-    configs = [_cfg(*c) for cs in table.values() for c in dict.fromkeys(cs)]
+        return SimpleNamespace(fn=kernel, tuning_kind=kind)
+    configs = [_cfg(*c) for cs in _TABLES[kind].values() for c in dict.fromkeys(cs)]
     configs = list({_key(c): c for c in configs}.values())
 
     def bench(fn, quantiles):
@@ -73,13 +93,15 @@ def tuned(kernel, kind: str, reset_to_zero: list[str] | None = None):
         # runs (softmax, D 64, L 2048: 95 vs 248 TFLOP/s), most likely a tile picked on noise
         return triton.testing.do_bench(fn, warmup=10, rep=50, quantiles=quantiles)
 
-    return triton.autotune(
+    autotuner = triton.autotune(
         configs,
         key=["len_key", "BD_QK", "BD_V", "DOT_PREC", "SPLIT_LOOPS"],
         prune_configs_by={"early_config_prune": _prune(kind)},
         reset_to_zero=reset_to_zero,
         do_bench=bench,
     )(kernel)
+    autotuner.tuning_kind = kind  # for tools that compile the candidates ahead (benchmarks/attention.py)
+    return autotuner
 
 
 def dot_precision(dtype: torch.dtype) -> str:
