@@ -77,8 +77,12 @@ def test_ml1m_loss_curve_triton_matches_pytorch(cuda_device: torch.device) -> No
         samples = s.seqs.training_samples(s.holdout, s.cfg.data.max_seq_len, s.cfg.data.train_windows)
         order = samples[torch.randperm(samples.shape[0], generator=torch.Generator().manual_seed(0))]
         bs = s.cfg.train.batch_size
+        full_batches = samples.shape[0] // bs  # ML-1M: ~47 per epoch; later steps revisit them (epochs in one order)
         torch.manual_seed(1)
-        curves[kernel] = [_train_step(s, order[i * bs : (i + 1) * bs])[0] for i in range(steps)]
+        curves[kernel] = []
+        for i in range(steps):
+            rows = order[(i % full_batches) * bs : (i % full_batches + 1) * bs]
+            curves[kernel].append(_train_step(s, s.seqs.training_batch(rows, s.cfg.data.max_seq_len))[0])
     ref, got = torch.tensor(curves["pytorch"]), torch.tensor(curves["triton"])
     for i in range(0, steps, 20):
         print(f"step {i:4d}  loss pytorch {ref[i]:.5f}  triton {got[i]:.5f}")
