@@ -241,6 +241,13 @@ def run_loop(
             t0 = time.perf_counter()
             loss, tokens = step(batch)
             step_s = time.perf_counter() - t0
+            if not math.isfinite(loss):  # stop before a checkpoint can hold the weights this step corrupted
+                raise FloatingPointError(
+                    f"training loss is {loss} at step {state['global_step'] + 1} (epoch {epoch + 1}, lr {lr:.3g}); "
+                    f"the run stops here and {run_dir}/checkpoints holds only earlier, finite states. Lower optim.lr, "
+                    "set optim.grad_clip, or check the data for empty batches and non-finite features; then "
+                    "restart, or continue from the last checkpoint with --resume"
+                )
             tokens_per_s = tokens / step_s
             state["global_step"] += 1
             state["step_in_epoch"] += 1

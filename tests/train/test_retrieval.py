@@ -305,3 +305,21 @@ def test_scheduled_run_resumes_exactly(tmp_path: Path, data_dir: Path, monkeypat
     constant = _cfg(tmp_path / "const", data_dir, "train.max_steps=6")
     train(constant, progress=False)
     assert _steps_log(constant.run_dir)[5][2] != _steps_log(reference.run_dir)[5][2]  # the schedule changed training
+
+
+def test_non_finite_loss_stops_the_run_before_a_checkpoint(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN loss raises naming the step; no checkpoint is written from the corrupted weights."""
+    real_step, calls = retrieval._train_step, []
+
+    def step(s, batch):
+        calls.append(1)
+        loss, tokens = real_step(s, batch)
+        return (float("nan") if len(calls) == 6 else loss), tokens  # epoch 2 (about 4 steps per epoch)
+
+    monkeypatch.setattr(retrieval, "_train_step", step)
+    cfg = _cfg(tmp_path, data_dir)
+    with pytest.raises(FloatingPointError, match="training loss is nan at step 6"):
+        train(cfg, progress=False)
+    steps = [json.loads((d / "manifest.json").read_text())["step"] for d in (cfg.run_dir / "checkpoints").iterdir()
+             if (d / "manifest.json").is_file()]  # fmt: skip
+    assert steps and max(steps) < 6
