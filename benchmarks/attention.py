@@ -17,6 +17,9 @@ HSTU variants: recforge Triton, the PyTorch reference (padded), torch.compile of
 Softmax variants: recforge Triton, the PyTorch reference (padded SDPA with a dense mask), and
 FlexAttention with a block mask over the packed batch (document + causal).
 
+Each timed row also records host and GPU time per call apart (``host_and_gpu_ms``: at short
+lengths ``do_bench``'s time is bounded by host time, not by the kernels).
+
 ``--baseline DIR``: DIR holds a package ``base_triton``, a copy of ``recforge/ops/triton`` from
 another revision (imports rewritten to ``base_triton.``), timed as "recforge triton (baseline)"
 in the same run, so that a kernel change is judged by a ratio from one process on one GPU.
@@ -86,6 +89,40 @@ def bench(fn, backward: bool, inputs: list[torch.Tensor]) -> float:
         return triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=inputs, return_mode="median")
     with torch.no_grad():
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def host_and_gpu_ms(fn, backward: bool, inputs: list[torch.Tensor], calls: int = 20) -> dict:
+    """Host and GPU time of one call, apart: ``calls`` calls queued behind a ~0.15 s GPU sleep, so
+    that no launch waits for the GPU (host ms: CPU time per call) and the GPU runs them back to back
+    (GPU ms: CUDA events around them, per call; no L2 flush between calls). ``do_bench`` (the
+    table's times) clears a 256 MB buffer before each call, which hides only ~0.1 ms of host time."""
+    grad = torch.randn_like(fn()) if backward else None
+
+    def step():
+        for x in inputs:
+            x.grad = None
+        if backward:
+            fn().backward(grad)
+        else:
+            with torch.no_grad():
+                fn()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    before, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    before.record()
+    torch.cuda._sleep(300_000_000)
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        step()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    end.record()
+    torch.cuda.synchronize()
+    sleep_ms = before.elapsed_time(start)
+    return {"host_ms": host_ms / calls, "gpu_ms": start.elapsed_time(end) / calls,
+            "gpu_ms_hides_host": host_ms < sleep_ms}  # False: the GPU caught up, gpu_ms counts host gaps
 
 
 def matmul_peak() -> float:
@@ -159,6 +196,7 @@ def measure(name, fn, inputs, fl_fwd, fl_bwd, peak) -> dict:
             row[f"{label}_ms"] = ms
             row[f"{label}_tflops"] = fl / ms / 1e9
             row[f"{label}_share_of_peak"] = fl / ms / 1e9 / peak
+            row.update({f"{label}_{k}": v for k, v in host_and_gpu_ms(fn, backward, inputs).items()})
         except torch.cuda.OutOfMemoryError:
             row[f"{label}_error"] = "out of memory"
         except Exception as e:  # noqa: BLE001 - a failing baseline is reported, not fatal
@@ -508,6 +546,7 @@ def main() -> None:
     print(f"\nattention on {machine}, torch {torch.__version__}, triton {triton.__version__}, bf16, {HEADS} heads, "
           f"causal, jagged ~{args.tokens} tokens/batch; measured bf16 matmul peak {peak:.0f} TFLOP/s")
     print_table(rows)
+    print_split(rows)
 
 
 def save(args, rows: list[dict], peak: float) -> None:
@@ -545,6 +584,20 @@ def print_table(rows: list[dict]) -> None:
             ratios.append(f"{b / a:.2f}x" if a and b and row is not ours else "")
         print(f"| {row['dim']} | {row['max_len']} | {row.get('batch', '')} | {row['variant']} | {cell(row, 'fwd')} | "
               f"{cell(row, 'fwd_bwd')} | {ratios[0]} | {ratios[1]} |")
+
+
+def print_split(rows: list[dict]) -> None:
+    """Each row's do_bench time beside its host and GPU time per call (``host_and_gpu_ms``)."""
+    def cell(row, label):
+        if f"{label}_ms" not in row:
+            return "-"
+        return f"{row[f'{label}_ms']:.3f} ({row[f'{label}_host_ms']:.3f}, {row[f'{label}_gpu_ms']:.3f})"
+
+    print("\n| D | L | variant | fwd ms (host, GPU) | fwd+bwd ms (host, GPU) |")
+    print("|---|---|---|---|---|")
+    for row in sorted(rows, key=lambda r: (r["dim"], r["max_len"], r["variant"])):
+        if "fwd_host_ms" in row or "fwd_bwd_host_ms" in row:
+            print(f"| {row['dim']} | {row['max_len']} | {row['variant']} | {cell(row, 'fwd')} | {cell(row, 'fwd_bwd')} |")
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ class AttentionMask:
     timestamps: Tensor | None = None
 
     def to(self, device: torch.device | str) -> AttentionMask:
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        move = lambda t: None if t is None else t.to(device)
         return AttentionMask(
             self.causal,
             move(self.num_targets),

@@ -46,9 +46,23 @@ class MaskArgs:
     has_ts: bool
 
 
+_placeholders: dict[tuple[torch.device, torch.dtype, int], Tensor] = {}
+
+
+def placeholder(device: torch.device, dtype: torch.dtype, size: int = 1) -> Tensor:
+    """A zero tensor for a kernel argument that the launch's flags leave unread (or only read),
+    made once per (device, dtype, size): allocating and filling one on the device each call cost a
+    kernel launch per placeholder, several per attention call. Never write to it."""
+    key = (device, dtype, size)
+    t = _placeholders.get(key)
+    if t is None:
+        t = _placeholders[key] = torch.zeros(size, dtype=dtype, device=device)
+    return t
+
+
 def mask_args(mask: AttentionMask, offsets: Tensor) -> MaskArgs:
     device = offsets.device
-    dummy32 = torch.zeros(1, dtype=torch.int32, device=device)
+    dummy32 = placeholder(device, torch.int32)
     batch = offsets.numel() - 1
     c = mask.num_contextual
     contextual = c.to(device=device, dtype=torch.int32).contiguous() if c is not None else dummy32
@@ -67,7 +81,7 @@ def mask_args(mask: AttentionMask, offsets: Tensor) -> MaskArgs:
         num_targets=targets,
         num_contextual=contextual,
         segment_ends=ends,
-        ts=ts.to(device=device, dtype=torch.int64).contiguous() if ts is not None else torch.zeros(1, dtype=torch.int64, device=device),
+        ts=ts.to(device=device, dtype=torch.int64).contiguous() if ts is not None else placeholder(device, torch.int64),
         window=int(mask.max_attn_len or 0),
         num_segments=len(flags),
         full_bits=full_bits,
@@ -101,8 +115,15 @@ def _time_thresholds_cpu(num_buckets: int) -> Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.int64), thr, torch.full((1,), INT64_MAX, dtype=torch.int64)])
 
 
+_thresholds: dict[tuple[int, torch.device], Tensor] = {}
+
+
 def time_thresholds(num_buckets: int, device: torch.device) -> Tensor:
-    return _time_thresholds_cpu(num_buckets).to(device)
+    """``_time_thresholds_cpu`` on ``device``, copied there once (read-only)."""
+    key = (num_buckets, device)
+    if key not in _thresholds:
+        _thresholds[key] = _time_thresholds_cpu(num_buckets).to(device)
+    return _thresholds[key]
 
 
 def max_len_bucket(max_seq_len: int) -> int:
@@ -119,6 +140,17 @@ def lengths_ok(offsets: Tensor, max_seq_len: int) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Triton helpers
+
+
+@triton.jit
+def block_of_program(len_key, num_heads, BLOCK: tl.constexpr):
+    """(block index, number of blocks, sequence, head) of this program in the one-dimensional
+    block-major grid of ``tuning.launch``: ``cdiv(len_key, BLOCK)`` blocks per (sequence, head),
+    neighbours in launch order."""
+    num_blocks = tl.cdiv(len_key, BLOCK)
+    pid = tl.program_id(0)
+    bh = pid // num_blocks
+    return pid % num_blocks, num_blocks, bh // num_heads, bh % num_heads
 
 
 @triton.jit

@@ -18,11 +18,13 @@ from torch import Tensor
 from recforge.ops.mask import AttentionMask
 from recforge.ops.triton._common import (
     MaskArgs,
+    block_of_program,
     free_tile_span,
     key_block_ranges,
     key_tile,
     mask_args,
     max_len_bucket,
+    placeholder,
     query_block_ranges,
     query_tile,
     time_bucket,
@@ -75,9 +77,8 @@ def _hstu_fwd(
     DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # longest key walks first
-    b = tl.program_id(0) // num_heads
-    h = tl.program_id(0) % num_heads
+    blk, num_blocks, b, h = block_of_program(len_key, num_heads, BLOCK_M)
+    pid_m = num_blocks - 1 - blk  # of a sequence's row blocks, the longest key walk first
     start_tok = tl.load(offsets + b)
     n = (tl.load(offsets + b + 1) - start_tok).to(tl.int32)
     i0 = pid_m * BLOCK_M
@@ -141,9 +142,8 @@ def _hstu_bwd_dq(
     DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    b = tl.program_id(0) // num_heads
-    h = tl.program_id(0) % num_heads
+    blk, num_blocks, b, h = block_of_program(len_key, num_heads, BLOCK_M)
+    pid_m = num_blocks - 1 - blk
     start_tok = tl.load(offsets + b)
     n = (tl.load(offsets + b + 1) - start_tok).to(tl.int32)
     i0 = pid_m * BLOCK_M
@@ -211,9 +211,7 @@ def _hstu_bwd_dkdv(
     DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_n = tl.program_id(1)  # the first keys are seen by the most rows: they run first
-    b = tl.program_id(0) // num_heads
-    h = tl.program_id(0) % num_heads
+    pid_n, _, b, h = block_of_program(len_key, num_heads, BLOCK_N)  # first keys (most rows see them) first
     start_tok = tl.load(offsets + b)
     n = (tl.load(offsets + b + 1) - start_tok).to(tl.int32)
     j0 = pid_n * BLOCK_N
@@ -285,9 +283,9 @@ def _hstu_bwd_dkdv(
              mask=key_ok[:, None] & (dv_[None, :] < DV))
 
 
-_fwd = tuned(_hstu_fwd, kind="fwd")
-_bwd_dq = tuned(_hstu_bwd_dq, kind="bwd_dq")
-_bwd_dkdv = tuned(_hstu_bwd_dkdv, kind="bwd_dkdv", reset_to_zero=["dpos", "dtime"])
+_fwd = tuned(_hstu_fwd, kind="fwd", block_major=True)
+_bwd_dq = tuned(_hstu_bwd_dq, kind="bwd_dq", block_major=True)
+_bwd_dkdv = tuned(_hstu_bwd_dkdv, kind="bwd_dkdv", reset_to_zero=["dpos", "dtime"], block_major=True)
 
 
 def _meta(ma: MaskArgs, dqk: int, dv: int, has_pos: bool, has_time: bool, dtype: torch.dtype) -> dict:
@@ -308,8 +306,8 @@ class _HSTUAttention(torch.autograd.Function):
         batch = offsets.numel() - 1
         out = torch.empty(total, heads, dv, dtype=q.dtype, device=q.device)
         has_pos, has_time = pos_w is not None, time_w is not None
-        dummy_f = torch.zeros(1, dtype=torch.float32, device=q.device)
-        thr = time_thresholds(num_buckets, q.device) if has_time else torch.zeros(2, dtype=torch.int64, device=q.device)
+        dummy_f = placeholder(q.device, torch.float32)
+        thr = time_thresholds(num_buckets, q.device) if has_time else placeholder(q.device, torch.int64, 2)
         pos_arg = pos_w if has_pos else dummy_f
         time_arg = time_w if has_time else dummy_f
         ts_arg = ts_bias if has_time else ma.ts
@@ -337,8 +335,10 @@ class _HSTUAttention(torch.autograd.Function):
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         pos_grad = has_pos and ctx.needs_input_grad[7]
         time_grad = has_time and ctx.needs_input_grad[9]
-        dpos = torch.zeros(P if pos_grad else 1, dtype=torch.float32, device=q.device)
-        dtime = torch.zeros(num_buckets + 1 if time_grad else 1, dtype=torch.float32, device=q.device)
+        # accumulated with atomics when wanted; otherwise never written (POS_GRAD/TIME_GRAD off)
+        dpos = torch.zeros(P, dtype=torch.float32, device=q.device) if pos_grad else placeholder(q.device, torch.float32)
+        dtime = (torch.zeros(num_buckets + 1, dtype=torch.float32, device=q.device) if time_grad
+                 else placeholder(q.device, torch.float32))
         if total > 0 and batch > 0:
             strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2])
             launch(_bwd_dq, "m", batch, heads, max_seq_len,

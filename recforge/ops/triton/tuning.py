@@ -13,6 +13,8 @@ from types import SimpleNamespace
 import torch
 import triton
 
+from recforge.ops.triton._common import max_len_bucket
+
 
 def is_interpreting() -> bool:
     """Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, read when kernels are defined)."""
@@ -24,9 +26,13 @@ def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
 
 
 # (BLOCK_M, BLOCK_N, warps, stages) candidates for Hopper, by the larger padded head dim
+# (64, 32, 4, 2) forward: for short sequences (a row block's key walk is a few tiles long); autotuning
+# picked it at L = 512 (D 64 and 128) in the H100 run of BENCHMARKS.md, where it had picked the
+# smallest tile on offer before. A (32, 32, 4, 2) backward candidate was tried in that run and never
+# picked, so it is not kept.
 _FWD = {
-    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3)],
-    128: [(128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3)],
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (64, 32, 4, 2)],
+    128: [(128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3), (64, 32, 4, 2)],
     256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (128, 64, 8, 1)],
 }
 _BWD = {
@@ -81,10 +87,14 @@ def _key(c: triton.Config) -> tuple[int, int, int, int]:
     return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
 
 
-def tuned(kernel, kind: str, reset_to_zero: list[str] | None = None):
-    """The kernel behind a Triton autotuner (``.fn`` is the plain kernel for fixed launches)."""
+def tuned(kernel, kind: str, reset_to_zero: list[str] | None = None, block_major: bool = False):
+    """The kernel behind a Triton autotuner (``.fn`` is the plain kernel for fixed launches).
+
+    ``block_major``: the kernel takes its program ids from the one-dimensional block-major grid
+    (``_common.block_of_program``), not the (sequence * head, block) grid; see ``launch``.
+    """
     if is_interpreting():
-        return SimpleNamespace(fn=kernel, tuning_kind=kind)
+        return SimpleNamespace(fn=kernel, tuning_kind=kind, block_major=block_major)
     configs = [_cfg(*c) for cs in _TABLES[kind].values() for c in dict.fromkeys(cs)]
     configs = list({_key(c): c for c in configs}.values())
 
@@ -101,6 +111,7 @@ def tuned(kernel, kind: str, reset_to_zero: list[str] | None = None):
         do_bench=bench,
     )(kernel)
     autotuner.tuning_kind = kind  # for tools that compile the candidates ahead (benchmarks/attention.py)
+    autotuner.block_major = block_major
     return autotuner
 
 
@@ -140,14 +151,29 @@ def split_loops(fixed_tile: bool) -> bool:
 
 
 def launch(kernel, grid_blocks: str, batch: int, heads: int, max_seq_len: int, args: tuple, meta: dict) -> None:
-    """Run an attention kernel over a (batch * heads, row or key blocks) grid: autotuned for
-    bf16/fp16 on long sequences, the fixed tile otherwise (``grid_blocks``: "m" or "n")."""
+    """Run an attention kernel over its row or key blocks (``grid_blocks``: "m" or "n"), for every
+    sequence and head: autotuned for bf16/fp16 on long sequences, the fixed tile otherwise.
+
+    Block-major kernels (``tuned(..., block_major=True)``) run on a one-dimensional grid of
+    ``cdiv(len_key, BLOCK) * batch * heads`` programs in which the blocks of one (sequence, head)
+    are neighbours, so they are resident together and read that sequence's keys (or queries)
+    from L2 rather than each from memory; the others on a (batch * heads, blocks) grid, where
+    neighbours are other sequences' blocks at the same position. Block-major HSTU took 1.2-1.5x
+    less GPU time at D = 128, L 512-2048 on an H100 and the same at L = 8192 (BENCHMARKS.md).
+    """
     block_key = "BLOCK_M" if grid_blocks == "m" else "BLOCK_N"
     fixed = is_interpreting() or max_seq_len <= 256 or meta["DOT_PREC"] == "ieee"
     meta = dict(meta, SPLIT_LOOPS=split_loops(fixed))
+    if getattr(kernel, "block_major", False):
+        blocks_of = max_len_bucket(max_seq_len)  # as the kernel's len_key: it derives its block count from it
+
+        def grid(m):
+            return (triton.cdiv(blocks_of, m[block_key]) * batch * heads,)
+    else:
+        def grid(m):
+            return (batch * heads, triton.cdiv(max_seq_len, m[block_key]))
     if fixed:
         cfg = fixed_config(meta["BD_QK"], meta["BD_V"], meta["DOT_PREC"])
-        grid = (batch * heads, triton.cdiv(max_seq_len, cfg.kwargs[block_key]))
-        kernel.fn[grid](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        kernel.fn[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
-        kernel[lambda m: (batch * heads, triton.cdiv(max_seq_len, m[block_key]))](*args, **meta)
+        kernel[grid](*args, **meta)
