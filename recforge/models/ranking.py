@@ -455,9 +455,12 @@ class RankingModel(nn.Module):
         features, encoder_args, targets = self.split_inputs(batch)
         tokens = self.prefix(features)
         encoded = self.encoder(tokens, **encoder_args)
-        if getattr(self.postfix, "takes_candidate", False):
-            return torch.cat([encoded[targets], tokens[targets]], 1)
-        return encoded[targets]
+        return self.postfix_input(encoded[targets], tokens[targets])
+
+    def postfix_input(self, encoded: Tensor, embedded: Tensor) -> Tensor:
+        """The postfix's input for targets with encoder outputs ``encoded`` and prefix embeddings
+        ``embedded`` (each (N, d)): [encoded, embedded] (N, 2d) when the postfix ``takes_candidate``."""
+        return torch.cat([encoded, embedded], 1) if getattr(self.postfix, "takes_candidate", False) else encoded
 
     def forward(self, batch: JaggedBatch) -> Tensor:
         """(sum of num_targets, K) task outputs, in target order."""

@@ -333,14 +333,14 @@ class RankEngine:
                 outs.append(out)
             return torch.cat(outs)
 
-        x = encode_blocks(enc, x, attend)
+        embedded, x = x, encode_blocks(enc, x, attend)
         results: list[Tensor | None] = []
         for it, (a, b) in zip(items, spans):
             if it.kind == "prefix":
                 it.state.length = it.start + it.size
                 results.append(None)
             else:
-                results.append(self.model.postfix(x[a:b]).float().cpu())
+                results.append(self.model.postfix(self.model.postfix_input(x[a:b], embedded[a:b])).float().cpu())
         return results
 
     def _plan(self, it: WorkItem, q_ts: Tensor, num_pos: int, num_buckets: int | None) -> tuple[int, Tensor, BiasIndex]:

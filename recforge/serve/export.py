@@ -8,6 +8,7 @@ Four programs, each with dynamic token counts, and ``export.json`` saying how th
     encoder_score   candidate embeddings (C, d), candidate timestamps (C,), keys, values,
                     key timestamps (n,), num_contextual                -> candidate states (C, d)
     postfix         candidate states (C, d)                            -> task outputs (C, K)
+                    ([states, candidate embeddings] (C, 2d) when the postfix has a candidate tower)
 
 They compute what ``RankEngine`` computes (one sequence; no chunking or pool), so an ONNX
 runtime can serve prefix-cached ranking: run ``prefix`` + ``encoder_prefill`` once per history,
@@ -131,8 +132,12 @@ def _programs(model: RankingModel) -> dict[str, tuple[nn.Module, tuple, dict]]:
                            torch.randn(layers, n, heads, cfg.dv), ts, ctx),
                           {"x": {0: C}, "timestamps": {0: C}, "keys": {1: N}, "values": {1: N},
                            "key_timestamps": {0: N}, "num_contextual": None}),
-        "postfix": (model.postfix, (torch.randn(5, d),), {"x": {0: C}}),
+        "postfix": (model.postfix, (torch.randn(5, 2 * d if _takes_candidate(model) else d),), {"x": {0: C}}),
     }  # fmt: skip
+
+
+def _takes_candidate(model: RankingModel) -> bool:
+    return bool(getattr(model.postfix, "takes_candidate", False))
 
 
 IO = {
@@ -186,7 +191,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, formats: tuple[str, ...
         "programs": programs,
         "flow": [
             "history: prefix(contextual + history tokens) -> encoder_prefill -> keys, values (cache them per user)",
-            "candidates: prefix(candidate tokens) -> encoder_score(.., keys, values, history timestamps) -> postfix",
+            "candidates: prefix(candidate tokens) -> encoder_score(.., keys, values, history timestamps) -> postfix"
+            + (" of [states, prefix embeddings] concatenated (C, 2d): the postfix has a candidate-only tower"
+               if _takes_candidate(model) else ""),
         ],
         "layout": {
             "action_encoding": manifest.get("action_encoding", "sum"),

@@ -130,8 +130,8 @@ class PaddedPass:
                 out = out + self_attention_term(q, k, v, q_ts, block.pos_weights, block.time_weights, scale)
             return out
 
-        x = encode_blocks(enc, x, attend)
-        return engine.model.postfix(x) if self.kind == "targets" else None
+        embedded, x = x, encode_blocks(enc, x, attend)
+        return engine.model.postfix(engine.model.postfix_input(x, embedded)) if self.kind == "targets" else None
 
     def capture(self) -> None:
         """Warm up on a side stream (allocator, cuBLAS handles), then capture ``compute``."""

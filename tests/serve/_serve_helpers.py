@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from recforge.models import HSTUConfig, HSTUEncoder
-from recforge.models.ranking import MultiTaskMLP, RankingModel, RankingPrefix, save_slices
+from recforge.models.ranking import CandidateTower, MultiTaskMLP, RankingModel, RankingPrefix, save_slices
 
 DIM = 16
 MAX_LEN = 128
@@ -17,7 +17,8 @@ ACTIONS = ["pv", "cart", "buy"]
 TASKS = [{"name": "click", "kind": "binary"}, {"name": "rating", "kind": "regression"}]
 
 
-def build_model(seed: int = 0, max_len: int = MAX_LEN, time_buckets: int = 16) -> RankingModel:
+def build_model(seed: int = 0, max_len: int = MAX_LEN, time_buckets: int = 16, tower: bool = False) -> RankingModel:
+    """``tower``: the postfix is a ``CandidateTower`` (model.item_tower), which also reads the candidates' embeddings."""
     torch.manual_seed(seed)
     prefix = RankingPrefix(NUM_ITEMS, len(ACTIONS), num_context_values=6, dim=DIM, item_feature_width=1,
                            num_item_feature_values=5)  # fmt: skip
@@ -29,7 +30,10 @@ def build_model(seed: int = 0, max_len: int = MAX_LEN, time_buckets: int = 16) -
         nn.init.normal_(block.pos_weights, std=0.5)
         if block.time_weights is not None:
             nn.init.normal_(block.time_weights, std=0.5)
-    return RankingModel(prefix, encoder, MultiTaskMLP(DIM, 2, hidden=32)).eval()
+    postfix = MultiTaskMLP(DIM, 2, hidden=32)
+    if tower:
+        postfix = CandidateTower.wrap(postfix, MultiTaskMLP(DIM, 2, hidden=16), weight=0.3)
+    return RankingModel(prefix, encoder, postfix).eval()
 
 
 def vocab() -> dict:
@@ -43,7 +47,8 @@ def vocab() -> dict:
 
 
 def export(model: RankingModel, out: Path, action_encoding: str = "sum", step: int = 1) -> Path:
-    extra = {"step": step, "action_encoding": action_encoding, "max_seq_len": model.encoder.cfg.max_seq_len,
+    encoder = getattr(model.encoder, "inner", model.encoder)  # ContextCross / TargetHistoryPool wrap an HSTU encoder
+    extra = {"step": step, "action_encoding": action_encoding, "max_seq_len": encoder.cfg.max_seq_len,
              "num_contextual": 2, "user_features": ["user_id", "gender"], "item_features": ["cluster"]}  # fmt: skip
     save_slices(model, out / "model", tasks=TASKS, extra=extra, json_files={"vocab.json": vocab()})
     return out

@@ -151,3 +151,36 @@ def test_candidate_scores_are_permutation_equivariant_and_independent(tmp_path) 
     torch.testing.assert_close(permuted, scores[perm], rtol=1e-5, atol=ATOL)
     alone = engine.rank_encoded(req.__class__(**{**req.__dict__, "candidates": req.candidates[3:4]})).scores
     torch.testing.assert_close(alone, scores[3:4], rtol=1e-5, atol=ATOL)
+
+
+def test_candidate_tower_postfix_is_served(tmp_path) -> None:
+    """A postfix with a candidate-only tower (model.item_tower) reads [encoder output, candidate
+    embedding]: the cached engine and its padded CUDA-graph pass give the training forward's scores."""
+    from recforge.serve.graphs import GraphRunner
+    from recforge.serve.layout import candidate_tokens
+    from recforge.serve.state import WorkItem
+
+    engine = RankEngine.from_run(export(build_model(tower=True), tmp_path / "tower"))
+    req = _request(engine, n_events=33, n_cands=9)
+    cached = engine.rank_encoded(req).scores
+    torch.testing.assert_close(cached, engine.rank_naive(req), rtol=1e-5, atol=ATOL)
+    state = engine.prefix_state(req, prefix_tokens(req, engine.action_encoding))
+    padded = GraphRunner(engine, limit=4, capture=False).run(WorkItem(state, candidate_tokens(req), "targets"))
+    torch.testing.assert_close(padded, cached, rtol=1e-5, atol=ATOL)
+
+
+@pytest.mark.parametrize("wrapper", ["context_cross", "din"])
+def test_wrapped_encoders_are_served_uncached(tmp_path, wrapper) -> None:
+    """model.context_cross / model.target_attention=din wrap the HSTU encoder: the engine serves them
+    with the full forward pass (all candidates as targets of one sequence), equal to per-candidate scoring."""
+    from recforge.models.ranking import ContextCross, RankingModel, TargetHistoryPool
+    from _serve_helpers import DIM
+
+    base = build_model(seed=6)
+    torch.manual_seed(6)
+    wrap = ContextCross.wrap if wrapper == "context_cross" else TargetHistoryPool.wrap
+    model = RankingModel(base.prefix, wrap(base.encoder, DIM), base.postfix).eval()
+    engine = RankEngine.from_run(export(model, tmp_path / wrapper))
+    assert not engine.cached
+    req = _request(engine, n_events=30, n_cands=6)
+    torch.testing.assert_close(engine.rank_encoded(req).scores, engine.rank_naive(req), rtol=1e-5, atol=ATOL)

@@ -28,7 +28,7 @@ def _request(engine: RankEngine):
                          timestamp=hist["timestamps"][-4] + 1)  # three events after the request time  # fmt: skip
 
 
-def _pipeline(run_program, req, engine: RankEngine) -> torch.Tensor:
+def _pipeline(run_program, req, engine: RankEngine, tower: bool = False) -> torch.Tensor:
     prefix = prefix_tokens(req, engine.action_encoding)
     cands = candidate_tokens(req)
     x = run_program("prefix", tuple(prefix[k] for k in FEATURES))
@@ -36,7 +36,7 @@ def _pipeline(run_program, req, engine: RankEngine) -> torch.Tensor:
     keys, values = run_program("encoder_prefill", (x, prefix["timestamps"], ctx))
     y = run_program("prefix", tuple(cands[k] for k in FEATURES))
     states = run_program("encoder_score", (y, cands["timestamps"], keys, values, prefix["timestamps"], ctx))
-    return run_program("postfix", (states,))
+    return run_program("postfix", (torch.cat([states, y], 1) if tower else states,))
 
 
 def test_config_json_describes_the_programs(exported) -> None:
@@ -61,4 +61,16 @@ def test_exported_programs_match_the_engine(exported, fmt) -> None:
     else:
         run_program = lambda name, args: run_onnx(out / f"{name}.onnx", args)  # noqa: E731
     got = _pipeline(run_program, req, engine)
+    torch.testing.assert_close(got, engine.rank_encoded(req).scores, rtol=1e-4, atol=1e-5)
+
+
+def test_candidate_tower_postfix_exports(tmp_path) -> None:
+    """With model.item_tower the postfix program reads [states, candidate embeddings] (C, 2d); ONNX
+    reproduces the engine, and export.json says so."""
+    run = export(build_model(seed=4, tower=True), tmp_path / "run")
+    out = export_run(run, tmp_path / "out", formats=("onnx",))
+    assert "concatenated" in json.loads((out / "export.json").read_text())["flow"][1]
+    engine = RankEngine.from_run(run)
+    req = _request(engine)
+    got = _pipeline(lambda name, args: run_onnx(out / f"{name}.onnx", args), req, engine, tower=True)
     torch.testing.assert_close(got, engine.rank_encoded(req).scores, rtol=1e-4, atol=1e-5)
