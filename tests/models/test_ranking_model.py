@@ -216,6 +216,21 @@ def test_slices_round_trip(tmp_path: Path, data: RankingData, kind: str) -> None
     torch.testing.assert_close(prefix(batch.features), model.prefix(batch.features))
 
 
+def test_slices_saved_before_the_module_split_still_load(tmp_path: Path, data: RankingData) -> None:
+    """Heads and encoders moved out of recforge/models/ranking.py; exports that name them there load."""
+    model = _model(data, "hstu-tower")
+    out = save_slices(model, tmp_path / "model")
+    config_path = out / "postfix" / "config.json"
+    config = json.loads(config_path.read_text())
+    assert config["class"] == "recforge.models.ranking_heads:CandidateTower"
+    old = json.dumps(config).replace("recforge.models.ranking_heads:", "recforge.models.ranking:")
+    config_path.write_text(old)
+    loaded, _ = load_slices(out)
+    batch = _multi_target_batch(data, "sum")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(batch), model(batch), rtol=0, atol=0)
+
+
 def test_slices_reject_modules_without_config_and_bad_dirs(tmp_path: Path, data: RankingData) -> None:
     model = _model(data)
     broken = RankingModel(nn.Identity(), model.encoder, model.postfix)
