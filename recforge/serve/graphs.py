@@ -17,6 +17,9 @@ invisible, padded queries are computed and dropped. The arithmetic is the engine
 (``cached_attention``, ``self_attention_term``, ``BiasIndex``) with general (M, N) masks, so
 scores equal the eager pass within rounding (tested on CPU without capture, on CUDA with it).
 
+The static buffers make a runner (like the engine and its KV pool) single-threaded: one thread,
+the ``BatchRunner``'s in the server, drives an engine.
+
 Graphs are captured on the first use of a bucket and kept in an LRU of ``limit`` buckets. A
 prefix or postfix module that cannot be captured (it synchronises with the host, say) turns
 graphs off for the engine with one warning; the eager pass then serves every request.
@@ -134,15 +137,18 @@ class PaddedPass:
         return engine.model.postfix(engine.model.postfix_input(x, embedded)) if self.kind == "targets" else None
 
     def capture(self) -> None:
-        """Warm up on a side stream (allocator, cuBLAS handles), then capture ``compute``."""
-        stream = torch.cuda.Stream(self.features.device)
-        stream.wait_stream(torch.cuda.current_stream(self.features.device))
-        with torch.cuda.stream(stream):
-            self.compute()
-        torch.cuda.current_stream(self.features.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self.out = self.compute()
+        """Warm up on a side stream (allocator, cuBLAS handles), then capture ``compute`` on the
+        engine's device (which need not be the current one)."""
+        device = self.features.device
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                self.compute()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.out = self.compute()
         self.graph = graph
 
     def finish(self, item: WorkItem, out: Tensor | None) -> Tensor | None:
@@ -198,11 +204,12 @@ class GraphRunner:
         if padded.graph is None:
             try:
                 padded.capture()
-            except Exception as err:  # noqa: BLE001 - a module that cannot be captured: the engine goes eager
+            except Exception as err:  # a module that cannot be captured: the engine goes eager
                 del self.passes[key]
                 raise GraphCaptureError(f"CUDA graph capture of a {item.kind} pass failed: {err}") from err
             self.stats["captures"] += 1
-        padded.graph.replay()
+        with torch.cuda.device(padded.features.device):
+            padded.graph.replay()
         self.stats["replays"] += 1
         return padded.finish(item, padded.out)
 
