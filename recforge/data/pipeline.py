@@ -206,22 +206,22 @@ class Pipeline:
 
 class PipelineSource:
     """A ``Pipeline`` as the training loop's ``BatchSource``: one pipeline for the whole run, its
-    ``PipelineState`` saved in every checkpoint. Subclasses set ``pipeline = None`` and ``_build(state)``.
+    ``PipelineState`` saved in every checkpoint. ``build(state)`` makes the pipeline (resuming from
+    ``state`` when given); the recipes' sources are ``retrieval_source`` and ``ranking_source``.
 
     Rows are marked consumed when the pipeline hands a batch to the loop, and the loop asks for the
     next batch only when it is about to train on it, so ``state_dict()`` between steps holds exactly
     the rows of the steps taken; batches still in the prefetch queue stay unconsumed.
     """
 
-    pipeline: Pipeline | None
-    num_steps_estimate: int
-
-    def _build(self, state: dict | None) -> Pipeline:
-        raise NotImplementedError
+    def __init__(self, build: Callable[[dict | None], Pipeline], num_steps_estimate: int) -> None:
+        self.build = build
+        self.num_steps_estimate = num_steps_estimate  # batches per epoch (see token_batching.steps_per_epoch)
+        self.pipeline: Pipeline | None = None  # built by the first epoch_iter, kept for the run
 
     def epoch_iter(self, epoch: int, state: dict | None) -> Iterator[Any]:
         if state is not None or self.pipeline is None:
-            self.pipeline = self._build(state)
+            self.pipeline = self.build(state)
         s = self.pipeline.state
         finished = s.share_done or (s.complete and s.num_rows > 0)  # every row of s.epoch is consumed
         if finished and s.epoch == epoch:

@@ -16,15 +16,16 @@ self-contained on-disk form with raw IDs; the recipe's model needs ``RankingData
 IDs, item features and task labels.)
 
 ``ranking_pipeline`` streams these rows through ``Pipeline`` (shuffle, fixed or token-budget
-batches, prefetch, exactly-once resume); ``RankingBatches`` is that pipeline as the training
+batches, prefetch, exactly-once resume); ``ranking_source`` is that pipeline as the training
 loop's ``BatchSource`` (``train.loader=pipeline``).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -152,27 +153,18 @@ def token_reference(data: RankingData, samples: RankingSamples, tokens: torch.Te
     return TokenReference(known, lists)
 
 
-@dataclass
-class RankingBatches(PipelineSource):
-    """``ranking_pipeline`` as the training loop's ``BatchSource`` (see ``PipelineSource``).
+def ranking_source(paths: Sequence[str | os.PathLike], data: RankingData, max_seq_len: int, batch_size: int, *,
+                   num_steps_estimate: int, action_encoding: str = "sum", num_workers: int = 2, token_budget: int = 0,
+                   seed: int = 0) -> PipelineSource:  # fmt: skip
+    """``ranking_pipeline`` over ``paths`` as the training loop's ``BatchSource`` (``PipelineSource``).
+
+    ``batch_size``: rows per batch when ``token_budget`` is 0; ``num_steps_estimate``: batches per
+    epoch (``steps_per_epoch``).
 
     Example:
-        >>> source = RankingBatches(["run/samples/train-00000.parquet"], data, 256, 64, num_steps_estimate=40)
+        >>> source = ranking_source(["run/samples/train-00000.parquet"], data, 256, 64, num_steps_estimate=40)
         >>> run_loop(cfg, ..., source=source, step=lambda batch: train_step(batch))
     """
-
-    paths: Sequence[str | os.PathLike]
-    data: RankingData
-    max_seq_len: int
-    batch_size: int  # rows per batch when token_budget is 0
-    num_steps_estimate: int  # batches per epoch (see steps_per_epoch)
-    action_encoding: str = "sum"
-    num_workers: int = 2
-    token_budget: int = 0
-    seed: int = 0
-    pipeline: Pipeline | None = field(default=None, init=False)  # built by the first epoch_iter, kept for the run
-
-    def _build(self, state: dict | None) -> Pipeline:
-        return ranking_pipeline(self.paths, self.data, self.max_seq_len, self.batch_size,
-                                action_encoding=self.action_encoding, num_workers=self.num_workers, seed=self.seed,
-                                state=state, token_budget=self.token_budget)  # fmt: skip
+    build = functools.partial(ranking_pipeline, paths, data, max_seq_len, batch_size, action_encoding=action_encoding,
+                              num_workers=num_workers, seed=seed, token_budget=token_budget)  # fmt: skip
+    return PipelineSource(lambda state: build(state=state), num_steps_estimate)

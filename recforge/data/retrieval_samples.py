@@ -12,15 +12,15 @@ labels::
 
 Feeding these rows through ``Pipeline`` (see ``retrieval_pipeline``) gives the recipe's
 training batches without building them in memory each step, with exact resume;
-``RetrievalBatches`` is that pipeline as the training loop's ``BatchSource``
+``retrieval_source`` is that pipeline as the training loop's ``BatchSource``
 (``train.loader=pipeline``).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
@@ -87,27 +87,18 @@ def sample_tokens(samples: torch.Tensor, max_seq_len: int) -> torch.Tensor:
     return torch.clamp(samples[:, 1] - 1, max=max_seq_len)
 
 
-@dataclass
-class RetrievalBatches(PipelineSource):
-    """``retrieval_pipeline`` as the training loop's ``BatchSource`` (see ``PipelineSource``).
+def retrieval_source(paths: Sequence[str | os.PathLike], max_seq_len: int, batch_size: int, *, timestamps: bool,
+                     num_steps_estimate: int, num_workers: int = 2, token_budget: int = 0, seed: int = 0) -> PipelineSource:  # fmt: skip
+    """``retrieval_pipeline`` over ``paths`` as the training loop's ``BatchSource`` (``PipelineSource``).
+
+    ``batch_size``: rows per batch when ``token_budget`` is 0; ``timestamps``: the samples carry a
+    timestamps column; ``num_steps_estimate``: batches per epoch (``steps_per_epoch``).
 
     Example:
-        >>> source = RetrievalBatches(["run/samples/train-00000.parquet"], 200, 128, timestamps=False,
+        >>> source = retrieval_source(["run/samples/train-00000.parquet"], 200, 128, timestamps=False,
         ...                           num_steps_estimate=48)
         >>> run_loop(cfg, ..., source=source, step=lambda batch: train_step(batch))
     """
-
-    paths: Sequence[str | os.PathLike]
-    max_seq_len: int
-    batch_size: int  # rows per batch when token_budget is 0
-    timestamps: bool  # the samples carry a timestamps column
-    num_steps_estimate: int  # batches per epoch (see steps_per_epoch)
-    num_workers: int = 2
-    token_budget: int = 0
-    seed: int = 0
-    pipeline: Pipeline | None = field(default=None, init=False)  # built by the first epoch_iter, kept for the run
-
-    def _build(self, state: dict | None) -> Pipeline:
-        return retrieval_pipeline(self.paths, self.max_seq_len, self.batch_size, timestamps=self.timestamps,
-                                  num_workers=self.num_workers, seed=self.seed, state=state,
-                                  token_budget=self.token_budget)  # fmt: skip
+    build = functools.partial(retrieval_pipeline, paths, max_seq_len, batch_size, timestamps=timestamps,
+                              num_workers=num_workers, seed=seed, token_budget=token_budget)  # fmt: skip
+    return PipelineSource(lambda state: build(state=state), num_steps_estimate)

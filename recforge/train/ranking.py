@@ -35,11 +35,12 @@ import torch.nn.functional as F
 from recforge.config import RunConfig, load_config
 from recforge.data.batch import JaggedBatch
 from recforge.data.dataset import load_dataset
+from recforge.data.pipeline import PipelineSource
 from recforge.data.ranking import RankingData, RankingSamples
 from recforge.data.ranking_samples import (
     SAMPLES_FILE,
-    RankingBatches,
     TokenReference,
+    ranking_source,
     sample_tokens,
     token_reference,
     write_ranking_samples,
@@ -280,7 +281,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     return summary
 
 
-def _pipeline_source(s: Setup, samples: RankingSamples, resume: bool) -> RankingBatches:
+def _pipeline_source(s: Setup, samples: RankingSamples, resume: bool) -> PipelineSource:
     """Write the training samples under the run directory (kept for a resume: the saved pipeline
     state refers to their rows) and stream them; with a token budget, set the loss references."""
     cfg, t = s.cfg, s.cfg.train
@@ -293,7 +294,7 @@ def _pipeline_source(s: Setup, samples: RankingSamples, resume: bool) -> Ranking
     if t.token_budget:
         list_task = s.kinds.index("binary") if cfg.ranking.listwise_weight else None
         s.reference = token_reference(s.data, samples, tokens, t.token_budget, list_task)
-    return RankingBatches(
+    return ranking_source(
         [path], s.data, cfg.data.max_seq_len, t.batch_size, action_encoding=cfg.ranking.action_encoding,
         num_workers=t.loader_workers, token_budget=t.token_budget, seed=t.seed,
         num_steps_estimate=steps_per_epoch(tokens, t.batch_size, t.token_budget, t.seed),

@@ -26,10 +26,10 @@ import torch
 from recforge.config import RunConfig, load_config
 from recforge.data.batch import JaggedBatch
 from recforge.data.dataset import load_dataset
-from recforge.data.retrieval_samples import RetrievalBatches, sample_tokens, write_retrieval_samples
-from recforge.data.token_batching import steps_per_epoch
+from recforge.data.pipeline import PipelineSource
+from recforge.data.retrieval_samples import retrieval_source, sample_tokens, write_retrieval_samples
 from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences
-from recforge.data.token_batching import token_loss_scale
+from recforge.data.token_batching import steps_per_epoch, token_loss_scale
 from recforge.models.builders import build_retrieval_model
 from recforge.models.retrieval import RetrievalModel
 from recforge.sparse import SparseOptimizer
@@ -142,7 +142,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     return summary
 
 
-def _pipeline_source(s: Setup, samples: torch.Tensor, resume: bool) -> RetrievalBatches:
+def _pipeline_source(s: Setup, samples: torch.Tensor, resume: bool) -> PipelineSource:
     """Write the training samples under the run directory (kept for a resume: the saved pipeline
     state refers to their rows) and stream them."""
     cfg = s.cfg
@@ -153,7 +153,7 @@ def _pipeline_source(s: Setup, samples: torch.Tensor, resume: bool) -> Retrieval
         path.parent.mkdir(exist_ok=True)
         write_retrieval_samples(s.seqs, samples, cfg.data.max_seq_len, path)
     t = cfg.train
-    return RetrievalBatches(
+    return retrieval_source(
         [path], cfg.data.max_seq_len, t.batch_size, timestamps=s.seqs.timestamps is not None, num_workers=t.loader_workers,
         token_budget=t.token_budget, seed=t.seed,
         num_steps_estimate=steps_per_epoch(sample_tokens(samples, cfg.data.max_seq_len), t.batch_size, t.token_budget, t.seed),

@@ -12,8 +12,8 @@ import torch
 
 from recforge.config import RunConfig, load_config
 from recforge.data.ranking_samples import (
-    RankingBatches,
     ranking_pipeline,
+    ranking_source,
     sample_tokens,
     token_reference,
     write_ranking_samples,
@@ -212,4 +212,4 @@ def test_ranking_accepts_the_pipeline_loader(tmp_path: Path, data_dir: Path) -> 
 def test_state_dict_before_the_first_epoch(tmp_path: Path, data_dir: Path) -> None:  # noqa: F811
     s, _ = _train_samples(_cfg(tmp_path, data_dir))
     with pytest.raises(RuntimeError, match="before the first epoch_iter"):
-        RankingBatches([tmp_path / "none.parquet"], s.data, 64, 16, num_steps_estimate=1).state_dict()
+        ranking_source([tmp_path / "none.parquet"], s.data, 64, 16, num_steps_estimate=1).state_dict()
