@@ -2,18 +2,25 @@
 
 One lookup, for flat ids (N,) with U distinct::
 
-    ids (N,) --unique--> keys (U,), inverse (N,)
-    keys --hash table--> rows (U,), -1 where absent --admission--> new rows (evicting on pressure)
-    rows --store.ensure--> slots --_GatherRows--> unique embeddings (U, d) --[inverse]--> (N, d)
+    ids (N,) --dedup--> keys (U,), inverse (N,)
+    keys --index (hash / sorted)--> rows (U,), -1 where absent --admission--> new rows (evicting on pressure)
+    rows --store.ensure--> cache slots --gather--> (N, d)
 
-Backward sums duplicate IDs' gradients (``F.embedding(inverse, unique)``'s backward) and
-``_GatherRows.backward`` appends the (U, d) row gradient to the table's pending list;
-``apply_gradients()`` (or ``SparseOptimizer.step()``) merges the pending lists of all
-lookups of the step, skips rows whose gradient is not finite (counted in ``stats``) and
-updates only those rows and their optimizer state. The table holds no ``nn.Parameter``
-(except a learned default row), so a dense optimizer over ``model.parameters()`` leaves it alone.
+On CUDA the dedup, index lookup and counters are one Triton pass queued before the lookup's one
+host sync (``lookup.py``, ``_forward_planned`` + ``_LookupIds``); elsewhere torch ops do the same
+(``_unique_lookup`` + ``_GatherRows`` + ``F.embedding(inverse, ...)``). Backward hands the (U, d)
+row gradient, duplicates summed, to the table's pending list; ``apply_gradients()`` (or
+``SparseOptimizer.step()``) merges the pending lists of all lookups of the step, skips rows whose
+gradient is not finite (counted in ``stats``) and updates only those rows and their optimizer
+state. The table holds no ``nn.Parameter`` (except a learned default row), so a dense optimizer
+over ``model.parameters()`` leaves it alone.
+
+Reading order of ``DynamicEmbedding``: lookup (``forward``, ``_forward_planned``, ``_rows``),
+admission (``_admit``, ``_candidate_slots``, ``_init_rows``), capacity and eviction
+(``_allocate``, ``_grow``, ``_evict_lowest``, ``run_eviction``, ``evict_rows``), update
+(``apply_gradients``), the host tier (``prefetch``), feedback (``record_feedback``). Storage tiers
+are in ``storage.py``, policies in ``policies.py``, optimizers in ``optim.py``, files in ``checkpoint.py``.
 """
-
 from __future__ import annotations
 
 import dataclasses
