@@ -126,9 +126,20 @@ def time_thresholds(num_buckets: int, device: torch.device) -> Tensor:
     return _thresholds[key]
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), in plain Python: ``triton.next_power_of_2`` is a
+    Triton constexpr function, ~1.6 us per host call, and attention calls this on every launch."""
+    return 1 << (int(n) - 1).bit_length()
+
+
 def max_len_bucket(max_seq_len: int) -> int:
     """Autotuning key: sequence lengths rounded up to a power of two."""
-    return triton.next_power_of_2(max(int(max_seq_len), 16))
+    return next_power_of_2(max(int(max_seq_len), 16))
+
+
+def padded_dim(dim: int) -> int:
+    """A head dim as the kernels' tiles hold it: a power of two, at least 16 (``tl.dot``'s minimum)."""
+    return max(16, next_power_of_2(dim))
 
 
 def lengths_ok(offsets: Tensor, max_seq_len: int) -> None:

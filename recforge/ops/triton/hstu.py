@@ -10,6 +10,8 @@ with atomics in float32.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,7 @@ from recforge.ops.triton._common import (
     key_tile,
     mask_args,
     max_len_bucket,
+    padded_dim,
     placeholder,
     query_block_ranges,
     query_tile,
@@ -283,19 +286,27 @@ def _hstu_bwd_dkdv(
              mask=key_ok[:, None] & (dv_[None, :] < DV))
 
 
-_fwd = tuned(_hstu_fwd, kind="fwd", block_major=True)
-_bwd_dq = tuned(_hstu_bwd_dq, kind="bwd_dq", block_major=True)
-_bwd_dkdv = tuned(_hstu_bwd_dkdv, kind="bwd_dkdv", reset_to_zero=["dpos", "dtime"], block_major=True)
+_fwd = tuned(_hstu_fwd, kind="fwd")
+_bwd_dq = tuned(_hstu_bwd_dq, kind="bwd_dq")
+_bwd_dkdv = tuned(_hstu_bwd_dkdv, kind="bwd_dkdv", reset_to_zero=["dpos", "dtime"])
 
 
 def _meta(ma: MaskArgs, dqk: int, dv: int, has_pos: bool, has_time: bool, dtype: torch.dtype) -> dict:
-    return {
-        "S": ma.num_segments, "FULL_BITS": ma.full_bits, "CAUSAL": ma.causal, "HAS_TARGETS": ma.has_targets,
-        "HAS_CONTEXT": ma.has_contextual, "HAS_WINDOW": ma.has_window, "HAS_TS": ma.has_ts, "HAS_POS": has_pos,
-        "HAS_TIME": has_time, "DQK": dqk, "DV": dv, "BD_QK": max(16, triton.next_power_of_2(dqk)),
-        "BD_V": max(16, triton.next_power_of_2(dv)), "DOT_PREC": dot_precision(dtype),
+    return dict(_static_meta(ma.num_segments, ma.full_bits, ma.causal, ma.has_targets, ma.has_contextual,
+                             ma.has_window, ma.has_ts, dqk, dv, has_pos, has_time, dtype))
+
+
+@functools.lru_cache(maxsize=256)
+def _static_meta(num_segments, full_bits, causal, has_targets, has_contextual, has_window, has_ts, dqk, dv,
+                 has_pos, has_time, dtype) -> tuple:
+    """The kernels' constexprs, once per combination (built on every call, they cost ~10 us of host time)."""
+    return tuple({
+        "S": num_segments, "FULL_BITS": full_bits, "CAUSAL": causal, "HAS_TARGETS": has_targets,
+        "HAS_CONTEXT": has_contextual, "HAS_WINDOW": has_window, "HAS_TS": has_ts, "HAS_POS": has_pos,
+        "HAS_TIME": has_time, "DQK": dqk, "DV": dv, "BD_QK": padded_dim(dqk), "BD_V": padded_dim(dv),
+        "DOT_PREC": dot_precision(dtype),
         "FAST_SIGMOID": dtype != torch.float32 and not is_interpreting(),  # PTX tanh: compiled CUDA only
-    }
+    }.items())
 
 
 class _HSTUAttention(torch.autograd.Function):

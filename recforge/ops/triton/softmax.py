@@ -24,11 +24,13 @@ from torch import Tensor
 
 from recforge.ops.mask import AttentionMask
 from recforge.ops.triton._common import (
+    block_of_program,
     free_tile_span,
     key_block_ranges,
     key_tile,
     mask_args,
     max_len_bucket,
+    padded_dim,
     query_block_ranges,
     query_tile,
     visible,
@@ -48,9 +50,8 @@ def _sm_fwd(
     DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
     DOT_PREC: tl.constexpr, SPLIT_LOOPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    b = tl.program_id(0) // num_heads
-    h = tl.program_id(0) % num_heads
+    blk, num_blocks, b, h = block_of_program(len_key, num_heads, BLOCK_M)
+    pid_m = num_blocks - 1 - blk  # of a sequence's row blocks, the longest key walk first
     start_tok = tl.load(offsets + b)
     n = (tl.load(offsets + b + 1) - start_tok).to(tl.int32)
     i0 = pid_m * BLOCK_M
@@ -121,9 +122,8 @@ def _sm_bwd_dq(
     DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
     DOT_PREC: tl.constexpr, SPLIT_LOOPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    b = tl.program_id(0) // num_heads
-    h = tl.program_id(0) % num_heads
+    blk, num_blocks, b, h = block_of_program(len_key, num_heads, BLOCK_M)
+    pid_m = num_blocks - 1 - blk  # of a sequence's row blocks, the longest key walk first
     start_tok = tl.load(offsets + b)
     n = (tl.load(offsets + b + 1) - start_tok).to(tl.int32)
     i0 = pid_m * BLOCK_M
@@ -193,9 +193,7 @@ def _sm_bwd_dkdv(
     DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
     DOT_PREC: tl.constexpr, SPLIT_LOOPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_n = tl.program_id(1)
-    b = tl.program_id(0) // num_heads
-    h = tl.program_id(0) % num_heads
+    pid_n, _, b, h = block_of_program(len_key, num_heads, BLOCK_N)
     start_tok = tl.load(offsets + b)
     n = (tl.load(offsets + b + 1) - start_tok).to(tl.int32)
     j0 = pid_n * BLOCK_N
@@ -270,7 +268,7 @@ class _SoftmaxAttention(torch.autograd.Function):
         meta = {
             "S": ma.num_segments, "FULL_BITS": ma.full_bits, "CAUSAL": ma.causal, "HAS_TARGETS": ma.has_targets,
             "HAS_CONTEXT": ma.has_contextual, "HAS_WINDOW": ma.has_window, "HAS_TS": ma.has_ts, "DQK": dqk, "DV": dv,
-            "BD_QK": max(16, triton.next_power_of_2(dqk)), "BD_V": max(16, triton.next_power_of_2(dv)),
+            "BD_QK": padded_dim(dqk), "BD_V": padded_dim(dv),
             "DOT_PREC": dot_precision(q.dtype),
         }
         common = (offsets, ma.num_targets, ma.num_contextual, ma.segment_ends, ma.ts)

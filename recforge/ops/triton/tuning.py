@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import torch
 import triton
+from torch import Tensor
 
 from recforge.ops.triton._common import max_len_bucket
 
@@ -87,14 +88,10 @@ def _key(c: triton.Config) -> tuple[int, int, int, int]:
     return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
 
 
-def tuned(kernel, kind: str, reset_to_zero: list[str] | None = None, block_major: bool = False):
-    """The kernel behind a Triton autotuner (``.fn`` is the plain kernel for fixed launches).
-
-    ``block_major``: the kernel takes its program ids from the one-dimensional block-major grid
-    (``_common.block_of_program``), not the (sequence * head, block) grid; see ``launch``.
-    """
+def tuned(kernel, kind: str, reset_to_zero: list[str] | None = None):
+    """The kernel behind a Triton autotuner (``.fn`` is the plain kernel for fixed launches)."""
     if is_interpreting():
-        return SimpleNamespace(fn=kernel, tuning_kind=kind, block_major=block_major)
+        return SimpleNamespace(fn=kernel, tuning_kind=kind)
     configs = [_cfg(*c) for cs in _TABLES[kind].values() for c in dict.fromkeys(cs)]
     configs = list({_key(c): c for c in configs}.values())
 
@@ -111,7 +108,6 @@ def tuned(kernel, kind: str, reset_to_zero: list[str] | None = None, block_major
         do_bench=bench,
     )(kernel)
     autotuner.tuning_kind = kind  # for tools that compile the candidates ahead (benchmarks/attention.py)
-    autotuner.block_major = block_major
     return autotuner
 
 
@@ -154,26 +150,84 @@ def launch(kernel, grid_blocks: str, batch: int, heads: int, max_seq_len: int, a
     """Run an attention kernel over its row or key blocks (``grid_blocks``: "m" or "n"), for every
     sequence and head: autotuned for bf16/fp16 on long sequences, the fixed tile otherwise.
 
-    Block-major kernels (``tuned(..., block_major=True)``) run on a one-dimensional grid of
-    ``cdiv(len_key, BLOCK) * batch * heads`` programs in which the blocks of one (sequence, head)
-    are neighbours, so they are resident together and read that sequence's keys (or queries)
-    from L2 rather than each from memory; the others on a (batch * heads, blocks) grid, where
-    neighbours are other sequences' blocks at the same position. Block-major HSTU took 1.2-1.5x
-    less GPU time at D = 128, L 512-2048 on an H100 and the same at L = 8192 (BENCHMARKS.md).
+    The grid is one-dimensional and block-major: ``cdiv(len_key, BLOCK) * batch * heads`` programs
+    (``_common.block_of_program``) in which the blocks of one (sequence, head) are neighbours, so
+    they are resident together and read that sequence's keys (or queries) from L2 rather than
+    each from memory. On a (batch * heads, blocks) grid neighbours are other sequences' blocks at
+    the same position: block-major HSTU took 1.2-1.5x less GPU time at D = 128, L 512-2048 on an
+    H100 and the same at L = 8192 (BENCHMARKS.md).
+
+    The first launch of each specialization goes through Triton (autotuner, argument binding,
+    compilation); later ones call the compiled kernel directly (``_LaunchPlans``).
     """
     block_key = "BLOCK_M" if grid_blocks == "m" else "BLOCK_N"
-    fixed = is_interpreting() or max_seq_len <= 256 or meta["DOT_PREC"] == "ieee"
+    interpreting = is_interpreting()
+    fixed = interpreting or max_seq_len <= 256 or meta["DOT_PREC"] == "ieee"
     meta = dict(meta, SPLIT_LOOPS=split_loops(fixed))
-    if getattr(kernel, "block_major", False):
-        blocks_of = max_len_bucket(max_seq_len)  # as the kernel's len_key: it derives its block count from it
+    len_key = max_len_bucket(max_seq_len)  # as the kernel's: it derives its block count from it
 
-        def grid(m):
-            return (triton.cdiv(blocks_of, m[block_key]) * batch * heads,)
-    else:
-        def grid(m):
-            return (batch * heads, triton.cdiv(max_seq_len, m[block_key]))
+    def grid(m):  # three dimensions: CompiledKernel[grid] reads all three
+        return (-(-len_key // m[block_key]) * batch * heads, 1, 1)
+
+    cfg = fixed_config(meta["BD_QK"], meta["BD_V"], meta["DOT_PREC"]) if fixed else None
+    key = None if interpreting else plans.key(kernel, torch.cuda.current_device(), cfg, args, meta)
+    plan = plans.get(key)
+    if plan is not None:
+        compiled, block_kwargs, params = plan
+        compiled[grid(block_kwargs)](*args, *params)
+        return
     if fixed:
-        cfg = fixed_config(meta["BD_QK"], meta["BD_V"], meta["DOT_PREC"])
-        kernel.fn[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        compiled = kernel.fn[grid(cfg.kwargs)](
+            *args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
-        kernel[grid](*args, **meta)
+        compiled = kernel[grid](*args, **meta)
+        cfg = kernel.best_config
+    if key is not None:
+        plans.add(key, kernel, compiled, cfg.kwargs, args, meta)
+
+
+class _LaunchPlans:
+    """Compiled kernels by specialization, so that a repeated launch skips Triton's launch path.
+
+    ``kernel[grid](...)`` re-derives on every call what does not change between training steps:
+    the autotuner's cache key, the binding and specialization of ~40 arguments, the compiled
+    kernel's cache key. The key here holds everything that Triton specializes a kernel on, and
+    more: each tensor argument's dtype and 16-byte alignment, the exact value of every
+    other argument except floats (which Triton passes unspecialized as fp32), the constexprs,
+    the fixed tile (or autotuning) and the current device. A launch with a known key calls the compiled kernel
+    (``CompiledKernel[grid](*args)``, as ``JITFunction.run`` does after its lookup) on the
+    current stream. Bounded: cleared when it holds ``limit`` plans.
+    """
+
+    def __init__(self, limit: int = 512):
+        self.limit = limit
+        self.plans: dict[tuple, tuple] = {}
+        self.hits = 0
+
+    @staticmethod
+    def key(kernel, device: int, tile: triton.Config | None, args: tuple, meta: dict) -> tuple:
+        """The specialization of one launch; ``tile``: the fixed tile, None when autotuned."""
+        arg_key = tuple([
+            (a.dtype, a.data_ptr() & 15) if isinstance(a, Tensor) else (float if type(a) is float else a)
+            for a in args
+        ])
+        return id(kernel), device, tile and _key(tile), arg_key, tuple(meta.items())
+
+    def get(self, key: tuple | None) -> tuple | None:
+        plan = self.plans.get(key) if key is not None else None
+        if plan is not None:
+            self.hits += 1
+        return plan
+
+    def add(self, key: tuple, kernel, compiled, block_kwargs: dict, args: tuple, meta: dict) -> None:
+        """Remember ``compiled`` for ``key`` (when Triton returned a launchable compiled kernel)."""
+        if not hasattr(compiled, "__getitem__") or not hasattr(compiled, "function"):
+            return  # another Triton's return value: keep launching through Triton
+        names = (kernel.fn if hasattr(kernel, "fn") else kernel).arg_names
+        given = dict(meta, **block_kwargs)
+        if len(self.plans) >= self.limit:
+            self.plans.clear()
+        self.plans[key] = (compiled, dict(block_kwargs), tuple(given[name] for name in names[len(args):]))
+
+
+plans = _LaunchPlans()

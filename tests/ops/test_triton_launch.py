@@ -1,0 +1,117 @@
+"""``tuning.launch``'s plans: a repeated launch calls the compiled kernel with the same arguments
+Triton's launch path would give it, and anything Triton specializes on makes a new plan.
+
+A fake kernel records what each path receives (these run on CPU; the GPU tests in
+test_triton_attention.py run the real kernels through both paths)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from recforge.ops.triton import tuning
+
+NAMES = ["X", "n", "scale", "DOT_PREC", "BD_QK", "BD_V", "FLAG", "SPLIT_LOOPS", "BLOCK_M", "BLOCK_N"]
+
+
+class _Compiled:
+    """Stands in for triton's CompiledKernel: ``compiled[grid](*all_arguments)``."""
+
+    function = object()
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        assert len(grid) == 3  # triton's CompiledKernel.__getitem__ reads grid[0], grid[1] and grid[2]
+        return lambda *args: self.calls.append(("plan", grid, args))
+
+
+class _JIT:
+    arg_names = NAMES
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls.append(("triton", grid, args, kwargs))
+            return _Compiled(self.calls)
+
+        return run
+
+
+class _Kernel:
+    def __init__(self):
+        self.calls: list = []
+        self.fn = _JIT(self.calls)
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    monkeypatch.setattr(tuning, "is_interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(tuning, "plans", tuning._LaunchPlans())
+    return _Kernel()
+
+
+META = {"DOT_PREC": "ieee", "BD_QK": 32, "BD_V": 32, "FLAG": True}  # ieee: the fixed 32 x 32 tile
+
+
+def test_second_launch_calls_the_compiled_kernel_with_every_argument_in_order(kernel) -> None:
+    x, y = torch.randn(64), torch.randn(64)
+    tuning.launch(kernel, "m", 3, 2, 100, (x, 7, 0.5), META)
+    kind, grid, args, kwargs = kernel.calls[0]
+    assert kind == "triton" and grid == (4 * 3 * 2, 1, 1) and args == (x, 7, 0.5)  # cdiv(128, 32) blocks per sequence/head
+    assert kwargs["BLOCK_M"] == 32 and kwargs["SPLIT_LOOPS"] is False and kwargs["FLAG"] is True
+
+    tuning.launch(kernel, "n", 5, 2, 100, (y, 7, 0.25), META)  # new batch, data and float: same specialization
+    kind, grid, args = kernel.calls[1]
+    assert kind == "plan" and grid == (4 * 5 * 2, 1, 1)
+    assert args == (y, 7, 0.25, "ieee", 32, 32, True, False, 32, 32)  # as JITFunction.run binds them
+    assert tuning.plans.hits == 1
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "int", "meta", "device"])
+def test_what_triton_specializes_on_makes_a_new_plan(kernel, monkeypatch, change: str) -> None:
+    x = torch.randn(64)
+    tuning.launch(kernel, "m", 3, 2, 100, (x, 7, 0.5), META)
+    args, meta = (x, 7, 0.5), META
+    if change == "misaligned":
+        args = (x[1:], 7, 0.5)  # 4 bytes past a 16-byte boundary: Triton drops its divisibility hint
+    elif change == "dtype":
+        args = (x.double(), 7, 0.5)
+    elif change == "int":
+        args = (x, 16, 0.5)  # Triton specializes ints on == 1 and on divisibility by 16
+    elif change == "meta":
+        meta = dict(META, FLAG=False)
+    else:
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    tuning.launch(kernel, "m", 3, 2, 100, args, meta)
+    assert [c[0] for c in kernel.calls] == ["triton", "triton"] and tuning.plans.hits == 0
+
+
+def test_the_fixed_tile_is_part_of_the_plan(kernel, monkeypatch) -> None:
+    x = torch.randn(64)
+    tuning.launch(kernel, "m", 1, 1, 100, (x, 7, 0.5), META)
+    monkeypatch.setattr(tuning, "fixed_config", lambda *a: tuning._cfg(16, 64, 4, 2))  # as a test forcing a tile
+    tuning.launch(kernel, "m", 1, 1, 100, (x, 7, 0.5), META)
+    assert kernel.calls[1][0] == "triton" and kernel.calls[1][3]["BLOCK_N"] == 64
+
+
+def test_interpreter_launches_never_make_plans(kernel, monkeypatch) -> None:
+    monkeypatch.setattr(tuning, "is_interpreting", lambda: True)
+    x = torch.randn(64)
+    for _ in range(2):
+        tuning.launch(kernel, "m", 1, 1, 100, (x, 7, 0.5), META)
+    assert [c[0] for c in kernel.calls] == ["triton", "triton"] and not tuning.plans.plans
+
+
+def test_plans_are_bounded(kernel) -> None:
+    tuning.plans.limit = 3
+    x = torch.randn(64)
+    for n in range(5):
+        tuning.launch(kernel, "m", 1, 1, 100, (x, n, 0.5), META)
+    assert 1 <= len(tuning.plans.plans) <= 3
