@@ -13,6 +13,7 @@ from recforge.models.ranking import (
 )
 from recforge.models.retrieval import ItemPrefix, L2NormPostfix, RetrievalModel
 from recforge.models.sasrec import SASRecConfig, SASRecEncoder
+from recforge.models.slices import register_slice
 
 __all__ = [
     "PLE",
@@ -29,5 +30,6 @@ __all__ = [
     "SASRecConfig",
     "SASRecEncoder",
     "load_slices",
+    "register_slice",
     "save_slices",
 ]

@@ -4,12 +4,20 @@ A slice is any ``nn.Module`` with ``slice_config()`` (its constructor arguments 
 ``HSTUEncoder`` (its config). ``recforge.models.ranking.save_slices`` writes a model's prefix,
 encoder and postfix this way; wrapper slices (``CandidateTower``, ``ContextCross``,
 ``TargetHistoryPool``) name the modules inside them with ``slice_spec``.
+
+Loading imports the class a config.json names, so a model directory from elsewhere could make
+the loader import any installed module. Only trusted classes are built: recforge's own, classes
+registered with ``register_slice`` (a decorator on your prefix/postfix), and classes of the
+modules listed in the ``RECFORGE_TRUSTED_SLICE_MODULES`` environment variable (comma-separated
+module names, for a process such as ``recforge serve`` that did not import your code). A
+config naming anything else is refused before any import.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 from typing import Any
 
 from torch import nn
@@ -36,15 +44,52 @@ def slice_spec(module: nn.Module) -> dict:
     return {"class": f"{cls.__module__}:{cls.__qualname__}", "kwargs": slice_config(module)}
 
 
+TRUSTED_MODULES_ENV = "RECFORGE_TRUSTED_SLICE_MODULES"
+_registered: dict[str, type] = {}
+
+
+def register_slice(cls: type) -> type:
+    """Let ``load_slices`` build this class from a saved config (use as a class decorator).
+
+    Example:
+        >>> @register_slice
+        ... class MyPrefix(nn.Module):
+        ...     def slice_config(self): return {...}
+    """
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"register_slice takes an nn.Module subclass, got {cls!r}")
+    _registered[f"{cls.__module__}:{cls.__qualname__}"] = cls
+    return cls
+
+
+def _trusted(module_name: str) -> bool:
+    if module_name == "recforge" or module_name.startswith("recforge."):
+        return True
+    listed = {m.strip() for m in os.environ.get(TRUSTED_MODULES_ENV, "").split(",") if m.strip()}
+    return any(module_name == m or module_name.startswith(m + ".") for m in listed)
+
+
 def build_slice(class_path: str, kwargs: dict) -> nn.Module:
-    """A new module of ``class_path`` (``"package.module:QualName"``) built from ``kwargs``."""
+    """A new module of ``class_path`` (``"package.module:QualName"``) built from ``kwargs``; the class
+    must be trusted (see the module doc), which is checked before anything is imported."""
     module_name, _, qualname = class_path.partition(":")
-    try:
-        cls: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            cls = getattr(cls, part)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"slice class {class_path!r} cannot be imported ({err}); install the package that defines it") from err
+    cls: Any = _registered.get(class_path)
+    if cls is None:
+        if not _trusted(module_name):
+            raise ValueError(
+                f"slice class {class_path!r} is not trusted: a saved model may only name recforge's classes, "
+                f"classes registered with recforge.models.register_slice, or classes of modules listed in "
+                f"{TRUSTED_MODULES_ENV} (e.g. {TRUSTED_MODULES_ENV}={module_name.split('.')[0] or 'mypackage'}). "
+                "Register or list yours if you wrote this model; otherwise do not load it"
+            )
+        try:
+            cls = importlib.import_module(module_name)
+            for part in qualname.split("."):
+                cls = getattr(cls, part)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(
+                f"slice class {class_path!r} cannot be imported ({err}); install the package that defines it"
+            ) from err
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise ValueError(f"slice class {class_path!r} is not an nn.Module")
     if cls is HSTUEncoder:
@@ -52,4 +97,4 @@ def build_slice(class_path: str, kwargs: dict) -> nn.Module:
     return cls(**kwargs)
 
 
-__all__ = ["build_slice", "slice_config", "slice_spec"]
+__all__ = ["TRUSTED_MODULES_ENV", "build_slice", "register_slice", "slice_config", "slice_spec"]

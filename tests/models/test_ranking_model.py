@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from torch import nn
 from recforge.data.dataset import Dataset
 from recforge.data.ranking import RankingData
 from recforge.data.synthetic import SyntheticConfig, generate_impressions
-from recforge.models import HSTUConfig, HSTUEncoder
+from recforge.models import HSTUConfig, HSTUEncoder, register_slice
 from recforge.models.ranking import (
     HEADS,
     CandidateTower,
@@ -30,6 +31,7 @@ from recforge.models.ranking import (
     save_slices,
     visible_history,
 )
+from recforge.models.slices import TRUSTED_MODULES_ENV, build_slice
 
 DIM = 16
 MAX_LEN = 64
@@ -182,6 +184,7 @@ def test_listwise_loss_against_a_per_sample_loop() -> None:
     torch.testing.assert_close(listwise_loss(z, y, num_targets), torch.stack(losses).mean())
 
 
+@register_slice  # loading a saved model builds only trusted classes
 class CustomPrefix(nn.Module):
     """A user-written prefix: only item ids, no side features."""
 
@@ -240,9 +243,30 @@ def test_slices_reject_modules_without_config_and_bad_dirs(tmp_path: Path, data:
     with pytest.raises(ValueError, match="manifest.json"):
         load_slices(tmp_path)
     (tmp_path / "x").mkdir()
-    (tmp_path / "x" / "config.json").write_text(json.dumps({"class": "os:system", "kwargs": {}}))
+    (tmp_path / "x" / "config.json").write_text(json.dumps({"class": "recforge.models.hstu:HSTUConfig", "kwargs": {}}))
     with pytest.raises(ValueError, match="not an nn.Module"):
         load_slice(tmp_path / "x")
+
+
+def test_slices_build_only_trusted_classes(tmp_path: Path, monkeypatch) -> None:
+    """A config.json naming a class outside recforge, not registered and not in a listed module, is
+    refused before its module is imported."""
+    monkeypatch.delenv(TRUSTED_MODULES_ENV, raising=False)
+    (tmp_path / "x").mkdir()
+    config = tmp_path / "x" / "config.json"
+    for class_path in ("os:system", "antigravity:geohash", "recforge_probe_not_installed:Module"):
+        config.write_text(json.dumps({"class": class_path, "kwargs": {}}))
+        with pytest.raises(ValueError, match="not trusted.*register_slice"):
+            load_slice(tmp_path / "x")
+    assert "antigravity" not in sys.modules  # refused before the import (it would open a browser)
+    linear = {"class": "torch.nn.modules.linear:Linear", "kwargs": {"in_features": 3, "out_features": 2}}
+    config.write_text(json.dumps(linear))
+    with pytest.raises(ValueError, match="not trusted"):
+        load_slice(tmp_path / "x")
+    monkeypatch.setenv(TRUSTED_MODULES_ENV, "numpy, torch.nn")  # a listed package trusts its submodules
+    assert isinstance(build_slice(linear["class"], linear["kwargs"]), nn.Linear)
+    with pytest.raises(TypeError, match="nn.Module subclass"):
+        register_slice(dict)
 
 
 def test_split_inputs_requires_targets(data: RankingData) -> None:
