@@ -253,23 +253,25 @@ def load_slices(model_dir: str | Path, device: str | torch.device = "cpu") -> tu
     return RankingModel(*parts).eval(), manifest
 
 
-def pointwise_loss(outputs: Tensor, labels: Tensor, kinds: list[str], weights: list[float]) -> tuple[Tensor, list[float]]:
+def pointwise_loss(outputs: Tensor, labels: Tensor, kinds: list[str], weights: list[float]) -> tuple[Tensor, Tensor]:
     """Weighted sum over tasks of BCE-with-logits (binary) or MSE (regression), ignoring NaN labels.
 
-    Returns the total loss and each task's unweighted mean loss.
+    Returns the total loss and each task's unweighted mean loss, (K,) detached, NaN for a task
+    without labels in the batch (it adds nothing to the total). Nothing here waits for the
+    device: a training step reads its loss once, at the end.
     """
+    known = ~torch.isnan(labels)  # (N, K)
+    y = torch.nan_to_num(labels, nan=0.0)
     total = outputs.new_zeros(())
     per_task = []
     for k, (kind, weight) in enumerate(zip(kinds, weights)):
-        known = ~torch.isnan(labels[:, k])
-        if not bool(known.any()):
-            per_task.append(float("nan"))
-            continue
-        y, z = labels[known, k], outputs[known, k]
-        loss = F.binary_cross_entropy_with_logits(z, y) if kind == "binary" else F.mse_loss(z, y)
-        per_task.append(float(loss.detach()))
-        total = total + weight * loss
-    return total, per_task
+        z = outputs[:, k]
+        elem = F.binary_cross_entropy_with_logits(z, y[:, k], reduction="none") if kind == "binary" else (z - y[:, k]) ** 2
+        count = known[:, k].sum()
+        mean = torch.where(known[:, k], elem, 0.0).sum() / count.clamp_min(1)
+        total = total + weight * mean
+        per_task.append(torch.where(count > 0, mean.detach(), float("nan")))
+    return total, torch.stack(per_task) if per_task else outputs.new_zeros(0)
 
 
 def listwise_loss(outputs: Tensor, labels: Tensor, num_targets: Tensor) -> Tensor:
@@ -291,7 +293,7 @@ def listwise_loss(outputs: Tensor, labels: Tensor, num_targets: Tensor) -> Tenso
     positives = torch.zeros_like(zmax).index_add_(0, seq, y)
     per_sample = -torch.zeros_like(zmax).index_add_(0, seq, y * log_p) / positives.clamp_min(1)
     has_pos = positives > 0
-    return per_sample[has_pos].mean() if bool(has_pos.any()) else outputs.sum() * 0
+    return torch.where(has_pos, per_sample, 0.0).sum() / has_pos.sum().clamp_min(1)  # 0 without positives; no sync
 
 
 __all__ = [

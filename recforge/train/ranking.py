@@ -174,18 +174,17 @@ def _token_weighted_loss(
     objective = loss = outputs.new_zeros(())
     for k, (kind, weight) in enumerate(zip(s.kinds, s.weights)):
         mean, _ = pointwise_loss(outputs[:, k : k + 1], labels[:, k : k + 1], [kind], [weight])
-        known = int((~torch.isnan(labels[:, k])).sum())
+        known = (~torch.isnan(labels[:, k])).sum()  # on the device: no host sync per task
         loss = loss + mean
-        if known:
-            objective = objective + mean * (known * token_loss_scale(known, float(ref.labels[k])))
+        objective = objective + mean * known * token_loss_scale(0, float(ref.labels[k]))
     if s.cfg.ranking.listwise_weight:
         k = s.kinds.index("binary")
         mean = s.cfg.ranking.listwise_weight * listwise_loss(outputs[:, k : k + 1], labels[:, k : k + 1], num_targets)
         sample_of_target = sequence_ids(offsets_from_lengths(num_targets), labels.shape[0])
-        lists = int(torch.unique(sample_of_target[torch.nan_to_num(labels[:, k], nan=0.0) > 0]).numel())
+        positive = (torch.nan_to_num(labels[:, k], nan=0.0) > 0).to(outputs.dtype)
+        lists = (outputs.new_zeros(num_targets.numel()).index_add_(0, sample_of_target, positive) > 0).sum()
         loss = loss + mean
-        if lists:
-            objective = objective + mean * (lists * token_loss_scale(lists, ref.lists))
+        objective = objective + mean * lists * token_loss_scale(0, ref.lists)
     return objective, loss
 
 

@@ -167,7 +167,21 @@ def test_pointwise_loss_ignores_missing_labels() -> None:
     bce = nn.functional.binary_cross_entropy_with_logits(z[known0, 0], y[known0, 0])
     mse = ((z[known1, 1] - y[known1, 1]) ** 2).mean()
     torch.testing.assert_close(total, 2.0 * bce + 0.5 * mse)
-    assert per_task == pytest.approx([bce.item(), mse.item()])
+    assert per_task.tolist() == pytest.approx([bce.item(), mse.item()])
+
+
+def test_losses_of_tasks_without_labels_add_nothing() -> None:
+    """A task (or a list) with no label in the batch adds 0 with finite gradients, and reports NaN."""
+    z = torch.randn(5, 2, requires_grad=True)
+    y = torch.tensor([[1.0, float("nan")], [0.0, float("nan")], [float("nan")] * 2, [1.0, float("nan")], [0.0, float("nan")]])
+    total, per_task = pointwise_loss(z, y, ["binary", "regression"], [1.0, 3.0])
+    known = ~torch.isnan(y[:, 0])
+    torch.testing.assert_close(total, nn.functional.binary_cross_entropy_with_logits(z[known, 0], y[known, 0]))
+    assert torch.isnan(per_task[1]) and not torch.isnan(per_task[0])
+    total.backward()
+    assert torch.isfinite(z.grad).all() and (z.grad[:, 1] == 0).all()
+    no_positive = listwise_loss(z[:, :1], torch.zeros(5, 1), torch.tensor([2, 3]))
+    assert no_positive.item() == 0.0 and no_positive.requires_grad
 
 
 def test_listwise_loss_against_a_per_sample_loop() -> None:
