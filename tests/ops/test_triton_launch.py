@@ -115,3 +115,11 @@ def test_plans_are_bounded(kernel) -> None:
     for n in range(5):
         tuning.launch(kernel, "m", 1, 1, 100, (x, n, 0.5), META)
     assert 1 <= len(tuning.plans.plans) <= 3
+
+
+def test_disabled_plans_launch_through_triton(kernel) -> None:
+    tuning.plans.enabled = False
+    x = torch.randn(64)
+    for _ in range(2):
+        tuning.launch(kernel, "m", 1, 1, 100, (x, 7, 0.5), META)
+    assert [c[0] for c in kernel.calls] == ["triton", "triton"] and not tuning.plans.plans

@@ -196,11 +196,15 @@ class _LaunchPlans:
     other argument except floats (which Triton passes unspecialized as fp32), the constexprs,
     the fixed tile (or autotuning) and the current device. A launch with a known key calls the compiled kernel
     (``CompiledKernel[grid](*args)``, as ``JITFunction.run`` does after its lookup) on the
-    current stream. Bounded: cleared when it holds ``limit`` plans.
+    current stream. Bounded: cleared when it holds ``limit`` plans. ``enabled`` False (or the
+    environment variable RECFORGE_TRITON_LAUNCH_PLANS=0 at import) launches every call through
+    Triton: for A/B measurements, and a way out should a Triton release change what its
+    compiled kernels accept.
     """
 
-    def __init__(self, limit: int = 512):
+    def __init__(self, limit: int = 512, enabled: bool = True):
         self.limit = limit
+        self.enabled = enabled
         self.plans: dict[tuple, tuple] = {}
         self.hits = 0
 
@@ -214,14 +218,14 @@ class _LaunchPlans:
         return id(kernel), device, tile and _key(tile), arg_key, tuple(meta.items())
 
     def get(self, key: tuple | None) -> tuple | None:
-        plan = self.plans.get(key) if key is not None else None
+        plan = self.plans.get(key) if key is not None and self.enabled else None
         if plan is not None:
             self.hits += 1
         return plan
 
     def add(self, key: tuple, kernel, compiled, block_kwargs: dict, args: tuple, meta: dict) -> None:
         """Remember ``compiled`` for ``key`` (when Triton returned a launchable compiled kernel)."""
-        if not hasattr(compiled, "__getitem__") or not hasattr(compiled, "function"):
+        if not self.enabled or not hasattr(compiled, "__getitem__") or not hasattr(compiled, "function"):
             return  # another Triton's return value: keep launching through Triton
         names = (kernel.fn if hasattr(kernel, "fn") else kernel).arg_names
         given = dict(meta, **block_kwargs)
@@ -230,4 +234,4 @@ class _LaunchPlans:
         self.plans[key] = (compiled, dict(block_kwargs), tuple(given[name] for name in names[len(args):]))
 
 
-plans = _LaunchPlans()
+plans = _LaunchPlans(enabled=os.environ.get("RECFORGE_TRITON_LAUNCH_PLANS", "1") != "0")
