@@ -61,7 +61,11 @@ VARIANTS = ("recforge triton", "pytorch reference", "torch.compile(reference)", 
             "recforge triton (softmax, baseline)", GR_VARIANT)
 
 
-def make_lengths(max_len: int, tokens: int, seed: int) -> list[int]:
+def make_lengths(max_len: int, tokens: int, seed: int, full_length: bool = False) -> list[int]:
+    """One sequence of ``max_len`` tokens, the rest N(0.6 L, 0.25 L) clipped to [1, L], ~``tokens`` in
+    all; ``full_length``: ``tokens // max_len`` sequences of ``max_len`` (ANCHORS.md's L x batch)."""
+    if full_length:
+        return [max_len] * max(1, tokens // max_len)
     gen = torch.Generator().manual_seed(seed + max_len)
     lengths = [max_len]
     while True:
@@ -462,6 +466,8 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--head-dims", type=int, nargs="*", default=[64, 128])
     parser.add_argument("--tokens", type=int, default=65536, help="tokens per jagged batch")
+    parser.add_argument("--full-length", action="store_true",
+                        help="every sequence L tokens long (tokens // L of them), as ANCHORS.md measured")
     parser.add_argument("--gr-path", default=None, help="checkout of facebookresearch/generative-recommenders")
     parser.add_argument("--skip", nargs="*", default=[], choices=VARIANTS, help="variant names to skip")
     parser.add_argument("--seed", type=int, default=0)
@@ -488,7 +494,7 @@ def main() -> None:
         spec = json.loads(args.precompile_worker)
         precompile_worker(spec["index"], spec["count"], spec["dims"], spec["baseline"], spec["seed"], spec["families"])
         return
-    gr_cases = [{"lengths": make_lengths(L, args.tokens, args.seed), "dim": dim}
+    gr_cases = [{"lengths": make_lengths(L, args.tokens, args.seed, args.full_length), "dim": dim}
                 for dim in args.head_dims for L in args.seq_lens]
     if args.precompile:
         families = [f for f in ("hstu", "softmax") if any(
@@ -517,7 +523,7 @@ def main() -> None:
     rows = []
     for dim in args.head_dims:
         for L in args.seq_lens:
-            lengths = make_lengths(L, args.tokens, args.seed)
+            lengths = make_lengths(L, args.tokens, args.seed, args.full_length)
             fl_fwd, fl_bwd = flops(lengths, dim)
             for family in ("hstu", "softmax"):
                 if family == "hstu":
@@ -550,7 +556,8 @@ def main() -> None:
     save(args, rows, peak)
     machine = torch.cuda.get_device_name()
     print(f"\nattention on {machine}, torch {torch.__version__}, triton {triton.__version__}, bf16, {HEADS} heads, "
-          f"causal, jagged ~{args.tokens} tokens/batch; measured bf16 matmul peak {peak:.0f} TFLOP/s")
+          f"causal, {'full-length' if args.full_length else 'jagged'} ~{args.tokens} tokens/batch; "
+          f"measured bf16 matmul peak {peak:.0f} TFLOP/s")
     print_table(rows)
     print_split(rows)
 

@@ -208,6 +208,37 @@ def test_gpu_softmax_backward_candidate_tile(cuda_device, monkeypatch, kind: str
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("op", ["hstu", "softmax"])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("index", range(9))
+def test_gpu_forward_candidate_tile(cuda_device, monkeypatch, op: str, dim: int, index: int) -> None:
+    """Each tile the forward autotuner may pick (HSTU and softmax share the list), forced on the
+    forward kernel with the two-loop walk of autotuned launches: under the 'all' mask with bias,
+    or, where that specialization needs more shared memory than the GPU has (autotuning skips
+    such a candidate), under the targets mask without bias (the benchmark's specialization)."""
+    from triton.runtime.errors import OutOfResources
+
+    from recforge.ops.triton import hstu as hstu_mod
+    from recforge.ops.triton import softmax as softmax_mod
+    from recforge.ops.triton import tuning
+
+    tiles = tuning.candidates("fwd", dim, dim)
+    if index >= len(tiles):
+        pytest.skip(f"the forward has {len(tiles)} candidate tiles at head dim {dim}")
+    _force_tile(monkeypatch, hstu_mod if op == "hstu" else softmax_mod, "fwd", tiles[index])
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    for kind, bias in (("all", True), ("targets", False)):
+        try:
+            errors = _case(op, kind, seed, batch=5, max_len=250, heads=2, dqk=dim, dv=dim, dtype=torch.bfloat16,
+                           device=cuda_device, bias=bias)
+        except OutOfResources:
+            continue
+        _check(errors, TOL[torch.bfloat16], f"{op}/{kind}/d{dim}/fwd tile {tuning._key(tiles[index])} seed {seed}")
+        return
+    pytest.skip(f"forward tile {tuning._key(tiles[index])} does not fit in shared memory at head dim {dim}")
+
+
+@pytest.mark.gpu
 def test_gpu_strided_inputs_and_empty_batch(cuda_device) -> None:
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
     lengths = random_lengths(gen, 7, 90)

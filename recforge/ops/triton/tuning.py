@@ -30,10 +30,14 @@ def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
 # (64, 32, 4, 2) forward: for short sequences (a row block's key walk is a few tiles long); autotuning
 # picked it at L = 512 (D 64 and 128) in the H100 run of BENCHMARKS.md, where it had picked the
 # smallest tile on offer before. A (32, 32, 4, 2) backward candidate was tried in that run and never
-# picked, so it is not kept.
+# picked, so it is not kept. The last two or three forward candidates (3-4 stages) were added after
+# an A/B run: autotuning picks (128, 64, 8, 3) at D = 128 from L = 4096 (HSTU forward 1.11x at
+# L = 8192, 58% -> 64% of peak; `benchmarks/results/attention-h100-fwd-tiles.json`).
 _FWD = {
-    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (64, 32, 4, 2)],
-    128: [(128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3), (64, 32, 4, 2)],
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (64, 32, 4, 2),
+         (64, 64, 4, 4), (64, 128, 4, 4)],
+    128: [(128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3), (64, 32, 4, 2),
+          (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)],
     256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (128, 64, 8, 1)],
 }
 _BWD = {
