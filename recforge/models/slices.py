@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 from typing import Any
 
 from torch import nn
 
+from recforge.env import TRUSTED_SLICE_MODULES, trusted_slice_modules
 from recforge.models.hstu import HSTUConfig, HSTUEncoder
 
 
@@ -44,7 +44,7 @@ def slice_spec(module: nn.Module) -> dict:
     return {"class": f"{cls.__module__}:{cls.__qualname__}", "kwargs": slice_config(module)}
 
 
-TRUSTED_MODULES_ENV = "RECFORGE_TRUSTED_SLICE_MODULES"
+TRUSTED_MODULES_ENV = TRUSTED_SLICE_MODULES  # the variable's name, for messages and tests
 _registered: dict[str, type] = {}
 
 
@@ -65,7 +65,7 @@ def register_slice(cls: type) -> type:
 def _trusted(module_name: str) -> bool:
     if module_name == "recforge" or module_name.startswith("recforge."):
         return True
-    listed = {m.strip() for m in os.environ.get(TRUSTED_MODULES_ENV, "").split(",") if m.strip()}
+    listed = trusted_slice_modules()
     return any(module_name == m or module_name.startswith(m + ".") for m in listed)
 
 

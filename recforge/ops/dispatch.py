@@ -11,9 +11,10 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import os
 
 import torch
+
+from recforge.env import triton_interpret
 
 KERNELS = ("auto", "pytorch", "triton")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -30,7 +31,7 @@ def triton_available() -> bool:
 
 def triton_interpreting() -> bool:
     """TRITON_INTERPRET=1: Triton kernels run on CPU tensors in Triton's interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return triton_interpret()
 
 
 def unsupported_by_triton(*tensors: torch.Tensor, head_dims: tuple[int, ...]) -> str | None:

@@ -12,10 +12,11 @@ problem; nothing is written at ``out`` when a conversion fails.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from recforge.env import data_dir
 
 from ..dataset import write_dataset
 from ._common import Converted, DataFormatError
@@ -67,7 +68,7 @@ def default_data_root() -> Path:
 
     The path is returned whether or not it exists; callers decide what absence means.
     """
-    env = os.environ.get("RECFORGE_DATA")
+    env = data_dir()
     if env:
         return Path(env).expanduser()
     repo = Path(__file__).resolve().parents[3]

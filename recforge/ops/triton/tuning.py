@@ -7,19 +7,19 @@ so a training run or a test never pays for autotuning many kernel variants.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import torch
 import triton
 from torch import Tensor
 
+from recforge.env import triton_interpret, triton_launch_plans
 from recforge.ops.triton._common import max_len_bucket
 
 
 def is_interpreting() -> bool:
     """Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, read when kernels are defined)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return triton_interpret()
 
 
 def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
@@ -238,4 +238,4 @@ class _LaunchPlans:
         self.plans[key] = (compiled, dict(block_kwargs), tuple(given[name] for name in names[len(args):]))
 
 
-plans = _LaunchPlans(enabled=os.environ.get("RECFORGE_TRITON_LAUNCH_PLANS", "1") != "0")
+plans = _LaunchPlans(enabled=triton_launch_plans())

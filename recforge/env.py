@@ -1,0 +1,41 @@
+"""Every environment variable recforge reads, in one place.
+
+    RECFORGE_DATA                   where real datasets live (default: ``<repo>/../shared/data``)
+    RECFORGE_TRUSTED_SLICE_MODULES  comma-separated modules whose classes saved models may name
+                                    (``recforge.models.slices``)
+    RECFORGE_TRITON_LAUNCH_PLANS    0: launch every Triton kernel through Triton's own launch path
+                                    (``recforge.ops.triton.tuning``; default 1)
+    TRITON_INTERPRET                1: Triton kernels run in Triton's CPU interpreter (tests)
+
+Each is read when its function is called, so a test can set it with ``monkeypatch.setenv``;
+``RECFORGE_TRITON_LAUNCH_PLANS`` is read once, when the Triton kernels are first imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+TRUSTED_SLICE_MODULES = "RECFORGE_TRUSTED_SLICE_MODULES"
+
+
+def data_dir() -> str | None:
+    """``$RECFORGE_DATA``, or None when unset or empty."""
+    return os.environ.get("RECFORGE_DATA") or None
+
+
+def trusted_slice_modules() -> set[str]:
+    """Module names listed in ``$RECFORGE_TRUSTED_SLICE_MODULES`` (comma-separated, spaces ignored)."""
+    return {m.strip() for m in os.environ.get(TRUSTED_SLICE_MODULES, "").split(",") if m.strip()}
+
+
+def triton_launch_plans() -> bool:
+    """False when ``$RECFORGE_TRITON_LAUNCH_PLANS`` is 0."""
+    return os.environ.get("RECFORGE_TRITON_LAUNCH_PLANS", "1") != "0"
+
+
+def triton_interpret() -> bool:
+    """``$TRITON_INTERPRET`` is set to something other than 0 (Triton reads it when kernels are defined)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+__all__ = ["TRUSTED_SLICE_MODULES", "data_dir", "triton_interpret", "triton_launch_plans", "trusted_slice_modules"]

@@ -1,0 +1,20 @@
+"""recforge.env: each variable is read when its function is called."""
+
+from __future__ import annotations
+
+from recforge import env
+
+
+def test_variables_are_read_at_call_time(monkeypatch) -> None:
+    monkeypatch.delenv("RECFORGE_DATA", raising=False)
+    monkeypatch.delenv(env.TRUSTED_SLICE_MODULES, raising=False)
+    monkeypatch.delenv("RECFORGE_TRITON_LAUNCH_PLANS", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert env.data_dir() is None and env.trusted_slice_modules() == set()
+    assert env.triton_launch_plans() and not env.triton_interpret()
+    monkeypatch.setenv("RECFORGE_DATA", "/tmp/d")
+    monkeypatch.setenv(env.TRUSTED_SLICE_MODULES, " mypkg, other.sub ,")
+    monkeypatch.setenv("RECFORGE_TRITON_LAUNCH_PLANS", "0")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert env.data_dir() == "/tmp/d" and env.trusted_slice_modules() == {"mypkg", "other.sub"}
+    assert not env.triton_launch_plans() and env.triton_interpret()
