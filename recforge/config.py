@@ -113,6 +113,10 @@ class TrainConfig:
     batch_size: int = 128  # sequences per step
     seed: int = 42
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # float32 | bfloat16: bfloat16 runs each training step's forward and loss under torch.autocast
+    # (matmuls and attention in bf16, e.g. the Triton kernels' tensor-core path); weights, gradients
+    # and optimizer state stay float32, and evaluation runs in float32
+    precision: str = "float32"
     eval_every: int = 5  # epochs between evaluations (0: only at the end)
     checkpoint_every: int = 0  # steps between checkpoints (0: at each epoch end)
     keep_checkpoints: int = 2  # most recent checkpoints kept (plus the best)
@@ -174,6 +178,7 @@ CHOICES = {
     "model.target_attention": ("none", "din"),
     "model.attn_norm": ("layernorm", "visible_mean"),
     "train.loader": ("memory", "pipeline"),
+    "train.precision": ("float32", "bfloat16"),
     "sparse.optimizer": ("sgd", "adagrad", "rowwise_adagrad", "adam", "adamw"),
     "sparse.admission": ("always", "count", "probability"),
     "sparse.eviction": ("none", "lru", "lfu", "ttl", "l2", "time_freq"),

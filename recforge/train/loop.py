@@ -18,6 +18,7 @@ Every step re-seeds the RNGs from (seed, global step). Each ``train_log.jsonl`` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -71,6 +72,14 @@ def prepare_runtime(cfg: RunConfig) -> torch.device:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     return device
+
+
+def autocast(cfg: RunConfig, device: torch.device):
+    """The context a training step's forward and loss run in: ``torch.autocast`` to bfloat16 for
+    ``train.precision=bfloat16``, else nothing."""
+    if cfg.train.precision == "bfloat16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -58,6 +58,7 @@ from recforge.ops.jagged import offsets_from_lengths, sequence_ids
 from recforge.sparse import SparseOptimizer
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
 from recforge.train.loop import (
+    autocast,
     make_optimizer,
     prepare_run_dir,
     prepare_runtime,
@@ -189,7 +190,8 @@ def _token_weighted_loss(
 
 
 def _train_step(s: Setup, batch: JaggedBatch) -> tuple[float, int]:
-    objective, loss = _loss(s, batch)
+    with autocast(s.cfg, s.device):
+        objective, loss = _loss(s, batch)
     s.optimizer.zero_grad(set_to_none=True)
     objective.backward()
     if s.cfg.optim.grad_clip > 0:

@@ -35,7 +35,7 @@ from recforge.models.retrieval import RetrievalModel
 from recforge.sparse import SparseOptimizer
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
 from recforge.train.evaluate import evaluate_ranking, model_scorer
-from recforge.train.loop import make_optimizer, prepare_run_dir, prepare_runtime, run_loop, run_lr_scale
+from recforge.train.loop import autocast, make_optimizer, prepare_run_dir, prepare_runtime, run_loop, run_lr_scale
 from recforge.train.losses import sampled_softmax_loss
 
 
@@ -98,7 +98,8 @@ def _loss(s: Setup, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
 def _train_step(s: Setup, batch: JaggedBatch) -> tuple[float, int]:
     cfg = s.cfg
     batch = batch.to(s.device)
-    objective, loss = _loss(s, batch)
+    with autocast(cfg, s.device):
+        objective, loss = _loss(s, batch)
     s.optimizer.zero_grad(set_to_none=True)
     objective.backward()
     if cfg.optim.grad_clip > 0:

@@ -323,3 +323,28 @@ def test_non_finite_loss_stops_the_run_before_a_checkpoint(tmp_path: Path, data_
     steps = [json.loads((d / "manifest.json").read_text())["step"] for d in (cfg.run_dir / "checkpoints").iterdir()
              if (d / "manifest.json").is_file()]  # fmt: skip
     assert steps and max(steps) < 6
+
+
+@pytest.mark.parametrize("kind", ["hstu", "sasrec"])
+def test_bfloat16_precision_trains_in_bf16_with_float32_weights(tmp_path: Path, data_dir: Path, kind: str) -> None:
+    """train.precision=bfloat16: the encoder's matmuls run in bf16 under autocast, the loss is finite and
+    close to float32's on the same first batch, and weights and optimizer state stay float32."""
+    overrides = [f"model.kind={kind}", "model.dropout=0.0", "train.epochs=1", "train.max_steps=3"]
+    seen: list[torch.dtype] = []
+    first_losses = {}
+    for precision in ("float32", "bfloat16"):
+        cfg = _cfg(tmp_path / precision, data_dir, *overrides, f"train.precision={precision}")
+        s = retrieval.setup(cfg)
+        linear = next(m for m in s.model.encoder.modules() if isinstance(m, torch.nn.Linear))
+        hook = linear.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+        samples = s.seqs.training_samples(s.holdout, cfg.data.max_seq_len, cfg.data.train_windows)
+        first_losses[precision] = retrieval._train_step(s, s.seqs.training_batch(samples[:12], cfg.data.max_seq_len))[0]
+        hook.remove()
+        assert all(p.dtype == torch.float32 for p in s.model.parameters())
+        assert all(v.dtype == torch.float32 for st in s.optimizer.state.values() for v in st.values() if v.is_floating_point())
+    assert seen == [torch.float32, torch.bfloat16]
+    assert first_losses["bfloat16"] == pytest.approx(first_losses["float32"], rel=0.05)
+    cfg = _cfg(tmp_path / "run", data_dir, *overrides, "train.precision=bfloat16")
+    train(cfg, progress=False)
+    losses = [loss for _, _, loss in _steps_log(cfg.run_dir)]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
