@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from recforge.ops.hstu_attention import time_buckets
+from recforge.serve.state import WorkItem
 
 
 @dataclass
@@ -96,4 +97,31 @@ def self_attention_term(
     return (F.silu(scores) * scale).unsqueeze(-1) * v
 
 
-__all__ = ["BiasIndex", "cached_attention", "self_attention_term"]
+def plan_item(it: WorkItem, q_ts: Tensor, num_pos: int, num_buckets: int | None) -> tuple[int, Tensor, BiasIndex]:
+    """(keys attended, (m|1, n) visibility, bias index) of one work item: the same in every block.
+
+    ``num_buckets``: the time-bias buckets, None when the model has no time bias.
+    """
+    st = it.state
+    c = st.num_contextual
+    device = st.timestamps.device
+    if it.kind == "prefix":  # contextual: full among themselves; history: causal, sees every contextual token
+        s, e = it.start, it.start + it.size
+        q_pos = torch.arange(s, e, device=device)
+        k_pos = torch.arange(e, device=device)
+        visible = (k_pos.view(1, -1) < c) | ((q_pos.view(-1, 1) >= c) & (k_pos.view(1, -1) <= q_pos.view(-1, 1)))
+        index = BiasIndex.build(q_pos, k_pos, q_ts if num_buckets is not None else None, st.timestamps[:e], num_pos,
+                                num_buckets, c)  # fmt: skip
+        return e, visible, index
+    h = st.length
+    k_pos = torch.arange(h, device=device)
+    k_ts = st.timestamps[:h]
+    q_rows = q_ts[:1] if bool((q_ts == q_ts[0]).all()) else q_ts
+    # a candidate sits at the history end h; it sees contextual keys, and history keys strictly earlier than it
+    visible = (k_pos.view(1, -1) < c) | (k_ts.view(1, -1) < q_rows.view(-1, 1))
+    index = BiasIndex.build(torch.full_like(q_ts, h), k_pos, q_ts if num_buckets is not None else None, k_ts, num_pos,
+                            num_buckets, c)  # fmt: skip
+    return h, visible, index
+
+
+__all__ = ["BiasIndex", "cached_attention", "plan_item", "self_attention_term"]

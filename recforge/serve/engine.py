@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -29,16 +28,22 @@ from torch import Tensor
 
 from recforge.models.hstu import HSTUEncoder
 from recforge.models.ranking import RankingModel, load_slices
-from recforge.serve.attention import BiasIndex, cached_attention, self_attention_term
+from recforge.serve.attention import cached_attention, plan_item, self_attention_term
 from recforge.serve.graphs import GraphCaptureError, GraphRunner, encode_blocks
 from recforge.serve.layout import (
     EncodedRequest,
     History,
-    RequestError,
     Vocab,
     candidate_tokens,
+    encode_request,
     prefix_tokens,
     training_batch,
+)
+from recforge.serve.model_dir import (
+    model_dir_of,
+    model_version,
+    read_vocab,
+    reload_slices,
 )
 from recforge.serve.state import PrefixState, WorkItem, copy_state, token_identity
 
@@ -147,13 +152,9 @@ class RankEngine:
     @classmethod
     def from_run(cls, run_dir: str | Path, config: EngineConfig | None = None) -> RankEngine:
         """Load ``RUN_DIR/model`` (or a model directory itself) written by ``save_slices``."""
-        run_dir = Path(run_dir)
-        model_dir = run_dir / "model" if (run_dir / "model" / "manifest.json").is_file() else run_dir
-        if not (model_dir / "manifest.json").is_file():
-            raise ValueError(f"{run_dir} holds no exported model (no model/manifest.json); run `recforge eval {run_dir}`")
+        model_dir = model_dir_of(run_dir)
         model, manifest = load_slices(model_dir)
-        vocab_path = model_dir / "vocab.json"
-        vocab = json.loads(vocab_path.read_text()) if vocab_path.is_file() else None
+        vocab = read_vocab(model_dir)
         if vocab is None:
             log.warning("%s has no vocab.json: requests must carry model codes, not raw IDs", model_dir)
         return cls(model, manifest, vocab, config, version=model_version(model_dir))
@@ -163,40 +164,8 @@ class RankEngine:
     def encode(self, user: Any, history: History | dict, candidates: list[Any], *,
                user_features: dict[str, Any] | None = None, timestamp: int | None = None) -> EncodedRequest:  # fmt: skip
         """Validate a request and map it to model codes; raises ``RequestError`` saying what is wrong."""
-        if isinstance(history, dict):
-            history = History(**history)
-        cfg = self.config
-        items, stamps, actions = list(history.items), list(history.timestamps), history.actions
-        if len(stamps) != len(items) or (actions is not None and len(actions) != len(items)):
-            raise RequestError(
-                f"history: items ({len(items)}), timestamps ({len(stamps)}) and actions "
-                f"({'-' if actions is None else len(actions)}) must have the same length"
-            )
-        if len(items) > cfg.max_history_events:
-            raise RequestError(f"history has {len(items)} events; the limit is {cfg.max_history_events}")
-        if not candidates:
-            raise RequestError("candidates is empty; give at least one item to score")
-        if len(candidates) > cfg.max_candidates:
-            raise RequestError(f"{len(candidates)} candidates; the limit is {cfg.max_candidates}")
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in stamps):
-            raise RequestError("history timestamps must be integers (seconds)")
-        ts = torch.tensor(stamps, dtype=torch.int64)
-        if ts.numel() > 1 and bool((ts[1:] < ts[:-1]).any()):
-            raise RequestError("history timestamps must be non-decreasing (oldest event first)")
-        if timestamp is None:
-            timestamp = int(time.time())
-        if isinstance(timestamp, bool) or not isinstance(timestamp, int):
-            raise RequestError(f"timestamp {timestamp!r} must be an integer (seconds)")
-        unknown = cfg.unknown_ids
-        item_codes = self.vocab.item_codes(items, "history items", unknown)
-        action_codes = self.vocab.action_codes(actions, len(items), unknown)
-        cand_codes = self.vocab.item_codes(list(candidates), "candidate items", unknown)
-        context = self.vocab.context_codes(user_features or {}, cfg.unknown_feature_values)
-        drop = max(0, len(items) - self.max_events)  # training keeps the latest events that fit, too
-        return EncodedRequest(
-            user=str(user), context_ids=context, items=item_codes[drop:], actions=action_codes[drop:],
-            timestamps=ts[drop:], candidates=cand_codes, request_time=timestamp, truncated=drop,
-        )  # fmt: skip
+        return encode_request(self.vocab, self.config, self.max_events, user, history, candidates,
+                              user_features=user_features, timestamp=timestamp)  # fmt: skip
 
     def rank(self, user: Any, history: History | dict, candidates: list[Any], *,
              user_features: dict[str, Any] | None = None, timestamp: int | None = None,
@@ -316,7 +285,9 @@ class RankEngine:
         first = enc.blocks[0]
         num_pos = first.pos_weights.numel()
         num_buckets = first.time_weights.numel() - 1 if first.time_weights is not None else None
-        plans = [self._plan(it, feats["timestamps"][a:b], num_pos, num_buckets) for it, (a, b) in zip(items, spans)]
+        use_time = num_buckets is not None and self.time_bias
+        plans = [plan_item(it, feats["timestamps"][a:b], num_pos, num_buckets if use_time else None)
+                 for it, (a, b) in zip(items, spans)]
 
         def attend(layer: int, block, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             outs = []
@@ -343,29 +314,6 @@ class RankEngine:
                 results.append(self.model.postfix(self.model.postfix_input(x[a:b], embedded[a:b])).float().cpu())
         return results
 
-    def _plan(self, it: WorkItem, q_ts: Tensor, num_pos: int, num_buckets: int | None) -> tuple[int, Tensor, BiasIndex]:
-        """(keys attended, (m|1, n) visibility, bias index) of one work item: the same in every block."""
-        st = it.state
-        c = st.num_contextual
-        use_time = num_buckets is not None and self.time_bias
-        if it.kind == "prefix":  # contextual: full among themselves; history: causal, sees every contextual token
-            s, e = it.start, it.start + it.size
-            q_pos = torch.arange(s, e, device=self.device)
-            k_pos = torch.arange(e, device=self.device)
-            visible = (k_pos.view(1, -1) < c) | ((q_pos.view(-1, 1) >= c) & (k_pos.view(1, -1) <= q_pos.view(-1, 1)))
-            index = BiasIndex.build(q_pos, k_pos, q_ts if use_time else None, st.timestamps[:e], num_pos,
-                                    num_buckets if use_time else None, c)  # fmt: skip
-            return e, visible, index
-        h = st.length
-        k_pos = torch.arange(h, device=self.device)
-        k_ts = st.timestamps[:h]
-        q_rows = q_ts[:1] if bool((q_ts == q_ts[0]).all()) else q_ts
-        # a candidate sits at the history end h; it sees contextual keys, and history keys strictly earlier than it
-        visible = (k_pos.view(1, -1) < c) | (k_ts.view(1, -1) < q_rows.view(-1, 1))
-        index = BiasIndex.build(torch.full_like(q_ts, h), k_pos, q_ts if use_time else None, k_ts, num_pos,
-                                num_buckets if use_time else None, c)  # fmt: skip
-        return h, visible, index
-
     # ------------------------------------------------------------------------------- baselines
 
     @torch.no_grad()
@@ -380,33 +328,10 @@ class RankEngine:
         return torch.cat(outs)
 
     def reload(self, run_dir: str | Path) -> None:
-        """Replace the weights from a newly exported run, one slice at a time (never two whole models).
-
-        Slices with the same class and config are loaded in place; others are rebuilt one by one.
-        """
-        from recforge.models.ranking import SLICES, load_slice
-        from safetensors.torch import load_file
-
-        run_dir = Path(run_dir)
-        model_dir = run_dir / "model" if (run_dir / "model" / "manifest.json").is_file() else run_dir
-        manifest = json.loads((model_dir / "manifest.json").read_text())
-        for name in SLICES:
-            current = getattr(self.model, name)
-            config = json.loads((model_dir / name / "config.json").read_text())
-            cls = type(current)
-            same = config["class"] == f"{cls.__module__}:{cls.__qualname__}" and _slice_kwargs(current) == config["kwargs"]
-            if same:  # in place: the new tensors are loaded then copied over, one slice's worth of extra memory
-                weights = load_file(model_dir / name / "model.safetensors")
-                current.load_state_dict(weights)
-                del weights
-            else:
-                setattr(self.model, name, None)
-                del current
-                setattr(self.model, name, load_slice(model_dir / name).eval().to(self.device, self.dtype))
-        self.model.eval().to(self.device, self.dtype)
-        vocab_path = model_dir / "vocab.json"
-        vocab = json.loads(vocab_path.read_text()) if vocab_path.is_file() else None
-        self.__init__(self.model, manifest, vocab, self.config, model_version(model_dir))
+        """Replace the weights from a newly exported run, one slice at a time (never two whole models)."""
+        model_dir = model_dir_of(run_dir)
+        manifest = reload_slices(self.model, model_dir, self.device, self.dtype)
+        self.__init__(self.model, manifest, read_vocab(model_dir), self.config, model_version(model_dir))
         if self.pool is not None and self.cached:
             cfg = self.model.encoder.cfg
             if tuple(self.pool.keys.shape[1:]) != (cfg.num_blocks, self.pool.config.block_size, cfg.num_heads, cfg.dqk):
@@ -414,21 +339,6 @@ class RankEngine:
 
                 self.pool = None  # free the old pages before allocating the new ones
                 self.pool = KVCachePool.for_engine(self, self.pool_config)
-
-
-def _slice_kwargs(module: torch.nn.Module) -> dict:
-    import dataclasses
-
-    if isinstance(module, HSTUEncoder):
-        return dataclasses.asdict(module.cfg)
-    return module.slice_config() if hasattr(module, "slice_config") else {}
-
-
-def model_version(model_dir: Path) -> str:
-    """Identity of an exported model: its manifest's step and the weights files' sizes and mtimes."""
-    manifest = json.loads((model_dir / "manifest.json").read_text())
-    stats = [(p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(model_dir.glob("*/model.safetensors"))]
-    return f"step{manifest.get('step', '?')}-{abs(hash(tuple(stats))) % 10**10:010d}"
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -16,8 +16,9 @@ scores are tested against ``RankingModel.forward`` on it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -25,6 +26,9 @@ from torch import Tensor
 from recforge.data.batch import JaggedBatch
 from recforge.ops.jagged import offsets_from_lengths
 from recforge.ops.mask import AttentionMask
+
+if TYPE_CHECKING:
+    from recforge.serve.engine import EngineConfig
 
 
 class RequestError(ValueError):
@@ -145,6 +149,46 @@ class Vocab:
                 raise RequestError(f"user feature {name}={value!r} was not seen in training")
             codes.append(code or 0)
         return torch.tensor(codes, dtype=torch.int64)
+
+
+def encode_request(vocab: Vocab, config: EngineConfig, max_events: int, user: Any, history: History | dict,
+                   candidates: list[Any], *, user_features: dict[str, Any] | None = None,
+                   timestamp: int | None = None) -> EncodedRequest:  # fmt: skip
+    """Validate a request against ``config``'s limits and map it to model codes (the latest
+    ``max_events`` events that fit the model); raises ``RequestError`` saying what is wrong."""
+    if isinstance(history, dict):
+        history = History(**history)
+    items, stamps, actions = list(history.items), list(history.timestamps), history.actions
+    if len(stamps) != len(items) or (actions is not None and len(actions) != len(items)):
+        raise RequestError(
+            f"history: items ({len(items)}), timestamps ({len(stamps)}) and actions "
+            f"({'-' if actions is None else len(actions)}) must have the same length"
+        )
+    if len(items) > config.max_history_events:
+        raise RequestError(f"history has {len(items)} events; the limit is {config.max_history_events}")
+    if not candidates:
+        raise RequestError("candidates is empty; give at least one item to score")
+    if len(candidates) > config.max_candidates:
+        raise RequestError(f"{len(candidates)} candidates; the limit is {config.max_candidates}")
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in stamps):
+        raise RequestError("history timestamps must be integers (seconds)")
+    ts = torch.tensor(stamps, dtype=torch.int64)
+    if ts.numel() > 1 and bool((ts[1:] < ts[:-1]).any()):
+        raise RequestError("history timestamps must be non-decreasing (oldest event first)")
+    if timestamp is None:
+        timestamp = int(time.time())
+    if isinstance(timestamp, bool) or not isinstance(timestamp, int):
+        raise RequestError(f"timestamp {timestamp!r} must be an integer (seconds)")
+    unknown = config.unknown_ids
+    item_codes = vocab.item_codes(items, "history items", unknown)
+    action_codes = vocab.action_codes(actions, len(items), unknown)
+    cand_codes = vocab.item_codes(list(candidates), "candidate items", unknown)
+    context = vocab.context_codes(user_features or {}, config.unknown_feature_values)
+    drop = max(0, len(items) - max_events)  # training keeps the latest events that fit, too
+    return EncodedRequest(
+        user=str(user), context_ids=context, items=item_codes[drop:], actions=action_codes[drop:],
+        timestamps=ts[drop:], candidates=cand_codes, request_time=timestamp, truncated=drop,
+    )  # fmt: skip
 
 
 def _key(value: Any) -> Any:
