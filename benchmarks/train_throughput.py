@@ -70,7 +70,7 @@ def bench(config: str, device: str, steps: int, warmup: int, data: str | None, c
     for i in range((warmup + steps) * len(names)):  # the modes take turns, step by step
         mode = names[i % len(names)]
         modes[mode]()
-        batch_samples = order[(i * bs) % samples.shape[0] :][:bs]
+        batch_samples = order[((i // len(names)) * bs) % samples.shape[0] :][:bs]  # each mode gets the same batches
         if s.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -258,14 +258,16 @@ def pointwise_loss(outputs: Tensor, labels: Tensor, kinds: list[str], weights: l
 
     Returns the total loss and each task's unweighted mean loss, (K,) detached, NaN for a task
     without labels in the batch (it adds nothing to the total). Nothing here waits for the
-    device: a training step reads its loss once, at the end.
+    device: a training step reads its loss once, at the end. Computed in float32 (also under
+    bfloat16 autocast).
     """
+    outputs = outputs.float() if outputs.dtype in (torch.float16, torch.bfloat16) else outputs
     known = ~torch.isnan(labels)  # (N, K)
-    y = torch.nan_to_num(labels, nan=0.0)
+    y = torch.nan_to_num(labels.to(outputs.dtype), nan=0.0)
     total = outputs.new_zeros(())
     per_task = []
     for k, (kind, weight) in enumerate(zip(kinds, weights)):
-        z = outputs[:, k]
+        z = torch.where(known[:, k], outputs[:, k], 0.0)  # unlabelled rows: no gradient, even from a non-finite output
         elem = F.binary_cross_entropy_with_logits(z, y[:, k], reduction="none") if kind == "binary" else (z - y[:, k]) ** 2
         count = known[:, k].sum()
         mean = torch.where(known[:, k], elem, 0.0).sum() / count.clamp_min(1)
@@ -279,11 +281,13 @@ def listwise_loss(outputs: Tensor, labels: Tensor, num_targets: Tensor) -> Tenso
 
     ``outputs``/``labels`` are (N, K'); a sample's loss is ``-sum_i y_i log softmax(z)_i / sum_i y_i``,
     averaged over samples with at least one positive (samples without one carry no list signal).
+    Computed in float32 (also under bfloat16 autocast).
     """
+    outputs = outputs.float() if outputs.dtype in (torch.float16, torch.bfloat16) else outputs
     offsets = torch.cat([num_targets.new_zeros(1), torch.cumsum(num_targets, 0)])
     seq = sequence_ids(offsets, outputs.shape[0])
     batch = num_targets.numel()
-    y = torch.nan_to_num(labels, nan=0.0)
+    y = torch.nan_to_num(labels.to(outputs.dtype), nan=0.0)
     # log-softmax within each sample: subtract the per-sample max, then log-sum-exp by index_add
     zmax = torch.full((batch, outputs.shape[1]), float("-inf"), device=outputs.device, dtype=outputs.dtype)
     zmax = zmax.scatter_reduce(0, seq.unsqueeze(1).expand_as(outputs), outputs.detach(), "amax")

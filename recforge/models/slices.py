@@ -40,8 +40,7 @@ def slice_config(module: nn.Module) -> dict:
 def slice_spec(module: nn.Module) -> dict:
     """``{"class", "kwargs"}`` of a module: what a slice's config.json holds, and how a wrapper
     slice (TargetHistoryPool, ContextCross, CandidateTower) names the modules inside it."""
-    cls = type(module)
-    return {"class": f"{cls.__module__}:{cls.__qualname__}", "kwargs": slice_config(module)}
+    return {"class": slice_path(type(module)), "kwargs": slice_config(module)}
 
 
 TRUSTED_MODULES_ENV = TRUSTED_SLICE_MODULES  # the variable's name, for messages and tests
@@ -58,8 +57,13 @@ def register_slice(cls: type) -> type:
     """
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise TypeError(f"register_slice takes an nn.Module subclass, got {cls!r}")
-    _registered[f"{cls.__module__}:{cls.__qualname__}"] = cls
+    _registered[slice_path(cls)] = cls
     return cls
+
+
+def slice_path(cls: type) -> str:
+    """``"module:QualName"`` of a class, as a slice's config.json names it."""
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def _trusted(module_name: str) -> bool:
@@ -84,12 +88,16 @@ def build_slice(class_path: str, kwargs: dict) -> nn.Module:
             )
         try:
             cls = importlib.import_module(module_name)
-            for part in qualname.split("."):
-                cls = getattr(cls, part)
+            for part in qualname.split("."):  # through classes only: never into a module the trusted one imported
+                cls = getattr(cls, part) if part.isidentifier() else None
+                if not isinstance(cls, type):
+                    break
         except (ImportError, AttributeError) as err:
             raise ValueError(
                 f"slice class {class_path!r} cannot be imported ({err}); install the package that defines it"
             ) from err
+        if isinstance(cls, type) and not _trusted(cls.__module__) and _registered.get(slice_path(cls)) is not cls:
+            raise ValueError(f"slice class {class_path!r} is {slice_path(cls)}, which is not trusted")  # a re-export
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise ValueError(f"slice class {class_path!r} is not an nn.Module")
     if cls is HSTUEncoder:

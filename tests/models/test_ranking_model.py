@@ -266,13 +266,20 @@ def test_slices_build_only_trusted_classes(tmp_path: Path, monkeypatch) -> None:
     """A config.json naming a class outside recforge, not registered and not in a listed module, is
     refused before its module is imported."""
     monkeypatch.delenv(TRUSTED_MODULES_ENV, raising=False)
+    modules_before = set(sys.modules)
     (tmp_path / "x").mkdir()
     config = tmp_path / "x" / "config.json"
-    for class_path in ("os:system", "antigravity:geohash", "recforge_probe_not_installed:Module"):
+    for class_path in ("os:system", "antigravity:geohash", "recforge_probe_not_installed:Module", "recforge_x.y:Z"):
         config.write_text(json.dumps({"class": class_path, "kwargs": {}}))
         with pytest.raises(ValueError, match="not trusted.*register_slice"):
             load_slice(tmp_path / "x")
     assert "antigravity" not in sys.modules  # refused before the import (it would open a browser)
+    # a trusted module's attributes lead only to its own classes, not into modules it imported
+    for class_path in ("recforge.models.slices:nn.Linear", "recforge.models.hstu:torch.onnx.X", "recforge.models.hstu:HSTUBlock.x"):
+        config.write_text(json.dumps({"class": class_path, "kwargs": {}}))
+        with pytest.raises(ValueError, match="not an nn.Module|cannot be imported"):
+            load_slice(tmp_path / "x")
+    assert "torch.onnx" not in sys.modules or "torch.onnx" in modules_before
     linear = {"class": "torch.nn.modules.linear:Linear", "kwargs": {"in_features": 3, "out_features": 2}}
     config.write_text(json.dumps(linear))
     with pytest.raises(ValueError, match="not trusted"):

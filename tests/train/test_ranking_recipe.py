@@ -111,20 +111,40 @@ def test_ranking_config_errors_are_collected() -> None:
         assert fragment in message, fragment
 
 
-def test_bfloat16_precision_ranking_step(tmp_path: Path, data_dir: Path) -> None:
-    """train.precision=bfloat16 in the ranking recipe: bf16 matmuls, a finite loss close to float32's on
-    the same batch, float32 weights."""
+VARIANTS = {  # ranking model variants whose bf16 step must run (each exercises other modules under autocast)
+    "hstu-listwise": ["ranking.listwise_weight=0.5"],
+    "din-mmoe": ["model.target_attention=din", "model.head=mmoe"],
+    "tower-cross": ["model.item_tower=0.5", "model.context_cross=true"],
+    "dynamic": ["model.embedding=dynamic"],
+}
+
+
+def _bf16_step(tmp_path: Path, data_dir: Path, variant: list[str], device: str) -> None:
     losses = {}
     for precision in ("float32", "bfloat16"):
         overrides = [f"data.path={data_dir}", f"train.output_dir={tmp_path}/{precision}", f"train.precision={precision}",
-                     "model.dropout=0.0", *SMALL]
+                     f"train.device={device}", "model.dropout=0.0", *SMALL, *variant]
         s = ranking.setup(load_config(CONFIG, overrides))
         seen = []
         linear = next(m for m in s.model.encoder.modules() if isinstance(m, torch.nn.Linear))
-        hook = linear.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+        hook = linear.register_forward_hook(lambda m, args, out, seen=seen: seen.append(out.dtype))
         samples = ranking._samples(s, "train")
         losses[precision] = ranking._train_step(s, ranking._batch(s, samples, torch.arange(16)))[0]
         hook.remove()
         assert seen == [torch.float32 if precision == "float32" else torch.bfloat16]
         assert all(p.dtype == torch.float32 for p in s.model.parameters())
     assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=0.05)
+
+
+@pytest.mark.parametrize("variant", ["plain", *VARIANTS])
+def test_bfloat16_precision_ranking_step(tmp_path: Path, data_dir: Path, variant: str) -> None:
+    """train.precision=bfloat16 in the ranking recipe: bf16 matmuls, a finite loss close to float32's on
+    the same batch, float32 weights; for each model variant."""
+    _bf16_step(tmp_path, data_dir, VARIANTS.get(variant, []), "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["plain", *VARIANTS])
+def test_gpu_bfloat16_precision_ranking_step(tmp_path: Path, data_dir: Path, cuda_device, variant: str) -> None:
+    """The same on CUDA, whose autocast casts another set of ops (exp, log, sums, softmax) to float32."""
+    _bf16_step(tmp_path, data_dir, VARIANTS.get(variant, []), str(cuda_device))

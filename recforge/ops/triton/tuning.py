@@ -196,11 +196,12 @@ class _LaunchPlans:
     ``kernel[grid](...)`` re-derives on every call what does not change between training steps:
     the autotuner's cache key, the binding and specialization of ~40 arguments, the compiled
     kernel's cache key. The key here holds everything that Triton specializes a kernel on, and
-    more: each tensor argument's dtype and 16-byte alignment, the exact value of every
-    other argument except floats (which Triton passes unspecialized as fp32), the constexprs,
+    more: each tensor argument's dtype and 16-byte alignment, the exact type and value of every
+    other argument except floats (which Triton passes unspecialized as fp32; True and 1 differ), the constexprs,
     the fixed tile (or autotuning) and the current device. A launch with a known key calls the compiled kernel
     (``CompiledKernel[grid](*args)``, as ``JITFunction.run`` does after its lookup) on the
-    current stream. Bounded: cleared when it holds ``limit`` plans. ``enabled`` False (or the
+    current stream; Triton's pre-run hooks and debug settings changed after a first launch are not
+    seen again. Bounded: cleared when it holds ``limit`` plans. ``enabled`` False (or the
     environment variable RECFORGE_TRITON_LAUNCH_PLANS=0 at import) launches every call through
     Triton: for A/B measurements, and a way out should a Triton release change what its
     compiled kernels accept.
@@ -216,7 +217,7 @@ class _LaunchPlans:
     def key(kernel, device: int, tile: triton.Config | None, args: tuple, meta: dict) -> tuple:
         """The specialization of one launch; ``tile``: the fixed tile, None when autotuned."""
         arg_key = tuple([
-            (a.dtype, a.data_ptr() & 15) if isinstance(a, Tensor) else (float if type(a) is float else a)
+            (a.dtype, a.data_ptr() & 15) if isinstance(a, Tensor) else (a if type(a) is int else _scalar_key(a))
             for a in args
         ])
         return id(kernel), device, tile and _key(tile), arg_key, tuple(meta.items())
@@ -236,6 +237,12 @@ class _LaunchPlans:
         if len(self.plans) >= self.limit:
             self.plans.clear()
         self.plans[key] = (compiled, dict(block_kwargs), tuple(given[name] for name in names[len(args):]))
+
+
+def _scalar_key(a):
+    """Key of a non-tensor, non-int argument: floats are not specialized; anything else by type and
+    value (True == 1 in Python, but Triton passes a bool as i1)."""
+    return float if type(a) is float else (type(a), a)
 
 
 plans = _LaunchPlans(enabled=triton_launch_plans())
