@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
@@ -60,6 +61,18 @@ def table_state(table: DynamicEmbedding) -> tuple[dict[str, Tensor], dict]:
     return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, meta
 
 
+def restore_generator(generator: torch.Generator, state: Tensor) -> None:
+    """Set ``generator`` to a saved state. A state saved on another device type (CPU <-> CUDA: different
+    generators, mt19937 vs Philox) cannot be set; the generator is then seeded from a hash of that
+    state, so a table moved or restored across device types draws a fixed, reproducible stream."""
+    state = state.cpu()
+    if state.numel() == generator.get_state().numel():
+        generator.set_state(state)
+        return
+    digest = hashlib.sha256(state.numpy().tobytes()).digest()
+    generator.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
 def load_table_state(table: DynamicEmbedding, tensors: dict[str, Tensor], meta: dict) -> None:
     """Restore ``table`` (built with a compatible config) from ``table_state`` output."""
     saved_dim = meta["config"]["dim"]
@@ -89,7 +102,7 @@ def load_table_state(table: DynamicEmbedding, tensors: dict[str, Tensor], meta: 
     table.store.write_rows(rows, t["key.weight"], states)
     table.num_free = meta["num_free"]
     table.free[: table.num_free] = t["global.free"]
-    table.generator.set_state(tensors["global.generator"])
+    restore_generator(table.generator, tensors["global.generator"])
     if "global.deleted_keys" in t:
         table.deleted = [(t["global.deleted_keys"], t["global.deleted_tags"])]
     if table.cfg.admission.needs_candidates:

@@ -145,3 +145,24 @@ def test_evictions_are_recorded_only_once_rows_have_been_exported(tmp_path: Path
     again = DynamicEmbedding(cfg)
     load_sparse_checkpoint(tmp_path / "ckpt2", {"item": again})
     assert again.deleted is not None and export_rows(tmp_path / "d2", again, delta=True)["num_deleted"] == 0
+
+
+def test_generator_state_of_another_device_type_reseeds_reproducibly() -> None:
+    """A CUDA generator's state (16 bytes, Philox) cannot be set on a CPU generator (mt19937) or the
+    reverse: moving or restoring a table across device types seeds from a hash of the saved state."""
+    cuda_like_state = torch.randint(0, 256, (16,), dtype=torch.uint8)
+    draws = []
+    for _ in range(2):
+        gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+        sparse_ckpt.restore_generator(gen, cuda_like_state)
+        draws.append(torch.rand(4, generator=gen))
+    torch.testing.assert_close(draws[0], draws[1], rtol=0, atol=0)
+    other = torch.Generator().manual_seed(3)
+    sparse_ckpt.restore_generator(other, torch.randint(0, 256, (16,), dtype=torch.uint8) ^ 1)
+    assert not torch.equal(torch.rand(4, generator=other), draws[0])
+    same_type = torch.Generator().manual_seed(7)
+    saved = same_type.get_state()
+    expected = torch.rand(4, generator=same_type)
+    restored = torch.Generator()
+    sparse_ckpt.restore_generator(restored, saved)  # same device type: the exact state
+    torch.testing.assert_close(torch.rand(4, generator=restored), expected, rtol=0, atol=0)
