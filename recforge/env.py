@@ -3,7 +3,7 @@
     RECFORGE_DATA                   where real datasets live (default: ``<repo>/../shared/data``)
     RECFORGE_TRUSTED_SLICE_MODULES  comma-separated modules whose classes saved models may name
                                     (``recforge.models.slices``)
-    RECFORGE_TRITON_LAUNCH_PLANS    0: launch every Triton kernel through Triton's own launch path
+    RECFORGE_TRITON_LAUNCH_PLANS    0 (or false/off/no): launch every Triton kernel through Triton's own launch path
                                     (``recforge.ops.triton.tuning``; default 1)
     TRITON_INTERPRET                1: Triton kernels run in Triton's CPU interpreter (tests)
 
@@ -29,8 +29,8 @@ def trusted_slice_modules() -> set[str]:
 
 
 def triton_launch_plans() -> bool:
-    """False when ``$RECFORGE_TRITON_LAUNCH_PLANS`` is 0."""
-    return os.environ.get("RECFORGE_TRITON_LAUNCH_PLANS", "1") != "0"
+    """False when ``$RECFORGE_TRITON_LAUNCH_PLANS`` is 0, false, off or no (any case)."""
+    return os.environ.get("RECFORGE_TRITON_LAUNCH_PLANS", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def triton_interpret() -> bool:

@@ -18,3 +18,9 @@ def test_variables_are_read_at_call_time(monkeypatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert env.data_dir() == "/tmp/d" and env.trusted_slice_modules() == {"mypkg", "other.sub"}
     assert not env.triton_launch_plans() and env.triton_interpret()
+
+
+def test_launch_plans_switch_words(monkeypatch) -> None:
+    for value, on in (("0", False), ("false", False), ("OFF", False), ("no", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv("RECFORGE_TRITON_LAUNCH_PLANS", value)
+        assert env.triton_launch_plans() is on, value
