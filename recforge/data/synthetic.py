@@ -86,6 +86,9 @@ _GENRES = (
 )  # fmt: skip
 
 
+# ----------------------------------------------------------------------------------- configuration
+
+
 @dataclass(frozen=True)
 class SyntheticConfig:
     """Parameters of the synthetic generator (the defaults suit ``recforge demo``).
@@ -168,6 +171,9 @@ class SyntheticConfig:
                 problems.append(f"{name} must have one non-negative probability per action, summing to 1")
         if problems:
             raise ValueError("SyntheticConfig: " + "; ".join(problems))
+
+
+# --------------------------------------------------------------------------------------- catalogue
 
 
 @dataclass(frozen=True)
@@ -282,6 +288,9 @@ def build_catalog(config: SyntheticConfig) -> SyntheticCatalog:
     )
 
 
+# ------------------------------------------------------------------------------------ action model
+
+
 def action_probabilities(affinity: np.ndarray, config: SyntheticConfig) -> np.ndarray:
     """Per-event action probabilities given user–item affinity.
 
@@ -302,6 +311,9 @@ def action_probabilities(affinity: np.ndarray, config: SyntheticConfig) -> np.nd
     low = np.asarray(config.action_probs_low, dtype=np.float64)
     high = np.asarray(config.action_probs_high, dtype=np.float64)
     return (1.0 - a) * low + a * high
+
+
+# ---------------------------------------------------------- vectorised simulation of the sequences
 
 
 def _sample_rows(weights: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -401,6 +413,9 @@ def _exact_unseen_draw(
     return _sample_rows(w, rng)
 
 
+# ------------------------------------------------------------------------------------ interactions
+
+
 def generate(config: SyntheticConfig) -> tuple[pa.Table, pa.Table]:
     """Generate a synthetic interaction dataset.
 
@@ -493,6 +508,9 @@ def _simulate(config: SyntheticConfig) -> tuple[pa.Table, pa.Table, np.ndarray, 
 IMPRESSION_LOGITS = {"click": (-2.6, 2.4, 0.8), "like": (-3.4, 2.2, 0.8), "purchase": (-4.4, 2.6, 1.0)}
 
 
+# ---------------------------------------------------------------------- impressions (ranking data)
+
+
 def impression_probabilities(affinity: np.ndarray, same_cluster: np.ndarray) -> np.ndarray:
     """(n, 3) click / like / purchase probabilities of impressions (see ``IMPRESSION_LOGITS``)."""
     a = np.asarray(affinity, dtype=np.float64)
@@ -529,6 +547,9 @@ def generate_impressions(config: SyntheticConfig) -> tuple[pa.Table, pa.Table]:
     for k, name in enumerate(names):
         columns[f"p_{name}"] = pa.array(probs[:, k].astype(np.float32))
     return pa.table(columns), items
+
+
+# ------------------------------------------------------------------------------- writing a dataset
 
 
 def write_synthetic(

@@ -195,6 +195,8 @@ class DynamicEmbedding(nn.Module):
         """Rows that hold an ID."""
         return self.num_rows - self.num_free
 
+    # ---------------------------------------------------------------------------------- lookup
+
     def forward(self, ids: Tensor, tags: Tensor | None = None, admit: bool = True) -> Tensor:
         """Embeddings of ``ids`` (any shape) -> ``ids.shape + (dim,)``.
 
@@ -304,6 +306,8 @@ class DynamicEmbedding(nn.Module):
         self.counters.last_step.index_fill_(0, rows, self.step)
         self.counters.last_time.index_fill_(0, rows, self.clock())
 
+    # ------------------------------------------------------------------------------- admission
+
     def _admit(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor) -> Tensor:
         cfg = self.cfg.admission
         slots = None
@@ -364,6 +368,8 @@ class DynamicEmbedding(nn.Module):
             tensor.index_fill_(0, slots, initial_state(self.cfg.optimizer, name))  # t[i] = x would sync (host copy of x)
         self.store.mark_dirty(slots)
         self.changed.index_fill_(0, rows, True)
+
+    # ------------------------------------------------------------------- capacity and eviction
 
     def _allocate(self, n: int) -> Tensor:
         """Up to ``n`` free rows: grow, else evict on pressure; fewer when neither frees enough."""
@@ -441,6 +447,8 @@ class DynamicEmbedding(nn.Module):
         self.num_free += rows.numel()
         self._stats["evicted"] += rows.numel()
 
+    # ------------------------------------------------------------------ rows out, gradients in
+
     def _gather(self, rows: Tensor, absent: int) -> Tensor:
         found = rows >= 0
         all_found = absent == 0
@@ -502,6 +510,8 @@ class DynamicEmbedding(nn.Module):
         """Drop pending row gradients and release the cache rows this step pinned."""
         self._pending.clear()
         self.store.unpin_all()
+
+    # ------------------------------------------------------- host tier, feedback, device moves
 
     def prefetch(self, upcoming: list[Tensor]) -> int:
         """Load the admitted rows of upcoming ID batches into the device cache ahead of use; return how many.
