@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import statistics
@@ -37,22 +38,10 @@ def _modes(compare: str, s) -> dict[str, Callable[[], None]]:
     if compare == "launch-plans":
         from recforge.ops.triton import tuning
 
-        def plans(on: bool):
-            def apply() -> None:
-                tuning.plans.enabled = on
-
-            return apply
-
-        return {"launch plans on": plans(True), "launch plans off": plans(False)}
+        return {f"launch plans {'on' if on else 'off'}": functools.partial(setattr, tuning.plans, "enabled", on)
+                for on in (True, False)}  # fmt: skip
     if compare == "precision":
-
-        def precision(name: str):
-            def apply() -> None:
-                s.cfg.train.precision = name
-
-            return apply
-
-        return {"float32": precision("float32"), "bfloat16": precision("bfloat16")}
+        return {p: functools.partial(setattr, s.cfg.train, "precision", p) for p in ("float32", "bfloat16")}
     return {"": lambda: None}
 
 

@@ -261,7 +261,7 @@ def pointwise_loss(outputs: Tensor, labels: Tensor, kinds: list[str], weights: l
     device: a training step reads its loss once, at the end. Computed in float32 (also under
     bfloat16 autocast).
     """
-    outputs = outputs.float() if outputs.dtype in (torch.float16, torch.bfloat16) else outputs
+    outputs = outputs.to(torch.promote_types(outputs.dtype, torch.float32))  # bf16/fp16 -> float32
     known = ~torch.isnan(labels)  # (N, K)
     y = torch.nan_to_num(labels.to(outputs.dtype), nan=0.0)
     total = outputs.new_zeros(())
@@ -283,7 +283,7 @@ def listwise_loss(outputs: Tensor, labels: Tensor, num_targets: Tensor) -> Tenso
     averaged over samples with at least one positive (samples without one carry no list signal).
     Computed in float32 (also under bfloat16 autocast).
     """
-    outputs = outputs.float() if outputs.dtype in (torch.float16, torch.bfloat16) else outputs
+    outputs = outputs.to(torch.promote_types(outputs.dtype, torch.float32))  # bf16/fp16 -> float32
     offsets = torch.cat([num_targets.new_zeros(1), torch.cumsum(num_targets, 0)])
     seq = sequence_ids(offsets, outputs.shape[0])
     batch = num_targets.numel()

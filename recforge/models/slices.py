@@ -43,7 +43,6 @@ def slice_spec(module: nn.Module) -> dict:
     return {"class": slice_path(type(module)), "kwargs": slice_config(module)}
 
 
-TRUSTED_MODULES_ENV = TRUSTED_SLICE_MODULES  # the variable's name, for messages and tests
 _registered: dict[str, type] = {}
 
 
@@ -83,7 +82,7 @@ def build_slice(class_path: str, kwargs: dict) -> nn.Module:
             raise ValueError(
                 f"slice class {class_path!r} is not trusted: a saved model may only name recforge's classes, "
                 f"classes registered with recforge.models.register_slice, or classes of modules listed in "
-                f"{TRUSTED_MODULES_ENV} (e.g. {TRUSTED_MODULES_ENV}={module_name.split('.')[0] or 'mypackage'}). "
+                f"{TRUSTED_SLICE_MODULES} (e.g. {TRUSTED_SLICE_MODULES}={module_name.split('.')[0] or 'mypackage'}). "
                 "Register or list yours if you wrote this model; otherwise do not load it"
             )
         try:
@@ -105,4 +104,4 @@ def build_slice(class_path: str, kwargs: dict) -> nn.Module:
     return cls(**kwargs)
 
 
-__all__ = ["TRUSTED_MODULES_ENV", "build_slice", "register_slice", "slice_config", "slice_spec"]
+__all__ = ["build_slice", "register_slice", "slice_config", "slice_path", "slice_spec"]

@@ -39,12 +39,9 @@ def sampled_softmax_loss(
         temperature 0.05 bf16's ~3 significant digits would put ~0.1 of noise on each logit.
     """
     with torch.autocast(user.device.type, enabled=False):
-        return _sampled_softmax_loss(_float(user), targets, lambda ids: _float(item_vectors(ids)), num_items, negatives,
-                                     num_negatives, in_batch_negatives, temperature)
-
-
-def _float(x: Tensor) -> Tensor:
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        dtype = torch.promote_types(user.dtype, torch.float32)  # bf16/fp16 -> float32
+        return _sampled_softmax_loss(user.to(dtype), targets, lambda ids: item_vectors(ids).to(dtype), num_items,
+                                     negatives, num_negatives, in_batch_negatives, temperature)
 
 
 def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor | None], Tensor], num_items: int,

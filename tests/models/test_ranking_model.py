@@ -13,6 +13,7 @@ from torch import nn
 from recforge.data.dataset import Dataset
 from recforge.data.ranking import RankingData
 from recforge.data.synthetic import SyntheticConfig, generate_impressions
+from recforge.env import TRUSTED_SLICE_MODULES
 from recforge.models import HSTUConfig, HSTUEncoder, register_slice
 from recforge.models.ranking import (
     HEADS,
@@ -31,7 +32,7 @@ from recforge.models.ranking import (
     save_slices,
     visible_history,
 )
-from recforge.models.slices import TRUSTED_MODULES_ENV, build_slice
+from recforge.models.slices import build_slice
 
 DIM = 16
 MAX_LEN = 64
@@ -265,7 +266,7 @@ def test_slices_reject_modules_without_config_and_bad_dirs(tmp_path: Path, data:
 def test_slices_build_only_trusted_classes(tmp_path: Path, monkeypatch) -> None:
     """A config.json naming a class outside recforge, not registered and not in a listed module, is
     refused before its module is imported."""
-    monkeypatch.delenv(TRUSTED_MODULES_ENV, raising=False)
+    monkeypatch.delenv(TRUSTED_SLICE_MODULES, raising=False)
     modules_before = set(sys.modules)
     (tmp_path / "x").mkdir()
     config = tmp_path / "x" / "config.json"
@@ -284,7 +285,7 @@ def test_slices_build_only_trusted_classes(tmp_path: Path, monkeypatch) -> None:
     config.write_text(json.dumps(linear))
     with pytest.raises(ValueError, match="not trusted"):
         load_slice(tmp_path / "x")
-    monkeypatch.setenv(TRUSTED_MODULES_ENV, "numpy, torch.nn")  # a listed package trusts its submodules
+    monkeypatch.setenv(TRUSTED_SLICE_MODULES, "numpy, torch.nn")  # a listed package trusts its submodules
     assert isinstance(build_slice(linear["class"], linear["kwargs"]), nn.Linear)
     with pytest.raises(TypeError, match="nn.Module subclass"):
         register_slice(dict)
