@@ -60,14 +60,35 @@ class HSTUBlock(nn.Module):
         self.pos_weights = nn.Parameter(torch.zeros(cfg.max_seq_len))
         self.time_weights = nn.Parameter(torch.zeros(cfg.num_time_buckets + 1)) if cfg.num_time_buckets else None
 
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(u, q, k, v) of tokens ``x`` (T, d): u (T, H*Dv) gates the attention output, q/k (T, H, Dqk), v (T, H, Dv)."""
+        cfg, tokens = self.cfg, x.shape[0]
+        u, v, q, k = F.silu(self.uvqk(self.norm(x))).split(self.split_sizes, dim=-1)  # each (T, H*D)
+        return (u, q.view(tokens, cfg.num_heads, cfg.dqk), k.view(tokens, cfg.num_heads, cfg.dqk),
+                v.view(tokens, cfg.num_heads, cfg.dv))  # fmt: skip
+
+    def combine(self, x: Tensor, attn: Tensor, u: Tensor, visible_keys: Tensor | None = None) -> Tensor:
+        """The block's output from its attention ``attn`` (T, H, Dv): x + out(norm(attn) * u).
+
+        ``visible_keys`` (T,): how many keys each token attended to, needed by ``attn_norm=visible_mean``
+        (which undoes the attention's 1/max_seq_len and divides by it instead)."""
+        cfg = self.cfg
+        attn = attn.reshape(x.shape[0], cfg.num_heads * cfg.dv)  # (T, H*Dv)
+        if self.attn_norm is not None:
+            attn = self.attn_norm(attn)
+        elif visible_keys is None:
+            raise ValueError("HSTUConfig.attn_norm=visible_mean: combine() needs each token's visible-key count")
+        else:
+            attn = attn * (cfg.max_seq_len / visible_keys.to(attn.dtype)).unsqueeze(1)
+        return x + self.out(self.dropout(attn * u))  # (T, d)
+
     def forward(self, x: Tensor, seq_offsets: Tensor, max_seq_len: int, mask: AttentionMask, timestamps: Tensor | None) -> Tensor:
         cfg = self.cfg
-        tokens = x.shape[0]
-        u, v, q, k = F.silu(self.uvqk(self.norm(x))).split(self.split_sizes, dim=-1)  # each (T, H*D)
+        u, q, k, v = self.project(x)
         attn = hstu_attention(
-            q.view(tokens, cfg.num_heads, cfg.dqk),
-            k.view(tokens, cfg.num_heads, cfg.dqk),
-            v.view(tokens, cfg.num_heads, cfg.dv),
+            q,
+            k,
+            v,
             seq_offsets,
             max_seq_len,
             mask,
@@ -77,16 +98,12 @@ class HSTUBlock(nn.Module):
             time_weights=self.time_weights if timestamps is not None else None,
             kernel=cfg.kernel,
         )  # (T, H, Dv)
-        attn = attn.reshape(tokens, cfg.num_heads * cfg.dv)  # (T, H*Dv)
-        if self.attn_norm is not None:
-            attn = self.attn_norm(attn)
-        else:  # undo 1/max_seq_len, divide by each query's visible keys (reference mask: CPU-scale batches)
-            visible = mask.dense(seq_offsets, max_seq_len).sum(-1).to(attn.dtype)  # (B, N)
-            seq, pos = padding_index(seq_offsets, tokens)
-            per_token = visible[seq, pos]  # (T,)
-            attn = attn * (cfg.max_seq_len / per_token).unsqueeze(1)
-        gated = attn * u  # (T, H*Dv)
-        return x + self.out(self.dropout(gated))
+        visible_keys = None
+        if self.attn_norm is None:  # visible_mean: each query's visible keys (reference mask: CPU-scale batches)
+            visible = mask.dense(seq_offsets, max_seq_len).sum(-1)  # (B, N)
+            seq, pos = padding_index(seq_offsets, x.shape[0])
+            visible_keys = visible[seq, pos]  # (T,)
+        return self.combine(x, attn, u, visible_keys)
 
 
 class HSTUEncoder(nn.Module):

@@ -133,16 +133,15 @@ class RankEngine:
         self.pool_config = self.pool.config if self.pool is not None else None
         if self.pool is not None and self.pool.version != version:
             self.pool.invalidate(version)
-        self.cached = isinstance(model.encoder, HSTUEncoder)
-        if self.cached:
-            cfg = model.encoder.cfg
-            self.max_seq_len = cfg.max_seq_len
-            self.time_bias = any(b.time_weights is not None for b in model.encoder.blocks)
-        else:
-            self.max_seq_len = int(manifest.get("max_seq_len", 1 << 30))
-            self.time_bias = False
-            log.info("encoder %s is not HSTU: no prefix cache, each request runs the full forward pass "
-                     "with all candidates as targets", type(model.encoder).__name__)  # fmt: skip
+        hstu = isinstance(model.encoder, HSTUEncoder)
+        # the cached passes serve HSTU with attn_norm=layernorm; visible_mean divides each block's attention by
+        # its visible-key count, which they do not carry: such a model (and any other encoder) runs the full forward
+        self.cached = hstu and model.encoder.cfg.attn_norm == "layernorm"
+        self.max_seq_len = model.encoder.cfg.max_seq_len if hstu else int(manifest.get("max_seq_len", 1 << 30))
+        self.time_bias = self.cached and any(b.time_weights is not None for b in model.encoder.blocks)
+        if not self.cached:
+            log.info("encoder %s%s: no prefix cache, each request runs the full forward pass with all candidates as "
+                     "targets", type(model.encoder).__name__, " (attn_norm=visible_mean)" if hstu else "")  # fmt: skip
         use_graphs = self.cached and self.device.type == "cuda" and self.config.cuda_graphs > 0
         self.graphs = GraphRunner(self, self.config.cuda_graphs) if use_graphs else None
         per_event = 2 if self.action_encoding == "interleave" else 1

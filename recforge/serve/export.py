@@ -20,7 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from recforge.io import atomic_write_json
 from recforge.models.hstu import HSTUEncoder
 from recforge.models.ranking import RankingModel, load_slices
 from recforge.ops.hstu_attention import time_buckets
+from recforge.serve.model_dir import model_dir_of
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +71,10 @@ class PrefillProgram(nn.Module):
         events = ((i >= num_contextual) & (j >= num_contextual)).to(x.dtype)
         keys, values = [], []
         for block in self.blocks:
-            u, v, q, k = F.silu(block.uvqk(block.norm(x))).split(block.split_sizes, dim=-1)
-            q, k, v = q.view(n, cfg.num_heads, cfg.dqk), k.view(n, cfg.num_heads, cfg.dqk), v.view(n, cfg.num_heads, cfg.dv)
+            u, q, k, v = block.project(x)
             scores = torch.einsum("mhd,nhd->hmn", q, k) + _bias(block, i - j, delta_t, events).unsqueeze(0)
             attn = torch.einsum("hmn,nhd->mhd", F.silu(scores) * visible / cfg.max_seq_len, v)
-            x = x + block.out(block.attn_norm(attn.reshape(n, -1)) * u)
+            x = block.combine(x, attn, u)
             keys.append(k)
             values.append(v)
         return torch.stack(keys), torch.stack(values)
@@ -91,7 +90,7 @@ class ScoreProgram(nn.Module):
 
     def forward(self, x: Tensor, timestamps: Tensor, keys: Tensor, values: Tensor, key_timestamps: Tensor,
                 num_contextual: Tensor) -> Tensor:  # fmt: skip
-        cfg, count, n = self.cfg, x.shape[0], keys.shape[1]
+        cfg, n = self.cfg, keys.shape[1]
         k_pos = torch.arange(n, device=x.device).view(1, -1)
         # contextual keys always; history keys strictly earlier than the candidate; its position is the history end n
         visible = ((k_pos < num_contextual) | (key_timestamps.view(1, -1) < timestamps.view(-1, 1))).to(x.dtype)
@@ -99,15 +98,12 @@ class ScoreProgram(nn.Module):
         events = (k_pos >= num_contextual).to(x.dtype)  # (1, n): candidates are events, contextual keys are not
         zero = torch.zeros_like(timestamps)
         for layer, block in enumerate(self.blocks):
-            u, v, q, k = F.silu(block.uvqk(block.norm(x))).split(block.split_sizes, dim=-1)
-            q = q.view(count, cfg.num_heads, cfg.dqk)
-            k = k.view(count, cfg.num_heads, cfg.dqk)
-            v = v.view(count, cfg.num_heads, cfg.dv)
+            u, q, k, v = block.project(x)
             scores = torch.einsum("mhd,nhd->hmn", q, keys[layer]) + _bias(block, n - k_pos, delta_t, events).unsqueeze(0)
             attn = torch.einsum("hmn,nhd->mhd", F.silu(scores) * visible / cfg.max_seq_len, values[layer])
             own = (q * k).sum(-1) + _bias(block, zero, zero).unsqueeze(1)  # (C, H)
             attn = attn + (F.silu(own) / cfg.max_seq_len).unsqueeze(-1) * v
-            x = x + block.out(block.attn_norm(attn.reshape(count, -1)) * u)
+            x = block.combine(x, attn, u)
         return x
 
 
@@ -115,6 +111,9 @@ def _programs(model: RankingModel) -> dict[str, tuple[nn.Module, tuple, dict]]:
     if not isinstance(model.encoder, HSTUEncoder):
         raise ValueError(f"export needs an HSTU encoder; this run's encoder is {type(model.encoder).__name__}")
     cfg = model.encoder.cfg
+    if cfg.attn_norm != "layernorm":
+        raise ValueError(f"export supports attn_norm=layernorm; this run's encoder uses {cfg.attn_norm} "
+                         "(`recforge serve` serves it with the full forward pass)")  # fmt: skip
     d = model.prefix.dim if hasattr(model.prefix, "dim") else cfg.dim
     n, c = 9, 2
     tokens = torch.arange(1, n + 1, dtype=torch.int64)
@@ -155,8 +154,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, formats: tuple[str, ...
     unknown = set(formats) - {"torch", "onnx"}
     if unknown:
         raise ValueError(f"unknown export formats {sorted(unknown)}; expected torch and/or onnx")
-    run_dir = Path(run_dir)
-    model_dir = run_dir / "model" if (run_dir / "model" / "manifest.json").is_file() else run_dir
+    model_dir = model_dir_of(run_dir)
     model, manifest = load_slices(model_dir)
     model = model.float().eval()
     out = Path(out_dir)

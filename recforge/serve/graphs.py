@@ -164,13 +164,9 @@ class PaddedPass:
 
 def encode_blocks(encoder, x: Tensor, attend) -> Tensor:
     """x through every HSTU block with ``attend(layer, block, q, k, v) -> (T, H, Dv)`` as its attention."""
-    cfg = encoder.cfg
-    tokens = x.shape[0]
     for layer, block in enumerate(encoder.blocks):
-        u, v, q, k = torch.nn.functional.silu(block.uvqk(block.norm(x))).split(block.split_sizes, dim=-1)
-        q, k = q.view(tokens, cfg.num_heads, cfg.dqk), k.view(tokens, cfg.num_heads, cfg.dqk)
-        attn = attend(layer, block, q, k, v.view(tokens, cfg.num_heads, cfg.dv))
-        x = x + block.out(block.attn_norm(attn.reshape(tokens, cfg.num_heads * cfg.dv)) * u)
+        u, q, k, v = block.project(x)
+        x = block.combine(x, attend(layer, block, q, k, v), u)
     return x
 
 

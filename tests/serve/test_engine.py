@@ -169,17 +169,32 @@ def test_candidate_tower_postfix_is_served(tmp_path) -> None:
     torch.testing.assert_close(padded, cached, rtol=1e-5, atol=ATOL)
 
 
-@pytest.mark.parametrize("wrapper", ["context_cross", "din"])
+@pytest.mark.parametrize("wrapper", ["context_cross", "din", "visible_mean"])
 def test_wrapped_encoders_are_served_uncached(tmp_path, wrapper) -> None:
-    """model.context_cross / model.target_attention=din wrap the HSTU encoder: the engine serves them
-    with the full forward pass (all candidates as targets of one sequence), equal to per-candidate scoring."""
+    """model.context_cross / model.target_attention=din wrap the HSTU encoder, and model.attn_norm=visible_mean
+    divides by visible-key counts the cached passes do not carry: the engine serves them with the full
+    forward pass (all candidates as targets of one sequence), equal to per-candidate scoring."""
+    import dataclasses
+
+    from recforge.models import HSTUEncoder
     from recforge.models.ranking import ContextCross, RankingModel, TargetHistoryPool
+    from recforge.serve.export import export_run
     from _serve_helpers import DIM
 
     base = build_model(seed=6)
     torch.manual_seed(6)
-    wrap = ContextCross.wrap if wrapper == "context_cross" else TargetHistoryPool.wrap
-    model = RankingModel(base.prefix, wrap(base.encoder, DIM), base.postfix).eval()
+    if wrapper == "visible_mean":
+        encoder = HSTUEncoder(dataclasses.replace(base.encoder.cfg, attn_norm="visible_mean"))
+        for mine, theirs in zip(encoder.blocks, base.encoder.blocks):  # the biases as build_model set them
+            mine.pos_weights.data.copy_(theirs.pos_weights.data)
+            if theirs.time_weights is not None:
+                mine.time_weights.data.copy_(theirs.time_weights.data)
+    else:
+        encoder = (ContextCross.wrap if wrapper == "context_cross" else TargetHistoryPool.wrap)(base.encoder, DIM)
+    model = RankingModel(base.prefix, encoder, base.postfix).eval()
+    if wrapper == "visible_mean":
+        with pytest.raises(ValueError, match="attn_norm=layernorm"):
+            export_run(export(model, tmp_path / "export-source"), tmp_path / "exported")
     engine = RankEngine.from_run(export(model, tmp_path / wrapper))
     assert not engine.cached
     req = _request(engine, n_events=30, n_cands=6)
