@@ -311,6 +311,9 @@ def _validate_ranking(cfg: RunConfig) -> list[str]:
     binary = [t.name for t in names if t.kind == "binary"]
     if r.listwise_weight and not binary:
         problems.append("ranking.listwise_weight: needs a binary task")
+    if cfg.model.item_tower and (r.listwise_weight or cfg.train.token_budget):
+        problems.append("model.item_tower: trains its towers with pointwise losses on fixed batches only; "
+                        "set ranking.listwise_weight=0 and train.token_budget=0")  # fmt: skip
     m = re.fullmatch(r"(?P<task>[\w-]+)/(auc|gauc)", cfg.eval.select_metric)
     if m is None or (names and m.group("task") not in binary):
         problems.append(

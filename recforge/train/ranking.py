@@ -48,6 +48,7 @@ from recforge.data.ranking_samples import (
 from recforge.data.token_batching import steps_per_epoch, token_loss_scale
 from recforge.models.builders import build_ranking_model
 from recforge.models.ranking import (
+    CandidateTower,
     RankingModel,
     RankingPrefix,
     listwise_loss,
@@ -147,12 +148,9 @@ def _loss(s: Setup, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(objective to minimise, the loss with per-batch means) of ``batch`` (already on the device)."""
     labels = batch.labels["tasks"]
     x = s.model.postfix_inputs(batch)
-    if hasattr(s.model.postfix, "parts"):  # CandidateTower: each tower learns the tasks on its own
+    if isinstance(s.model.postfix, CandidateTower):  # each tower learns the tasks on its own (config: pointwise only)
         main, candidate = s.model.postfix.parts(x)
-        outputs = s.model.postfix(x)
         loss = pointwise_loss(main, labels, s.kinds, s.weights)[0] + pointwise_loss(candidate, labels, s.kinds, s.weights)[0]
-        if s.reference is not None or s.cfg.ranking.listwise_weight:
-            raise ValueError("model.item_tower supports pointwise losses with fixed batches only (no token_budget, listwise)")
         return loss, loss
     outputs = s.model.postfix(x)  # (N, K)
     if s.reference is not None:

@@ -103,12 +103,30 @@ def test_ranking_config_errors_are_collected() -> None:
         load_config(
             CONFIG,
             ["ranking.tasks=[bad, 'x:y>=z']", "ranking.task_weights=[1, 2, 3]", "eval.select_metric=hr@10",
-             "model.kind=sasrec", "ranking.max_targets=300", "ranking.test_fraction=0"],
+             "model.kind=sasrec", "ranking.max_targets=300", "ranking.test_fraction=0", "model.item_tower=0.5",
+             "ranking.listwise_weight=0.5"],
         )  # fmt: skip
     message = str(err.value)
     for fragment in ("'bad'", "'z' is not a number", "3 weights for 2 tasks", "TASK/auc", "hstu, dlrm and item",
-                     "max_targets", "test_fraction"):  # fmt: skip
+                     "max_targets", "test_fraction", "model.item_tower"):  # fmt: skip
         assert fragment in message, fragment
+
+
+def test_item_tower_trains_each_tower_on_its_own_loss(tmp_path: Path, data_dir: Path) -> None:
+    """With model.item_tower the objective is the main tower's loss plus the candidate tower's, each on
+    its own outputs (not the loss of their mixed score)."""
+    from recforge.models.ranking import pointwise_loss
+
+    overrides = [f"data.path={data_dir}", f"train.output_dir={tmp_path}", "model.item_tower=0.5", "model.dropout=0.0", *SMALL]
+    s = ranking.setup(load_config(CONFIG, overrides))
+    batch = ranking._batch(s, ranking._samples(s, "train"), torch.arange(16))
+    objective, _ = ranking._loss(s, batch)
+    labels = batch.labels["tasks"]
+    main, candidate = s.model.postfix.parts(s.model.postfix_inputs(batch))
+    expected = pointwise_loss(main, labels, s.kinds, s.weights)[0] + pointwise_loss(candidate, labels, s.kinds, s.weights)[0]
+    torch.testing.assert_close(objective, expected, rtol=1e-6, atol=1e-6)
+    mixed = pointwise_loss(s.model.postfix(s.model.postfix_inputs(batch)), labels, s.kinds, s.weights)[0]
+    assert not torch.allclose(objective, mixed, rtol=1e-3)
 
 
 VARIANTS = {  # ranking model variants whose bf16 step must run (each exercises other modules under autocast)
