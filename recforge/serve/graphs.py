@@ -89,6 +89,10 @@ class PaddedPass:
             st.tokens[start : start + size] = token_identity(item.features)
         self.keys[:, :start].copy_(st.keys[:, :start])
         self.values[:, :start].copy_(st.values[:, :start])
+        # past them: zeros. The mask hides those keys, but an invisible value still meets a zero weight,
+        # and 0 * inf is NaN: an earlier request's non-finite values must not leak into this one
+        self.keys[:, start:].zero_()
+        self.values[:, start:].zero_()
         n_times = start + (size if item.kind == "prefix" else 0)
         self.key_times[:n_times].copy_(st.timestamps[:n_times])
         self.where.copy_(torch.tensor([start, st.num_contextual]))

@@ -64,15 +64,21 @@ def test_padded_passes_equal_the_eager_engine(tmp_path, encoding, events, cands,
 
 
 def test_buffers_are_reused_across_requests_and_bounded(tmp_path) -> None:
-    """A bucket's buffers serve any request that fits it (stale keys of a longer history stay
-    invisible); the LRU keeps at most ``limit`` buckets."""
+    """A bucket's buffers serve any request that fits it: keys past the request's history (here NaN, as
+    stale or never-written memory may hold anything) stay invisible; the LRU keeps at most ``limit`` buckets."""
     engine = _engine(tmp_path)
     runner = GraphRunner(engine, limit=2, capture=False)
-    long_req, short_req = _request(engine, 60, 9, seed=1), _request(engine, 45, 10, seed=2)
+    long_req, short_req = _request(engine, 60, 9, seed=1), _request(engine, 50, 10, seed=2)  # 62 and 52 tokens
     _prefill_and_score(engine, runner.run, long_req)
-    scores, _ = _prefill_and_score(engine, runner.run, short_req)  # same (targets, 16, 64) bucket, shorter history
+    first = list(runner.passes)
+    for padded in runner.passes.values():
+        padded.keys.fill_(float("nan"))
+        padded.values.fill_(float("nan"))
+    scores, _ = _prefill_and_score(engine, runner.run, short_req)
+    assert list(runner.passes) == first == [("prefix", 64, 64), ("targets", 16, 64)]  # the same two buckets
     torch.testing.assert_close(scores, engine.rank_naive(short_req), rtol=1e-5, atol=ATOL)
-    assert len(runner.passes) <= 2 and runner.stats["evictions"] >= 1
+    _prefill_and_score(engine, runner.run, _request(engine, 40, 9, seed=3))  # 42 tokens: two new buckets
+    assert len(runner.passes) == 2 and runner.stats["evictions"] == 2
 
 
 @pytest.mark.gpu
