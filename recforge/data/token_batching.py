@@ -56,7 +56,7 @@ def steps_per_epoch(tokens: np.ndarray | torch.Tensor, batch_size: int, token_bu
     return len(token_budget_cuts(np.random.default_rng(seed).permutation(tokens), token_budget)) - 1
 
 
-def token_loss_scale(local_tokens: int, reference_tokens: int, world_size: int = 1) -> float:
+def token_loss_scale(reference_tokens: int, world_size: int = 1) -> float:
     """Factor that turns a per-token loss *sum* into a fixed-batch-semantics loss.
 
     ``loss = per_token_loss.sum() * token_loss_scale(...)``. With DDP, gradients are
@@ -64,7 +64,6 @@ def token_loss_scale(local_tokens: int, reference_tokens: int, world_size: int =
     resulting gradient is ``sum over all ranks' tokens / reference_tokens``.
 
     Args:
-        local_tokens: tokens whose losses are summed on this rank (only checked > 0).
         reference_tokens: the denominator: the token budget times world size for a
             constant per-token weight across steps, or the step's global token count
             (all-reduced) for an exact per-step mean.
@@ -72,6 +71,4 @@ def token_loss_scale(local_tokens: int, reference_tokens: int, world_size: int =
     """
     if reference_tokens <= 0:
         raise ValueError(f"reference_tokens must be > 0, got {reference_tokens}")
-    if local_tokens < 0:
-        raise ValueError(f"local_tokens must be >= 0, got {local_tokens}")
     return world_size / reference_tokens

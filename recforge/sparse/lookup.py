@@ -24,8 +24,8 @@ in ``lookup_kernels.py``.
 ``mark_rows`` (prefetch) needs neither inverse nor counts: it marks the rows of all N ids in a
 bitmap over the table's rows, without a sort.
 
-The torch path (``DynamicEmbedding._unique_lookup``) computes the same with torch ops; tests
-compare the two under Triton's interpreter.
+The torch path (``DynamicEmbedding._unique_lookup``, for CUDA without Triton) computes the same
+with torch ops; tests compare the kernels with ``torch.unique`` under Triton's interpreter.
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ def _token_weighted_loss(
         mean, _ = pointwise_loss(outputs[:, k : k + 1], labels[:, k : k + 1], [kind], [weight])
         known = (~torch.isnan(labels[:, k])).sum()  # on the device: no host sync per task
         loss = loss + mean
-        objective = objective + mean * known * token_loss_scale(0, float(ref.labels[k]))
+        objective = objective + mean * known * token_loss_scale(float(ref.labels[k]))
     if s.cfg.ranking.listwise_weight:
         k = s.kinds.index("binary")
         mean = s.cfg.ranking.listwise_weight * listwise_loss(outputs[:, k : k + 1], labels[:, k : k + 1], num_targets)
@@ -183,7 +183,7 @@ def _token_weighted_loss(
         positive = (torch.nan_to_num(labels[:, k], nan=0.0) > 0).to(outputs.dtype)
         lists = (outputs.new_zeros(num_targets.numel()).index_add_(0, sample_of_target, positive) > 0).sum()
         loss = loss + mean
-        objective = objective + mean * lists * token_loss_scale(0, ref.lists)
+        objective = objective + mean * lists * token_loss_scale(ref.lists)
     return objective, loss
 
 

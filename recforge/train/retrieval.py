@@ -92,7 +92,7 @@ def _loss(s: Setup, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return loss, loss
     # token-budget batches vary in T: weight every target 1/budget (as a fixed batch does), not 1/T
     num_targets = batch.labels["next_item"].numel()
-    return loss * (num_targets * token_loss_scale(num_targets, cfg.train.token_budget)), loss
+    return loss * (num_targets * token_loss_scale(cfg.train.token_budget)), loss
 
 
 def _train_step(s: Setup, batch: JaggedBatch) -> tuple[float, int]:

@@ -60,7 +60,7 @@ def _sorted_sum(grad: torch.Tensor, plan: lookup.LookupPlan, u: int) -> torch.Te
     return out
 
 
-# SEGMENT_MAX: one pass (runs <= 64); 4, 1: two passes (pieces of 4, of 1 position)
+# SEGMENT_MAX: one pass (runs <= 256); 4, 1: two passes (pieces of 4, of 1 position)
 @pytest.mark.parametrize("segment_max", [lookup.SEGMENT_MAX, 4, 1])
 @pytest.mark.parametrize("skew", [False, True])  # True: one id fills 60% of the batch (a Zipf head)
 def test_row_gradients_sum_duplicates(segment_max: int, skew: bool, monkeypatch: pytest.MonkeyPatch) -> None:

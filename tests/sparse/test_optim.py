@@ -116,7 +116,8 @@ def test_schedule_drives_the_update() -> None:
 
 def test_lr_scale_multiplies_the_tables_learning_rate() -> None:
     """step(lr_scale=s) equals a table configured with lr * s; s = 0 leaves the rows untouched."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    gen = torch.Generator().manual_seed(seed)
     ids, init, grad = torch.arange(V), torch.randn(V, D, generator=gen), torch.randn(V, D, generator=gen)
     tables = {}
     for name, lr, scale in (("scaled", 0.2, 0.25), ("plain", 0.05, 1.0), ("frozen", 0.2, 0.0)):
@@ -125,6 +126,6 @@ def test_lr_scale_multiplies_the_tables_learning_rate() -> None:
         (table(ids) * grad).sum().backward()
         SparseOptimizer([table]).step(lr_scale=scale)
         tables[name] = table(ids).detach()
-    torch.testing.assert_close(tables["scaled"], tables["plain"], rtol=0, atol=1e-7)
-    torch.testing.assert_close(tables["frozen"], init, rtol=0, atol=0)
-    torch.testing.assert_close(tables["plain"], init - 0.05 * grad, rtol=0, atol=1e-6)
+    torch.testing.assert_close(tables["scaled"], tables["plain"], rtol=0, atol=1e-7, msg=lambda m: f"seed {seed}: {m}")
+    torch.testing.assert_close(tables["frozen"], init, rtol=0, atol=0, msg=lambda m: f"seed {seed}: {m}")
+    torch.testing.assert_close(tables["plain"], init - 0.05 * grad, rtol=0, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
