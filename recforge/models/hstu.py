@@ -82,7 +82,10 @@ class HSTUBlock(nn.Module):
             attn = attn * (cfg.max_seq_len / visible_keys.to(attn.dtype)).unsqueeze(1)
         return x + self.out(self.dropout(attn * u))  # (T, d)
 
-    def forward(self, x: Tensor, seq_offsets: Tensor, max_seq_len: int, mask: AttentionMask, timestamps: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, seq_offsets: Tensor, max_seq_len: int, mask: AttentionMask, timestamps: Tensor | None,
+                visible_keys: Tensor | None = None) -> Tensor:  # fmt: skip
+        """``visible_keys`` (T,): for attn_norm=visible_mean, each token's visible-key count (the same in
+        every block: ``HSTUEncoder`` counts once per batch); counted here when not given."""
         cfg = self.cfg
         u, q, k, v = self.project(x)
         attn = hstu_attention(
@@ -98,12 +101,16 @@ class HSTUBlock(nn.Module):
             time_weights=self.time_weights if timestamps is not None else None,
             kernel=cfg.kernel,
         )  # (T, H, Dv)
-        visible_keys = None
-        if self.attn_norm is None:  # visible_mean: each query's visible keys (reference mask: CPU-scale batches)
-            visible = mask.dense(seq_offsets, max_seq_len).sum(-1)  # (B, N)
-            seq, pos = padding_index(seq_offsets, x.shape[0])
-            visible_keys = visible[seq, pos]  # (T,)
+        if self.attn_norm is None and visible_keys is None:
+            visible_keys = visible_key_counts(seq_offsets, max_seq_len, mask, x.shape[0])
         return self.combine(x, attn, u, visible_keys)
+
+
+def visible_key_counts(seq_offsets: Tensor, max_seq_len: int, mask: AttentionMask, tokens: int) -> Tensor:
+    """(T,) how many keys each token sees under ``mask`` (from the dense reference mask: O(B N^2) memory)."""
+    visible = mask.dense(seq_offsets, max_seq_len).sum(-1)  # (B, N)
+    seq, pos = padding_index(seq_offsets, tokens)
+    return visible[seq, pos]
 
 
 class HSTUEncoder(nn.Module):
@@ -129,6 +136,9 @@ class HSTUEncoder(nn.Module):
     ) -> Tensor:
         if max_seq_len > self.cfg.max_seq_len:
             raise ValueError(f"batch max_seq_len {max_seq_len} exceeds the encoder's max_seq_len {self.cfg.max_seq_len}")
+        visible_keys = None
+        if self.cfg.attn_norm == "visible_mean":  # once per batch, not per block
+            visible_keys = visible_key_counts(seq_offsets, max_seq_len, mask, x.shape[0])
         for block in self.blocks:
-            x = block(x, seq_offsets, max_seq_len, mask, timestamps)
+            x = block(x, seq_offsets, max_seq_len, mask, timestamps, visible_keys)
         return x
