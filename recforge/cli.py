@@ -100,12 +100,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
     from recforge.serve.engine import EngineConfig, RankEngine
     from recforge.serve.kv_pool import PoolConfig
     from recforge.serve.scheduler import SchedulerConfig
-    from recforge.serve.server import ServerConfig, create_app
+    from recforge.serve.server import ServerConfig, create_app, serve
 
     if args.threads:
         import torch
@@ -117,12 +115,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
         unknown_feature_values=args.unknown_feature_values, cuda_graphs=args.cuda_graphs))  # fmt: skip
     config = ServerConfig(
         scheduler=SchedulerConfig(token_budget=args.token_budget, max_wait_ms=args.max_wait_ms,
-                                  prefill_chunk=args.prefill_chunk, max_queue=args.max_queue),
+                                  prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
+                                  max_queue_ms=args.max_queue_ms),
         pool=PoolConfig(device_mb=args.cache_mb, host_mb=args.host_cache_mb) if args.cache_mb > 0 else None,
-        allow_reload=args.allow_reload, run_dir=args.run_dir,
+        request_timeout_ms=args.request_timeout_ms, allow_reload=args.allow_reload, run_dir=args.run_dir,
     )  # fmt: skip
+    app = create_app(engine, config)
     print(f"serving {args.run_dir} (model {engine.version}) on http://{args.host}:{args.port}  docs: /docs")
-    uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
+    serve(app, config, host=args.host, port=args.port, log_level=args.log_level)
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -184,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a pass waits for more requests")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="most history tokens of one request per pass")
     p.add_argument("--max-queue", type=int, default=1024, help="requests in flight before 503")
+    p.add_argument("--max-queue-ms", type=float, default=500.0,
+                   help="refuse (503 + Retry-After) a request when the work queued ahead of it would take longer")
+    p.add_argument("--request-timeout-ms", type=float, default=2000.0,
+                   help="default request deadline (504 after it); clients may set X-Request-Timeout-Ms")
     p.add_argument("--max-candidates", type=int, default=2000)
     p.add_argument("--max-history", type=int, default=100_000, help="events per request before 422")
     p.add_argument("--unknown-ids", default="error", choices=("error", "zero"),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +39,7 @@ from recforge.serve.layout import (
     prefix_tokens,
     training_batch,
 )
-from recforge.serve.model_dir import (
-    model_dir_of,
-    model_version,
-    read_vocab,
-    reload_slices,
-)
+from recforge.serve.model_dir import model_dir_of, model_version, read_vocab, stage_model, swap_slices
 from recforge.serve.state import PrefixState, WorkItem, copy_state, token_identity
 
 log = logging.getLogger(__name__)
@@ -92,6 +87,7 @@ class RankResult:
     computed_tokens: int = 0  # prefix tokens computed for this request
     truncated_events: int = 0
     timings_ms: dict[str, float] = field(default_factory=dict)
+    model_version: str = ""  # the model that computed every score of this result
 
     def task_scores(self) -> dict[str, list[float]]:
         """Per task: probabilities (binary tasks) or predicted values (regression)."""
@@ -111,8 +107,14 @@ class RankEngine:
         self.config.validate()
         self.device = _resolve_device(self.config.device)
         self.dtype = DTYPES[self.config.dtype]
-        self.model = model.eval().to(self.device, self.dtype)
+        self.pool = None  # a KVCachePool (set by the server or the caller); kept across reload()
+        self._configure(model.eval().to(self.device, self.dtype), manifest, vocab, version)
+
+    def _configure(self, model: RankingModel, manifest: dict, vocab: dict | None, version: str) -> None:
+        """Everything derived from the model and its manifest (run at start and by ``apply_reload``)."""
+        self.model = model
         self.manifest = manifest
+        self.vocab_json = vocab
         self.tasks = list(manifest.get("tasks") or [])
         self.action_encoding = manifest.get("action_encoding", "sum")
         prefix_cfg = getattr(model.prefix, "kwargs", {})
@@ -129,10 +131,6 @@ class RankEngine:
                 "features; re-export the run (recforge eval RUN_DIR) to write user_features into manifest.json"
             )
         self.version = version
-        self.pool = getattr(self, "pool", None)  # a KVCachePool; kept across reload()
-        self.pool_config = self.pool.config if self.pool is not None else None
-        if self.pool is not None and self.pool.version != version:
-            self.pool.invalidate(version)
         hstu = isinstance(model.encoder, HSTUEncoder)
         # the cached passes serve HSTU with attn_norm=layernorm; visible_mean divides each block's attention by
         # its visible-key count, which they do not carry: such a model (and any other encoder) runs the full forward
@@ -179,12 +177,13 @@ class RankEngine:
         if not self.cached:
             batch = training_batch(req, self.action_encoding, self.max_seq_len).to(self.device)
             scores = self.model(batch).float().cpu()
-            return RankResult(scores, self.tasks, 0, batch.num_tokens - req.num_candidates, req.truncated)
+            return RankResult(scores, self.tasks, 0, batch.num_tokens - req.num_candidates, req.truncated,
+                              model_version=self.version)  # fmt: skip
         tokens = prefix_tokens(req, self.action_encoding)
         pooled = state is None and self.pool is not None
-        if pooled:
+        if state is None:
             state = self.acquire(req, tokens)
-        reused = state.length if state is not None else 0
+        reused = state.length
         state = self.prefix_state(req, tokens, state)
         if pooled:
             self.release(req, state, reused)
@@ -192,27 +191,40 @@ class RankEngine:
         scores = self.score(state, candidate_tokens(req))
         t2 = time.perf_counter()
         timings = {"prefill": (t1 - t0) * 1e3, "candidates": (t2 - t1) * 1e3}
-        return RankResult(scores, self.tasks, reused, state.length - reused, req.truncated, timings)
+        return RankResult(scores, self.tasks, reused, state.length - reused, req.truncated, timings, self.version)
 
-    def acquire(self, req: EncodedRequest, tokens: dict[str, Tensor]) -> PrefixState | None:
-        """The pool's cached prefix of ``req.user`` when it is a prefix of this request, else None."""
-        state = self.pool.get(req.user, tokens["item_ids"].numel())
+    def acquire(self, req: EncodedRequest, tokens: dict[str, Tensor]) -> PrefixState:
+        """A working state for ``req``'s prefix with room for all of it: the pool's cached prefix of
+        ``req.user`` when it is a prefix of this request (``length`` tokens already computed), else
+        an empty one. It records the model version and the pool entry's generation it started from."""
+        total = tokens["item_ids"].numel()
+        state = self.pool.get(req.user, total) if self.pool is not None else None
         if state is not None and not self.reusable(state, req, tokens):
             self.pool.mark_stale(req.user)
-            return None
+            state = None
+        if state is None or state.capacity < total:
+            fresh = self.new_state(req, total)
+            if state is not None:
+                copy_state(state, fresh)
+            state = fresh
+        state.version = self.version
+        state.generation = self.pool.generation_of(req.user) if self.pool is not None else 0
         return state
 
-    def release(self, req: EncodedRequest, state: PrefixState, reused: int) -> None:
-        """Write the request's prefix back to the pool (only the tokens computed after ``reused``)."""
+    def release(self, req: EncodedRequest, state: PrefixState, reused: int) -> bool:
+        """Write the request's prefix back to the pool (only the tokens computed after ``reused``); False
+        when the pool refused it (a newer entry for the user, or another model version)."""
         self.pool.record(reused, state.length - reused)
-        self.pool.put(req.user, state, reused)
+        return self.pool.put(req.user, state, reused)
 
     # ------------------------------------------------------------------------------- compute
 
     def new_state(self, req: EncodedRequest, capacity: int) -> PrefixState:
         cfg = self.model.encoder.cfg
-        return PrefixState(cfg.num_blocks, capacity, cfg.num_heads, cfg.dqk, cfg.dv, req.context_ids.numel(),
-                           self.dtype, self.device)  # fmt: skip
+        state = PrefixState(cfg.num_blocks, capacity, cfg.num_heads, cfg.dqk, cfg.dv, req.context_ids.numel(),
+                            self.dtype, self.device)  # fmt: skip
+        state.version = self.version
+        return state
 
     def reusable(self, state: PrefixState, req: EncodedRequest, tokens: dict[str, Tensor]) -> bool:
         """True when ``state`` is a prefix of this request's tokens (same contextual features and events).
@@ -326,18 +338,55 @@ class RankEngine:
             outs.append(self.model(batch).float().cpu())
         return torch.cat(outs)
 
-    def reload(self, run_dir: str | Path) -> None:
-        """Replace the weights from a newly exported run, one slice at a time (never two whole models)."""
-        model_dir = model_dir_of(run_dir)
-        manifest = reload_slices(self.model, model_dir, self.device, self.dtype)
-        self.__init__(self.model, manifest, read_vocab(model_dir), self.config, model_version(model_dir))
-        if self.pool is not None and self.cached:
-            cfg = self.model.encoder.cfg
-            if tuple(self.pool.keys.shape[1:]) != (cfg.num_blocks, self.pool.config.block_size, cfg.num_heads, cfg.dqk):
-                from recforge.serve.kv_pool import KVCachePool
+    # ------------------------------------------------------------------------------- reload
 
-                self.pool = None  # free the old pages before allocating the new ones
-                self.pool = KVCachePool.for_engine(self, self.pool_config)
+    def stage_reload(self, run_dir: str | Path) -> RankEngine:
+        """Load and check a newly exported run without touching this engine.
+
+        Returns a host-side engine of the new model (CPU, this engine's dtype and limits, no pool,
+        no CUDA graphs) on which a probe request was scored; raises ``ValueError`` saying what is
+        wrong (missing or truncated files, a manifest that does not fit its slices, non-finite
+        scores). ``apply_reload`` then swaps it in."""
+        model, manifest, vocab, version = stage_model(run_dir, self.dtype)
+        staged = RankEngine(model, manifest, vocab, replace(self.config, device="cpu", cuda_graphs=0), version)
+        staged.probe()
+        return staged
+
+    def probe(self) -> None:
+        """Score one synthetic request (every code 1, no features); ``ValueError`` unless the scores are finite
+        and have one column per task."""
+        one = torch.ones(2, dtype=torch.int64)
+        req = EncodedRequest("__probe__", torch.zeros(self.num_contextual, dtype=torch.int64), one, one * 0,
+                             torch.arange(2), one[:1], 2)  # fmt: skip
+        try:
+            scores = self.rank_encoded(req).scores
+        except Exception as err:  # noqa: BLE001 - any failure means the model cannot serve
+            raise ValueError(f"model {self.version} fails on a probe request: {type(err).__name__}: {err}") from err
+        if scores.shape != (1, max(len(self.tasks), 1)) or not bool(torch.isfinite(scores).all()):
+            raise ValueError(f"model {self.version} gives scores {scores.tolist()} on a probe request "
+                             f"(expected {len(self.tasks)} finite values)")  # fmt: skip
+
+    def apply_reload(self, staged: RankEngine) -> None:
+        """Make ``staged`` (from ``stage_reload``) the live model: weights moved slice by slice (the device
+        never holds two whole models), CUDA graphs recaptured, every KV-cache entry invalidated (the
+        pool is rebuilt when the new encoder's shapes differ). The caller makes sure no pass runs."""
+        model = staged.model if self.device.type == "cpu" else swap_slices(self.model, staged.model, self.device)
+        self._configure(model, staged.manifest, staged.vocab_json, staged.version)
+        if self.pool is None:
+            return
+        cfg = self.model.encoder.cfg if self.cached else None
+        shape = (cfg.num_blocks, self.pool.config.block_size, cfg.num_heads, cfg.dqk) if cfg else None
+        if shape is not None and tuple(self.pool.keys.shape[1:]) == shape and self.pool.keys.dtype == self.dtype:
+            self.pool.invalidate(self.version)
+        else:
+            from recforge.serve.kv_pool import KVCachePool
+
+            config, self.pool = self.pool.config, None  # free the old pages before allocating new ones
+            self.pool = KVCachePool.for_engine(self, config) if self.cached else None
+
+    def reload(self, run_dir: str | Path) -> None:
+        """``apply_reload(stage_reload(run_dir))``: a failure leaves the live model untouched."""
+        self.apply_reload(self.stage_reload(run_dir))
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -14,10 +14,17 @@ request looks its user up (``get``), the engine checks that the cached tokens ar
 the request's and were computed under the same context (``RankEngine.reusable``), computes
 only the new tokens, and ``put`` writes back just those. ``invalidate`` drops everything when
 the model version changes; entries also carry their version.
+
+Writers never mix: every entry has a *generation*, new on each write. A state read from the
+pool remembers the generation it saw (``generation_of`` at lookup, 0 for none) and the model
+version it was computed with; ``put`` writes only when both still hold, so a slower request for
+the same user, or one computed under a model since replaced, never overwrites a newer entry
+(and never appends its tokens to keys another request wrote).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -49,6 +56,7 @@ class _DeviceEntry:
     timestamps: Tensor  # (n,) device
     num_contextual: int
     version: str
+    generation: int
 
 
 @dataclass
@@ -59,11 +67,14 @@ class _HostEntry:
     tokens: Tensor
     num_contextual: int
     version: str
+    generation: int
     ready: object = None  # torch.cuda.Event of the copy, None when complete
+    key_bytes: int = 0  # the user key, counted in the host bound too
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.timestamps, self.tokens))
+        tensors = sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.timestamps, self.tokens))
+        return tensors + self.key_bytes + ENTRY_OVERHEAD
 
 
 @dataclass
@@ -76,6 +87,7 @@ class PoolStats:
     evicted_to_host: int = 0
     dropped: int = 0
     too_large: int = 0
+    stale_writes: int = 0  # write-backs refused: the entry changed, or the model did, since the lookup
     reused_tokens: int = 0
     computed_tokens: int = 0
     extra: dict = field(default_factory=dict)
@@ -106,6 +118,8 @@ class KVCachePool:
         self.host_bytes = 0
         self.version = version
         self.stats = PoolStats()
+        self.metadata_bytes = 0  # device entries' token identities, timestamps and user keys (host memory)
+        self._generations = itertools.count(1)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @classmethod
@@ -130,7 +144,7 @@ class KVCachePool:
                 host.ready.synchronize()
             state = self._state_from_host(host, capacity)
             self._drop_host(user)
-            self.put(user, state, 0)  # promote: back into device pages
+            self._write(user, state, 0, host.generation)  # promote: back into device pages, same content
             return state
         self.stats.misses += 1
         return None
@@ -145,6 +159,7 @@ class KVCachePool:
         state.timestamps[:n] = entry.timestamps
         state.tokens[:n] = entry.tokens
         state.length = n
+        state.version, state.generation = entry.version, entry.generation
         return state
 
     def _state_from_host(self, host: _HostEntry, capacity: int) -> PrefixState:
@@ -156,13 +171,28 @@ class KVCachePool:
         state.timestamps[:n] = host.timestamps.to(self.device)
         state.tokens[:n] = host.tokens
         state.length = n
+        state.version, state.generation = host.version, host.generation
         return state
+
+    def generation_of(self, user: str) -> int:
+        """The generation of ``user``'s current entry in either tier (0: none); see the module docstring."""
+        entry = self.entries.get(user) or self.host.get(user)
+        return entry.generation if entry is not None else 0
 
     # ------------------------------------------------------------------------------- writes
 
     def put(self, user: str, state: PrefixState, start: int) -> bool:
         """Cache ``state`` for ``user``; when the cached entry already holds its first ``start`` tokens,
-        only tokens ``[start, length)`` are written. Returns False when it does not fit at all."""
+        only tokens ``[start, length)`` are written. Returns False when the write is refused: ``state``
+        was computed with another model version, ``user``'s entry changed since ``state.generation``
+        was read (a newer request wrote it), or the prefix does not fit at all."""
+        if state.version != self.version or self.generation_of(user) != state.generation:
+            self.stats.stale_writes += 1
+            return False
+        state.generation = next(self._generations)
+        return self._write(user, state, start, state.generation)
+
+    def _write(self, user: str, state: PrefixState, start: int, generation: int) -> bool:
         n, bs = state.length, self.config.block_size
         needed = math.ceil(n / bs)
         if needed > self.num_blocks:
@@ -173,10 +203,10 @@ class KVCachePool:
         if entry is None or entry.version != self.version or entry.length != start or start == 0:
             self.discard(user)
             entry = _DeviceEntry([], 0, state.tokens[:0], state.timestamps[:0], state.num_contextual,
-                                 self.version)  # fmt: skip
+                                 self.version, generation)  # fmt: skip
             start = 0
         else:
-            self.entries.pop(user)
+            self._pop_entry(user)
         grow = needed - len(entry.blocks)
         if not self._reserve(grow):
             self._release(entry.blocks)
@@ -192,19 +222,28 @@ class KVCachePool:
         entry.length = n
         entry.tokens = state.tokens[:n].clone()
         entry.timestamps = state.timestamps[:n].clone()
+        entry.generation = generation
         self.entries[user] = entry
+        self.metadata_bytes += _metadata_bytes(user, entry)
         return True
+
+    def _pop_entry(self, user: str) -> _DeviceEntry | None:
+        entry = self.entries.pop(user, None)
+        if entry is not None:
+            self.metadata_bytes -= _metadata_bytes(user, entry)
+        return entry
 
     def _reserve(self, blocks: int) -> bool:
         while len(self.free) < blocks and self.entries:
-            victim, entry = self.entries.popitem(last=False)
-            self._evict(victim, entry)
+            victim = next(iter(self.entries))
+            self._evict(victim, self._pop_entry(victim))
         return len(self.free) >= blocks
 
     def _evict(self, user: str, entry: _DeviceEntry) -> None:
         if self.config.host_mb > 0:
             state = self._materialize(entry, 0)
             host = self._to_host(state, entry)
+            host.key_bytes = len(user.encode())
             if host.nbytes <= self.config.host_mb * 2**20:
                 while self.host and self.host_bytes + host.nbytes > self.config.host_mb * 2**20:
                     self._drop_host(next(iter(self.host)))
@@ -234,7 +273,7 @@ class KVCachePool:
         else:
             host_k, host_v = keys.clone(), values.clone()
         return _HostEntry(host_k, host_v, state.timestamps[:n].cpu(), state.tokens[:n].clone(), entry.num_contextual,
-                          entry.version, ready)  # fmt: skip
+                          entry.version, entry.generation, ready)  # fmt: skip
 
     def _release(self, blocks: list[int]) -> None:
         self.free.extend(blocks)
@@ -245,7 +284,7 @@ class KVCachePool:
 
     def discard(self, user: str) -> None:
         """Forget ``user`` in both tiers."""
-        entry = self.entries.pop(user, None)
+        entry = self._pop_entry(user)
         if entry is not None:
             self._release(entry.blocks)
         if user in self.host:
@@ -283,6 +322,7 @@ class KVCachePool:
             "device_bytes_used": (self.num_blocks - len(self.free)) * self.block_bytes,
             "host_bytes_capacity": int(self.config.host_mb * 2**20),
             "host_bytes_used": self.host_bytes,
+            "metadata_bytes": self.metadata_bytes,
             "lookups": s.lookups,
             "device_hits": s.device_hits,
             "host_hits": s.host_hits,
@@ -293,7 +333,16 @@ class KVCachePool:
             "evicted_to_host": s.evicted_to_host,
             "dropped": s.dropped,
             "too_large": s.too_large,
+            "stale_writes": s.stale_writes,
         }
+
+
+ENTRY_OVERHEAD = 512  # bytes of Python objects per cached user (dict slot, dataclass, tensor headers), counted
+
+
+def _metadata_bytes(user: str, entry: _DeviceEntry) -> int:
+    """Host memory of a device entry besides its pages: token identities, timestamps, the user key."""
+    return entry.tokens.numel() * 8 + entry.timestamps.numel() * 8 + len(user.encode()) + ENTRY_OVERHEAD
 
 
 __all__ = ["KVCachePool", "PoolConfig", "PoolStats"]

@@ -7,9 +7,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-from recforge.models.ranking import SLICES, RankingModel, load_slice
+from recforge.models.ranking import SLICES, RankingModel, load_slices
 from recforge.models.slices import slice_spec
 
 
@@ -35,28 +34,39 @@ def read_vocab(model_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def reload_slices(model: RankingModel, model_dir: Path, device: torch.device, dtype: torch.dtype) -> dict:
-    """Replace ``model``'s weights with ``model_dir``'s, one slice at a time (never two whole models in
-    memory); returns the new manifest. A slice with the same class and config is loaded in place
-    (one slice's worth of extra memory); another is freed, then rebuilt."""
-    manifest = json.loads((model_dir / "manifest.json").read_text())
+def stage_model(run_dir: str | Path, dtype: torch.dtype) -> tuple[RankingModel, dict, dict | None, str]:
+    """Load ``run_dir``'s exported model into host memory: (model in ``dtype``, manifest, vocab, version).
+
+    Nothing live is touched; any problem with the directory (missing or truncated files, an
+    untrusted slice class, bad JSON) raises ``ValueError`` naming it."""
+    model_dir = model_dir_of(run_dir)
+    try:
+        model, manifest = load_slices(model_dir)
+        vocab = read_vocab(model_dir)
+    except ValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 - safetensors/OS errors: the directory is unusable
+        raise ValueError(f"cannot load the model in {model_dir}: {type(err).__name__}: {err}") from err
+    return model.eval().to(dtype=dtype), manifest, vocab, model_version(model_dir)
+
+
+def swap_slices(live: RankingModel, staged: RankingModel, device: torch.device) -> RankingModel:
+    """Move ``staged``'s weights into ``live`` on ``device``, one slice at a time, so the device never
+    holds two whole models: a slice with the same class and config is copied in place, another is
+    freed, then replaced by the staged one. Returns ``live``."""
     for name in SLICES:
-        current = getattr(model, name)
-        config = json.loads((model_dir / name / "config.json").read_text())
+        current, new = getattr(live, name), getattr(staged, name)
         try:
-            same = slice_spec(current) == {"class": config["class"], "kwargs": config["kwargs"]}
-        except TypeError:  # a module without slice_config(): rebuild it from the saved config
+            same = slice_spec(current) == slice_spec(new)
+        except TypeError:  # a module without slice_config(): replace it
             same = False
         if same:
-            weights = load_file(model_dir / name / "model.safetensors")
-            current.load_state_dict(weights)
-            del weights
+            current.load_state_dict(new.state_dict())
         else:
-            setattr(model, name, None)
+            setattr(live, name, None)
             del current
-            setattr(model, name, load_slice(model_dir / name).eval().to(device, dtype))
-    model.eval().to(device, dtype)
-    return manifest
+            setattr(live, name, new.to(device))
+    return live.eval()
 
 
-__all__ = ["model_dir_of", "model_version", "read_vocab", "reload_slices"]
+__all__ = ["model_dir_of", "model_version", "read_vocab", "stage_model", "swap_slices"]

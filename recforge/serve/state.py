@@ -12,7 +12,9 @@ class PrefixState:
     """Per-block keys/values of one user's prefix (contextual + history tokens), with room to grow.
 
     ``tokens`` (n, 4) holds each token's (item, action, context id, time): the identity a later
-    request's prefix is compared with before this state is reused.
+    request's prefix is compared with before this state is reused. ``version`` is the model version
+    its keys/values were computed with, ``generation`` the KV-cache pool entry it was read from
+    (``KVCachePool.generation_of`` at lookup): a write-back is refused when either has changed.
     """
 
     def __init__(self, num_layers: int, capacity: int, heads: int, dqk: int, dv: int, num_contextual: int,
@@ -23,6 +25,8 @@ class PrefixState:
         self.tokens = torch.zeros(capacity, 4, dtype=torch.int64)
         self.length = 0
         self.num_contextual = num_contextual
+        self.version = ""
+        self.generation = 0
 
     @property
     def capacity(self) -> int:
@@ -64,6 +68,7 @@ def copy_state(src: PrefixState, dst: PrefixState) -> None:
     dst.timestamps[:n] = src.timestamps[:n]
     dst.tokens[:n] = src.tokens[:n]
     dst.length = n
+    dst.version, dst.generation = src.version, src.generation
 
 
 __all__ = ["PrefixState", "WorkItem", "copy_state", "token_identity"]
