@@ -112,6 +112,9 @@ def describe(err: ValidationError, messages: dict[tuple[str, str], str] | None =
     for e in err.errors(include_url=False)[:limit]:
         where = ".".join(str(p) for p in e["loc"]) or "body"
         msg = (messages or {}).get((str(e["loc"][0]) if e["loc"] else "", e["type"]), e["msg"])
+        if e["type"] == "json_invalid":
+            msg = (f"not valid JSON ({e['msg'].removeprefix('Invalid JSON: ')}); strings must be valid UTF-8 "
+                   "without lone surrogates such as \\ud800")  # fmt: skip
         lines.append(f"{where}: {msg}")
     more = err.error_count() - limit
     return "; ".join(lines) + (f"; and {more} more" if more > 0 else "")

@@ -192,14 +192,9 @@ def encode_request(vocab: Vocab, config: EngineConfig, max_events: int, user: An
 
 
 def _key(value: Any) -> Any:
-    """Raw IDs compare as int when they look like ints (JSON may carry "12" or 12)."""
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.lstrip("-").isdigit():
-        return int(value)
-    return value
+    """Raw IDs match by JSON type and value: the integer 12 is not the string "12" (nor "١٢"); IDs are the
+    vocabulary's own values, integers or strings as the dataset had them."""
+    return str(value) if isinstance(value, bool) else value
 
 
 def _int(value: Any, what: str) -> int:

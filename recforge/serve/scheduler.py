@@ -305,13 +305,13 @@ class BatchRunner:
             if len(self._incoming) + len(self.scheduler) >= self.config.max_queue:
                 raise OverloadedError(f"{self.config.max_queue} requests already queued; retry later", 1.0)
             own = self._tokens_estimate(req)
-            wait = self._cost.estimate(self._backlog_tokens + self._incoming_tokens + own)
-            limit = min(self.config.max_queue_ms / 1e3, deadline - now)
-            if wait > limit:
+            ahead = self._cost.estimate(self._backlog_tokens + self._incoming_tokens)  # 0 when nothing is queued
+            limit = min(self.config.max_queue_ms / 1e3, deadline - now - self._cost.estimate(own))
+            if ahead > 0 and ahead > limit:
                 raise OverloadedError(
-                    f"about {wait * 1e3:.0f} ms of work is queued ahead of this request, over its limit of "
-                    f"{limit * 1e3:.0f} ms (max_queue_ms or the request's deadline); retry later",
-                    retry_after=max(1.0, math.ceil(wait - self.config.max_queue_ms / 1e3)),
+                    f"about {ahead * 1e3:.0f} ms of work is queued ahead of this request, over its limit of "
+                    f"{max(limit, 0) * 1e3:.0f} ms (max_queue_ms, or what its deadline leaves); retry later",
+                    retry_after=max(1.0, math.ceil(ahead - self.config.max_queue_ms / 1e3)),
                 )  # fmt: skip
             seq = Sequence(req, Future(), now, deadline)
             self._incoming.append(seq)

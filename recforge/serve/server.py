@@ -208,7 +208,9 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
 
     if config.allow_reload:
 
-        @app.post("/v1/reload", responses={409: {"model": ErrorOut}, 422: {"model": ErrorOut}})
+        @app.post("/v1/reload", responses={409: {"model": ErrorOut}, 422: {"model": ErrorOut}},
+                  openapi_extra={"requestBody": {"content": {"application/json": {
+                      "schema": {"$ref": "#/components/schemas/ReloadIn"}}}}})  # fmt: skip
         async def reload(request: Request) -> dict[str, str]:
             nonlocal models
             try:
@@ -237,6 +239,7 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             components.update(request_schema.pop("$defs", {}))
             components["RankRequestIn"] = request_schema
+            components["ReloadIn"] = ReloadIn.model_json_schema()
             app.openapi_schema = schema
         return app.openapi_schema
 
