@@ -119,6 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                                   max_queue_ms=args.max_queue_ms),
         pool=PoolConfig(device_mb=args.cache_mb, host_mb=args.host_cache_mb) if args.cache_mb > 0 else None,
         request_timeout_ms=args.request_timeout_ms, allow_reload=args.allow_reload, run_dir=args.run_dir,
+        gil_switch_interval_ms=args.gil_switch_ms,
     )  # fmt: skip
     app = create_app(engine, config)
     print(f"serving {args.run_dir} (model {engine.version}) on http://{args.host}:{args.port}  docs: /docs")
@@ -198,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-cache-mb", type=float, default=1024.0, help="KV-cache host tier (0: none)")
     p.add_argument("--cuda-graphs", type=int, default=32,
                    help="on CUDA: replay engine passes as CUDA graphs, keeping this many shape buckets (0: off)")
+    p.add_argument("--gil-switch-ms", type=float, default=0.5,
+                   help="sys.setswitchinterval for the server process (the HTTP loop and the batching worker share the GIL)")
     p.add_argument("--allow-reload", action="store_true", help="expose POST /v1/reload")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)

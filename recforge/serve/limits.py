@@ -6,7 +6,11 @@ headers and bodies, and a status count of every response (the framework's own 4x
   they arrive; 413 as soon as the limit is passed), within ``body_timeout_s`` (408), then hands
   the app the buffered body. After the body, ``receive`` still reports the client's disconnect,
   which the rank handler uses to drop work nobody waits for.
-- ``http_protocol(header_timeout_s)``: uvicorn's h11 protocol with a deadline on request headers
+- Load shedding before any parsing: ``shed(path)`` is asked first, and a request it refuses gets
+  503 with ``Retry-After`` without its body being read, so refusing costs almost nothing when
+  the server is past saturation. ``LoopLag`` measures how late the event loop runs its
+  callbacks (a busy loop cannot even read the requests it would refuse).
+- ``http_protocol(header_timeout_s)``: uvicorn's protocol with a deadline on request headers
   (slowloris: a connection that does not finish its headers in time is closed). uvicorn itself
   only times out idle keep-alive connections.
 """
@@ -15,30 +19,40 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 Status = Callable[[str, int], None]  # (path, status) of every response
+Shed = Callable[[str], "tuple[float, str] | None"]  # path -> (retry after s, why) to refuse the request now
 
 
 class RequestLimits:
     """ASGI middleware: see the module docstring. ``on_status(path, status)`` sees every response."""
 
-    def __init__(self, app, max_body_bytes: int, body_timeout_s: float, on_status: Status | None = None) -> None:
-        self.app, self.max_body_bytes, self.body_timeout_s, self.on_status = app, max_body_bytes, body_timeout_s, on_status
+    def __init__(self, app, max_body_bytes: int, body_timeout_s: float, on_status: Status | None = None,
+                 shed: Shed | None = None) -> None:  # fmt: skip
+        self.app, self.max_body_bytes, self.body_timeout_s = app, max_body_bytes, body_timeout_s
+        self.on_status, self.shed = on_status, shed
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope["path"]
+        scope.setdefault("state", {})["arrival"] = time.monotonic()  # deadlines count from here
 
         async def counted_send(message) -> None:
             if message["type"] == "http.response.start" and self.on_status is not None:
                 self.on_status(path, message["status"])
             await send(message)
 
+        refused = self.shed(path) if self.shed is not None else None
+        if refused is not None:
+            retry_after, why = refused
+            await _reply(counted_send, 503, why, [(b"retry-after", str(int(retry_after)).encode())])
+            return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
             await _reply(counted_send, 413, f"request body of {declared.decode(errors='replace')} bytes exceeds the "
@@ -88,18 +102,42 @@ class _Disconnected(Exception):
     pass
 
 
-async def _reply(send, status: int, detail: str) -> None:
+async def _reply(send, status: int, detail: str, extra: list | None = None) -> None:
     body = json.dumps({"detail": detail}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close"),
+               *(extra or [])]  # fmt: skip
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
-def http_protocol(header_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol whose connections must deliver each request's headers within
-    ``header_timeout_s`` of their first byte (or of the connection's start); else they are closed."""
+class LoopLag:
+    """How late the event loop wakes up (seconds; a peak that decays), sampled every ``interval_s``."""
 
-    class HeaderTimeoutH11(H11Protocol):
+    def __init__(self, interval_s: float = 0.02) -> None:
+        self.interval_s, self.lag_s = interval_s, 0.0
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(self.interval_s)
+            late = time.monotonic() - t0 - self.interval_s
+            self.lag_s = max(late, 0.8 * self.lag_s)
+
+
+def http_protocol(header_timeout_s: float, base: type = HttpToolsProtocol) -> type:
+    """uvicorn's HTTP protocol (httptools by default; ``base`` may be uvicorn's ``H11Protocol``) whose
+    connections must deliver each request's headers within ``header_timeout_s`` of their first byte (or of
+    the connection's start); else they are closed."""
+
+    class HeaderTimeoutProtocol(base):
         _header_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:
@@ -132,7 +170,7 @@ def http_protocol(header_timeout_s: float) -> type[H11Protocol]:
             if self.cycle is None or self.cycle.response_complete:
                 self.transport.close()
 
-    return HeaderTimeoutH11
+    return HeaderTimeoutProtocol
 
 
-__all__ = ["RequestLimits", "http_protocol"]
+__all__ = ["LoopLag", "RequestLimits", "http_protocol"]

@@ -97,6 +97,7 @@ class Sequence:
     reused: int = 0
     scores: list[torch.Tensor] = field(default_factory=list)
     scored: int = 0  # candidates done
+    first_pass: float = 0.0  # time.monotonic() of its first engine pass (0: none yet)
 
     @property
     def prefix_total(self) -> int:
@@ -283,6 +284,7 @@ class BatchRunner:
         self._incoming_tokens = 0
         self._backlog_tokens = 0  # the scheduler's remaining tokens, published by the worker after each pass
         self._cost = _PassCost()
+        self._queue_delay = 0.0  # seconds from arrival to first pass, averaged over recent requests
         self._cond = threading.Condition()
         self._closing = False
         self._drain_until = math.inf
@@ -305,7 +307,7 @@ class BatchRunner:
             if len(self._incoming) + len(self.scheduler) >= self.config.max_queue:
                 raise OverloadedError(f"{self.config.max_queue} requests already queued; retry later", 1.0)
             own = self._tokens_estimate(req)
-            ahead = self._cost.estimate(self._backlog_tokens + self._incoming_tokens)  # 0 when nothing is queued
+            ahead = self.queued_seconds()
             limit = min(self.config.max_queue_ms / 1e3, deadline - now - self._cost.estimate(own))
             if ahead > 0 and ahead > limit:
                 raise OverloadedError(
@@ -323,6 +325,14 @@ class BatchRunner:
         pool = self.engine.pool
         miss = 1.0 - (pool.report()["token_hit_rate"] if pool is not None else 0.0)
         return req.items.numel() * miss + req.num_candidates
+
+    def queued_seconds(self) -> float:
+        """How long a new request would wait before its first pass: the larger of the queued work's estimated
+        time (tokens x measured seconds per token) and the wait recent requests actually had (which also
+        sees what the cost model misses: per-request overheads, a busy host). 0 when nothing is queued."""
+        if not (self._backlog_tokens or self._incoming_tokens):
+            return 0.0
+        return max(self._cost.estimate(self._backlog_tokens + self._incoming_tokens), self._queue_delay)
 
     def pending(self) -> int:
         return len(self._incoming) + len(self.scheduler)
@@ -408,6 +418,7 @@ class BatchRunner:
             arrivals = [] if self._reload is not None else list(self._incoming)
             if arrivals:
                 self._incoming.clear()
+                self._backlog_tokens += self._incoming_tokens  # still queued work, until the scheduler recounts it
                 self._incoming_tokens = 0
         now = time.monotonic()
         if self._reload is not None and not len(sched):
@@ -415,9 +426,11 @@ class BatchRunner:
             return True
         arrivals = [seq for seq in arrivals if self._live(seq, now)]
         if not self.engine.cached:  # no prefix cache to share: the full forward pass per request
-            for seq in arrivals:
+            for i, seq in enumerate(arrivals):
+                self._backlog_tokens = sum(s.req.items.numel() + s.req.num_candidates for s in arrivals[i:])
                 if self._live(seq, time.monotonic()):
                     self._run_alone(seq)
+            self._backlog_tokens = 0
             return True
         for seq in arrivals:
             try:
@@ -453,6 +466,8 @@ class BatchRunner:
             _resolve(seq.future, error=err)
 
     def _run_alone(self, seq: Sequence) -> None:
+        seq.first_pass = time.monotonic()
+        self._queue_delay = 0.8 * self._queue_delay + 0.2 * (seq.first_pass - seq.arrival)
         t0 = time.perf_counter()
         try:
             result = self.engine.rank_encoded(seq.req)
@@ -481,8 +496,12 @@ class BatchRunner:
                 except Exception as err:  # noqa: BLE001
                     outputs.append(err)
         seconds = time.perf_counter() - t0
-        self.last_beat = time.monotonic()
+        self.last_beat = now = time.monotonic()
         self._cost.observe(plan.num_tokens, seconds)
+        for seq, _ in plan.work:
+            if not seq.first_pass:
+                seq.first_pass = now
+                self._queue_delay = 0.8 * self._queue_delay + 0.2 * (now - seq.arrival)
         ok = [(pair, out) for pair, out in zip(plan.work, outputs) if not isinstance(out, Exception)]
         for (seq, _), out in zip(plan.work, outputs):
             if isinstance(out, Exception):

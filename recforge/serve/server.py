@@ -42,7 +42,7 @@ from recforge.serve.api import ErrorOut, RankResponseOut, ReloadIn, RequestModel
 from recforge.serve.engine import RankEngine
 from recforge.serve.kv_pool import KVCachePool, PoolConfig
 from recforge.serve.layout import RequestError
-from recforge.serve.limits import RequestLimits, http_protocol
+from recforge.serve.limits import LoopLag, RequestLimits, http_protocol
 from recforge.serve.scheduler import BatchRunner, DeadlineExceeded, OverloadedError, SchedulerConfig
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
@@ -62,13 +62,16 @@ class ServerConfig:
     header_timeout_s: float = 10.0  # a connection must send a request's headers within this (else closed)
     body_timeout_s: float = 30.0  # ... and its body within this (else 408)
     max_connections: int = 4096  # open connections beyond this get 503 from uvicorn
+    max_loop_lag_ms: float = 250.0  # refuse new rank requests (503) while the event loop runs this late
+    gil_switch_interval_ms: float = 0.5  # serve(): sys.setswitchinterval, so the event loop gets the GIL in time
     allow_reload: bool = False  # expose POST /v1/reload
     run_dir: str | None = None  # default reload source
 
     def validate(self) -> None:
         problems = [f"{name} must be > 0, got {getattr(self, name)}" for name in
                     ("max_body_bytes", "max_string_chars", "request_timeout_ms", "max_request_timeout_ms",
-                     "header_timeout_s", "body_timeout_s", "max_connections") if not getattr(self, name) > 0]  # fmt: skip
+                     "header_timeout_s", "body_timeout_s", "max_connections", "max_loop_lag_ms", "gil_switch_interval_ms")
+                    if not getattr(self, name) > 0]  # fmt: skip
         if problems:
             raise ValueError("ServerConfig: " + "; ".join(problems))
         self.scheduler.validate()
@@ -132,11 +135,27 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
     runner.on_pass = metrics.on_pass
     models = RequestModels.for_engine(engine, config.max_string_chars)
     reload_lock = asyncio.Lock()
+    lag = LoopLag()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        lag.start()
         yield
+        lag.stop()
         await asyncio.to_thread(runner.close)  # in-flight requests finish within drain_timeout_s
+
+    def shed(path: str) -> tuple[float, str] | None:
+        """Refuse a rank request before reading it when the queue or the event loop is already too late."""
+        if path != "/v1/rank":
+            return None
+        queued = runner.queued_seconds()
+        if queued * 1e3 > config.scheduler.max_queue_ms:
+            return max(1.0, math.ceil(queued - config.scheduler.max_queue_ms / 1e3)), (
+                f"overloaded: about {queued * 1e3:.0f} ms of work is queued (max_queue_ms "
+                f"{config.scheduler.max_queue_ms:g}); retry later")  # fmt: skip
+        if lag.lag_s * 1e3 > config.max_loop_lag_ms:
+            return 1.0, f"overloaded: the server is {lag.lag_s * 1e3:.0f} ms behind reading requests; retry later"
+        return None
 
     app = FastAPIOffline(
         lifespan=lifespan,
@@ -149,7 +168,7 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
     )  # fmt: skip
     app.state.engine, app.state.runner, app.state.metrics = engine, runner, metrics
     app.add_middleware(RequestLimits, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s,
-                       on_status=metrics.on_status)  # fmt: skip
+                       on_status=metrics.on_status, shed=shed)  # fmt: skip
 
     @app.exception_handler(RequestError)
     async def _bad_request(request: Request, err: RequestError) -> JSONResponse:
@@ -163,7 +182,7 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
                   "schema": {"$ref": "#/components/schemas/RankRequestIn"}}}}})  # fmt: skip
     async def rank(request: Request) -> RankResponseOut:
-        started = time.monotonic()
+        started = request.scope.get("state", {}).get("arrival", time.monotonic())
         timeout_ms = _timeout_ms(request, config)
         body = models.parse(await request.body())
         req = engine.encode(body.user_id, body.history.model_dump(), body.candidates,
@@ -295,8 +314,13 @@ async def _disconnected(request: Request) -> None:
 def serve(app: FastAPI, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> None:
     """Run ``app`` with uvicorn under ``config``'s transport limits (header/keep-alive timeouts, connection cap,
     a bounded graceful shutdown)."""
+    import sys
+
     import uvicorn
 
+    # the batching worker thread holds the GIL between torch calls; with the default 5 ms switch interval the
+    # event loop waits that long for each turn and cannot even read (and refuse) requests at high rates
+    sys.setswitchinterval(config.gil_switch_interval_ms / 1e3)
     uvicorn.run(app, host=host, port=port, log_level=log_level, http=http_protocol(config.header_timeout_s),
                 limit_concurrency=config.max_connections, timeout_keep_alive=5,
                 timeout_graceful_shutdown=math.ceil(config.scheduler.drain_timeout_s) + 1)  # fmt: skip

@@ -12,6 +12,8 @@ import httpx
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from recforge.serve.engine import EngineConfig, RankEngine
 from recforge.serve.kv_pool import PoolConfig
@@ -189,12 +191,12 @@ def test_a_failed_reload_is_a_422_and_changes_nothing(client, run, tmp_path) -> 
 class _Server:
     """A real uvicorn server on loopback in a thread, with recforge's transport limits."""
 
-    def __init__(self, app, config: ServerConfig) -> None:
+    def __init__(self, app, config: ServerConfig, base=None) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    http=http_protocol(config.header_timeout_s)))  # fmt: skip
+                                                    http=http_protocol(config.header_timeout_s, base)))  # fmt: skip
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
@@ -211,14 +213,15 @@ class _Server:
 
 
 @pytest.mark.integration
-def test_slow_headers_and_bodies_are_cut_off_and_gone_clients_cost_nothing(run) -> None:
+@pytest.mark.parametrize("base", [HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"])
+def test_slow_headers_and_bodies_are_cut_off_and_gone_clients_cost_nothing(run, base) -> None:
     engine = RankEngine.from_run(run, EngineConfig())
     gate = threading.Event()
     real_run = engine.run
     engine.run = lambda items: (gate.wait(10), real_run(items))[1]
     config = _config(run, header_timeout_s=0.5, body_timeout_s=0.5, scheduler=SchedulerConfig(max_wait_ms=0))
     app = create_app(engine, config)
-    with _Server(app, config) as srv:
+    with _Server(app, config, base) as srv:
         slow = socket.create_connection(("127.0.0.1", srv.port))
         slow.sendall(b"POST /v1/rank HTTP/1.1\r\nHost: x\r\n")  # headers never finished
         slow.settimeout(5)

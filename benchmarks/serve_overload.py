@@ -1,0 +1,329 @@
+"""`recforge serve` past saturation: goodput, hung requests, memory and recovery under 2x the saturating rate.
+
+Usage:
+    python benchmarks/serve_overload.py --out benchmarks/results/serve_overload-cpu.json
+    python benchmarks/serve_overload.py --device cuda --client-procs 8 --out benchmarks/results/serve_overload-h200.json
+
+Exports the randomly initialised ranking model of ``serve_load.py`` (d=64, 2 HSTU blocks, 100,000
+items), starts `recforge serve` on loopback in a subprocess and drives POST /v1/rank from
+``--client-procs`` client processes. Users return: each request extends its user's history by
+0-2 events (so the KV cache serves most of the prefix, as in production), 1 request in 10 is a
+new user. Phases, one after the other against the same server:
+
+1. saturation: a closed loop of ``--concurrency`` clients for ``--saturation-seconds``; the
+   saturating rate R = answered (200) requests per second.
+2. baseline: open loop at 0.5 R; its p99 is the "normal" p99.
+3. burst: open loop at ``--overload`` x R (default 2) for ``--burst-seconds`` (default 60).
+   Goodput = requests answered 200 within their deadline, per second; its ratio to R is the
+   figure of merit (goal >= 0.9). A request with no answer ``--grace-s`` after its deadline is
+   *hung* (goal: 0). The server's RSS is sampled every 0.5 s throughout.
+4. recovery: open loop at 0.5 R; the time from the burst's end until a 1-second window's p99
+   is back within 1.5x the baseline p99 (goal <= 5 s).
+
+Every request carries the server's default deadline (``--deadline-ms``). Latency counts from the
+moment the client sends a request; the client's lag behind its schedule is reported apart
+("lag ms", p99), and "sent/s" says whether the clients kept up with the offered rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+
+from _machine import cpu_model
+from serve_load import ACTIONS, NUM_ITEMS, export_model, free_port
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Users:
+    """Returning users whose histories grow by a few events per request (one client process's share)."""
+
+    def __init__(self, first: int, count: int, history: int, candidates: int, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.first, self.count, self.history, self.candidates = first, count, history, candidates
+        self.items: dict[int, list] = {}
+        self.next_new = first + count
+
+    def body(self) -> bytes:
+        rng = self.rng
+        if rng.random() < 0.1:
+            user = self.next_new
+            self.next_new += 1
+        else:
+            user = self.first + int(rng.integers(self.count))
+        events = self.items.get(user)
+        if events is None:
+            n = self.history - 40
+            events = [rng.integers(1, NUM_ITEMS + 1, n).tolist(), (1_700_000_000 + np.cumsum(rng.integers(1, 600, n))).tolist(),
+                      [ACTIONS[a] for a in rng.integers(0, len(ACTIONS), n)]]  # fmt: skip
+        if len(events[0]) < self.history:
+            for _ in range(int(rng.integers(0, 3))):
+                events[0].append(int(rng.integers(1, NUM_ITEMS + 1)))
+                events[1].append(events[1][-1] + int(rng.integers(1, 600)))
+                events[2].append(ACTIONS[int(rng.integers(len(ACTIONS)))])
+        self.items[user] = events
+        body = {"user_id": f"user{user}", "history": {"items": events[0], "timestamps": events[1], "actions": events[2]},
+                "candidates": rng.integers(1, NUM_ITEMS + 1, self.candidates).tolist(),
+                "user_features": {"user_id": str(user % 1000), "gender": "f"}, "timestamp": events[1][-1] + 60}  # fmt: skip
+        return json.dumps(body).encode()
+
+
+async def _send(client: httpx.AsyncClient, body: bytes, scheduled: float, timeout: float, out: list) -> None:
+    sent = time.perf_counter()  # latency counts from here: a client that falls behind its schedule is not the server's
+    try:
+        response = await client.post("/v1/rank", content=body, headers={"content-type": "application/json"},
+                                     timeout=timeout)  # fmt: skip
+        status = response.status_code
+    except httpx.TimeoutException:
+        status = -1  # no answer by deadline + grace: hung
+    except httpx.TransportError:
+        status = -2
+    out.append((sent, time.perf_counter() - sent, status, sent - scheduled))
+
+
+async def _open_loop(url: str, bodies: list[bytes], rate: float, timeout: float) -> list:
+    """Send ``bodies`` (made beforehand, so the client's own work is small) at ``rate`` per second."""
+    out: list = []
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
+    async with httpx.AsyncClient(base_url=url, limits=limits) as client:
+        tasks, t0 = [], time.perf_counter()
+        for i, body in enumerate(bodies):
+            scheduled = t0 + i / rate
+            delay = scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(_send(client, body, scheduled, timeout, out)))
+        await asyncio.gather(*tasks)
+    return out
+
+
+async def _closed_loop(url: str, users: Users, concurrency: int, seconds: float, timeout: float) -> list:
+    out: list = []
+    end = time.perf_counter() + seconds
+    async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=concurrency)) as client:
+
+        async def worker() -> None:
+            while time.perf_counter() < end:
+                await _send(client, users.body(), time.perf_counter(), timeout, out)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return out
+
+
+_USERS: dict[int, Users] = {}  # per client process: users keep their histories from phase to phase
+
+
+def _client(args: tuple) -> list:
+    """One client process: its own users, one phase (open or closed loop); returns (sent, latency, status) rows."""
+    url, proc, kind, rate_or_conc, seconds, timeout, start_at, opts = args
+    if proc not in _USERS:
+        _USERS[proc] = Users(proc * 10**7, opts["users"], opts["history"], opts["candidates"], seed=proc)
+    if kind == "closed":
+        time.sleep(max(0.0, start_at - time.time()))
+        return asyncio.run(_closed_loop(url, _USERS[proc], int(rate_or_conc), seconds, timeout))
+    bodies = [_USERS[proc].body() for _ in range(int(rate_or_conc * seconds))]
+    time.sleep(max(0.0, start_at - time.time()))
+    return asyncio.run(_open_loop(url, bodies, rate_or_conc, timeout))
+
+
+def run_phase(pool, url: str, procs: int, kind: str, value: float, seconds: float, timeout: float, opts: dict) -> list:
+    start_at = time.time() + 0.5 + (value * seconds / procs) * 3e-4 * (kind == "open")  # after the bodies are made
+    per = value / procs if kind == "open" else max(1, int(value // procs))
+    parts = pool.map(_client, [(url, p, kind, per, seconds, timeout, start_at, opts) for p in range(procs)], chunksize=1)
+    return [row for part in parts for row in part]
+
+
+def summarize(rows: list, seconds: float, deadline_s: float) -> dict:
+    lat = np.array([r[1] for r in rows]) if rows else np.zeros(0)
+    status = np.array([r[2] for r in rows]) if rows else np.zeros(0, dtype=int)
+    ok = status == 200
+    good = ok & (lat <= deadline_s)
+    counts = {str(s): int((status == s).sum()) for s in sorted(set(status.tolist()))}
+    return {"sent": len(rows), "statuses": counts, "answered_rps": ok.sum() / seconds, "goodput_rps": good.sum() / seconds,
+            "hung": int((status == -1).sum()), "transport_errors": int((status == -2).sum()),
+            "sent_rps": len(rows) / seconds, "client_lag_p99_ms": float(np.percentile([r[3] for r in rows], 99) * 1e3) if rows else 0.0,
+            "p50_ms": float(np.percentile(lat[ok], 50) * 1e3) if ok.any() else float("nan"),
+            "p99_ms": float(np.percentile(lat[ok], 99) * 1e3) if ok.any() else float("nan")}  # fmt: skip
+
+
+def server_latency(url: str) -> dict[float, float]:
+    """The server's own POST /v1/rank latency histogram (cumulative counts by upper bound, seconds)."""
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("recforge_rank_latency_seconds_bucket"):
+            bound = line.split('le="')[1].split('"')[0]
+            out[float("inf") if bound == "+Inf" else float(bound)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def histogram_quantile(before: dict, after: dict, q: float) -> float:
+    """Upper bound (ms) of the bucket holding quantile ``q`` of the observations between two scrapes."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    total = counts[-1] if counts else 0.0
+    for bound, count in zip(bounds, counts):
+        if total and count >= q * total:
+            return bound * 1e3
+    return float("nan")
+
+
+def window_p99(rows: list, t0: float, seconds: float) -> list[float]:
+    """p99 (ms) of answered requests per 1-second window of send time after ``t0``."""
+    out = []
+    for w in range(int(seconds)):
+        lat = [r[1] for r in rows if r[2] == 200 and t0 + w <= r[0] < t0 + w + 1]
+        out.append(float(np.percentile(lat, 99) * 1e3) if lat else float("nan"))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--server-threads", type=int, default=1)
+    parser.add_argument("--client-procs", type=int, default=1)
+    parser.add_argument("--server-cpus", default=None, help="taskset CPU list for the server (e.g. 0-3): clients keep the rest")
+    parser.add_argument("--history", type=int, default=500)
+    parser.add_argument("--candidates", type=int, default=200)
+    parser.add_argument("--users", type=int, default=200, help="returning users per client process")
+    parser.add_argument("--concurrency", type=int, default=16, help="closed-loop clients for the saturation phase")
+    parser.add_argument("--saturation-seconds", type=float, default=15)
+    parser.add_argument("--baseline-seconds", type=float, default=10)
+    parser.add_argument("--burst-seconds", type=float, default=60)
+    parser.add_argument("--recovery-seconds", type=float, default=10)
+    parser.add_argument("--overload", type=float, default=2.0, help="burst rate as a multiple of the saturating rate")
+    parser.add_argument("--deadline-ms", type=float, default=2000.0)
+    parser.add_argument("--max-queue-ms", type=float, default=500.0)
+    parser.add_argument("--grace-s", type=float, default=1.0)
+    parser.add_argument("--gil-switch-ms", type=float, default=0.5, help="recforge serve --gil-switch-ms")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    deadline_s, timeout = args.deadline_ms / 1e3, args.deadline_ms / 1e3 + args.grace_s
+    opts = {"users": args.users, "history": args.history, "candidates": args.candidates}
+    with tempfile.TemporaryDirectory() as tmp:
+        run = export_model(Path(tmp) / "run", max_len=max(512, args.history + 8))
+        port = free_port()
+        cmd = [sys.executable, "-m", "recforge.cli", "serve", str(run), "--port", str(port), "--device", args.device,
+               "--dtype", args.dtype, "--threads", str(args.server_threads), "--max-history", str(args.history + 10),
+               "--cache-mb", "1024", "--request-timeout-ms", str(args.deadline_ms),
+               "--max-queue-ms", str(args.max_queue_ms), "--gil-switch-ms", str(args.gil_switch_ms)]  # fmt: skip
+        log_path = Path(tmp) / "server.log"
+        server_log = log_path.open("w")
+        if args.server_cpus:
+            cmd = ["taskset", "-c", args.server_cpus, *cmd]
+        server = subprocess.Popen(cmd, stdout=server_log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        samples: list[tuple[float, float]] = []
+        stop = threading.Event()
+        try:
+            for _ in range(600):
+                try:
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+            else:
+                sys.exit(f"server did not start: {log_path.read_text()[-2000:]}")
+
+            def sample() -> None:
+                while not stop.is_set():
+                    samples.append((time.time(), rss_mb(server.pid)))
+                    stop.wait(0.5)
+
+            threading.Thread(target=sample, daemon=True).start()
+            ctx = mp.get_context("spawn")
+            with ctx.Pool(args.client_procs) as pool:
+                run_phase(pool, url, args.client_procs, "closed", args.concurrency, 3, timeout, opts)  # warm-up
+                sat_rows = run_phase(pool, url, args.client_procs, "closed", args.concurrency, args.saturation_seconds,
+                                     timeout, opts)  # fmt: skip
+                saturation = summarize(sat_rows, args.saturation_seconds, deadline_s)
+                rate = saturation["answered_rps"]
+                print(f"saturation: {rate:.1f} answered/s (closed loop, {args.concurrency} clients), p99 "
+                      f"{saturation['p99_ms']:.0f} ms, statuses {saturation['statuses']}", flush=True)  # fmt: skip
+                base_rows = run_phase(pool, url, args.client_procs, "open", 0.5 * rate, args.baseline_seconds, timeout, opts)
+                baseline = summarize(base_rows, args.baseline_seconds, deadline_s)
+                print(f"baseline 0.5x: p50 {baseline['p50_ms']:.0f} ms p99 {baseline['p99_ms']:.0f} ms {baseline['statuses']}",
+                      flush=True)  # fmt: skip
+                rss_before = samples[-1][1]
+                hist_before = server_latency(url)
+                burst_start = time.time()
+                burst_rows = run_phase(pool, url, args.client_procs, "open", args.overload * rate, args.burst_seconds,
+                                       timeout, opts)  # fmt: skip
+                burst = summarize(burst_rows, args.burst_seconds, deadline_s)
+                burst_end = time.time()
+                hist_after = server_latency(url)
+                burst["server_p50_ms_bucket"] = histogram_quantile(hist_before, hist_after, 0.5)
+                burst["server_p99_ms_bucket"] = histogram_quantile(hist_before, hist_after, 0.99)
+                print(f"burst {args.overload:g}x for {args.burst_seconds:g}s: goodput {burst['goodput_rps']:.1f}/s = "
+                      f"{burst['goodput_rps'] / rate:.2f} of saturation, hung {burst['hung']}, {burst['statuses']}",
+                      flush=True)  # fmt: skip
+                rec_rows = run_phase(pool, url, args.client_procs, "open", 0.5 * rate, args.recovery_seconds, timeout, opts)
+                recovery = summarize(rec_rows, args.recovery_seconds, deadline_s)
+            rec_t0 = min(r[0] for r in rec_rows) if rec_rows else time.perf_counter()
+            windows = window_p99(rec_rows, rec_t0, args.recovery_seconds)
+            normal = 1.5 * baseline["p99_ms"]
+            back = next((w for w, p in enumerate(windows) if p <= normal), None)
+            health = httpx.get(f"{url}/health").json()
+        except Exception:
+            print(f"server output (last 3000 characters):\n{log_path.read_text()[-3000:]}", file=sys.stderr)
+            raise
+        finally:
+            stop.set()
+            server.terminate()
+            server.wait(timeout=30)
+            server_log.close()
+    burst_rss = [m for t, m in samples if burst_start <= t <= burst_end]
+    recovered_s = None if back is None else back + 1  # the first window at normal p99 ends this many seconds in
+    machine = (f"{cpu_model()}, {os.cpu_count()} cores, server {args.server_threads} torch thread(s), "
+               f"{args.client_procs} client process(es)" if args.device == "cpu" else torch.cuda.get_device_name())  # fmt: skip
+    print(f"\nrecforge serve past saturation, {machine}, {args.dtype}, torch {torch.__version__}")
+    print(f"request: ~{args.history}-event returning histories (+0-2 events each), {args.candidates} candidates, deadline "
+          f"{args.deadline_ms:g} ms, max_queue_ms {args.max_queue_ms:g}")  # fmt: skip
+    print(f"{'phase':<12}{'offered/s':>10}{'sent/s':>8}{'answered/s':>11}{'goodput/s':>10}{'p50 ms':>8}{'p99 ms':>8}"
+          f"{'hung':>6}{'lag ms':>8}  statuses")  # fmt: skip
+    for name, offered, s in (("saturation", float("nan"), saturation), ("baseline", 0.5 * rate, baseline),
+                             (f"burst {args.overload:g}x", args.overload * rate, burst), ("recovery", 0.5 * rate, recovery)):  # fmt: skip
+        print(f"{name:<12}{offered:>10.1f}{s['sent_rps']:>8.1f}{s['answered_rps']:>11.1f}{s['goodput_rps']:>10.1f}"
+              f"{s['p50_ms']:>8.0f}{s['p99_ms']:>8.0f}{s['hung']:>6}{s['client_lag_p99_ms']:>8.0f}  {s['statuses']}")  # fmt: skip
+    print(f"burst, the server's own latency (arrival to answer, histogram bucket bounds): p50 <= "
+          f"{burst['server_p50_ms_bucket']:.0f} ms, p99 <= {burst['server_p99_ms_bucket']:.0f} ms")  # fmt: skip
+    print(f"goodput during the burst: {burst['goodput_rps'] / rate:.2f} x the saturating rate (goal >= 0.90); hung "
+          f"{burst['hung'] + recovery['hung']} (goal 0)")  # fmt: skip
+    print(f"server RSS: {rss_before:.0f} MB before the burst, max {max(burst_rss, default=float('nan')):.0f} MB during it, "
+          f"{samples[-1][1]:.0f} MB at the end")  # fmt: skip
+    print(f"recovery: 1-s window p99 after the burst {[round(p) for p in windows]} ms; back within 1.5x the baseline p99 "
+          f"({normal:.0f} ms) after {recovered_s} s (goal <= 5)")  # fmt: skip
+    if args.out:
+        payload = {"benchmark": "serve_overload", "command": "python " + " ".join(sys.argv), "machine": machine,
+                   "torch": torch.__version__, "date": datetime.date.today().isoformat(), "args": vars(args),
+                   "saturation": saturation, "baseline": baseline, "burst": burst, "recovery": recovery,
+                   "goodput_ratio": burst["goodput_rps"] / rate, "recovery_window_p99_ms": windows,
+                   "recovered_after_s": recovered_s, "rss_mb_before": rss_before,
+                   "rss_mb_max_burst": max(burst_rss, default=None), "rss_mb_end": samples[-1][1],
+                   "worker": health["worker"], "kv_cache": health["kv_cache"]}  # fmt: skip
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
