@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import spawn
+from _dist import assert_same_rows, spawn
 
 from recforge.sparse import AdmissionConfig, DynamicEmbedding, EmbeddingCollection, FeatureConfig, JaggedIds, SparseOptimConfig
 from recforge.sparse import SparseOptimizer, TableConfig
@@ -48,27 +48,6 @@ def _plain_warm(table: DynamicEmbedding, weight: torch.Tensor, ids: torch.Tensor
     checkpoint.warm_start(table, weight, ids)
 
 
-def _assert_same_rows(sharded: ShardedDynamicEmbedding, plain: DynamicEmbedding) -> None:
-    """Every row this rank owns equals the plain table's row of that ID (weight, optimizer state, counters);
-    the shards together hold exactly the plain table's IDs."""
-    shard = sharded.shard
-    live = shard.live_rows()
-    keys, tags = shard.row_key[live], shard.row_tag[live]
-    assert bool((sharded.owners(keys, tags) == sharded.rank).all()), "a shard holds an ID it does not own"
-    plain_rows = plain.index.lookup(keys, tags)
-    assert bool((plain_rows >= 0).all()), "a shard holds an ID the plain table does not"
-    (w_s, st_s), (w_p, st_p) = shard.store.host_rows(live), plain.store.host_rows(plain_rows)
-    torch.testing.assert_close(w_s, w_p, rtol=RTOL, atol=ATOL)
-    for name in st_p:
-        torch.testing.assert_close(st_s[name], st_p[name], rtol=RTOL, atol=ATOL)
-    for name, counter in plain.counters.tensors().items():
-        if name != "last_time":
-            torch.testing.assert_close(shard.counters.tensors()[name][live], counter[plain_rows], rtol=0, atol=0)
-    total = torch.tensor([shard.num_live])
-    dist.all_reduce(total)
-    assert int(total) == plain.num_live
-
-
 def _global_stats(stats: dict[str, int], names: tuple[str, ...]) -> dict[str, int]:
     t = torch.tensor([stats[n] for n in names])
     dist.all_reduce(t)
@@ -89,7 +68,7 @@ def _step_worker(rank: int, world_size: int, admission: str, micro_batches: int,
             (expected * weights).sum().backward()
         SparseOptimizer([sharded]).step()
         plain.apply_gradients()
-        _assert_same_rows(sharded, plain)
+        assert_same_rows(sharded, plain)
     names = ("admitted", "not_admitted", "updated_rows")
     assert _global_stats(sharded.stats, names) == {n: plain.stats[n] for n in names}
     if admission == "count":
@@ -121,7 +100,7 @@ def _world_one_worker(rank: int, world_size: int) -> None:
         torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
         (out * weights).sum().backward(), (expected * weights).sum().backward()
         sharded.apply_gradients(), plain.apply_gradients()
-    _assert_same_rows(sharded, plain)
+    assert_same_rows(sharded, plain)
 
 
 def test_world_size_one_process_group_equals_plain() -> None:
@@ -176,7 +155,7 @@ def _collection_worker(rank: int, world_size: int) -> None:
     (out["history"] * weights.reshape(-1, D)[mine]).sum().backward()
     (expected["history"] * weights.reshape(-1, D)).sum().backward()
     SparseOptimizer([sharded]).step(), SparseOptimizer([plain]).step()
-    _assert_same_rows(sharded.tables["item+genre"], plain.tables["item+genre"])
+    assert_same_rows(sharded.tables["item+genre"], plain.tables["item+genre"])
 
 
 def test_sharded_collection_with_tags() -> None:
