@@ -24,6 +24,8 @@ from recforge.sparse.sharded import ShardedDynamicEmbedding
 def _entry(rank: int, world_size: int, store: str, backend: str, worker: Callable, args: tuple) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=60))  # fmt: skip
     try:

@@ -54,8 +54,9 @@ def _global_stats(stats: dict[str, int], names: tuple[str, ...]) -> dict[str, in
     return dict(zip(names, t.tolist(), strict=True))
 
 
-def _step_worker(rank: int, world_size: int, admission: str, micro_batches: int, owner_rank: int | None) -> None:
-    cfg = _cfg(admission=AdmissionConfig(kind=admission, threshold=3))
+def _step_worker(rank: int, world_size: int, admission: str, micro_batches: int, owner_rank: int | None,
+                 cache_rows: int = 0) -> None:  # fmt: skip
+    cfg = _cfg(admission=AdmissionConfig(kind=admission, threshold=3), cache_rows=cache_rows)
     sharded, plain = ShardedDynamicEmbedding(cfg, owner_rank=owner_rank), DynamicEmbedding(cfg)
     _warm(sharded, world_size), _warm(plain, world_size)
     mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
@@ -82,9 +83,10 @@ def test_sharded_step_equals_single_process(world_size: int) -> None:
     spawn(_step_worker, world_size, "always", 1, None)
 
 
-def test_sharded_count_admission_and_grad_accumulation() -> None:
-    # count admission over the global batch (an ID seen once on two ranks is seen twice); 2 micro-batches per step
-    spawn(_step_worker, 2, "count", 2, None)
+def test_sharded_count_admission_grad_accumulation_host_tier() -> None:
+    # count admission over the global batch (an ID seen once on two ranks is seen twice); 2 micro-batches per step;
+    # each shard a host table with its own 20-row cache
+    spawn(_step_worker, 2, "count", 2, None, 20)
 
 
 def test_table_wise_goes_through_the_same_path() -> None:
