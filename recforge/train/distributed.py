@@ -78,6 +78,13 @@ class DistContext:
         return n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size
 
 
+def even_batches(n: int, batch_size: int, ctx: DistContext) -> int:
+    """Evaluation batches every rank runs over its share of ``n`` items: the same count on all ranks
+    (that of the largest share), since dynamic-table lookups are collectives."""
+    largest_share = -(-n // ctx.world_size)
+    return -(-largest_share // batch_size)
+
+
 def launched_by_torchrun() -> bool:
     return all(key in os.environ for key in ENV_KEYS)
 
@@ -182,21 +189,28 @@ def shard_source(source: Any, ctx: DistContext) -> Any:
     return source
 
 
-def shard_dynamic_tables(model: nn.Module, cfg: RunConfig, ctx: DistContext) -> None:
-    """Replace the model's ``DynamicEmbedding`` tables by row-wise sharded ones when several ranks train.
+def shard_dynamic_tables(model: nn.Module, cfg: RunConfig, ctx: DistContext) -> Any:
+    """Under ``torchrun``, replace the model's ``DynamicEmbedding`` tables by ``ShardedDynamicEmbedding``s.
 
-    One rank keeps its tables as they are. Several ranks need ``recforge.sparse.sharded``: a
-    replicated dynamic table would diverge across ranks (each admits and updates its own rows).
+    The planner (``recforge.sparse.planner``) places each table row-wise over all ranks or whole on
+    one rank, from its size; rank 0 logs the plan and saves it as ``RUN_DIR/sharding_plan.json``.
+    At world size 1 the tables are sharded too (one shard), so the collectives of a multi-rank run
+    really run. A plain single process keeps its tables. Returns the plan (None when unchanged).
     """
-    if cfg.model.embedding != "dynamic" or ctx.world_size == 1:
-        return
-    try:
-        from recforge.sparse import sharded  # noqa: F401  (engineer A's ShardedDynamicEmbedding)
-    except ImportError as err:
-        raise ValueError(
-            "model.embedding=dynamic on more than one rank needs row-wise sharded tables "
-            "(recforge.sparse.sharded), which this build does not have; train it on one rank, or use "
-            "model.embedding=static on several"
-        ) from err
-    raise ValueError("model.embedding=dynamic on several ranks: sharded tables are not wired into the recipes yet; "
-                     "train it on one rank, or use model.embedding=static on several")  # fmt: skip
+    if cfg.model.embedding != "dynamic" or not ctx.initialized:
+        return None
+    from recforge.sparse.planner import plan_sharding
+    from recforge.sparse.table import DynamicEmbedding
+
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, DynamicEmbedding)]
+    plan = plan_sharding([m.cfg for _, m in found], ctx.world_size)
+    for name, table in found:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, plan.build(table.cfg, table.device))
+    if ctx.is_main:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        plan.save(cfg.run_dir / "sharding_plan.json")
+        log.info("sharding plan of the dynamic tables (%d rank(s)), saved to %s:\n%s", ctx.world_size,
+                 cfg.run_dir / "sharding_plan.json", plan)  # fmt: skip
+    return plan

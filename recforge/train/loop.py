@@ -33,6 +33,8 @@ from tqdm import tqdm
 
 from recforge.config import RunConfig, save_config
 from recforge.data.resume import PipelineState
+from recforge.sparse.sharded import sharded_tables
+from recforge.sparse.sharded_checkpoint import save_sharded_checkpoint
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from recforge.train.distributed import DistContext
 from recforge.train.inputs import StepInputs
@@ -234,12 +236,15 @@ def run_loop(
         data = {}
         if source is not None:  # only rows of the steps taken, from every rank
             data = {"data_state": _merged_data_state(ctx, trained_state or source.state_dict())}
+        sharded = None
+        if tables := sharded_tables(model):  # a collective: every rank writes its shards
+            sharded = save_sharded_checkpoint(run_dir / "checkpoints" / f".sparse-{state['global_step']:08d}", tables)
         if main:
             save_checkpoint(
                 run_dir, step=state["global_step"], model=model, optimizer=optimizer,
                 manifest={"train_state": dict(state), "config": cfg.to_dict(), "world_size": ctx.world_size,
                           **manifest, **data},
-                keep=cfg.train.keep_checkpoints, best=best,
+                keep=cfg.train.keep_checkpoints, best=best, sharded_sparse=sharded,
             )  # fmt: skip
         ctx.barrier()  # no rank runs ahead of a checkpoint that is not complete yet
 

@@ -58,7 +58,7 @@ from recforge.models.ranking import (
 from recforge.ops.jagged import offsets_from_lengths, sequence_ids
 from recforge.sparse import SparseOptimizer
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
-from recforge.train.distributed import DistContext, init_distributed, shard_dynamic_tables, shard_source, split_budget
+from recforge.train.distributed import DistContext, even_batches, init_distributed, shard_dynamic_tables, shard_source, split_budget
 from recforge.train.loop import prepare_run_dir, prepare_runtime, run_loop, run_lr_scale
 from recforge.train.metrics import auc, gauc
 from recforge.train.step import StepResult, StepRunner
@@ -213,7 +213,10 @@ def predict(s: Setup, split: str) -> dict[str, torch.Tensor]:
     parts: dict[str, list[torch.Tensor]] = {"outputs": [], "labels": [], "users": [], "events": []}
     step = s.cfg.eval.batch_size
     first, end = s.ctx.shard(len(samples))  # each rank predicts its share; gathered in sample order below
-    for lo in range(first, end, step):
+    for lo in range(first, first + even_batches(len(samples), step, s.ctx) * step, step):
+        if lo >= end:  # this rank is done: a stand-in batch keeps sharded tables' collectives matched
+            s.model(_batch(s, samples, torch.arange(1)))
+            continue
         batch = _batch(s, samples, torch.arange(lo, min(lo + step, end)))
         parts["outputs"].append(s.model(batch).float().cpu())
         parts["labels"].append(batch.labels["tasks"].cpu())

@@ -179,3 +179,31 @@ def test_two_nodes_on_loopback(tmp_path: Path, data_dir: Path) -> None:
     single = config_from_dict(_raw(data_dir, tmp_path / "one", epochs=2))
     retrieval.train(single, progress=False)
     np.testing.assert_allclose(_losses(tmp_path / "run"), _losses(single.run_dir), rtol=2e-4, atol=1e-5)
+
+
+def test_dynamic_tables_sharded_on_two_ranks_resume_on_one(tmp_path: Path, data_dir: Path) -> None:
+    """``model.embedding=dynamic`` on 2 ranks: the planner's plan is saved, each checkpoint holds the
+    shards and their single-process export, and the metrics gathered from 2 ranks equal ``recforge
+    eval`` (one process, the export). ``--resume`` on 1 rank reshards 2 -> 1 and trains on."""
+    config = _config_file(tmp_path, _raw(data_dir, tmp_path, epochs=2, eval_every=1))
+    dynamic = ["model.embedding=dynamic", "sparse.optimizer=adam", "sparse.lr=0.01"]
+    torchrun(2, ["train", config, *dynamic])
+    run_dir = tmp_path / "run"
+    assert json.loads((run_dir / "sharding_plan.json").read_text())["world_size"] == 2
+    ckpt = run_dir / "checkpoints" / json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step_dir"]
+    assert json.loads((ckpt / "sparse_sharded" / "manifest.json").read_text())["world_size"] == 2
+    gathered = json.loads((run_dir / "evals.jsonl").read_text().splitlines()[-1])
+    single = json.loads((run_dir / "eval.json").read_text())  # train's final evaluation: one process
+    for key in ("hr@10", "ndcg@10", "mrr"):
+        assert gathered[key] == pytest.approx(single[key], abs=1e-12), key
+    torchrun(1, ["train", config, *dynamic, "train.epochs=3", "--resume"])
+    log = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    assert [row["epoch"] for row in log] == [0] * 4 + [1] * 4 + [2] * 4
+    assert log[-1]["loss"] < log[0]["loss"]
+    ckpt = run_dir / "checkpoints" / json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step_dir"]
+    assert json.loads((ckpt / "sparse_sharded" / "manifest.json").read_text())["world_size"] == 1
+    gathered = json.loads((run_dir / "evals.jsonl").read_text().splitlines()[-1])
+    single = json.loads((run_dir / "eval.json").read_text())
+    assert single["step"] == 12
+    for key in ("hr@10", "ndcg@10", "mrr"):
+        assert gathered[key] == pytest.approx(single[key], abs=1e-12), key
