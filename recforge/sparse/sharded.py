@@ -1,9 +1,10 @@
 """``ShardedDynamicEmbedding``: one ``DynamicEmbedding`` shard per rank, rows owned by a hash of the ID.
 
 A dynamic table over ``W`` ranks (``torch.distributed``: gloo on CPU, NCCL on GPU). The row of
-(id, tag) lives on rank ``owner = splitmix64(splitmix64(id + tag * phi)) mod W`` (``owner_of``:
-``hash_table.mix`` applied twice, so the owner is independent of the shard's own hash-table slot,
-which uses the low bits of one ``mix``). A table placed whole on one rank (table-wise, see
+(id, tag) lives on rank ``owner = f(f(id + tag * 0x9E3779B97F4A7C15)) mod W`` with ``f`` the
+splitmix64 finaliser (``owner_of``: ``hash_table.mix`` applied twice, so the owner is independent
+of the shard's own hash-table slot, which uses the low bits of one ``mix``; a fixed function,
+recorded in sharded checkpoints). A table placed whole on one rank (table-wise, see
 ``planner.py``) has ``owner = owner_rank`` for every ID and goes through the same path.
 
 One lookup on rank r, ids of any shape (N in all)::
@@ -47,7 +48,8 @@ _RANK_SEED = 0x9E3779B97F4A7C15 & (2**62 - 1)  # spreads the row-initialisation 
 
 
 def owner_of(keys: Tensor, tags: Tensor, world_size: int) -> Tensor:
-    """Owning rank of each (key, tag): ``mix(mix(key, tag), 0) mod world_size`` (int64, in [0, W))."""
+    """Owning rank of each (key, tag): ``mix(mix(key, tag), 0) mod world_size`` (int64, in [0, W)). Never change it:
+    sharded checkpoints and running jobs rely on it."""
     return torch.remainder(mix(mix(keys, tags), torch.zeros_like(keys)), world_size)
 
 

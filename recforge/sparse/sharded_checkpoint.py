@@ -51,7 +51,7 @@ from recforge.sparse.table import DynamicEmbedding, TableConfig
 log = logging.getLogger(__name__)
 FORMAT = "recforge.sparse.sharded"
 FORMAT_VERSION = 1
-OWNER_HASH = "splitmix64(splitmix64(id + tag * 0x9E3779B97F4A7C15) + 0) mod world_size (recforge.sparse.sharded.owner_of)"
+OWNER_HASH = "f(f(id + tag * 0x9E3779B97F4A7C15)) mod world_size, f = the splitmix64 finaliser (recforge.sparse.sharded.owner_of)"
 
 
 def _file(name: str, rank: int, world_size: int) -> str:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from _dist import assert_same_rows, spawn
 
 from recforge.sparse import AdmissionConfig, DynamicEmbedding, EmbeddingCollection, FeatureConfig, JaggedIds, SparseOptimConfig
-from recforge.sparse import SparseOptimizer, TableConfig
+from recforge.sparse import SparseOptimizer, TableConfig, warm_start
 from recforge.sparse.planner import shard_collection
 from recforge.sparse.sharded import ShardedDynamicEmbedding, owner_of
 
@@ -34,18 +34,14 @@ def _global_batches(world_size: int, steps: int, seed: int = 0) -> list[tuple[to
     return out
 
 
-def _warm(table, world_size: int) -> None:
+def _warm(table: ShardedDynamicEmbedding | DynamicEmbedding) -> None:
     """The same random rows for 12 of the pool's 24 IDs (new rows start at 0: init_std=0)."""
-    gen = torch.Generator().manual_seed(1)
-    pool = torch.randint(0, 2**62, (24,), generator=torch.Generator().manual_seed(0))
-    weight = torch.randn(12, D, generator=gen)
-    table.warm_start(weight, pool[:12]) if isinstance(table, ShardedDynamicEmbedding) else _plain_warm(table, weight, pool[:12])
-
-
-def _plain_warm(table: DynamicEmbedding, weight: torch.Tensor, ids: torch.Tensor) -> None:
-    from recforge.sparse import checkpoint
-
-    checkpoint.warm_start(table, weight, ids)
+    pool = torch.randint(0, 2**62, (24,), generator=torch.Generator().manual_seed(0))  # _global_batches' pool
+    weight = torch.randn(12, D, generator=torch.Generator().manual_seed(1))
+    if isinstance(table, ShardedDynamicEmbedding):
+        table.warm_start(weight, pool[:12])  # each rank keeps the rows it owns
+    else:
+        warm_start(table, weight, pool[:12])
 
 
 def _global_stats(stats: dict[str, int], names: tuple[str, ...]) -> dict[str, int]:
@@ -58,7 +54,7 @@ def _step_worker(rank: int, world_size: int, admission: str, micro_batches: int,
                  cache_rows: int = 0) -> None:  # fmt: skip
     cfg = _cfg(admission=AdmissionConfig(kind=admission, threshold=3), cache_rows=cache_rows)
     sharded, plain = ShardedDynamicEmbedding(cfg, owner_rank=owner_rank), DynamicEmbedding(cfg)
-    _warm(sharded, world_size), _warm(plain, world_size)
+    _warm(sharded), _warm(plain)
     mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
     batches = _global_batches(world_size, 3 * micro_batches)
     for step in range(3):
@@ -126,7 +122,7 @@ def test_plain_table_accumulates_micro_batches() -> None:
     # two forward/backward passes, one apply_gradients == one pass over both batches (row gradients summed);
     # rows warm-started or starting at 0, so admission order (per micro-batch vs once) cannot matter
     accumulated, whole = DynamicEmbedding(_cfg()), DynamicEmbedding(_cfg())
-    _warm(accumulated, 1), _warm(whole, 1)
+    _warm(accumulated), _warm(whole)
     (a, wa), (b, wb) = _global_batches(1, 2)
     for ids, weights in ((a, wa), (b, wb)):
         (accumulated(ids) * weights).sum().backward()
