@@ -252,6 +252,28 @@ class ShardedDynamicEmbedding(nn.Module):
             batches.append(received)
         return self.shard.prefetch(batches)
 
+    def record_feedback(self, ids: Tensor, shows: Tensor, clicks: Tensor, tags: Tensor | None = None) -> None:
+        """Add shows/clicks per ID occurrence to the rows (and admission candidates) of ``ids`` on their owners.
+
+        A collective, as ``DynamicEmbedding.record_feedback`` over every rank's ``ids``.
+        """
+        if not self.collective:
+            self.shard.record_feedback(ids, shows, clicks, tags)
+            return
+        flat = check_ids(ids, "feedback ids").reshape(-1).to(self.device)
+        flat_tags = None if tags is None else tags.reshape(-1).to(self.device, torch.int64)
+        keys, key_tags, inverse, _ = unique_keys(flat, flat_tags)
+        feedback = torch.zeros(keys.numel(), 2, device=self.device)  # (U, 2): shows, clicks summed per key
+        feedback.index_add_(0, inverse, torch.stack([shows.reshape(-1), clicks.reshape(-1)], 1).to(self.device, torch.float32))
+        owner = self.owners(keys, key_tags)
+        order = torch.argsort(owner, stable=True)
+        send_splits, recv_splits = self._exchange_splits(owner)
+        recv_keys = keys.new_empty(sum(recv_splits), 2)
+        dist.all_to_all_single(recv_keys, torch.stack([keys, key_tags], 1)[order], recv_splits, send_splits, group=self.group)
+        recv_feedback = feedback.new_empty(sum(recv_splits), 2)
+        dist.all_to_all_single(recv_feedback, feedback[order], recv_splits, send_splits, group=self.group)
+        self.shard.record_feedback(recv_keys[:, 0], recv_feedback[:, 0], recv_feedback[:, 1], None if tags is None else recv_keys[:, 1])
+
     def warm_start(self, weight: Tensor, ids: Tensor, tag: int = 0) -> None:
         """Put dense rows into the table: row ``i`` of ``weight`` becomes ID ``ids[i]``, on its owner.
 

@@ -64,7 +64,7 @@ def assert_same_rows(sharded: ShardedDynamicEmbedding, plain: DynamicEmbedding, 
     for name, counter in plain.counters.tensors().items():
         if clock or name != "last_time":
             torch.testing.assert_close(shard.counters.tensors()[name][live], counter[plain_rows], rtol=0, atol=0)
-    total = torch.tensor([shard.num_live])
+    total = torch.tensor([shard.num_live], device=shard.device)  # NCCL reduces device tensors
     if dist.is_initialized():
         dist.all_reduce(total)
     assert int(total) == plain.num_live

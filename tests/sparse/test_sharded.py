@@ -57,7 +57,13 @@ def _step_worker(rank: int, world_size: int, admission: str, micro_batches: int,
     _warm(sharded), _warm(plain)
     mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
     batches = _global_batches(world_size, 3 * micro_batches)
+    first = batches[0][0]  # duplicates within this rank's IDs and across ranks
+    assert first[mine].unique().numel() < first[mine].numel() and bool(torch.isin(first[mine], first[mine.stop :]).any() or rank)
+    feedback = torch.Generator().manual_seed(7)
     for step in range(3):
+        shows = torch.randint(0, 3, batches[step][0].shape, generator=feedback).float()
+        sharded.record_feedback(batches[step][0][mine], shows[mine], shows[mine] / 2)  # show/click counters on the owners
+        plain.record_feedback(batches[step][0], shows, shows / 2)
         for ids, weights in batches[step * micro_batches : (step + 1) * micro_batches]:
             out, expected = sharded(ids[mine]), plain(ids)
             torch.testing.assert_close(out, expected[mine], rtol=RTOL, atol=ATOL, msg=f"step {step} embeddings")
