@@ -151,6 +151,20 @@ def wrap_dense(objective: Objective, cfg: RunConfig, ctx: DistContext, device: t
     )
 
 
+def full_dense_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict | None]:
+    """FSDP2: the model's and optimizer's full ``state_dict``s (each DTensor gathered; a collective, call on
+    every rank), so checkpoints keep the single-process format. (None, None) when nothing is sharded."""
+    from torch.distributed.tensor import DTensor
+
+    full = lambda v: v.full_tensor() if isinstance(v, DTensor) else v  # noqa: E731
+    weights = model.state_dict()
+    if not any(isinstance(v, DTensor) for v in weights.values()):
+        return None, None
+    opt = optimizer.state_dict()
+    state = {i: {k: full(v) for k, v in s.items()} for i, s in sorted(opt["state"].items())}
+    return {k: full(v) for k, v in weights.items()}, {"state": state, "param_groups": opt["param_groups"]}
+
+
 def split_budget(cfg: RunConfig, ctx: DistContext) -> tuple[int, int]:
     """(rows, tokens) of one micro-batch on one rank: the global ``train.batch_size`` /
     ``train.token_budget`` split over ``world_size x dist.grad_accum`` micro-batches."""

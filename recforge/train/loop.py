@@ -36,7 +36,7 @@ from recforge.data.resume import PipelineState
 from recforge.sparse.sharded import sharded_tables
 from recforge.sparse.sharded_checkpoint import save_sharded_checkpoint
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from recforge.train.distributed import DistContext
+from recforge.train.distributed import DistContext, full_dense_state
 from recforge.train.inputs import StepInputs
 
 StepFn = Callable[[list, float], Any]  # (micro-batches, lr scale) -> StepResult, or None when no rank had data
@@ -239,12 +239,14 @@ def run_loop(
         sharded = None
         if tables := sharded_tables(model):  # a collective: every rank writes its shards
             sharded = save_sharded_checkpoint(run_dir / "checkpoints" / f".sparse-{state['global_step']:08d}", tables)
+        weights, optimizer_state = full_dense_state(model, optimizer)  # FSDP2: gathered on every rank
         if main:
             save_checkpoint(
                 run_dir, step=state["global_step"], model=model, optimizer=optimizer,
                 manifest={"train_state": dict(state), "config": cfg.to_dict(), "world_size": ctx.world_size,
                           **manifest, **data},
-                keep=cfg.train.keep_checkpoints, best=best, sharded_sparse=sharded,
+                keep=cfg.train.keep_checkpoints, best=best, sharded_sparse=sharded, weights=weights,
+                optimizer_state=optimizer_state,
             )  # fmt: skip
         ctx.barrier()  # no rank runs ahead of a checkpoint that is not complete yet
 

@@ -204,9 +204,14 @@ def _step(s: Setup, micro: list[JaggedBatch | None], lr_scale: float) -> StepRes
     return s.runner(micro, lr_scale)
 
 
-@torch.no_grad()
 def predict(s: Setup, split: str) -> dict[str, torch.Tensor]:
     """Model outputs for every impression of ``split``: outputs, labels, users, events (CPU tensors)."""
+    with s.runner.full_weights():
+        return _predict(s, split)
+
+
+@torch.no_grad()
+def _predict(s: Setup, split: str) -> dict[str, torch.Tensor]:
     samples = _samples(s, split)
     was_training = s.model.training
     s.model.eval()

@@ -74,6 +74,11 @@ def setup(cfg: RunConfig, ctx: DistContext | None = None) -> Setup:
 
 
 def _evaluate(s: Setup, target_from_end: int) -> dict[str, float]:
+    with s.runner.full_weights():
+        return _evaluate_whole(s, target_from_end)
+
+
+def _evaluate_whole(s: Setup, target_from_end: int) -> dict[str, float]:
     metrics, _ = evaluate_ranking(
         s.seqs,
         model_scorer(s.model),

@@ -69,6 +69,19 @@ class StepRunner:
         self.units_fn, self.summed, self.sparse_optimizer = units_fn, summed, sparse_optimizer
         self._last: Any = None  # this rank's last real batch: the stand-in when it has none
 
+    @contextlib.contextmanager
+    def full_weights(self):
+        """Within: the model's own weights are whole (FSDP2 gathers them, e.g. for an evaluation that
+        calls model parts directly); DDP and single-process weights already are."""
+        fsdp = self.ctx.initialized and hasattr(self.objective, "unshard")
+        if fsdp:
+            self.objective.unshard()
+        try:
+            yield
+        finally:
+            if fsdp:
+                self.objective.reshard()
+
     def _no_sync(self, last: bool):
         if last or not self.ctx.initialized:
             return contextlib.nullcontext()

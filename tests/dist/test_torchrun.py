@@ -85,13 +85,19 @@ def _losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
 
 
-def test_two_ranks_with_grad_accum_follow_one_process(tmp_path: Path, data_dir: Path) -> None:
-    """2 ranks x 2 micro-batches on the same global batches: the loss curve, the weights and the
-    (sharded, gathered) metrics of one process, for 24 steps with gradient clipping."""
+@pytest.mark.parametrize("dense", ["ddp", "fsdp2"])
+def test_two_ranks_with_grad_accum_follow_one_process(tmp_path: Path, data_dir: Path, dense: str) -> None:
+    """2 ranks x 2 micro-batches on the same global batches (DDP or FSDP2): the loss curve and the
+    (sharded, gathered) metrics of one process, for 24 steps with gradient clipping. The FSDP2 run
+    stops at step 10 and resumes (its gathered weights and AdamW moments restored as shards)."""
     single = config_from_dict(_raw(data_dir, tmp_path / "one"))
     retrieval.train(single, progress=False)
-    raw = _raw(data_dir, tmp_path / "two", **{})
-    torchrun(2, ["train", _config_file(tmp_path, raw), "dist.grad_accum=2"])
+    config = _config_file(tmp_path, _raw(data_dir, tmp_path / "two"))
+    args = ["train", config, "dist.grad_accum=2", f"dist.dense={dense}"]
+    if dense == "fsdp2":
+        torchrun(2, [*args, "train.max_steps=10"])
+        args.append("--resume")
+    torchrun(2, args)
     run_two = tmp_path / "two" / "run"
     one, two = _losses(single.run_dir), _losses(run_two)
     assert len(one) == len(two) == 24
