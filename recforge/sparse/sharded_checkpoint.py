@@ -41,6 +41,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from recforge.io import atomic_file, atomic_write_json
+from recforge.sparse.checkpoint import FORMAT_VERSION as SINGLE_FORMAT_VERSION
 from recforge.sparse.checkpoint import load_table_state, save_sparse_checkpoint, table_state
 from recforge.sparse.optim import SparseOptimConfig
 from recforge.sparse.planner import ShardingPlan, TablePlacement, row_bytes
@@ -112,15 +113,25 @@ def save_sharded_checkpoint(path: str | Path, tables: dict[str, ShardedDynamicEm
 
 
 def read_manifest(path: str | Path) -> dict:
-    """The manifest of a sharded checkpoint (``ValueError`` if ``path`` is not one)."""
+    """The manifest of a sharded checkpoint, or of a single-process one (``checkpoint.save_sparse_checkpoint``,
+    marked ``"format": "single"`` here); ``ValueError`` if ``path`` is neither."""
     path = Path(path)
     if not (path / "manifest.json").is_file():
-        raise ValueError(f"{path} is not a sharded sparse checkpoint (no manifest.json)")
+        raise ValueError(f"{path} is not a sparse checkpoint (no manifest.json)")
     manifest = json.loads((path / "manifest.json").read_text())
+    if "format" not in manifest and manifest.get("format_version") == SINGLE_FORMAT_VERSION and "num_shards" in manifest:
+        return {**manifest, "format": "single"}
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: format {manifest.get('format')!r} v{manifest.get('format_version')} is not a "
-                         f"{FORMAT!r} v{FORMAT_VERSION} checkpoint (single-process ones load with load_sparse_checkpoint)")  # fmt: skip
+        raise ValueError(f"{path}: format {manifest.get('format')!r} v{manifest.get('format_version')} is neither a "
+                         f"{FORMAT!r} v{FORMAT_VERSION} nor a single-process sparse checkpoint")  # fmt: skip
     return manifest
+
+
+def _saved_files(manifest: dict, entry: dict) -> list[list[str]]:
+    """The files of each saved shard of a table; the single-process format keeps its globals in one more file."""
+    if manifest["format"] == "single":
+        return [[f, entry["globals"]] if i == 0 else [f] for i, f in enumerate(entry["shards"])]
+    return [[meta["file"]] for meta in entry["ranks"]]
 
 
 def table_config(data: dict) -> TableConfig:
@@ -130,7 +141,8 @@ def table_config(data: dict) -> TableConfig:
 
 
 def load_sharded_checkpoint(path: str | Path, tables: dict[str, ShardedDynamicEmbedding]) -> dict:
-    """Restore ``tables`` (on every rank) from a sharded checkpoint saved on any world size; return its manifest."""
+    """Restore ``tables`` (on every rank) from a sharded checkpoint saved on any world size, or from a
+    single-process sparse checkpoint (its rows re-routed to their owners); return its manifest."""
     path = Path(path)
     manifest = read_manifest(path)
     missing = sorted(set(tables) - set(manifest["tables"]))
@@ -142,24 +154,25 @@ def load_sharded_checkpoint(path: str | Path, tables: dict[str, ShardedDynamicEm
             raise ValueError(f"table {name!r}: checkpoint has dim {entry['config']['dim']} / optimizer "
                              f"{entry['config']['optimizer']['kind']}, the table {table.dim} / {table.cfg.optimizer.kind}; "
                              "build the table with the checkpoint's config")  # fmt: skip
-        same_layout = manifest["world_size"] == table.world_size and entry["owner_rank"] == table.owner_rank
-        if same_layout:
+        same_layout = manifest.get("world_size") == table.world_size and entry.get("owner_rank") == table.owner_rank
+        if same_layout and manifest["format"] == FORMAT:
             meta = entry["ranks"][table.rank]
             load_table_state(table.shard, load_file(path / meta["file"]), meta)
         else:
-            reroute(path, entry, table.shard, lambda k, t, tb=table: tb.owners(k, t) == tb.rank)
-            log.info("table %r: resharded from %d to %d rank(s); this rank holds %d rows", name, manifest["world_size"],
-                     table.world_size, table.num_live)  # fmt: skip
+            reroute(path, _saved_files(manifest, entry), entry["step"], table.shard, lambda k, t, tb=table: tb.owners(k, t) == tb.rank)
+            log.info("table %r: resharded from %s to %d rank(s); this rank holds %d rows", name,
+                     manifest.get("world_size", "one process"), table.world_size, table.num_live)  # fmt: skip
     return manifest
 
 
-def reroute(path: Path, entry: dict, shard: DynamicEmbedding, owns) -> None:
-    """Fill the empty ``shard`` with the saved rows for which ``owns(keys, tags)`` is true, read from every saved shard."""
+def reroute(path: Path, files: list[list[str]], step: int, shard: DynamicEmbedding, owns) -> None:
+    """Fill ``shard`` with the saved rows for which ``owns(keys, tags)`` is true, read from every saved shard
+    (``files``: per shard, its files; one shard in memory at a time)."""
     per_key: dict[str, list[Tensor]] = {}
     cand: dict[str, list[Tensor]] = {}
     globals0 = None
-    for meta in entry["ranks"]:
-        saved = load_file(path / meta["file"])
+    for names in files:
+        saved = {k: v for name in names for k, v in load_file(path / name).items()}
         globals0 = globals0 or {k: v for k, v in saved.items() if k.startswith("global.")}
         mine = owns(saved["key.keys"].to(shard.device), saved["key.tags"].to(shard.device)).cpu()
         for k, v in saved.items():
@@ -198,7 +211,7 @@ def reroute(path: Path, entry: dict, shard: DynamicEmbedding, owns) -> None:
         tensors["global.cand.slots"] = torch.arange(cand_used)
         for name in ("count", "last_step", "last_time", "show", "click"):
             tensors[f"global.cand.{name}"] = torch.cat(cand[f"cand.{name}"])[keep]
-    meta = {"config": dataclasses.asdict(cfg), "step": entry["step"], "num_rows": num_rows, "num_free": num_rows - n,
+    meta = {"config": dataclasses.asdict(cfg), "step": step, "num_rows": num_rows, "num_free": num_rows - n,
             "cand_used": cand_used, "stats": {}}  # fmt: skip
     load_table_state(shard, tensors, meta)
 
@@ -214,6 +227,6 @@ def export_sharded_checkpoint(path: str | Path, out: str | Path, num_shards: int
     tables = {}
     for name, entry in manifest["tables"].items():
         table = DynamicEmbedding(shard_config(table_config(entry["config"]), 1))
-        reroute(path, entry, table, lambda k, t: torch.ones_like(k, dtype=torch.bool))
+        reroute(path, _saved_files(manifest, entry), entry["step"], table, lambda k, t: torch.ones_like(k, dtype=torch.bool))
         tables[name] = table
     return save_sparse_checkpoint(out, tables, num_shards)

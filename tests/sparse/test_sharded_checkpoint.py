@@ -92,6 +92,12 @@ def _reshard_worker(rank: int, world_size: int, root: str) -> None:
         torch.testing.assert_close(_probe(table, rank, world_size), expected[name], rtol=0, atol=0)
         assert table.step == 3
         _assert_same_candidates(table, merged[name])
+    # a single-process sparse checkpoint (the export) loads on 2 ranks too
+    from_single = _tables(owner_rank=0)
+    load_sharded_checkpoint(root / "single", from_single)
+    for name, table in from_single.items():
+        assert_same_rows(table, merged[name], rtol=0, atol=0, clock=True)
+        _assert_same_candidates(table, merged[name])
     # training continues identically: optimizer state and counters moved with the rows (no new rows: their
     # random initial values come from each shard's own generator)
     batches = _batches(5)[3:]
@@ -153,7 +159,7 @@ def test_load_refuses_other_dims_and_non_checkpoints(tmp_path: Path) -> None:
     wide = {"t": ShardedDynamicEmbedding(TableConfig("t", dim=D * 2, optimizer=SparseOptimConfig(kind="adam")))}
     with pytest.raises(ValueError, match="dim 8"):
         load_sharded_checkpoint(tmp_path / "c", wide)
-    with pytest.raises(ValueError, match="not a sharded sparse checkpoint"):
+    with pytest.raises(ValueError, match="not a sparse checkpoint"):
         load_sharded_checkpoint(tmp_path, tables)
     with pytest.raises(ValueError, match="no state for tables"):
         load_sharded_checkpoint(tmp_path / "c", {"other": tables["t"]})
