@@ -64,6 +64,13 @@ def _step_worker(rank: int, world_size: int, admission: str, micro_batches: int,
         shows = torch.randint(0, 3, batches[step][0].shape, generator=feedback).float()
         sharded.record_feedback(batches[step][0][mine], shows[mine], shows[mine] / 2)  # show/click counters on the owners
         plain.record_feedback(batches[step][0], shows, shows / 2)
+        if cache_rows and step:  # the host tier: this step's rows go to their owners' caches ahead of the lookups
+            upcoming = [ids for ids, _ in batches[step * micro_batches : (step + 1) * micro_batches]]
+            loaded = sharded.prefetch([torch.cat([ids[mine] for ids in upcoming])])
+            keys = torch.cat(upcoming).unique()  # every rank's upcoming IDs: this rank owns some of them
+            rows = sharded.shard.index.lookup(keys[sharded.owners(keys, torch.zeros_like(keys)) == rank], None)
+            assert loaded == int((rows >= 0).sum()) > 0  # exactly the owned, admitted rows of all ranks' batches
+            assert bool((sharded.shard.store.row_to_slot[rows[rows >= 0]] >= 0).all()), "an owned upcoming row is not cached"
         for ids, weights in batches[step * micro_batches : (step + 1) * micro_batches]:
             out, expected = sharded(ids[mine]), plain(ids)
             torch.testing.assert_close(out, expected[mine], rtol=RTOL, atol=ATOL, msg=f"step {step} embeddings")

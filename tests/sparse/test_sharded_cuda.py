@@ -35,10 +35,10 @@ def _cuda_worker(rank: int, world_size: int, cache_rows: int) -> None:
         if step + 1 < len(batches):  # the host tier: each shard prefetches the rows it owns
             sharded.prefetch([batches[step + 1][0][mine].to(device)])
         out, expected = sharded(ids[mine]), plain(ids)
-        torch.testing.assert_close(out, expected[mine], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out, expected[mine], rtol=1e-4, atol=1e-5)
         (out * weights[mine]).sum().backward(), (expected * weights).sum().backward()
         sharded.apply_gradients(), plain.apply_gradients()
-    assert_same_rows(sharded, plain, rtol=1e-5, atol=1e-6)
+    assert_same_rows(sharded, plain, rtol=1e-4, atol=1e-5)  # CUDA sums duplicate gradients in another order; Adam divides by |g|
     assert sharded.stats["updated_rows"] > 0
 
 
