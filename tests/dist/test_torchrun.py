@@ -213,3 +213,20 @@ def test_dynamic_tables_sharded_on_two_ranks_resume_on_one(tmp_path: Path, data_
     assert single["step"] == 12
     for key in ("hr@10", "ndcg@10", "mrr"):
         assert gathered[key] == pytest.approx(single[key], abs=1e-12), key
+
+
+def test_token_budget_batches_on_two_ranks_train_each_sample_once(tmp_path: Path, data_dir: Path) -> None:
+    """Token-budget batches give the ranks different batch counts: the ranks agree on each epoch's
+    end (a rank out of data steps with weight 0) and every sample is trained once per epoch."""
+    raw = _raw(data_dir, tmp_path, epochs=2, loader="pipeline", token_budget=160)
+    record = tmp_path / "rec"
+    record.mkdir()
+    torchrun(2, ["train", _config_file(tmp_path, raw)], RECORD_DIR=str(record))
+    rows = _rows_per_step(record)
+    epochs = [json.loads(line)["epoch"] for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    num_samples = UserSequences.from_dataset(load_dataset(data_dir)).training_samples(1, 20, "last").shape[0]
+    per_rank = [[json.loads(line)["rows"] for line in (record / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert any(not r for ranks in per_rank for r in ranks), "expected a step where one rank had no batch"
+    for epoch in range(2):
+        seen = np.sort(np.concatenate([rows[s + 1] for s, e in enumerate(epochs) if e == epoch]))
+        assert np.array_equal(seen, np.arange(num_samples)), f"epoch {epoch}: {seen.tolist()}"
