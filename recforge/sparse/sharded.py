@@ -178,7 +178,10 @@ class ShardedDynamicEmbedding(nn.Module):
     # ------------------------------------------------------------------------------ lookup
 
     def forward(self, ids: Tensor, tags: Tensor | None = None, admit: bool = True) -> Tensor:
-        """Embeddings of ``ids`` (any shape) -> ``ids.shape + (dim,)``, as ``DynamicEmbedding.forward``."""
+        """Embeddings of ``ids`` (any shape) -> ``ids.shape + (dim,)``, as ``DynamicEmbedding.forward``.
+
+        A collective: every rank calls it (with its own ids, possibly none), all with ``tags`` or all without.
+        """
         return self.lookup(self.distribute(ids, tags), admit)
 
     def distribute(self, ids: Tensor, tags: Tensor | None = None) -> DistributedIds:

@@ -148,11 +148,22 @@ def test_plain_table_accumulates_micro_batches() -> None:
     torch.testing.assert_close(accumulated.store.state["exp_avg"][rows_a], whole.store.state["exp_avg"][rows_w], rtol=RTOL, atol=ATOL)
 
 
+def _batch_of(rank: int) -> dict[str, JaggedIds]:
+    ids = torch.tensor([3, 4, 4, 5]) + rank
+    return {"history": JaggedIds(ids, torch.tensor([0, 2, 4])), "genres": JaggedIds(ids, torch.tensor([0, 4]))}
+
+
 def _collection_worker(rank: int, world_size: int) -> None:
     tables = [_cfg(), dataclasses.replace(_cfg(), name="genre")]  # equal configs: one physical table, two tags
     features = [FeatureConfig("history", "item"), FeatureConfig("genres", "genre", pooling="mean")]
     sharded, plain = EmbeddingCollection(tables, features), EmbeddingCollection(tables, features)
     plan = shard_collection(sharded, row_wise_min_bytes=0)
+    with pytest.raises(ValueError, match="default='learned' is not supported sharded"):
+        ShardedDynamicEmbedding(dataclasses.replace(_cfg(), default="learned"))
+    used = EmbeddingCollection(tables, features)
+    used(_batch_of(rank))
+    with pytest.raises(ValueError, match="already hold rows"):
+        shard_collection(used)
     assert plan.tables["item+genre"].kind == "row_wise"
     ids, weights = _global_batches(world_size, 1)[0]
     offsets = torch.arange(0, ids.numel() + 1, LEN)
