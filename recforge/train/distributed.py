@@ -103,7 +103,8 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> DistContext:
     if backend == "nccl" and device.type != "cuda":
         raise ValueError("dist.backend=nccl needs train.device=cuda (or auto on a GPU host); use dist.backend=gloo on CPU")
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=cfg.dist.timeout_minutes))
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=cfg.dist.timeout_minutes),
+                                device_id=device if backend == "nccl" else None)  # NCCL: bound to this rank's GPU
         if rank == 0:
             log.info("distributed: %d rank(s), backend %s, dense %s", world, backend, cfg.dist.dense)
     comm = device if backend == "nccl" else torch.device("cpu")

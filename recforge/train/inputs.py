@@ -101,6 +101,8 @@ class StepInputs:
 
     def _work(self) -> None:
         try:
+            if self.cuda:
+                torch.cuda.set_device(self.device)  # a new thread starts on cuda:0, whatever this rank's GPU
             while not self._stop.is_set():
                 item = self._prepare()
                 while not self._stop.is_set():
