@@ -43,7 +43,7 @@ from recforge.data.synthetic import SyntheticConfig, write_synthetic
 from recforge.train import retrieval
 from recforge.train.distributed import init_distributed, shutdown_distributed
 from recforge.train.inputs import StepInputs
-from recforge.train.loop import prepare_runtime
+from recforge.train.runtime import prepare_runtime
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("fetch_s", "build_s", "h2d_s", "exposed_input_s", "step_s", "wall_s")

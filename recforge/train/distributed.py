@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recforge.config import RunConfig
+from recforge.data.resume import PipelineState
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,22 @@ def full_dense_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     opt = optimizer.state_dict()
     state = {i: {k: full(v) for k, v in s.items()} for i, s in sorted(opt["state"].items())}
     return {k: full(v) for k, v in weights.items()}, {"state": state, "param_groups": opt["param_groups"]}
+
+
+def merged_data_state(ctx: DistContext, state: dict) -> dict:
+    """All ranks' pipeline states as one (a row is consumed if any rank consumed it); a resume on any
+    number of ranks re-splits the rest. The saved ``resumes`` counter is the ranks' own (not bumped)."""
+    states = ctx.all_gather_objects(state)
+    if len(states) == 1:
+        return states[0]
+    merged = PipelineState.merge([PipelineState.from_dict(s) for s in states]).to_dict()
+    merged["resumes"] = max(int(s["resumes"]) for s in states)
+    return merged
+
+
+def any_rank(ctx: DistContext, flag: bool) -> bool:
+    """True on every rank when it is True on any (a wall-clock budget must stop all ranks at the same step)."""
+    return ctx.all_reduce_sum([float(flag)])[0] > 0
 
 
 def split_budget(cfg: RunConfig, ctx: DistContext) -> tuple[int, int]:

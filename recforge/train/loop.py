@@ -18,10 +18,8 @@ Every step re-seeds the RNGs from (seed, global step). Each ``train_log.jsonl`` 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,11 +30,10 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from recforge.config import RunConfig, save_config
-from recforge.data.resume import PipelineState
 from recforge.sparse.sharded import sharded_tables
 from recforge.sparse.sharded_checkpoint import save_sharded_checkpoint
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from recforge.train.distributed import DistContext, full_dense_state
+from recforge.train.distributed import DistContext, any_rank, full_dense_state, merged_data_state
 from recforge.train.inputs import StepInputs
 
 StepFn = Callable[[list, float], Any]  # (micro-batches, lr scale) -> StepResult, or None when no rank had data
@@ -60,47 +57,6 @@ class BatchSource(Protocol):
     def state_dict(self) -> dict:
         """JSON-serialisable: the rows consumed so far (saved with each checkpoint)."""
         ...
-
-
-def resolve_device(name: str) -> torch.device:
-    """``train.device`` as a device; under ``torchrun``, ``auto``/``cuda`` mean this process's GPU (``cuda:LOCAL_RANK``)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"train.device={name!r} but CUDA is not available; use train.device=cpu")
-    if name == "cuda" and "LOCAL_RANK" in os.environ:
-        local = int(os.environ["LOCAL_RANK"])
-        if local >= torch.cuda.device_count():
-            raise ValueError(f"LOCAL_RANK={local} but this host has {torch.cuda.device_count()} GPU(s); "
-                             "start at most that many processes per node (torchrun --nproc-per-node)")  # fmt: skip
-        return torch.device("cuda", local)
-    return torch.device(name)
-
-
-def prepare_runtime(cfg: RunConfig) -> torch.device:
-    """Apply ``train.threads``, resolve ``train.device`` (TF32 matmuls on CUDA) and return it."""
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    device = resolve_device(cfg.train.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-    return device
-
-
-def autocast(cfg: RunConfig, device: torch.device):
-    """The context a training step's forward and loss run in: ``torch.autocast`` to bfloat16 for
-    ``train.precision=bfloat16``, else nothing."""
-    if cfg.train.precision == "bfloat16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """AdamW over every parameter, per ``cfg.optim``."""
-    return torch.optim.AdamW(
-        model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
-    )
 
 
 def lr_at(cfg: RunConfig, step: int, total_steps: int) -> float:
@@ -151,17 +107,6 @@ def _truncate_jsonl(path: Path, max_step: int) -> None:
 def format_metrics(metrics: dict, keys: tuple[str, ...] | None = None) -> str:
     keys = keys or tuple(k for k, v in metrics.items() if isinstance(v, float))
     return "  ".join(f"{k}={metrics[k]:.4f}" for k in keys if k in metrics)
-
-
-def _merged_data_state(ctx: DistContext, state: dict) -> dict:
-    """All ranks' pipeline states as one (a row is consumed if any rank consumed it); a resume on any
-    number of ranks re-splits the rest. The saved ``resumes`` counter is the ranks' own (not bumped)."""
-    states = ctx.all_gather_objects(state)
-    if len(states) == 1:
-        return states[0]
-    merged = PipelineState.merge([PipelineState.from_dict(s) for s in states]).to_dict()
-    merged["resumes"] = max(int(s["resumes"]) for s in states)
-    return merged
 
 
 def run_loop(
@@ -235,7 +180,7 @@ def run_loop(
     def checkpoint(best: bool = False) -> None:
         data = {}
         if source is not None:  # only rows of the steps taken, from every rank
-            data = {"data_state": _merged_data_state(ctx, trained_state or source.state_dict())}
+            data = {"data_state": merged_data_state(ctx, trained_state or source.state_dict())}
         sharded = None
         if tables := sharded_tables(model):  # a collective: every rank writes its shards
             sharded = save_sharded_checkpoint(run_dir / "checkpoints" / f".sparse-{state['global_step']:08d}", tables)
@@ -333,7 +278,7 @@ def run_loop(
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
             out_of_budget = (cfg.train.max_steps and state["global_step"] >= cfg.train.max_steps) or (
-                cfg.train.max_minutes and _any_rank(ctx, time.monotonic() - started >= cfg.train.max_minutes * 60)
+                cfg.train.max_minutes and any_rank(ctx, time.monotonic() - started >= cfg.train.max_minutes * 60)
             )
             if out_of_budget:
                 stop = True
@@ -359,7 +304,3 @@ def run_loop(
     state["train_minutes"] = (time.monotonic() - started) / 60
     return state
 
-
-def _any_rank(ctx: DistContext, flag: bool) -> bool:
-    """True on every rank when it is True on any (a wall-clock budget must stop all ranks at the same step)."""
-    return ctx.all_reduce_sum([float(flag)])[0] > 0

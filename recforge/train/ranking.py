@@ -59,7 +59,8 @@ from recforge.ops.jagged import offsets_from_lengths, sequence_ids
 from recforge.sparse import SparseOptimizer
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
 from recforge.train.distributed import DistContext, even_batches, init_distributed, shard_dynamic_tables, shard_source, split_budget
-from recforge.train.loop import prepare_run_dir, prepare_runtime, run_loop, run_lr_scale
+from recforge.train.loop import prepare_run_dir, run_loop, run_lr_scale
+from recforge.train.runtime import prepare_runtime
 from recforge.train.metrics import auc, gauc
 from recforge.train.step import StepResult, StepRunner
 

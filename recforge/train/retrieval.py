@@ -36,7 +36,8 @@ from recforge.sparse import SparseOptimizer
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
 from recforge.train.evaluate import evaluate_ranking, model_scorer
 from recforge.train.distributed import DistContext, init_distributed, shard_dynamic_tables, shard_source, split_budget
-from recforge.train.loop import prepare_run_dir, prepare_runtime, run_loop, run_lr_scale
+from recforge.train.loop import prepare_run_dir, run_loop, run_lr_scale
+from recforge.train.runtime import prepare_runtime
 from recforge.train.losses import sampled_softmax_loss
 from recforge.train.step import StepResult, StepRunner
 

@@ -34,7 +34,7 @@ from torch import nn
 from recforge.config import RunConfig
 from recforge.sparse import SparseOptimizer
 from recforge.train.distributed import DistContext, Objective, wrap_dense
-from recforge.train.loop import autocast, make_optimizer
+from recforge.train.runtime import autocast, make_optimizer
 
 LossFn = Callable[[Any], tuple[torch.Tensor, torch.Tensor]]  # device batch -> (objective, loss to log)
 UnitsFn = Callable[[Any], float]  # batch -> loss units its mean-type objective averages over (e.g. targets)

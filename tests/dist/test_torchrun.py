@@ -62,14 +62,17 @@ def _env(**extra: str) -> dict:
     return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
 
 
-def _launcher(nproc: int, rdzv: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *rdzv, f"--nproc-per-node={nproc}", str(WORKER), "--no-progress"]
+def _launcher(nproc: int, rdzv: list[str], worker: bool = True) -> list[str]:
+    """torchrun running the recording worker, or (``worker=False``) the documented ``-m recforge.cli``."""
+    program = [str(WORKER)] if worker else ["-m", "recforge.cli"]
+    return [sys.executable, "-m", "torch.distributed.run", *rdzv, f"--nproc-per-node={nproc}", *program, "--no-progress"]
 
 
-def torchrun(nproc: int, args: list[str], check: bool = True, **env: str) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, args: list[str], check: bool = True, worker: bool = True, **env: str) -> subprocess.CompletedProcess:
     """One single-node torchrun job of ``nproc`` ranks running ``recforge <args>``."""
     rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--nnodes=1"]
-    done = subprocess.run(_launcher(nproc, rdzv) + args, env=_env(**env), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(_launcher(nproc, rdzv, worker) + args, env=_env(**env), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
     if check and done.returncode != 0:
         raise AssertionError(f"torchrun failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
     return done
@@ -156,7 +159,7 @@ def test_ranking_on_two_ranks_metrics_equal_one_process_eval(tmp_path: Path) -> 
                  "model.dim=16", "model.dqk=8", "model.dv=8", "model.head_hidden=16", "data.max_seq_len=64",
                  "ranking.max_targets=16", "train.batch_size=16", "eval.batch_size=16", "train.threads=1",
                  "train.loader=pipeline", "train.device=cpu"]  # fmt: skip
-    torchrun(2, ["train", str(REPO / "configs" / "ranking-synthetic-hstu.yaml"), *overrides])
+    torchrun(2, ["train", str(REPO / "configs" / "ranking-synthetic-hstu.yaml"), *overrides], worker=False)
     run_dir = next(p for p in tmp_path.iterdir() if (p / "evals.jsonl").is_file())
     last = json.loads((run_dir / "evals.jsonl").read_text().splitlines()[-1])
     done = subprocess.run([sys.executable, "-m", "recforge.cli", "eval", str(run_dir), "--checkpoint", "latest",
