@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recforge.sparse.hash_table import mix
-from recforge.sparse.ids import check_ids, unique_keys
+from recforge.sparse.ids import check_ids, raise_negative, unique_keys
 from recforge.sparse.table import DynamicEmbedding, TableConfig
 
 _RANK_SEED = 0x9E3779B97F4A7C15 & (2**62 - 1)  # spreads the row-initialisation seeds of shards > 0
@@ -186,7 +186,7 @@ class ShardedDynamicEmbedding(nn.Module):
 
     def distribute(self, ids: Tensor, tags: Tensor | None = None) -> DistributedIds:
         """Phase 1: local dedup and the all-to-all of unique IDs to their owners (started, not awaited)."""
-        ids = check_ids(ids)
+        ids = check_ids(ids, negatives=False)  # negative IDs are caught at the split sizes' host sync
         flat = ids.reshape(-1).to(self.device)
         flat_tags = None if tags is None else tags.reshape(-1).to(self.device, torch.int64)
         if not self.collective:
@@ -196,19 +196,24 @@ class ShardedDynamicEmbedding(nn.Module):
         order = torch.argsort(owner, stable=True)
         send = torch.stack([keys[order], key_tags[order], occurrences[order]], 1)  # (U, 3)
         position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))[inverse]  # (N,)
-        send_splits, recv_splits = self._exchange_splits(owner)
+        send_splits, recv_splits, smallest = self._exchange_splits(owner, keys)
+        if smallest < 0:
+            raise_negative(flat)
         received = send.new_empty(sum(recv_splits), 3)
         work = dist.all_to_all_single(received, send, recv_splits, send_splits, group=self.group, async_op=True)
         return DistributedIds(ids.shape, has_tags=tags is not None, position=position, send_splits=send_splits,
                               recv_splits=recv_splits, received=received, work=work)  # fmt: skip
 
-    def _exchange_splits(self, owner: Tensor) -> tuple[list[int], list[int]]:
-        """(keys this rank sends to each rank, keys it receives from each): one all-to-all of counts, one host sync."""
-        send_counts = torch.bincount(owner, minlength=self.world_size)  # (W,)
+    def _exchange_splits(self, owner: Tensor, keys: Tensor) -> tuple[list[int], list[int], int]:
+        """(keys this rank sends to each rank, keys it receives from each, its smallest key or 0):
+        one all-to-all of counts, one host sync."""
+        w = self.world_size
+        send_counts = torch.bincount(owner, minlength=w)  # (W,)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        both = torch.stack([send_counts, recv_counts]).tolist()
-        return both[0], both[1]
+        smallest = keys.min().view(1) if keys.numel() else keys.new_zeros(1)
+        facts = torch.cat([send_counts, recv_counts, smallest]).tolist()
+        return facts[:w], facts[w : 2 * w], facts[-1]
 
     def lookup(self, handle: DistributedIds, admit: bool = True) -> Tensor:
         """Phase 2: the owner's lookup (admission in training, as ``DynamicEmbedding``) and the embeddings' way back."""
@@ -249,7 +254,7 @@ class ShardedDynamicEmbedding(nn.Module):
             flat = torch.unique(check_ids(ids, "prefetch ids").reshape(-1).to(self.device))
             owner = self.owners(flat, torch.zeros_like(flat))
             order = torch.argsort(owner, stable=True)
-            send_splits, recv_splits = self._exchange_splits(owner)
+            send_splits, recv_splits, _ = self._exchange_splits(owner, flat)
             received = flat.new_empty(sum(recv_splits))
             dist.all_to_all_single(received, flat[order], recv_splits, send_splits, group=self.group)
             batches.append(received)
@@ -270,7 +275,7 @@ class ShardedDynamicEmbedding(nn.Module):
         feedback.index_add_(0, inverse, torch.stack([shows.reshape(-1), clicks.reshape(-1)], 1).to(self.device, torch.float32))
         owner = self.owners(keys, key_tags)
         order = torch.argsort(owner, stable=True)
-        send_splits, recv_splits = self._exchange_splits(owner)
+        send_splits, recv_splits, _ = self._exchange_splits(owner, keys)
         recv_keys = keys.new_empty(sum(recv_splits), 2)
         dist.all_to_all_single(recv_keys, torch.stack([keys, key_tags], 1)[order], recv_splits, send_splits, group=self.group)
         recv_feedback = feedback.new_empty(sum(recv_splits), 2)

@@ -112,6 +112,8 @@ def _world_one_worker(rank: int, world_size: int) -> None:
         (out * weights).sum().backward(), (expected * weights).sum().backward()
         sharded.apply_gradients(), plain.apply_gradients()
     assert_same_rows(sharded, plain)
+    with pytest.raises(ValueError, match=r"negative IDs \[-5\]"):
+        sharded(torch.tensor([3, -5]))
 
 
 def test_world_size_one_process_group_equals_plain() -> None:
@@ -129,6 +131,8 @@ def test_no_process_group_is_exactly_plain() -> None:
         (out * weights).sum().backward(), (expected * weights).sum().backward()
         sharded.apply_gradients(), plain.apply_gradients()
     assert torch.equal(sharded.shard.store.weight, plain.store.weight) and sharded.stats == plain.stats
+    with pytest.raises(ValueError, match="negative IDs"):
+        sharded(torch.tensor([-1]))
 
 
 def test_plain_table_accumulates_micro_batches() -> None:
