@@ -160,6 +160,15 @@ class ShardedDynamicEmbedding(nn.Module):
         """This rank's shard's event counts (admitted, evicted, updated_rows, ...)."""
         return self.shard.stats
 
+    def global_stats(self) -> dict[str, int]:
+        """Event counts summed over every rank's shard (a collective)."""
+        stats = self.shard.stats
+        if not self.collective:
+            return dict(stats)
+        totals = torch.tensor(list(stats.values()), dtype=torch.int64, device=self.device)
+        dist.all_reduce(totals, group=self.group)
+        return dict(zip(stats, totals.tolist(), strict=True))
+
     @property
     def num_live(self) -> int:
         """Rows that hold an ID on this rank's shard."""

@@ -44,12 +44,6 @@ def _warm(table: ShardedDynamicEmbedding | DynamicEmbedding) -> None:
         warm_start(table, weight, pool[:12])
 
 
-def _global_stats(stats: dict[str, int], names: tuple[str, ...]) -> dict[str, int]:
-    t = torch.tensor([stats[n] for n in names])
-    dist.all_reduce(t)
-    return dict(zip(names, t.tolist(), strict=True))
-
-
 def _step_worker(rank: int, world_size: int, admission: str, micro_batches: int, owner_rank: int | None,
                  cache_rows: int = 0) -> None:  # fmt: skip
     cfg = _cfg(admission=AdmissionConfig(kind=admission, threshold=3), cache_rows=cache_rows)
@@ -80,7 +74,8 @@ def _step_worker(rank: int, world_size: int, admission: str, micro_batches: int,
         plain.apply_gradients()
         assert_same_rows(sharded, plain)
     names = ("admitted", "not_admitted", "updated_rows")
-    assert _global_stats(sharded.stats, names) == {n: plain.stats[n] for n in names}
+    totals = sharded.global_stats()
+    assert {n: totals[n] for n in names} == {n: plain.stats[n] for n in names}
     if admission == "count":
         assert plain.stats["not_admitted"] > 0  # the case is exercised: some IDs got no row and no gradient
     if owner_rank is not None:
