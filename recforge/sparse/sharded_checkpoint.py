@@ -71,6 +71,8 @@ def _plan_of(tables: dict[str, ShardedDynamicEmbedding], world_size: int) -> Sha
 def save_sharded_checkpoint(path: str | Path, tables: dict[str, ShardedDynamicEmbedding], plan: ShardingPlan | None = None) -> Path:
     """Write every rank's shards of ``tables`` and one manifest at ``path`` (a collective: call on every rank)."""
     path = Path(path)
+    if not tables:
+        raise ValueError("save_sharded_checkpoint: no tables given (pass {name: ShardedDynamicEmbedding}, e.g. sharded_tables(model))")
     some = next(iter(tables.values()))
     rank, world, group = some.rank, some.world_size, some.group
     collective = some.collective

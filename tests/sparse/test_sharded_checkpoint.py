@@ -161,5 +161,7 @@ def test_load_refuses_other_dims_and_non_checkpoints(tmp_path: Path) -> None:
         load_sharded_checkpoint(tmp_path / "c", wide)
     with pytest.raises(ValueError, match="not a sparse checkpoint"):
         load_sharded_checkpoint(tmp_path, tables)
+    with pytest.raises(ValueError, match="no tables given"):
+        save_sharded_checkpoint(tmp_path / "empty", {})
     with pytest.raises(ValueError, match="no state for tables"):
         load_sharded_checkpoint(tmp_path / "c", {"other": tables["t"]})
