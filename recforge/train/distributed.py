@@ -233,13 +233,17 @@ def shard_dynamic_tables(model: nn.Module, cfg: RunConfig, ctx: DistContext) -> 
         return None
     from recforge.sparse.planner import plan_sharding
     from recforge.sparse.table import DynamicEmbedding
+    from recforge.train.pipeline_step import AheadTable
 
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, DynamicEmbedding)]
     plan = plan_sharding([m.cfg for _, m in found], ctx.world_size)
     for name, table in found:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, plan.build(table.cfg, table.device))
+        # AheadTable: a ShardedDynamicEmbedding that also takes an input distribution started a step ahead
+        owner = plan.tables[table.cfg.name].owner_rank
+        setattr(parent, attr, AheadTable(table.cfg, table.device, owner_rank=owner) if cfg.dist.pipeline
+                else plan.build(table.cfg, table.device))  # fmt: skip
     if ctx.is_main:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         plan.save(cfg.run_dir / "sharding_plan.json")

@@ -74,6 +74,7 @@ class StepInputs:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda and prefetch else None
         self._queue: queue.Queue | None = None
+        self._peeked: StepInput | None = None
         self._stop = threading.Event()
         if prefetch:
             self._queue = queue.Queue(maxsize=1)  # one step ahead: the next step's data, no more
@@ -117,9 +118,21 @@ class StepInputs:
     def __iter__(self) -> StepInputs:
         return self
 
+    def peek(self) -> Micro:
+        """The next step's device micro-batches, without handing the step out (prefetch only)."""
+        if self._peeked is None:
+            self._peeked = self._receive()
+        return self._peeked.micro
+
     def __next__(self) -> StepInput:
+        if self._peeked is not None:
+            item, self._peeked = self._peeked, None
+            return item
         if self._queue is None:
             return self._prepare()[0]
+        return self._receive()
+
+    def _receive(self) -> StepInput:
         item, event = self._queue.get()
         if isinstance(item, BaseException):
             raise item

@@ -125,6 +125,7 @@ def run_loop(
     source: BatchSource | None = None,
     show_keys: tuple[str, ...] | None = None,
     ctx: DistContext | None = None,
+    lookahead: Callable[[Callable[[], list] | None], None] | None = None,
 ) -> dict:
     """Run ``cfg.train`` epochs of ``step``; return the final train state.
 
@@ -133,7 +134,8 @@ def run_loop(
     two). ``evaluate`` runs every ``cfg.train.eval_every`` epochs and at the end; the checkpoint
     with the best ``cfg.eval.select_metric`` (higher is better) is marked ``best``. Under
     ``torchrun`` every rank runs this loop; rank 0 writes logs and checkpoints, and the data state
-    of all ranks is merged into each checkpoint.
+    of all ranks is merged into each checkpoint. ``lookahead`` receives the prefetched inputs'
+    ``peek`` each epoch (None after it), for a step that starts the next step's input distribution.
 
     Example:
         >>> run_loop(cfg, model=model, optimizer=runner.optimizer, device=device, num_samples=len(samples),
@@ -234,6 +236,8 @@ def run_loop(
         epoch = state["epoch"]
         snapshot = source.state_dict if source is not None else None
         inputs = StepInputs(raw_steps(epoch), build=build, device=device, snapshot=snapshot, prefetch=cfg.dist.pipeline)
+        if lookahead is not None and cfg.dist.pipeline:
+            lookahead(inputs.peek)  # the step may start the next step's input distribution early
         bar = tqdm(
             total=steps_per_epoch, initial=state["step_in_epoch"], desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
             disable=not progress, leave=False, dynamic_ncols=True,
@@ -286,6 +290,8 @@ def run_loop(
             if cfg.train.checkpoint_every and state["global_step"] % cfg.train.checkpoint_every == 0:
                 checkpoint()
         bar.close()
+        if lookahead is not None:
+            lookahead(None)
         inputs.close()  # rows prefetched but not trained stay unconsumed in the saved state
         # memory: the epoch's step count is known, so a budget stop on its last step also ends the epoch (as before)
         if exhausted or (source is None and state["step_in_epoch"] >= steps_per_epoch):

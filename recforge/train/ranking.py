@@ -288,6 +288,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
         device=s.device,
         step=lambda micro, lr_scale: _step(s, micro, lr_scale),
         ctx=ctx,
+        lookahead=s.runner.set_upcoming,
         **inputs,
         evaluate=lambda: ("valid", task_metrics(s, predict(s, "valid"))),
         manifest={"num_items": s.data.num_items},

@@ -159,6 +159,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
         progress=progress,
         show_keys=("hr@10", "ndcg@10", "mrr"),
         ctx=ctx,
+        lookahead=s.runner.set_upcoming,
     )
     ctx.barrier()
     if not ctx.is_main:

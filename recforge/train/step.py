@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +35,10 @@ from torch import nn
 from recforge.config import RunConfig
 from recforge.sparse import SparseOptimizer
 from recforge.train.distributed import DistContext, Objective, wrap_dense
+from recforge.train.pipeline_step import AheadTable, LookAhead
 from recforge.train.runtime import autocast, make_optimizer
 
+log = logging.getLogger(__name__)
 LossFn = Callable[[Any], tuple[torch.Tensor, torch.Tensor]]  # device batch -> (objective, loss to log)
 UnitsFn = Callable[[Any], float]  # batch -> loss units its mean-type objective averages over (e.g. targets)
 
@@ -68,6 +71,25 @@ class StepRunner:
         self.optimizer = make_optimizer(cfg, self.objective)
         self.units_fn, self.summed, self.sparse_optimizer = units_fn, summed, sparse_optimizer
         self._last: Any = None  # this rank's last real batch: the stand-in when it has none
+        tables = {n: m for n, m in model.named_modules() if isinstance(m, AheadTable)}
+        self.ahead = LookAhead(tables, announce=ctx.is_main) if tables else None
+        self.upcoming: Callable[[], list] | None = None  # the next step's micro-batches (StepInputs.peek)
+
+    def set_upcoming(self, peek: Callable[[], list] | None) -> None:
+        """Where the next step's batches can be seen early (the loop's prefetched inputs), or None."""
+        self.upcoming = peek if self.ahead is not None else None
+        if peek is None and self.ahead is not None and self.ctx.is_main:
+            used = {name: t.lookups_ahead for name, t in self.ahead.tables.items()}
+            log.info("lookups that used an input distribution started a step ahead, so far: %s", used)
+
+    def _start_next(self) -> None:
+        """Distribute the next step's first micro-batch's IDs (its stand-in on a rank without data, as
+        ``__call__`` will pick it), so every rank starts the same collectives."""
+        upcoming = self.upcoming()
+        last = next((b for b in reversed(upcoming) if b is not None), self._last)
+        first = upcoming[0] if upcoming[0] is not None else last
+        if first is not None:
+            self.ahead.start(first)
 
     @contextlib.contextmanager
     def full_weights(self):
@@ -95,6 +117,8 @@ class StepRunner:
         real = sum(b is not None for b in micro)
         global_real, global_units = self.ctx.all_reduce_sum([real, sum(units)])
         if global_real == 0:
+            if self.ahead is not None:
+                self.ahead.drop()  # started for a step that no rank has data for
             return None
         if real:
             self._last = next(b for b in reversed(micro) if b is not None)
@@ -109,9 +133,19 @@ class StepRunner:
         tokens = 0
         for i, (batch, n) in enumerate(zip(micro, units, strict=True)):
             weight = 0.0 if batch is None else (world if self.summed else world * n / max(global_units, 1e-12))
+            inputs = batch if batch is not None else self._last
+            learn = i == 0 and self.ahead is not None and self.ahead.learning()
             with self._no_sync(last=i == len(micro) - 1):
+                if learn:
+                    self.ahead.begin()
                 with autocast(self.cfg, self.device):
-                    objective, loss = self.objective(batch if batch is not None else self._last)
+                    objective, loss = self.objective(inputs)
+                if learn:
+                    self.ahead.end(inputs)
+                if i == 0 and self.ahead is not None:
+                    self.ahead.drop()  # what this step's forward did not use
+                if i == len(micro) - 1 and self.upcoming is not None:
+                    self._start_next()  # the next step's ID all-to-all overlaps this backward
                 (objective * weight).backward()
             if batch is not None:
                 loss_sum += loss.detach().double() * n

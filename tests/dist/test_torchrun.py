@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -233,3 +234,18 @@ def test_token_budget_batches_on_two_ranks_train_each_sample_once(tmp_path: Path
     for epoch in range(2):
         seen = np.sort(np.concatenate([rows[s + 1] for s, e in enumerate(epochs) if e == epoch]))
         assert np.array_equal(seen, np.arange(num_samples)), f"epoch {epoch}: {seen.tolist()}"
+
+
+def test_input_distribution_one_step_ahead_changes_no_result(tmp_path: Path, data_dir: Path) -> None:
+    """``dist.pipeline=true`` starts the next step's ID all-to-all during this step's backward (the
+    history IDs' table lookups use it); the loss curve equals ``dist.pipeline=false`` on 2 ranks."""
+    dynamic = ["model.embedding=dynamic", "sparse.optimizer=adam", "sparse.lr=0.01", "train.epochs=3"]
+    runs = {}
+    for pipeline in ("true", "false"):
+        config = _config_file(tmp_path, _raw(data_dir, tmp_path / pipeline))
+        runs[pipeline] = torchrun(2, ["train", config, *dynamic, f"dist.pipeline={pipeline}"])
+    assert "input distribution one step ahead: {'prefix.item_embedding': ['item_ids']}" in runs["true"].stderr
+    assert "one step ahead" not in runs["false"].stderr
+    used = re.findall(r"started a step ahead, so far: \{'prefix.item_embedding': (\d+)\}", runs["true"].stderr)
+    assert len(used) == 3 and int(used[-1]) >= 3 * (4 - 1)  # each epoch: every step but the first
+    np.testing.assert_allclose(_losses(tmp_path / "true" / "run"), _losses(tmp_path / "false" / "run"), rtol=1e-6, atol=1e-7)
