@@ -14,7 +14,8 @@ run in alternating blocks (off, on, off, on ...). Per step:
 - ``exposed_input_s``: how long the training loop waited for its input (all of the above when
   the pipeline is off; what compute did not hide when it is on);
 - ``step_s``: forward + loss + backward + DDP all-reduce + optimizers, including the sharded
-  tables' ID/embedding all-to-alls and host-tier row swaps (synchronised);
+  tables' ID/embedding all-to-alls and host-tier row swaps (synchronised); with the pipeline on,
+  the next step's ID all-to-all is started during this step's backward (``recforge.train.pipeline_step``);
 - with CUDA, a ``torch.profiler`` pass over ``--profile-steps`` steps per mode gives the device
   time of NCCL kernels (``comm_kernel_s``) and host-to-device copies (``h2d_copy_s``, batch copies
   and tier swaps) per step.
@@ -90,6 +91,7 @@ def run_block(s, samples: torch.Tensor, pipeline: bool, steps: int, start: int) 
     inputs = StepInputs(raw(), build=lambda ids: s.seqs.training_batch(samples[ids], s.cfg.data.max_seq_len),
                         device=device, snapshot=None, prefetch=pipeline)  # fmt: skip
     rows = []
+    s.runner.set_upcoming(inputs.peek if pipeline else None)  # on: the next step's ID all-to-all starts early
     try:
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -103,6 +105,7 @@ def run_block(s, samples: torch.Tensor, pipeline: bool, steps: int, start: int) 
         if device.type == "cuda" and args.profile_steps:
             rows[-1].update(_profile(s, inputs, args.profile_steps))
     finally:
+        s.runner.set_upcoming(None)
         inputs.close()
     return rows
 
