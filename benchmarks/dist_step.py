@@ -142,12 +142,14 @@ def main() -> dict:
     stages = on["fetch_s"] + on["build_s"] + on["h2d_s"]
     result["hidden_input_fraction"] = 1 - on["exposed_input_s"] / stages if stages else float("nan")
     result["speedup_on_vs_off"] = result["modes"]["off"]["wall_s"] / on["wall_s"]
+    # lookups whose ID all-to-all was started during the previous step (pipeline on only)
+    result["lookups_ahead"] = {n: t.lookups_ahead for n, t in s.runner.ahead.tables.items()} if s.runner.ahead else {}
     print(f"{'mode':<6}" + "".join(f"{k:>16}" for k in (*STAGES, "comm_kernel_s", "h2d_copy_s")))
     for mode, summary in result["modes"].items():
         cells = [summary.get(k) for k in (*STAGES, "comm_kernel_s", "h2d_copy_s")]
         print(f"{mode:<6}" + "".join(f"{c * 1e3:>14.3f}ms" if c is not None else f"{'-':>16}" for c in cells))
     print(f"pipeline on hides {result['hidden_input_fraction']:.1%} of the input stages; step wall time off/on = "
-          f"{result['speedup_on_vs_off']:.3f}x")  # fmt: skip
+          f"{result['speedup_on_vs_off']:.3f}x; lookups with their IDs distributed a step ahead: {result['lookups_ahead']}")  # fmt: skip
     result.update(
         config={"users": args.users, "items": args.items, "batch_size": args.batch_size, "cache_rows": cache_rows,
                 "steps_per_block": args.steps, "blocks": args.blocks, "set": args.set, "world_size": ctx.world_size,
