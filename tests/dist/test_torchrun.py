@@ -162,6 +162,7 @@ def test_ranking_on_two_ranks_metrics_equal_one_process_eval(tmp_path: Path) -> 
                  "train.loader=pipeline", "train.device=cpu"]  # fmt: skip
     torchrun(2, ["train", str(REPO / "configs" / "ranking-synthetic-hstu.yaml"), *overrides], worker=False)
     run_dir = next(p for p in tmp_path.iterdir() if (p / "evals.jsonl").is_file())
+    assert (run_dir / "model" / "vocab.json").is_file()  # slices for recforge serve / export, written by rank 0
     last = json.loads((run_dir / "evals.jsonl").read_text().splitlines()[-1])
     done = subprocess.run([sys.executable, "-m", "recforge.cli", "eval", str(run_dir), "--checkpoint", "latest",
                            "--split", "valid"], env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
