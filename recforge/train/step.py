@@ -78,9 +78,11 @@ class StepRunner:
     def set_upcoming(self, peek: Callable[[], list] | None) -> None:
         """Where the next step's batches can be seen early (the loop's prefetched inputs), or None."""
         self.upcoming = peek if self.ahead is not None else None
-        if peek is None and self.ahead is not None and self.ctx.is_main:
-            used = {name: t.lookups_ahead for name, t in self.ahead.tables.items()}
-            log.info("lookups that used an input distribution started a step ahead, so far: %s", used)
+        if peek is None and self.ahead is not None:
+            self.ahead.drop()  # e.g. started for a step a step budget (train.max_steps) then skipped
+            if self.ctx.is_main:
+                used = {name: t.lookups_ahead for name, t in self.ahead.tables.items()}
+                log.info("lookups that used an input distribution started a step ahead, so far: %s", used)
 
     def _start_next(self) -> None:
         """Distribute the next step's first micro-batch's IDs (its stand-in on a rank without data, as
