@@ -21,6 +21,10 @@ run in alternating blocks (off, on, off, on ...). Per step:
   and tier swaps) per step.
 
 ``hidden_input_fraction`` = 1 - exposed_input_s / (fetch_s + build_s + h2d_s) with the pipeline on.
+``step_breakdown``: one extra sequential block with synchronised timers around the tables'
+``distribute`` (ID all-to-all) and ``lookup`` (owner lookup, tier swaps, embedding all-to-all)
+and the optimizers' ``step``; the rest of ``step_s`` is forward + backward (+ DDP all-reduce and
+the gradients' way back to the row owners).
 """
 
 from __future__ import annotations
@@ -78,6 +82,47 @@ def _profile(s, inputs: StepInputs, steps: int) -> dict[str, float]:
     return {"comm_kernel_s": comm / 1e6 / steps, "h2d_copy_s": h2d / 1e6 / steps}
 
 
+class StageTimer:
+    """Synchronised wall time of the sharded tables' ``distribute``/``lookup`` and of both optimizers' ``step``.
+
+    Used only in an extra sequential block (the synchronisations would defeat the overlap being
+    measured): it splits ``step_s`` into input distribution, lookup, optimizers and the rest."""
+
+    def __init__(self, s) -> None:
+        self.s, self.totals, self.saved = s, {}, []
+
+    def _wrap(self, obj, attr: str, stage: str) -> None:
+        real = getattr(obj, attr)
+        sync = torch.cuda.synchronize if self.s.device.type == "cuda" else (lambda: None)
+
+        def timed(*a, **kw):
+            sync()
+            t0 = time.perf_counter()
+            out = real(*a, **kw)
+            sync()
+            self.totals[stage] = self.totals.get(stage, 0.0) + time.perf_counter() - t0
+            return out
+
+        self.saved.append((obj, attr, obj.__dict__.get(attr)))
+        setattr(obj, attr, timed)
+
+    def __enter__(self) -> StageTimer:
+        for table in (self.s.runner.ahead.tables.values() if self.s.runner.ahead else []):
+            self._wrap(table, "distribute", "input_dist_s")
+            self._wrap(table, "lookup", "lookup_s")
+        self._wrap(self.s.runner.optimizer, "step", "dense_optimizer_s")
+        if self.s.sparse_optimizer is not None:
+            self._wrap(self.s.sparse_optimizer, "step", "sparse_optimizer_s")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, attr, before in reversed(self.saved):
+            if before is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, before)
+
+
 def run_block(s, samples: torch.Tensor, pipeline: bool, steps: int, start: int) -> list[dict[str, float]]:
     bs, device = s.cfg.train.batch_size, s.device
 
@@ -131,7 +176,14 @@ def main() -> dict:
     for block in range(args.blocks):
         for mode in ("off", "on"):
             per_mode[mode] += run_block(s, samples, mode == "on", args.steps, block * args.steps)
-    result = {"modes": {}}
+    with StageTimer(s) as timer:  # the breakdown of one sequential step (synchronised stage timers)
+        timed = run_block(s, samples, False, args.steps, 0)
+    step_s = sum(r["step_s"] for r in timed) / len(timed)
+    breakdown = {k: v / len(timed) for k, v in sorted(timer.totals.items())}
+    breakdown["forward_backward_rest_s"] = step_s - sum(breakdown.values())
+    breakdown = {"input_stages_s": statistics.median(r["fetch_s"] + r["build_s"] + r["h2d_s"] for r in timed),
+                 **breakdown, "step_s": step_s}  # fmt: skip
+    result = {"modes": {}, "step_breakdown": breakdown}
     for mode, rows in per_mode.items():
         summary = {k: statistics.median(r[k] for r in rows) for k in STAGES}
         for key in ("comm_kernel_s", "h2d_copy_s"):
@@ -148,6 +200,7 @@ def main() -> dict:
     for mode, summary in result["modes"].items():
         cells = [summary.get(k) for k in (*STAGES, "comm_kernel_s", "h2d_copy_s")]
         print(f"{mode:<6}" + "".join(f"{c * 1e3:>14.3f}ms" if c is not None else f"{'-':>16}" for c in cells))
+    print("step breakdown (sequential, synchronised): " + "  ".join(f"{k}={v * 1e3:.3f}ms" for k, v in breakdown.items()))
     print(f"pipeline on hides {result['hidden_input_fraction']:.1%} of the input stages; step wall time off/on = "
           f"{result['speedup_on_vs_off']:.3f}x; lookups with their IDs distributed a step ahead: {result['lookups_ahead']}")  # fmt: skip
     result.update(
