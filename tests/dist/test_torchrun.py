@@ -19,12 +19,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from recforge.config import config_from_dict
 from recforge.data.dataset import load_dataset
 from recforge.data.sequences import UserSequences
 from recforge.data.synthetic import SyntheticConfig, write_synthetic
 from recforge.train import retrieval
+from recforge.train.checkpoint import find_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_worker.py")
@@ -105,6 +107,11 @@ def test_two_ranks_with_grad_accum_follow_one_process(tmp_path: Path, data_dir: 
     run_two = tmp_path / "two" / "run"
     one, two = _losses(single.run_dir), _losses(run_two)
     assert len(one) == len(two) == 24
+    for name in ("model", "optimizer"):  # the final dense weights and AdamW state (FSDP2: gathered from the shards)
+        ref, got = (load_file(find_checkpoint(d) / f"{name}.safetensors") for d in (single.run_dir, run_two))
+        assert ref.keys() == got.keys()
+        for key in ref:
+            torch.testing.assert_close(got[key], ref[key], rtol=1e-3, atol=1e-5, msg=key)
     np.testing.assert_allclose(two, one, rtol=2e-4, atol=1e-5)
     assert one[-1] < 0.8 * one[0]  # it trained
     ref, got = (json.loads((d / "eval.json").read_text()) for d in (single.run_dir, run_two))
@@ -192,32 +199,30 @@ def test_two_nodes_on_loopback(tmp_path: Path, data_dir: Path) -> None:
     np.testing.assert_allclose(_losses(tmp_path / "run"), _losses(single.run_dir), rtol=2e-4, atol=1e-5)
 
 
-def test_dynamic_tables_sharded_on_two_ranks_resume_on_one(tmp_path: Path, data_dir: Path) -> None:
-    """``model.embedding=dynamic`` on 2 ranks: the planner's plan is saved, each checkpoint holds the
-    shards and their single-process export, and the metrics gathered from 2 ranks equal ``recforge
-    eval`` (one process, the export). ``--resume`` on 1 rank reshards 2 -> 1 and trains on."""
-    config = _config_file(tmp_path, _raw(data_dir, tmp_path, epochs=2, eval_every=1))
-    dynamic = ["model.embedding=dynamic", "sparse.optimizer=adam", "sparse.lr=0.01"]
-    torchrun(2, ["train", config, *dynamic])
-    run_dir = tmp_path / "run"
-    assert json.loads((run_dir / "sharding_plan.json").read_text())["world_size"] == 2
+def _assert_gathered_metrics_equal_single_process(run_dir: Path, world_size: int, step: int) -> None:
     ckpt = run_dir / "checkpoints" / json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step_dir"]
-    assert json.loads((ckpt / "sparse_sharded" / "manifest.json").read_text())["world_size"] == 2
-    gathered = json.loads((run_dir / "evals.jsonl").read_text().splitlines()[-1])
-    single = json.loads((run_dir / "eval.json").read_text())  # train's final evaluation: one process
+    assert json.loads((ckpt / "sparse_sharded" / "manifest.json").read_text())["world_size"] == world_size
+    gathered = json.loads((run_dir / "evals.jsonl").read_text().splitlines()[-1])  # on world_size ranks
+    single = json.loads((run_dir / "eval.json").read_text())  # train's final evaluation: one process, the export
+    assert single["step"] == gathered["step"] == step
     for key in ("hr@10", "ndcg@10", "mrr"):
         assert gathered[key] == pytest.approx(single[key], abs=1e-12), key
-    torchrun(1, ["train", config, *dynamic, "train.epochs=3", "--resume"])
+
+
+def test_dynamic_tables_reshard_4_2_1(tmp_path: Path, data_dir: Path) -> None:
+    """``model.embedding=dynamic`` on 4 ranks, resumed on 2, then on 1: the planner's plan is saved,
+    each checkpoint holds the shards (resharded at every resume) and their single-process export,
+    and the metrics gathered from the ranks equal ``recforge eval``'s (one process, the export)."""
+    config = _config_file(tmp_path, _raw(data_dir, tmp_path, epochs=1, eval_every=1))
+    dynamic = ["model.embedding=dynamic", "sparse.optimizer=adam", "sparse.lr=0.01"]
+    run_dir = tmp_path / "run"
+    for epochs, ranks in enumerate((4, 2, 1), start=1):
+        torchrun(ranks, ["train", config, *dynamic, f"train.epochs={epochs}", *(["--resume"] if epochs > 1 else [])])
+        assert json.loads((run_dir / "sharding_plan.json").read_text())["world_size"] == ranks
+        _assert_gathered_metrics_equal_single_process(run_dir, ranks, step=4 * epochs)
     log = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
     assert [row["epoch"] for row in log] == [0] * 4 + [1] * 4 + [2] * 4
     assert log[-1]["loss"] < log[0]["loss"]
-    ckpt = run_dir / "checkpoints" / json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step_dir"]
-    assert json.loads((ckpt / "sparse_sharded" / "manifest.json").read_text())["world_size"] == 1
-    gathered = json.loads((run_dir / "evals.jsonl").read_text().splitlines()[-1])
-    single = json.loads((run_dir / "eval.json").read_text())
-    assert single["step"] == 12
-    for key in ("hr@10", "ndcg@10", "mrr"):
-        assert gathered[key] == pytest.approx(single[key], abs=1e-12), key
 
 
 def test_token_budget_batches_on_two_ranks_train_each_sample_once(tmp_path: Path, data_dir: Path) -> None:
