@@ -4,16 +4,19 @@ A recipe supplies the model, the optimizer, where the steps' inputs come from, a
 function and an evaluation function; the loop owns seeding, logging (``train_log.jsonl``,
 ``evals.jsonl``, TensorBoard), checkpoints and resuming. Inputs come one of two ways:
 
-- memory (``num_samples``): each step gets a slice of sample ids; the epoch's order is derived
-  from (seed, epoch), so a resumed run replays exactly the steps an uninterrupted run would
-  have taken, with no data state to save.
-- a ``BatchSource`` (``source``, e.g. the sample engine): each step gets the source's next
-  batch and the epoch ends when the source is exhausted. The source's state (rows consumed so
-  far) goes into every checkpoint and is handed back on resume, so each row is trained on
-  exactly once per epoch across crashes (in a different order than an uninterrupted run).
+- memory (``num_samples``): each step takes the next ``train.batch_size`` sample ids, and each
+  rank its slice of them (cut into ``dist.grad_accum`` micro-batches); the epoch's order is
+  derived from (seed, epoch), so a resumed run, on any number of ranks, replays exactly the
+  steps an uninterrupted run would have taken, with no data state to save.
+- a ``BatchSource`` (``source``, e.g. the sample engine, reading this rank's rows): each step
+  gets the source's next ``dist.grad_accum`` batches and the epoch ends when no rank has any
+  left. The sources' states (rows consumed so far, merged over the ranks) go into every
+  checkpoint and are handed back on resume, so each row is trained on exactly once per epoch
+  across crashes and changes of world size (in a different order than an uninterrupted run).
 
 Every step re-seeds the RNGs from (seed, global step). Each ``train_log.jsonl`` row records
-``data_wait_s``, the time the step waited for its input, next to ``step_s``, the step's own time.
+``data_wait_s``, the time the step waited for its input, next to ``step_s``, the step's own
+time, and the input stages' times (``fetch_s``, ``build_s``, ``h2d_s``; see ``inputs.py``).
 """
 
 from __future__ import annotations
