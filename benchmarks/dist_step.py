@@ -2,6 +2,7 @@
 
 Usage (one GPU, NCCL at world size 1: the collectives and the sharded tables' all-to-alls run):
     python benchmarks/dist_step.py --device cuda --out benchmarks/results/dist_step-h200.json
+    torchrun --nproc-per-node 8 benchmarks/dist_step.py --device cuda      # several GPUs (rank 0 reports)
     python benchmarks/dist_step.py --device cpu --steps 6 --warmup 2 --users 400 --items 800   # gloo smoke run
 
 The retrieval recipe (configs/ml1m-hstu.yaml's model) on a synthetic dataset, with
@@ -196,6 +197,9 @@ def main() -> dict:
     result["speedup_on_vs_off"] = result["modes"]["off"]["wall_s"] / on["wall_s"]
     # lookups whose ID all-to-all was started during the previous step (pipeline on only)
     result["lookups_ahead"] = {n: t.lookups_ahead for n, t in s.runner.ahead.tables.items()} if s.runner.ahead else {}
+    if not ctx.is_main:  # under torchrun with several ranks: rank 0 reports
+        shutdown_distributed()
+        return result
     print(f"{'mode':<6}" + "".join(f"{k:>16}" for k in (*STAGES, "comm_kernel_s", "h2d_copy_s")))
     for mode, summary in result["modes"].items():
         cells = [summary.get(k) for k in (*STAGES, "comm_kernel_s", "h2d_copy_s")]
@@ -224,7 +228,7 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--users", type=int, default=20000)
     parser.add_argument("--items", type=int, default=200000)
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=128, help="sequences per rank per step")
     parser.add_argument("--cache-fraction", type=float, default=0.2, help="item rows cached on the device (tiered table)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per block")
     parser.add_argument("--blocks", type=int, default=3, help="alternating off/on blocks")

@@ -80,7 +80,7 @@ class StepRunner:
         self.upcoming = peek if self.ahead is not None else None
         if peek is None and self.ahead is not None:
             self.ahead.drop()  # e.g. started for a step a step budget (train.max_steps) then skipped
-            if self.ctx.is_main:
+            if self.ctx.is_main and any((self.ahead.features or {}).values()):
                 used = {name: t.lookups_ahead for name, t in self.ahead.tables.items()}
                 log.info("lookups that used an input distribution started a step ahead, so far: %s", used)
 
