@@ -69,6 +69,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     cfg = load_config(args.config, args.overrides)
     summary = _recipe_module(cfg.recipe).train(cfg, resume=args.resume, progress=not args.no_progress)
+    if "split" not in summary:  # a torchrun rank other than 0: rank 0 evaluates and prints
+        return
     if cfg.recipe == "ranking":
         print(f"run {cfg.run_dir}: {summary['split']} split, {int(summary['impressions']):,} impressions, "
               f"checkpoint {summary['checkpoint']}; model slices in {cfg.run_dir / 'model'}")  # fmt: skip
@@ -162,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.set_defaults(func=cmd_synthetic)
 
-    p = sub.add_parser("train", help="train from a YAML config")
+    p = sub.add_parser("train", help="train from a YAML config (several GPUs/nodes: torchrun ... -m recforge.cli train)")
     p.add_argument("config", help="YAML config, e.g. configs/ml1m-hstu.yaml")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.epochs=5 model.num_blocks=4")
     p.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
@@ -224,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # user-facing problems: config, data, paths
         print(f"error: {err}", file=sys.stderr)
         return 2
+    finally:
+        if "torch.distributed" in sys.modules:  # a torchrun job: leave the process group cleanly
+            from recforge.train.distributed import shutdown_distributed
+
+            shutdown_distributed()
     return 0
 
 

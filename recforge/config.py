@@ -131,6 +131,22 @@ class TrainConfig:
 
 
 @dataclass
+class DistConfig:
+    """Multi-process training under ``torchrun`` (ignored in a plain ``recforge train``).
+
+    ``train.batch_size`` and ``train.token_budget`` stay *global* (per optimizer step): each rank
+    trains on 1/world_size of them per micro-batch, split again into ``grad_accum`` micro-batches,
+    so N ranks follow the loss curve of one process on the same data.
+    """
+
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    dense: str = "ddp"  # ddp (replicated dense weights, gradients all-reduced) | fsdp2 (fully_shard: sharded weights and optimizer state)
+    grad_accum: int = 1  # micro-batches per optimizer step (DDP syncs gradients only on the last)
+    pipeline: bool = True  # overlap the next batch's fetch + host-to-device copy with this step's compute
+    timeout_minutes: float = 10.0  # collectives wait this long for a missing rank before the run fails
+
+
+@dataclass
 class EvalConfig:
     ks: list[int] = field(default_factory=lambda: [1, 5, 10, 50, 200])
     batch_size: int = 1024  # users per evaluation batch
@@ -149,6 +165,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sparse: SparseConfig = field(default_factory=SparseConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     @property
     def eval_ks(self) -> list[int]:
@@ -179,6 +196,8 @@ CHOICES = {
     "model.attn_norm": ("layernorm", "visible_mean"),
     "train.loader": ("memory", "pipeline"),
     "train.precision": ("float32", "bfloat16"),
+    "dist.backend": ("auto", "nccl", "gloo"),
+    "dist.dense": ("ddp", "fsdp2"),
     "sparse.optimizer": ("sgd", "adagrad", "rowwise_adagrad", "adam", "adamw"),
     "sparse.admission": ("always", "count", "probability"),
     "sparse.eviction": ("none", "lru", "lfu", "ttl", "l2", "time_freq"),
@@ -187,6 +206,7 @@ POSITIVE = (
     "data.max_seq_len", "model.dim", "model.num_blocks", "model.num_heads", "model.dqk", "model.dv",
     "model.ffn_dim", "model.head_hidden", "model.num_experts", "ranking.period_seconds", "ranking.max_targets",
     "train.epochs", "train.batch_size", "eval.batch_size", "train.keep_checkpoints", "train.log_every",
+    "dist.grad_accum", "dist.timeout_minutes",
 )  # fmt: skip
 
 

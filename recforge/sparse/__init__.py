@@ -12,6 +12,9 @@ Pieces (one process; a shard on a rank is simply a table):
   ``SparseOptimizer`` (optim.py), ``RowStore`` / ``TieredStore`` (storage.py).
 - ``EmbeddingCollection`` (collection.py): features, merged tables, jagged/pooled lookups.
 - checkpoint.py: sharded safetensors checkpoints, delta and fp16/int8 exports, warm start.
+- Across ranks: ``ShardedDynamicEmbedding`` (sharded.py: one shard per rank, IDs and rows moved by
+  all-to-all), ``plan_sharding`` / ``ShardingPlan`` (planner.py: row-wise or table-wise per table),
+  sharded_checkpoint.py: a file per rank, loadable on another world size, exportable to one process.
 
 Example:
     >>> table = DynamicEmbedding(TableConfig(name="item", dim=64, optimizer=SparseOptimConfig(kind="adam", lr=1e-3)))
@@ -32,12 +35,17 @@ from recforge.sparse.checkpoint import (
 from recforge.sparse.collection import EmbeddingCollection, FeatureConfig, JaggedIds
 from recforge.sparse.hash_table import IdHashTable
 from recforge.sparse.optim import SparseOptimConfig, SparseOptimizer
+from recforge.sparse.planner import ShardingPlan, plan_sharding, shard_collection
 from recforge.sparse.policies import AdmissionConfig, EvictionConfig
+from recforge.sparse.sharded import ShardedDynamicEmbedding, sharded_tables
+from recforge.sparse.sharded_checkpoint import export_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 from recforge.sparse.sorted_index import SortedIdIndex
 from recforge.sparse.table import DynamicEmbedding, TableConfig
 
 __all__ = [
     "AdmissionConfig", "DynamicEmbedding", "EmbeddingCollection", "EvictionConfig", "FeatureConfig", "IdHashTable",
-    "JaggedIds", "SortedIdIndex", "SparseOptimConfig", "SparseOptimizer", "TableConfig", "export_rows", "load_export",
-    "load_sparse_checkpoint", "save_sparse_checkpoint", "to_dense", "to_embedding", "warm_start",
+    "JaggedIds", "ShardedDynamicEmbedding", "ShardingPlan", "SortedIdIndex", "SparseOptimConfig", "SparseOptimizer",
+    "TableConfig", "export_rows", "export_sharded_checkpoint", "load_export", "load_sharded_checkpoint",
+    "load_sparse_checkpoint", "plan_sharding", "save_sharded_checkpoint", "save_sparse_checkpoint", "shard_collection",
+    "sharded_tables", "to_dense", "to_embedding", "warm_start",
 ]  # fmt: skip

@@ -7,6 +7,8 @@ Layout inside a run directory::
         model.safetensors
         optimizer.safetensors   AdamW moments and step counts, flattened by parameter index
         sparse/                 the model's dynamic tables, if any (recforge.sparse.checkpoint)
+        sparse_sharded/         torchrun with dynamic tables: every rank's shards (recforge.sparse.sharded_checkpoint),
+                                restored on any number of ranks; sparse/ then holds their single-process export
         manifest.json           step, epoch, config, optimizer param_groups, metrics, files
       latest.json               {"step_dir": "step_00000480"}   replaced atomically
       best.json                 same, for the best validation checkpoint (clean protocol)
@@ -17,6 +19,7 @@ Nothing is unpickled on load: safetensors and JSON only.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -26,12 +29,13 @@ from torch import nn
 
 from recforge.io import atomic_directory, atomic_write_json
 from recforge.sparse.checkpoint import load_sparse_checkpoint, module_tables, write_sparse
+from recforge.sparse.sharded import sharded_tables
+from recforge.sparse.sharded_checkpoint import export_sharded_checkpoint, load_sharded_checkpoint
 
 FORMAT_VERSION = 1
 
 
-def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    state = optimizer.state_dict()
+def _optimizer_tensors(state: dict) -> tuple[dict[str, torch.Tensor], list[dict]]:
     tensors = {}
     for index, param_state in state["state"].items():
         for key, value in param_state.items():
@@ -48,6 +52,9 @@ def save_checkpoint(
     manifest: dict,
     keep: int = 2,
     best: bool = False,
+    sharded_sparse: Path | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict | None = None,
 ) -> Path:
     """Write ``checkpoints/step_<8-digit step>`` atomically, move the ``latest`` pointer, prune old ones.
 
@@ -59,20 +66,28 @@ def save_checkpoint(
         manifest: JSON-serialisable training state (epoch, config, metrics...).
         keep: how many most recent checkpoints to keep (the best one is always kept).
         best: also point ``best.json`` at this checkpoint.
+        sharded_sparse: a sharded sparse checkpoint all ranks just wrote (``save_sharded_checkpoint``):
+            moved into this checkpoint, plus its single-process export as ``sparse/``.
+        weights, optimizer_state: the full (unsharded) ``state_dict``s to save instead of the
+            model's and optimizer's own (FSDP2: see ``distributed.full_dense_state``).
     """
     ckpt_root = Path(run_dir) / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
     with atomic_directory(ckpt_root / name) as tmp:
-        weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        weights = {k: v.detach().cpu().contiguous() for k, v in (weights or model.state_dict()).items()}
         save_file(weights, tmp / "model.safetensors")
         full_manifest = {"format_version": FORMAT_VERSION, "step": step, "files": {"model": "model.safetensors"}, **manifest}
         if optimizer is not None:
-            tensors, groups = _optimizer_tensors(optimizer)
+            tensors, groups = _optimizer_tensors(optimizer_state or optimizer.state_dict())
             save_file(tensors, tmp / "optimizer.safetensors")
             full_manifest["files"]["optimizer"] = "optimizer.safetensors"
             full_manifest["optimizer_param_groups"] = groups
-        if tables := module_tables(model):  # rows, their optimizer state, policy counters, hash keys
+        if sharded_sparse is not None:
+            os.replace(sharded_sparse, tmp / "sparse_sharded")
+            export_sharded_checkpoint(tmp / "sparse_sharded", tmp / "sparse")  # what eval/serve/export read
+            full_manifest["files"].update(sparse="sparse", sparse_sharded="sparse_sharded")
+        elif tables := module_tables(model):  # rows, their optimizer state, policy counters, hash keys
             (tmp / "sparse").mkdir()
             write_sparse(tmp / "sparse", tables)
             full_manifest["files"]["sparse"] = "sparse"
@@ -116,8 +131,14 @@ def load_checkpoint(
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: checkpoint format {manifest.get('format_version')} is not supported")
     weights = load_file(path / manifest["files"]["model"], device=str(device))
-    model.load_state_dict(weights)
-    if tables := module_tables(model):
+    current = model.state_dict()
+    model.load_state_dict({k: _like(v, current.get(k)) for k, v in weights.items()})
+    if sharded := sharded_tables(model):  # torchrun: this rank's shards, resharded from any saved world size
+        if "sparse_sharded" not in manifest["files"]:
+            raise ValueError(f"{path} holds no sharded dynamic-table state (it was saved by a single process); "
+                             "resume it with a plain `recforge train --resume`, not under torchrun")  # fmt: skip
+        load_sharded_checkpoint(path / manifest["files"]["sparse_sharded"], sharded)
+    elif tables := module_tables(model):
         if "sparse" not in manifest["files"]:
             raise ValueError(f"{path} holds no dynamic-table state; it was saved by a model without one (model.embedding)")
         load_sparse_checkpoint(path / manifest["files"]["sparse"], tables)
@@ -131,5 +152,16 @@ def load_checkpoint(
             if name == "step":
                 value = value.cpu()  # AdamW keeps non-capturable step counts on the CPU
             state.setdefault(int(index), {})[name] = value
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        state = {i: {k: v if k == "step" else _like(v, params[i]) for k, v in s.items()} for i, s in state.items()}
         optimizer.load_state_dict({"state": state, "param_groups": manifest["optimizer_param_groups"]})
     return manifest
+
+
+def _like(full: torch.Tensor, reference: torch.Tensor | None) -> torch.Tensor:
+    """``full`` sharded as ``reference`` when that is a DTensor (FSDP2 weights and moments), else as is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(reference, DTensor):
+        return full
+    return distribute_tensor(full.to(reference.device), reference.device_mesh, reference.placements)

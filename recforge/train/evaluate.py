@@ -9,6 +9,7 @@ from torch import Tensor
 
 from recforge.data.sequences import EvalBatch, UserSequences
 from recforge.models.retrieval import RetrievalModel
+from recforge.train.distributed import DistContext, even_batches
 from recforge.train.metrics import retrieval_metrics, target_ranks
 
 ScoreFn = Callable[[EvalBatch], Tensor]  # EvalBatch -> (B, N+1) scores
@@ -23,6 +24,7 @@ def evaluate_ranking(
     ks: list[int],
     batch_size: int,
     device: torch.device | str = "cpu",
+    ctx: DistContext | None = None,
 ) -> tuple[dict[str, float], Tensor]:
     """Rank every evaluable user's held-out item over all items, seen items excluded.
 
@@ -33,18 +35,26 @@ def evaluate_ranking(
         max_seq_len: history items given to the model.
         ks: cut-offs for HR/NDCG.
         batch_size: users per batch.
+        ctx: several ranks: each ranks its contiguous share of the users, and the ranks are
+            gathered in user order, so the metrics equal a single process's.
 
     Returns:
         (metrics, ranks): metrics dict (plus ``num_users``) and each user's 0-based rank.
     """
-    users = seqs.evaluable_users(target_from_end)
+    everyone = seqs.evaluable_users(target_from_end)
+    ctx = ctx or DistContext()
+    lo, hi = ctx.shard(everyone.numel())
+    users = everyone[lo:hi]
     ranks = []
     with torch.no_grad():
-        for start in range(0, users.numel(), batch_size):
-            batch = seqs.eval_batch(users[start : start + batch_size], max_seq_len, target_from_end).to(device)
+        for start in range(0, even_batches(everyone.numel(), batch_size, ctx) * batch_size, batch_size):
+            chunk = users[start : start + batch_size]
+            stand_in = chunk.numel() == 0  # this rank is done: score a stand-in so sharded tables' collectives match
+            batch = seqs.eval_batch(everyone[:1] if stand_in else chunk, max_seq_len, target_from_end).to(device)
             scores = score_fn(batch)
-            ranks.append(target_ranks(scores, batch.targets, batch.seen_index, batch.seen_offsets).cpu())
-    all_ranks = torch.cat(ranks) if ranks else torch.zeros(0, dtype=torch.int64)
+            if not stand_in:
+                ranks.append(target_ranks(scores, batch.targets, batch.seen_index, batch.seen_offsets).cpu())
+    all_ranks = ctx.gather_rows(torch.cat(ranks) if ranks else torch.zeros(0, dtype=torch.int64))
     metrics = retrieval_metrics(all_ranks, ks)
     metrics["num_users"] = int(all_ranks.numel())
     return metrics, all_ranks

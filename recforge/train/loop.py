@@ -4,21 +4,23 @@ A recipe supplies the model, the optimizer, where the steps' inputs come from, a
 function and an evaluation function; the loop owns seeding, logging (``train_log.jsonl``,
 ``evals.jsonl``, TensorBoard), checkpoints and resuming. Inputs come one of two ways:
 
-- memory (``num_samples``): each step gets a slice of sample ids; the epoch's order is derived
-  from (seed, epoch), so a resumed run replays exactly the steps an uninterrupted run would
-  have taken, with no data state to save.
-- a ``BatchSource`` (``source``, e.g. the sample engine): each step gets the source's next
-  batch and the epoch ends when the source is exhausted. The source's state (rows consumed so
-  far) goes into every checkpoint and is handed back on resume, so each row is trained on
-  exactly once per epoch across crashes (in a different order than an uninterrupted run).
+- memory (``num_samples``): each step takes the next ``train.batch_size`` sample ids, and each
+  rank its slice of them (cut into ``dist.grad_accum`` micro-batches); the epoch's order is
+  derived from (seed, epoch), so a resumed run, on any number of ranks, replays exactly the
+  steps an uninterrupted run would have taken, with no data state to save.
+- a ``BatchSource`` (``source``, e.g. the sample engine, reading this rank's rows): each step
+  gets the source's next ``dist.grad_accum`` batches and the epoch ends when no rank has any
+  left. The sources' states (rows consumed so far, merged over the ranks) go into every
+  checkpoint and are handed back on resume, so each row is trained on exactly once per epoch
+  across crashes and changes of world size (in a different order than an uninterrupted run).
 
 Every step re-seeds the RNGs from (seed, global step). Each ``train_log.jsonl`` row records
-``data_wait_s``, the time the step waited for its input, next to ``step_s``, the step's own time.
+``data_wait_s``, the time the step waited for its input, next to ``step_s``, the step's own
+time, and the input stages' times (``fetch_s``, ``build_s``, ``h2d_s``; see ``inputs.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
@@ -31,9 +33,13 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from recforge.config import RunConfig, save_config
+from recforge.sparse.sharded import sharded_tables
+from recforge.sparse.sharded_checkpoint import save_sharded_checkpoint
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from recforge.train.distributed import DistContext, any_rank, full_dense_state, merged_data_state
+from recforge.train.inputs import StepInputs
 
-StepFn = Callable[[Any], tuple[float, int]]  # sample ids or a source's batch -> (loss, tokens processed)
+StepFn = Callable[[list, float], Any]  # (micro-batches, lr scale) -> StepResult, or None when no rank had data
 EvalFn = Callable[[], tuple[str, dict[str, float]]]  # () -> (split name, metrics)
 
 
@@ -54,39 +60,6 @@ class BatchSource(Protocol):
     def state_dict(self) -> dict:
         """JSON-serialisable: the rows consumed so far (saved with each checkpoint)."""
         ...
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"train.device={name!r} but CUDA is not available; use train.device=cpu")
-    return torch.device(name)
-
-
-def prepare_runtime(cfg: RunConfig) -> torch.device:
-    """Apply ``train.threads``, resolve ``train.device`` (TF32 matmuls on CUDA) and return it."""
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    device = resolve_device(cfg.train.device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-    return device
-
-
-def autocast(cfg: RunConfig, device: torch.device):
-    """The context a training step's forward and loss run in: ``torch.autocast`` to bfloat16 for
-    ``train.precision=bfloat16``, else nothing."""
-    if cfg.train.precision == "bfloat16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """AdamW over every parameter, per ``cfg.optim``."""
-    return torch.optim.AdamW(
-        model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
-    )
 
 
 def lr_at(cfg: RunConfig, step: int, total_steps: int) -> float:
@@ -146,6 +119,7 @@ def run_loop(
     optimizer: torch.optim.Optimizer,
     device: torch.device,
     step: StepFn,
+    build: Callable[[Any], Any],
     evaluate: EvalFn,
     manifest: dict,
     resume: bool,
@@ -153,21 +127,29 @@ def run_loop(
     num_samples: int | None = None,
     source: BatchSource | None = None,
     show_keys: tuple[str, ...] | None = None,
+    ctx: DistContext | None = None,
+    lookahead: Callable[[Callable[[], list] | None], None] | None = None,
 ) -> dict:
     """Run ``cfg.train`` epochs of ``step``; return the final train state.
 
-    Steps get slices of shuffled sample ids (``num_samples``) or the batches of ``source``
-    (exactly one of the two). ``evaluate`` runs every ``cfg.train.eval_every`` epochs and at
-    the end; the checkpoint with the best ``cfg.eval.select_metric`` (higher is better) is
-    marked ``best``.
+    Steps get this rank's micro-batches (``build`` turns a slice of shuffled sample ids of the
+    global batch, ``num_samples``, or a batch of ``source`` into a CPU batch; exactly one of the
+    two). ``evaluate`` runs every ``cfg.train.eval_every`` epochs and at the end; the checkpoint
+    with the best ``cfg.eval.select_metric`` (higher is better) is marked ``best``. Under
+    ``torchrun`` every rank runs this loop; rank 0 writes logs and checkpoints, and the data state
+    of all ranks is merged into each checkpoint. ``lookahead`` receives the prefetched inputs'
+    ``peek`` each epoch (None after it), for a step that starts the next step's input distribution.
 
     Example:
-        >>> run_loop(cfg, model=model, optimizer=opt, device=device, num_samples=len(samples),
-        ...          step=lambda ids: train_step(samples[ids]), evaluate=evaluate, manifest={},
+        >>> run_loop(cfg, model=model, optimizer=runner.optimizer, device=device, num_samples=len(samples),
+        ...          build=lambda ids: make_batch(samples[ids]), step=runner, evaluate=evaluate, manifest={},
         ...          resume=False, progress=True)
     """
     if (num_samples is None) == (source is None):
         raise ValueError("run_loop needs exactly one of num_samples (memory loader) or source (a BatchSource)")
+    ctx = ctx or DistContext()
+    main = ctx.is_main
+    progress = progress and main
     run_dir = cfg.run_dir
     steps_log, evals_log = run_dir / "train_log.jsonl", run_dir / "evals.jsonl"
     state = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "best_value": None}
@@ -180,45 +162,70 @@ def run_loop(
         if (data_state is None) != (source is None):
             written, now = ("memory", "pipeline") if data_state is None else ("pipeline", "memory")
             raise ValueError(f"{ckpt} was written with train.loader={written}; resume it with that loader, not {now}")
-        _truncate_jsonl(steps_log, state["global_step"])
-        _truncate_jsonl(evals_log, state["global_step"])
-    else:
+        if main:
+            _truncate_jsonl(steps_log, state["global_step"])
+            _truncate_jsonl(evals_log, state["global_step"])
+    elif main:
         for path in (steps_log, evals_log):
             path.unlink(missing_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    if main:
+        save_config(cfg, run_dir / "config.yaml")
     if num_samples == 0:
         raise ValueError("the training split has no samples; check the dataset and the data/ranking settings")
-    batch_size = cfg.train.batch_size
+    batch_size, accum = cfg.train.batch_size, cfg.dist.grad_accum
     steps_per_epoch = math.ceil(num_samples / batch_size) if source is None else source.num_steps_estimate
     total_steps = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
-    writer = SummaryWriter(str(run_dir / "tb"))
+    writer = SummaryWriter(str(run_dir / "tb")) if main else None
     started = time.monotonic()
     stop = False
+    trained_state: dict | None = None  # the source's state after the last step trained (prefetch runs ahead)
 
     def checkpoint(best: bool = False) -> None:
-        data = {} if source is None else {"data_state": source.state_dict()}  # only rows of the steps taken
-        save_checkpoint(
-            run_dir, step=state["global_step"], model=model, optimizer=optimizer,
-            manifest={"train_state": dict(state), "config": cfg.to_dict(), **manifest, **data},
-            keep=cfg.train.keep_checkpoints, best=best,
-        )  # fmt: skip
+        data = {}
+        if source is not None:  # only rows of the steps taken, from every rank
+            data = {"data_state": merged_data_state(ctx, trained_state or source.state_dict())}
+        sharded = None
+        if tables := sharded_tables(model):  # a collective: every rank writes its shards
+            sharded = save_sharded_checkpoint(run_dir / "checkpoints" / f".sparse-{state['global_step']:08d}", tables)
+        weights, optimizer_state = full_dense_state(model, optimizer)  # FSDP2: gathered on every rank
+        if main:
+            save_checkpoint(
+                run_dir, step=state["global_step"], model=model, optimizer=optimizer,
+                manifest={"train_state": dict(state), "config": cfg.to_dict(), "world_size": ctx.world_size,
+                          **manifest, **data},
+                keep=cfg.train.keep_checkpoints, best=best, sharded_sparse=sharded, weights=weights,
+                optimizer_state=optimizer_state,
+            )  # fmt: skip
+        ctx.barrier()  # no rank runs ahead of a checkpoint that is not complete yet
 
-    def epoch_inputs(epoch: int) -> Iterator[Any]:
+    def raw_steps(epoch: int) -> Iterator[list]:
+        """This rank's micro-batches of each step, then [None] * K forever (the step agrees when all ranks are done)."""
         nonlocal data_state
         if source is not None:
-            inputs, data_state = source.epoch_iter(epoch, data_state), None
-            return inputs
+            batches, data_state = source.epoch_iter(epoch, data_state), None
+            try:
+                while True:
+                    yield [next(batches, None) for _ in range(accum)]
+            finally:
+                if hasattr(batches, "close"):
+                    batches.close()  # stops a source's read-ahead thread
         order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(cfg.train.seed * 7919 + epoch))
-        return (order[i * batch_size : (i + 1) * batch_size] for i in range(state["step_in_epoch"], steps_per_epoch))
+        share = slice(ctx.rank * accum, (ctx.rank + 1) * accum)
+        for i in range(state["step_in_epoch"], steps_per_epoch):
+            parts = order[i * batch_size : (i + 1) * batch_size].tensor_split(ctx.world_size * accum)[share]
+            yield [p if p.numel() else None for p in parts]
+        while True:
+            yield [None] * accum
 
     def log_eval() -> bool:
-        split, metrics = evaluate()
-        for key, value in metrics.items():
-            if isinstance(value, float):
-                writer.add_scalar(f"{split}/{key}", value, state["global_step"])
-        append_jsonl(evals_log, {"step": state["global_step"], "epoch": state["epoch"], "split": split, **metrics})
+        split, metrics = evaluate()  # every rank: evaluation is sharded and gathered
+        if main:
+            for key, value in metrics.items():
+                if isinstance(value, float):
+                    writer.add_scalar(f"{split}/{key}", value, state["global_step"])
+            append_jsonl(evals_log, {"step": state["global_step"], "epoch": state["epoch"], "split": split, **metrics})
         if progress:
             tqdm.write(f"epoch {state['epoch']} step {state['global_step']} {split}: " + format_metrics(metrics, show_keys))
         value = metrics[cfg.eval.select_metric]
@@ -230,7 +237,10 @@ def run_loop(
     model.train()
     while state["epoch"] < cfg.train.epochs and not stop:
         epoch = state["epoch"]
-        inputs = epoch_inputs(epoch)
+        snapshot = source.state_dict if source is not None else None
+        inputs = StepInputs(raw_steps(epoch), build=build, device=device, snapshot=snapshot, prefetch=cfg.dist.pipeline)
+        if lookahead is not None and cfg.dist.pipeline:
+            lookahead(inputs.peek)  # the step may start the next step's input distribution early
         bar = tqdm(
             total=steps_per_epoch, initial=state["step_in_epoch"], desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
             disable=not progress, leave=False, dynamic_ncols=True,
@@ -238,18 +248,21 @@ def run_loop(
         exhausted = False
         while True:
             t0 = time.perf_counter()
-            batch = next(inputs, None)  # a source hands out a batch here: from now on its rows count as consumed
+            item = next(inputs)  # a source hands out batches here: from now on their rows count as consumed
             data_wait_s = time.perf_counter() - t0
-            if batch is None:
-                exhausted = True
-                break
             torch.manual_seed(cfg.train.seed * 1_000_003 + state["global_step"])
             lr = lr_at(cfg, state["global_step"], total_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             t0 = time.perf_counter()
-            loss, tokens = step(batch)
+            result = step(item.micro, run_lr_scale(cfg, optimizer))
             step_s = time.perf_counter() - t0
+            if item.data_state is not None:
+                trained_state = item.data_state
+            if result is None:  # no rank had data left
+                exhausted = True
+                break
+            loss = result.loss
             if not math.isfinite(loss):  # stop before a checkpoint can hold the weights this step corrupted
                 raise FloatingPointError(
                     f"training loss is {loss} at step {state['global_step'] + 1} (epoch {epoch + 1}, lr {lr:.3g}); "
@@ -257,12 +270,14 @@ def run_loop(
                     "set optim.grad_clip, or check the data for empty batches and non-finite features; then "
                     "restart, or continue from the last checkpoint with --resume"
                 )
-            tokens_per_s = tokens / step_s
+            tokens_per_s = result.tokens / step_s
             state["global_step"] += 1
             state["step_in_epoch"] += 1
-            append_jsonl(steps_log, {"step": state["global_step"], "epoch": epoch, "loss": loss, "tokens_per_s": tokens_per_s,
-                                     "step_s": step_s, "data_wait_s": data_wait_s})  # fmt: skip
-            if state["global_step"] % cfg.train.log_every == 0:
+            if main:
+                append_jsonl(steps_log, {"step": state["global_step"], "epoch": epoch, "loss": loss,
+                                         "tokens_per_s": tokens_per_s, "step_s": step_s, "data_wait_s": data_wait_s,
+                                         **item.times})  # fmt: skip
+            if main and state["global_step"] % cfg.train.log_every == 0:
                 writer.add_scalar("train/loss", loss, state["global_step"])
                 writer.add_scalar("train/tokens_per_s", tokens_per_s, state["global_step"])
                 writer.add_scalar("train/data_wait_s", data_wait_s, state["global_step"])
@@ -270,7 +285,7 @@ def run_loop(
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
             out_of_budget = (cfg.train.max_steps and state["global_step"] >= cfg.train.max_steps) or (
-                cfg.train.max_minutes and time.monotonic() - started >= cfg.train.max_minutes * 60
+                cfg.train.max_minutes and any_rank(ctx, time.monotonic() - started >= cfg.train.max_minutes * 60)
             )
             if out_of_budget:
                 stop = True
@@ -278,8 +293,9 @@ def run_loop(
             if cfg.train.checkpoint_every and state["global_step"] % cfg.train.checkpoint_every == 0:
                 checkpoint()
         bar.close()
-        if not exhausted and hasattr(inputs, "close"):
-            inputs.close()  # stops a source's read-ahead thread; rows it read but did not hand out stay unconsumed
+        if lookahead is not None:
+            lookahead(None)
+        inputs.close()  # rows prefetched but not trained stay unconsumed in the saved state
         # memory: the epoch's step count is known, so a budget stop on its last step also ends the epoch (as before)
         if exhausted or (source is None and state["step_in_epoch"] >= steps_per_epoch):
             state["epoch"] += 1
@@ -292,6 +308,8 @@ def run_loop(
             best = log_eval()
             model.train()
         checkpoint(best=best)
-    writer.close()
+    if writer is not None:
+        writer.close()
     state["train_minutes"] = (time.monotonic() - started) / 60
     return state
+

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -58,15 +58,11 @@ from recforge.models.ranking import (
 from recforge.ops.jagged import offsets_from_lengths, sequence_ids
 from recforge.sparse import SparseOptimizer
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
-from recforge.train.loop import (
-    autocast,
-    make_optimizer,
-    prepare_run_dir,
-    prepare_runtime,
-    run_loop,
-    run_lr_scale,
-)
+from recforge.train.distributed import DistContext, even_batches, init_distributed, shard_dynamic_tables, shard_source, split_budget
+from recforge.train.loop import prepare_run_dir, run_loop, run_lr_scale
+from recforge.train.runtime import prepare_runtime
 from recforge.train.metrics import auc, gauc
+from recforge.train.step import StepResult, StepRunner
 
 
 @dataclass
@@ -74,11 +70,13 @@ class Setup:
     cfg: RunConfig
     data: RankingData
     model: RankingModel
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None
     device: torch.device
     weights: list[float]
     reference: TokenReference | None = None  # token-budget batches: the loss weights' denominators
     sparse_optimizer: SparseOptimizer | None = None  # the dynamic item/context tables' (model.embedding=dynamic)
+    ctx: DistContext = field(default_factory=DistContext)
+    runner: StepRunner | None = None  # the training step (dense wrapper + optimizers)
 
     @property
     def kinds(self) -> list[str]:
@@ -98,9 +96,12 @@ def load_ranking_data(cfg: RunConfig) -> RankingData:
     )
 
 
-def setup(cfg: RunConfig) -> Setup:
-    """Load data, build the model and optimizer (deterministically from ``cfg.train.seed``)."""
+def setup(cfg: RunConfig, ctx: DistContext | None = None) -> Setup:
+    """Load data, build the model, its step and optimizers (deterministically from ``cfg.train.seed``).
+
+    ``ctx``: the ``torchrun`` job this process is part of (None: one process)."""
     device = prepare_runtime(cfg)
+    ctx = ctx or DistContext()
     data = load_ranking_data(cfg)
     torch.manual_seed(cfg.train.seed)
     model = build_ranking_model(
@@ -116,10 +117,16 @@ def setup(cfg: RunConfig) -> Setup:
     )
     model.prefix.item_features.copy_(data.item_features)
     model = model.to(device)
-    optimizer = make_optimizer(cfg, model)  # dense parameters; dynamic tables step with their own optimizer
+    shard_dynamic_tables(model, cfg, ctx)
     sparse = SparseOptimizer([model]) if cfg.model.embedding == "dynamic" else None
     weights = list(cfg.ranking.task_weights) or [1.0] * len(data.tasks)
-    return Setup(cfg, data, model, optimizer, device, weights, sparse_optimizer=sparse)
+    s = Setup(cfg, data, model, None, device, weights, sparse_optimizer=sparse, ctx=ctx)
+    # units: impressions; the pointwise loss averages over known labels, so ranks weigh exactly when all are known
+    s.runner = StepRunner(cfg, model, device, ctx, loss_fn=lambda batch: _loss(s, batch),
+                          units_fn=lambda batch: batch.labels["tasks"].shape[0], summed=bool(cfg.train.token_budget),
+                          sparse_optimizer=sparse)  # fmt: skip
+    s.optimizer = s.runner.optimizer  # dense parameters; dynamic tables step with their own optimizer
+    return s
 
 
 def _samples(s: Setup, split: str) -> RankingSamples:
@@ -188,28 +195,35 @@ def _token_weighted_loss(
 
 
 def _train_step(s: Setup, batch: JaggedBatch) -> tuple[float, int]:
-    with autocast(s.cfg, s.device):
-        objective, loss = _loss(s, batch)
-    s.optimizer.zero_grad(set_to_none=True)
-    objective.backward()
-    if s.cfg.optim.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.cfg.optim.grad_clip)
-    s.optimizer.step()
-    if s.sparse_optimizer is not None:
-        s.sparse_optimizer.step(lr_scale=run_lr_scale(s.cfg, s.optimizer))
-    return loss.item(), batch.num_tokens
+    """One optimizer step of this process on one batch: (loss, tokens)."""
+    result = s.runner([batch.to(s.device)], run_lr_scale(s.cfg, s.optimizer))
+    return result.loss, result.tokens
+
+
+def _step(s: Setup, micro: list[JaggedBatch | None], lr_scale: float) -> StepResult | None:
+    """The training loop's step: this rank's micro-batches (see ``recforge.train.step``)."""
+    return s.runner(micro, lr_scale)
+
+
+def predict(s: Setup, split: str) -> dict[str, torch.Tensor]:
+    """Model outputs for every impression of ``split``: outputs, labels, users, events (CPU tensors)."""
+    with s.runner.full_weights():
+        return _predict(s, split)
 
 
 @torch.no_grad()
-def predict(s: Setup, split: str) -> dict[str, torch.Tensor]:
-    """Model outputs for every impression of ``split``: outputs, labels, users, events (CPU tensors)."""
+def _predict(s: Setup, split: str) -> dict[str, torch.Tensor]:
     samples = _samples(s, split)
     was_training = s.model.training
     s.model.eval()
     parts: dict[str, list[torch.Tensor]] = {"outputs": [], "labels": [], "users": [], "events": []}
     step = s.cfg.eval.batch_size
-    for lo in range(0, len(samples), step):
-        batch = _batch(s, samples, torch.arange(lo, min(lo + step, len(samples))))
+    first, end = s.ctx.shard(len(samples))  # each rank predicts its share; gathered in sample order below
+    for lo in range(first, first + even_batches(len(samples), step, s.ctx) * step, step):
+        if lo >= end:  # this rank is done: a stand-in batch keeps sharded tables' collectives matched
+            s.model(_batch(s, samples, torch.arange(1)))
+            continue
+        batch = _batch(s, samples, torch.arange(lo, min(lo + step, end)))
         parts["outputs"].append(s.model(batch).float().cpu())
         parts["labels"].append(batch.labels["tasks"].cpu())
         parts["users"].append(batch.labels["users"].cpu())
@@ -218,7 +232,7 @@ def predict(s: Setup, split: str) -> dict[str, torch.Tensor]:
     k = len(s.data.tasks)
     empty = {"outputs": torch.zeros(0, k), "labels": torch.zeros(0, k)}
     return {
-        name: torch.cat(chunks) if chunks else empty.get(name, torch.zeros(0, dtype=torch.int64))
+        name: s.ctx.gather_rows(torch.cat(chunks) if chunks else empty.get(name, torch.zeros(0, dtype=torch.int64)))
         for name, chunks in parts.items()
     }
 
@@ -256,18 +270,25 @@ def _show_keys(s: Setup) -> tuple[str, ...]:
 
 def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict:
     """Train per ``cfg``; export the best checkpoint's slices; return the test evaluation."""
+    ctx = init_distributed(cfg, prepare_runtime(cfg))
     run_dir = prepare_run_dir(cfg, resume)
-    s = setup(cfg)
+    ctx.barrier()  # every rank has checked the run directory before any writes to it
+    s = setup(cfg, ctx)
     samples = _training_samples(s)
     if cfg.train.loader == "pipeline":
-        inputs = {"source": _pipeline_source(s, samples, resume), "step": lambda batch: _train_step(s, batch.to(s.device))}
+        inputs = {"source": _pipeline_source(s, samples, resume), "build": lambda batch: batch}
     else:
-        inputs = {"num_samples": len(samples), "step": lambda ids: _train_step(s, _batch(s, samples, ids))}
+        r = cfg.ranking
+        build = lambda ids: s.data.batch(samples, ids, cfg.data.max_seq_len, r.action_encoding)  # noqa: E731
+        inputs = {"num_samples": len(samples), "build": build}
     state = run_loop(
         cfg,
         model=s.model,
         optimizer=s.optimizer,
         device=s.device,
+        step=lambda micro, lr_scale: _step(s, micro, lr_scale),
+        ctx=ctx,
+        lookahead=s.runner.set_upcoming,
         **inputs,
         evaluate=lambda: ("valid", task_metrics(s, predict(s, "valid"))),
         manifest={"num_items": s.data.num_items},
@@ -275,6 +296,9 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
         progress=progress,
         show_keys=_show_keys(s),
     )
+    ctx.barrier()
+    if not ctx.is_main:
+        return {"train_minutes": state["train_minutes"]}
     summary = evaluate_run(run_dir)
     summary["train_minutes"] = state["train_minutes"]
     return summary
@@ -288,16 +312,19 @@ def _pipeline_source(s: Setup, samples: RankingSamples, resume: bool) -> Pipelin
         raise ValueError("the training split has no samples; check the dataset and the data/ranking settings")
     tokens = sample_tokens(s.data, samples, cfg.data.max_seq_len, cfg.ranking.action_encoding)
     path = cfg.run_dir / "samples" / SAMPLES_FILE
-    if not (resume and path.is_file()):
+    if s.ctx.is_main and not (resume and path.is_file()):
         write_ranking_samples(s.data, samples, tokens, path.parent)
+    s.ctx.barrier()  # rank 0 wrote the samples every rank reads
     if t.token_budget:
         list_task = s.kinds.index("binary") if cfg.ranking.listwise_weight else None
         s.reference = token_reference(s.data, samples, tokens, t.token_budget, list_task)
-    return ranking_source(
-        [path], s.data, cfg.data.max_seq_len, t.batch_size, action_encoding=cfg.ranking.action_encoding,
-        num_workers=t.loader_workers, token_budget=t.token_budget, seed=t.seed,
+    batch_size, token_budget = split_budget(cfg, s.ctx)  # this rank's micro-batches
+    source = ranking_source(
+        [path], s.data, cfg.data.max_seq_len, batch_size, action_encoding=cfg.ranking.action_encoding,
+        num_workers=t.loader_workers, token_budget=token_budget, seed=t.seed,
         num_steps_estimate=steps_per_epoch(tokens, t.batch_size, t.token_budget, t.seed),
     )  # fmt: skip
+    return shard_source(source, s.ctx)
 
 
 def export_model(s: Setup, out_dir: Path, manifest: dict) -> Path:

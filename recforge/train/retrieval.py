@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,8 +35,11 @@ from recforge.models.retrieval import RetrievalModel
 from recforge.sparse import SparseOptimizer
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
 from recforge.train.evaluate import evaluate_ranking, model_scorer
-from recforge.train.loop import autocast, make_optimizer, prepare_run_dir, prepare_runtime, run_loop, run_lr_scale
+from recforge.train.distributed import DistContext, init_distributed, shard_dynamic_tables, shard_source, split_budget
+from recforge.train.loop import prepare_run_dir, run_loop, run_lr_scale
+from recforge.train.runtime import prepare_runtime
 from recforge.train.losses import sampled_softmax_loss
+from recforge.train.step import StepResult, StepRunner
 
 
 @dataclass
@@ -44,24 +47,39 @@ class Setup:
     cfg: RunConfig
     seqs: UserSequences
     model: RetrievalModel
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None
     device: torch.device
     holdout: int
     sparse_optimizer: SparseOptimizer | None = None  # the dynamic item table's (model.embedding=dynamic)
+    ctx: DistContext = field(default_factory=DistContext)
+    runner: StepRunner | None = None  # the training step (dense wrapper + optimizers)
 
 
-def setup(cfg: RunConfig) -> Setup:
-    """Load data, build the model and optimizer (deterministically from ``cfg.train.seed``)."""
+def setup(cfg: RunConfig, ctx: DistContext | None = None) -> Setup:
+    """Load data, build the model, its step and optimizers (deterministically from ``cfg.train.seed``).
+
+    ``ctx``: the ``torchrun`` job this process is part of (None: one process)."""
     device = prepare_runtime(cfg)
+    ctx = ctx or DistContext()
     seqs = UserSequences.from_dataset(load_dataset(cfg.data.path))
     torch.manual_seed(cfg.train.seed)
     model = build_retrieval_model(cfg.model, seqs.num_items, cfg.data.max_seq_len, cfg.sparse).to(device)
-    optimizer = make_optimizer(cfg, model)  # dense parameters; a dynamic item table steps with its own optimizer
+    shard_dynamic_tables(model, cfg, ctx)
     sparse = SparseOptimizer([model]) if cfg.model.embedding == "dynamic" else None
-    return Setup(cfg, seqs, model, optimizer, device, PROTOCOL_HOLDOUT[cfg.data.protocol], sparse)
+    s = Setup(cfg, seqs, model, None, device, PROTOCOL_HOLDOUT[cfg.data.protocol], sparse, ctx)
+    s.runner = StepRunner(cfg, model, device, ctx, loss_fn=lambda batch: _loss(s, batch),
+                          units_fn=lambda batch: batch.labels["next_item"].numel(), summed=bool(cfg.train.token_budget),
+                          sparse_optimizer=sparse)  # fmt: skip
+    s.optimizer = s.runner.optimizer  # dense parameters; a dynamic item table steps with its own optimizer
+    return s
 
 
 def _evaluate(s: Setup, target_from_end: int) -> dict[str, float]:
+    with s.runner.full_weights():
+        return _evaluate_whole(s, target_from_end)
+
+
+def _evaluate_whole(s: Setup, target_from_end: int) -> dict[str, float]:
     metrics, _ = evaluate_ranking(
         s.seqs,
         model_scorer(s.model),
@@ -70,6 +88,7 @@ def _evaluate(s: Setup, target_from_end: int) -> dict[str, float]:
         ks=s.cfg.eval_ks,
         batch_size=s.cfg.eval.batch_size,
         device=s.device,
+        ctx=s.ctx,
     )
     return metrics
 
@@ -96,48 +115,55 @@ def _loss(s: Setup, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train_step(s: Setup, batch: JaggedBatch) -> tuple[float, int]:
-    cfg = s.cfg
-    batch = batch.to(s.device)
-    with autocast(cfg, s.device):
-        objective, loss = _loss(s, batch)
-    s.optimizer.zero_grad(set_to_none=True)
-    objective.backward()
-    if cfg.optim.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(s.model.parameters(), cfg.optim.grad_clip)
-    s.optimizer.step()
-    if s.sparse_optimizer is not None:
-        s.sparse_optimizer.step(lr_scale=run_lr_scale(s.cfg, s.optimizer))
-    return loss.item(), batch.num_tokens
+    """One optimizer step of this process on one batch: (loss, tokens)."""
+    result = s.runner([batch.to(s.device)], run_lr_scale(s.cfg, s.optimizer))
+    return result.loss, result.tokens
+
+
+def _step(s: Setup, micro: list[JaggedBatch | None], lr_scale: float) -> StepResult | None:
+    """The training loop's step: this rank's micro-batches (see ``recforge.train.step``)."""
+    return s.runner(micro, lr_scale)
 
 
 def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict:
     """Train per ``cfg``; return a summary with the final evaluation.
 
+    Under ``torchrun`` every rank calls this; rank 0 evaluates the final checkpoint (single-process,
+    as ``recforge eval`` does) and the other ranks return only ``train_minutes``.
+
     Args:
         cfg: the run configuration; the run directory is ``cfg.run_dir``.
-        resume: continue from the run directory's latest checkpoint.
+        resume: continue from the run directory's latest checkpoint (on any number of ranks).
         progress: show tqdm progress bars.
     """
+    ctx = init_distributed(cfg, prepare_runtime(cfg))
     run_dir = prepare_run_dir(cfg, resume)
-    s = setup(cfg)
+    ctx.barrier()  # every rank has checked the run directory before any writes to it
+    s = setup(cfg, ctx)
     samples = s.seqs.training_samples(s.holdout, cfg.data.max_seq_len, cfg.data.train_windows)
     if cfg.train.loader == "pipeline":
-        inputs = {"source": _pipeline_source(s, samples, resume), "step": lambda batch: _train_step(s, batch)}
+        inputs = {"source": _pipeline_source(s, samples, resume), "build": lambda batch: batch}
     else:
-        step = lambda ids: _train_step(s, s.seqs.training_batch(samples[ids], cfg.data.max_seq_len))
-        inputs = {"num_samples": samples.shape[0], "step": step}
+        inputs = {"num_samples": samples.shape[0],
+                  "build": lambda ids: s.seqs.training_batch(samples[ids], cfg.data.max_seq_len)}  # fmt: skip
     state = run_loop(
         cfg,
         model=s.model,
         optimizer=s.optimizer,
         device=s.device,
+        step=lambda micro, lr_scale: _step(s, micro, lr_scale),
         **inputs,
         evaluate=lambda: _eval_during_training(s),
         manifest={"num_items": s.seqs.num_items},
         resume=resume,
         progress=progress,
         show_keys=("hr@10", "ndcg@10", "mrr"),
+        ctx=ctx,
+        lookahead=s.runner.set_upcoming,
     )
+    ctx.barrier()
+    if not ctx.is_main:
+        return {"train_minutes": state["train_minutes"]}
     summary = evaluate_run(run_dir)
     summary["train_minutes"] = state["train_minutes"]
     return summary
@@ -150,15 +176,18 @@ def _pipeline_source(s: Setup, samples: torch.Tensor, resume: bool) -> PipelineS
     if samples.shape[0] == 0:
         raise ValueError("the training split has no samples; check the dataset and the data settings")
     path = cfg.run_dir / "samples" / "train-00000.parquet"
-    if not (resume and path.is_file()):
+    if s.ctx.is_main and not (resume and path.is_file()):
         path.parent.mkdir(exist_ok=True)
         write_retrieval_samples(s.seqs, samples, cfg.data.max_seq_len, path)
+    s.ctx.barrier()  # rank 0 wrote the samples every rank reads
     t = cfg.train
-    return retrieval_source(
-        [path], cfg.data.max_seq_len, t.batch_size, timestamps=s.seqs.timestamps is not None, num_workers=t.loader_workers,
-        token_budget=t.token_budget, seed=t.seed,
+    batch_size, token_budget = split_budget(cfg, s.ctx)  # this rank's micro-batches
+    source = retrieval_source(
+        [path], cfg.data.max_seq_len, batch_size, timestamps=s.seqs.timestamps is not None, num_workers=t.loader_workers,
+        token_budget=token_budget, seed=t.seed,
         num_steps_estimate=steps_per_epoch(sample_tokens(samples, cfg.data.max_seq_len), t.batch_size, t.token_budget, t.seed),
     )  # fmt: skip
+    return shard_source(source, s.ctx)
 
 
 def _eval_during_training(s: Setup) -> tuple[str, dict[str, float]]:

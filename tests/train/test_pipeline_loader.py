@@ -34,16 +34,19 @@ class StepRecorder:
         self.rows: list[np.ndarray] = []
         self.tokens: list[int] = []
         self.crash_at = crash_at
-        self.real = retrieval._train_step
-        monkeypatch.setattr(retrieval, "_train_step", self)
+        self.real = retrieval._step
+        monkeypatch.setattr(retrieval, "_step", self)
 
-    def __call__(self, s, batch):
+    def __call__(self, s, micro, lr_scale):
+        batches = [b for b in micro if b is not None]
+        if not batches:  # the epoch-end call that finds no data
+            return self.real(s, micro, lr_scale)
         if len(self.rows) + 1 == self.crash_at:
             raise RuntimeError("simulated crash")
-        _, rows = decode_row_ids(batch.dense["row_ids"].numpy())  # one samples file: the row is the sample
+        _, rows = decode_row_ids(np.concatenate([b.dense["row_ids"].cpu().numpy() for b in batches]))  # one file: row = sample
         self.rows.append(rows)
-        self.tokens.append(batch.num_tokens)
-        return self.real(s, batch)
+        self.tokens.append(sum(b.num_tokens for b in batches))
+        return self.real(s, micro, lr_scale)
 
 
 def _assert_each_row_once_per_epoch(rows: list[np.ndarray], run_dir: Path, num_samples: int, epochs: int) -> None:

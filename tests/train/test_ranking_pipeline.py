@@ -48,17 +48,20 @@ class StepRecorder:
         self.samples: list[np.ndarray] = []  # per step: sample ids (pipeline batches only)
         self.tokens: list[int] = []
         self.crash_at = crash_at
-        self.real = ranking._train_step
-        monkeypatch.setattr(ranking, "_train_step", self)
+        self.real = ranking._step
+        monkeypatch.setattr(ranking, "_step", self)
 
-    def __call__(self, s, batch):
+    def __call__(self, s, micro, lr_scale):
+        batches = [b for b in micro if b is not None]
+        if not batches:  # the epoch-end call that finds no data
+            return self.real(s, micro, lr_scale)
         if len(self.events) + 1 == self.crash_at:
             raise RuntimeError("simulated crash")
-        self.events.append(batch.labels["events"].numpy().copy())
-        if "sample_ids" in batch.dense:
-            self.samples.append(batch.dense["sample_ids"].numpy().copy())
-        self.tokens.append(batch.num_tokens)
-        return self.real(s, batch)
+        self.events.append(np.concatenate([b.labels["events"].cpu().numpy() for b in batches]))
+        if all("sample_ids" in b.dense for b in batches):
+            self.samples.append(np.concatenate([b.dense["sample_ids"].cpu().numpy() for b in batches]))
+        self.tokens.append(sum(b.num_tokens for b in batches))
+        return self.real(s, micro, lr_scale)
 
 
 def _assert_each_sample_once_per_epoch(per_step: list[np.ndarray], run_dir: Path, expected: np.ndarray, epochs: int) -> None:

@@ -17,6 +17,7 @@ from recforge.train import retrieval
 from recforge.train.checkpoint import find_checkpoint
 from recforge.train.evaluate import evaluate_ranking, popularity_scorer
 from recforge.train.retrieval import evaluate_run, train
+from recforge.train.step import StepResult
 
 
 @pytest.fixture(scope="module")
@@ -86,19 +87,20 @@ def test_reference_run_layout(reference_run: Path, data_dir: Path) -> None:
 
 def _crash_at_step(cfg: RunConfig, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Train ``cfg`` until step ``n`` raises (a simulated crash), then restore the real step."""
-    real_step = retrieval._train_step
+    real_step = retrieval._step
     calls = {"n": 0}
 
-    def crashing_step(s, samples):
-        calls["n"] += 1
-        if calls["n"] == n:
-            raise RuntimeError("simulated crash")
-        return real_step(s, samples)
+    def crashing_step(s, micro, lr_scale):
+        if any(batch is not None for batch in micro):  # not the epoch-end call that finds no data
+            calls["n"] += 1
+            if calls["n"] == n:
+                raise RuntimeError("simulated crash")
+        return real_step(s, micro, lr_scale)
 
-    monkeypatch.setattr(retrieval, "_train_step", crashing_step)
+    monkeypatch.setattr(retrieval, "_step", crashing_step)
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(cfg, progress=False)
-    monkeypatch.setattr(retrieval, "_train_step", real_step)
+    monkeypatch.setattr(retrieval, "_step", real_step)
 
 
 @pytest.mark.parametrize(("stop_after", "checkpoint_every"), [(3, 0), (4, 1), (5, 2)])
@@ -309,14 +311,16 @@ def test_scheduled_run_resumes_exactly(tmp_path: Path, data_dir: Path, monkeypat
 
 def test_non_finite_loss_stops_the_run_before_a_checkpoint(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A NaN loss raises naming the step; no checkpoint is written from the corrupted weights."""
-    real_step, calls = retrieval._train_step, []
+    real_step, calls = retrieval._step, []
 
-    def step(s, batch):
+    def step(s, micro, lr_scale):
+        result = real_step(s, micro, lr_scale)
+        if result is None:  # the epoch-end call that finds no data
+            return None
         calls.append(1)
-        loss, tokens = real_step(s, batch)
-        return (float("nan") if len(calls) == 6 else loss), tokens  # epoch 2 (about 4 steps per epoch)
+        return StepResult(float("nan") if len(calls) == 6 else result.loss, result.tokens)  # epoch 2 (about 4 steps per epoch)
 
-    monkeypatch.setattr(retrieval, "_train_step", step)
+    monkeypatch.setattr(retrieval, "_step", step)
     cfg = _cfg(tmp_path, data_dir)
     with pytest.raises(FloatingPointError, match="training loss is nan at step 6"):
         train(cfg, progress=False)

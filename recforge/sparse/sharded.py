@@ -1,0 +1,308 @@
+"""``ShardedDynamicEmbedding``: one ``DynamicEmbedding`` shard per rank, rows owned by a hash of the ID.
+
+A dynamic table over ``W`` ranks (``torch.distributed``: gloo on CPU, NCCL on GPU). The row of
+(id, tag) lives on rank ``owner = f(f(id + tag * 0x9E3779B97F4A7C15)) mod W`` with ``f`` the
+splitmix64 finaliser (``owner_of``: ``hash_table.mix`` applied twice, so the owner is independent
+of the shard's own hash-table slot, which uses the low bits of one ``mix``; a fixed function,
+recorded in sharded checkpoints). A table placed whole on one rank (table-wise, see
+``planner.py``) has ``owner = owner_rank`` for every ID and goes through the same path.
+
+One lookup on rank r, ids of any shape (N in all)::
+
+    distribute  ids (N,) --local dedup--> keys (U,) with occurrences, inverse (N,)
+                keys --sort by owner--> split sizes --all_to_all--> receive sizes (one host sync)
+                (key, tag, occurrences) (U, 3) --all_to_all_single (async)--> received (R, 3)
+    lookup      received --dedup across senders--> global keys (G,), occurrences summed
+                --shard: admission / eviction / tiers, as DynamicEmbedding--> rows (G, d)
+                --per sender (R, d)--all_to_all_single (autograd)--> (U, d) --inverse--> ids.shape + (d,)
+    backward    (N, d) -> summed per local key (U, d) -all_to_all-> (R, d) -summed per row-> (G, d)
+                -> the owner shard's pending row gradients; ``apply_gradients`` updates only there.
+
+Admission counts an ID's occurrences over the whole global batch (each sender sends its local
+count), so count admission and the updated rows equal those of one process on the concatenated
+batches. Gradient accumulation: several forward/backward passes before one ``apply_gradients``
+sum their row gradients on the owner (``DynamicEmbedding`` keeps one pending list per step).
+
+Every rank must call ``forward`` (or ``distribute`` + ``lookup``), ``backward`` and
+``apply_gradients`` the same number of times in the same order: they are collectives.
+Without an initialised process group the table is a plain ``DynamicEmbedding`` (the shard is
+the whole table and ``forward`` is exactly its forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from recforge.sparse.hash_table import mix
+from recforge.sparse.ids import check_ids, raise_negative, unique_keys
+from recforge.sparse.table import DynamicEmbedding, TableConfig
+
+_RANK_SEED = 0x9E3779B97F4A7C15 & (2**62 - 1)  # spreads the row-initialisation seeds of shards > 0
+
+
+def owner_of(keys: Tensor, tags: Tensor, world_size: int) -> Tensor:
+    """Owning rank of each (key, tag): ``mix(mix(key, tag), 0) mod world_size`` (int64, in [0, W)). Never change it:
+    sharded checkpoints and running jobs rely on it."""
+    return torch.remainder(mix(mix(keys, tags), torch.zeros_like(keys)), world_size)
+
+
+def shard_config(cfg: TableConfig, world_size: int, owns_rows: bool = True) -> TableConfig:
+    """The config of one rank's shard: the row budgets (capacity, max_rows) divided by ``world_size``.
+
+    ``cache_rows`` is a per-device budget and stays as given. A rank that owns no rows of a
+    table-wise table (``owns_rows=False``) gets a one-row, one-tier placeholder.
+    """
+    if not owns_rows:
+        return dataclasses.replace(cfg, capacity=1, cache_rows=0)
+    return dataclasses.replace(cfg, capacity=math.ceil(cfg.capacity / world_size),
+                               max_rows=math.ceil(cfg.max_rows / world_size))  # fmt: skip
+
+
+class _AllToAll(torch.autograd.Function):
+    """``dist.all_to_all_single`` of rows (S, d) -> (sum(out_splits), d); backward: the reverse all-to-all.
+
+    (``torch.distributed.nn.functional.all_to_all_single`` does the same but is deprecated in torch 2.13.)
+    """
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        out = rows.new_empty(sum(out_splits), *rows.shape[1:])
+        dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        back = grad.new_empty(sum(ctx.in_splits), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+@dataclass
+class DistributedIds:
+    """The first phase of a sharded lookup (``ShardedDynamicEmbedding.distribute``), waiting for ``lookup``.
+
+    ``local`` handles (no process group) carry only ``ids``/``tags``; the others carry the
+    local dedup, the owner order and the in-flight all-to-all of unique keys.
+    """
+
+    shape: torch.Size  # the ids' shape
+    ids: Tensor | None = None  # local: the ids themselves
+    tags: Tensor | None = None  # local: their tags (or None)
+    has_tags: bool = False
+    position: Tensor | None = None  # (N,) each id's row in the owner-sorted unique keys
+    send_splits: list[int] | None = None  # unique keys sent to each rank
+    recv_splits: list[int] | None = None  # keys received from each rank
+    received: Tensor | None = None  # (R, 3) int64: key, tag, occurrences (valid after ``wait``)
+    work: dist.Work | None = None
+
+    def wait(self) -> None:
+        """Block until the key all-to-all has landed (on CUDA: order the current stream after it)."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+class ShardedDynamicEmbedding(nn.Module):
+    """A dynamic table sharded row-wise (or placed whole on one rank) over a process group.
+
+    A drop-in for ``DynamicEmbedding``: same ``forward(ids, tags, admit)``, ``apply_gradients``,
+    ``zero_grad_rows``, ``prefetch``, ``stats`` (of this rank's shard); ``SparseOptimizer`` finds
+    and steps the shard inside it.
+
+    Args:
+        cfg: the whole table's configuration (the shard gets ``shard_config(cfg, W)``).
+        device: this rank's compute device (its GPU under NCCL).
+        group: the process group; ``None``: the default group if one is initialised, else none
+            (world size 1, no collectives).
+        owner_rank: ``None``: row-wise by ID hash; a rank: the whole table lives on that rank (table-wise).
+
+    Example:
+        >>> dist.init_process_group("nccl")                           # torchrun sets rank/world size
+        >>> table = ShardedDynamicEmbedding(TableConfig("item", dim=64, capacity=1 << 20), device="cuda")
+        >>> handle = table.distribute(item_ids)                      # dedup + ID all-to-all (async)
+        >>> emb = table.lookup(handle)                               # lookup + embedding all-to-all
+        >>> loss_fn(emb).backward(); SparseOptimizer([table]).step()  # each row updated on its owner
+    """
+
+    def __init__(self, cfg: TableConfig, device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None,
+                 owner_rank: int | None = None) -> None:  # fmt: skip
+        super().__init__()
+        cfg.validate()
+        self.collective = dist.is_available() and dist.is_initialized()
+        self.group = (group or dist.group.WORLD) if self.collective else None
+        self.rank = dist.get_rank(self.group) if self.collective else 0
+        self.world_size = dist.get_world_size(self.group) if self.collective else 1
+        if owner_rank is not None and not 0 <= owner_rank < self.world_size:
+            raise ValueError(f"table {cfg.name!r}: owner_rank={owner_rank} is not a rank of this group (world size {self.world_size})")
+        if cfg.default == "learned" and self.world_size > 1:
+            raise ValueError(f"table {cfg.name!r}: default='learned' is not supported sharded (each shard would learn its "
+                             "own default row); use default='zeros' or 'fixed'")  # fmt: skip
+        self.cfg, self.owner_rank, self.dim = cfg, owner_rank, cfg.dim
+        owns = owner_rank is None or owner_rank == self.rank
+        self.shard = DynamicEmbedding(shard_config(cfg, 1 if owner_rank is not None else self.world_size, owns), device)
+        if self.rank and owner_rank is None:  # shard 0 draws exactly as the unsharded table; the others their own stream
+            self.shard.generator.manual_seed((cfg.seed + self.rank * _RANK_SEED) & (2**63 - 1))
+
+    @property
+    def device(self) -> torch.device:
+        return self.shard.device
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """This rank's shard's event counts (admitted, evicted, updated_rows, ...)."""
+        return self.shard.stats
+
+    def global_stats(self) -> dict[str, int]:
+        """Event counts summed over every rank's shard (a collective)."""
+        stats = self.shard.stats
+        if not self.collective:
+            return dict(stats)
+        totals = torch.tensor(list(stats.values()), dtype=torch.int64, device=self.device)
+        dist.all_reduce(totals, group=self.group)
+        return dict(zip(stats, totals.tolist(), strict=True))
+
+    @property
+    def num_live(self) -> int:
+        """Rows that hold an ID on this rank's shard."""
+        return self.shard.num_live
+
+    @property
+    def step(self) -> int:
+        return self.shard.step
+
+    def owners(self, keys: Tensor, tags: Tensor) -> Tensor:
+        """Owning rank of each (key, tag) in this table's layout."""
+        if self.owner_rank is not None:
+            return torch.full_like(keys, self.owner_rank)
+        return owner_of(keys, tags, self.world_size)
+
+    # ------------------------------------------------------------------------------ lookup
+
+    def forward(self, ids: Tensor, tags: Tensor | None = None, admit: bool = True) -> Tensor:
+        """Embeddings of ``ids`` (any shape) -> ``ids.shape + (dim,)``, as ``DynamicEmbedding.forward``.
+
+        A collective: every rank calls it (with its own ids, possibly none), all with ``tags`` or all without.
+        """
+        return self.lookup(self.distribute(ids, tags), admit)
+
+    def distribute(self, ids: Tensor, tags: Tensor | None = None) -> DistributedIds:
+        """Phase 1: local dedup and the all-to-all of unique IDs to their owners (started, not awaited)."""
+        ids = check_ids(ids, negatives=False)  # negative IDs are caught at the split sizes' host sync
+        flat = ids.reshape(-1).to(self.device)
+        flat_tags = None if tags is None else tags.reshape(-1).to(self.device, torch.int64)
+        if not self.collective:
+            return DistributedIds(ids.shape, ids=flat, tags=flat_tags, has_tags=tags is not None)
+        keys, key_tags, inverse, occurrences = unique_keys(flat, flat_tags)
+        owner = self.owners(keys, key_tags)  # (U,)
+        order = torch.argsort(owner, stable=True)
+        send = torch.stack([keys[order], key_tags[order], occurrences[order]], 1)  # (U, 3)
+        position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))[inverse]  # (N,)
+        send_splits, recv_splits, smallest = self._exchange_splits(owner, keys)
+        if smallest < 0:
+            raise_negative(flat)
+        received = send.new_empty(sum(recv_splits), 3)
+        work = dist.all_to_all_single(received, send, recv_splits, send_splits, group=self.group, async_op=True)
+        return DistributedIds(ids.shape, has_tags=tags is not None, position=position, send_splits=send_splits,
+                              recv_splits=recv_splits, received=received, work=work)  # fmt: skip
+
+    def _exchange_splits(self, owner: Tensor, keys: Tensor) -> tuple[list[int], list[int], int]:
+        """(keys this rank sends to each rank, keys it receives from each, its smallest key or 0):
+        one all-to-all of counts, one host sync."""
+        w = self.world_size
+        send_counts = torch.bincount(owner, minlength=w)  # (W,)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        smallest = keys.min().view(1) if keys.numel() else keys.new_zeros(1)
+        facts = torch.cat([send_counts, recv_counts, smallest]).tolist()
+        return facts[:w], facts[w : 2 * w], facts[-1]
+
+    def lookup(self, handle: DistributedIds, admit: bool = True) -> Tensor:
+        """Phase 2: the owner's lookup (admission in training, as ``DynamicEmbedding``) and the embeddings' way back."""
+        if handle.ids is not None:
+            return self.shard(handle.ids.view(handle.shape), None if handle.tags is None else handle.tags.view(handle.shape), admit)
+        handle.wait()
+        recv_keys, recv_tags, recv_occ = handle.received.unbind(1)  # (R,) each
+        if handle.has_tags:
+            keys, tags, inverse, _ = unique_keys(recv_keys, recv_tags)
+        else:  # the order DynamicEmbedding admits in (sorted keys): world size 1 draws the same rows
+            keys, inverse = torch.unique(recv_keys, return_inverse=True)
+            tags = None
+        occurrences = torch.zeros(keys.numel(), dtype=torch.int64, device=keys.device).index_add_(0, inverse, recv_occ)
+        rows, absent = self.shard._rows(keys, tags, occurrences, self.training, admit)
+        unique_emb = self.shard._gather(rows, absent)  # (G, d)
+        sent_back = F.embedding(inverse, unique_emb)  # (R, d): each sender's keys, in the order it sent them
+        out = _AllToAll.apply(sent_back, handle.send_splits, handle.recv_splits, self.group)  # (U, d); backward: to the owners
+        return F.embedding(handle.position, out).view(*handle.shape, self.dim)
+
+    # ------------------------------------------------------------- update, tiers, loading
+
+    def apply_gradients(self, lr_scale: float = 1.0) -> None:
+        """The owner's sparse step over the row gradients of every lookup since the last step (see ``DynamicEmbedding``)."""
+        self.shard.apply_gradients(lr_scale)
+
+    def zero_grad_rows(self) -> None:
+        self.shard.zero_grad_rows()
+
+    def prefetch(self, upcoming: list[Tensor]) -> int:
+        """Load the owned rows of upcoming ID batches into each shard's device cache; return how many here.
+
+        A collective (the IDs travel to their owners); a no-op without a host tier on any rank.
+        """
+        if not self.collective:
+            return self.shard.prefetch(upcoming)
+        batches = []
+        for ids in upcoming:
+            flat = torch.unique(check_ids(ids, "prefetch ids").reshape(-1).to(self.device))
+            owner = self.owners(flat, torch.zeros_like(flat))
+            order = torch.argsort(owner, stable=True)
+            send_splits, recv_splits, _ = self._exchange_splits(owner, flat)
+            received = flat.new_empty(sum(recv_splits))
+            dist.all_to_all_single(received, flat[order], recv_splits, send_splits, group=self.group)
+            batches.append(received)
+        return self.shard.prefetch(batches)
+
+    def record_feedback(self, ids: Tensor, shows: Tensor, clicks: Tensor, tags: Tensor | None = None) -> None:
+        """Add shows/clicks per ID occurrence to the rows (and admission candidates) of ``ids`` on their owners.
+
+        A collective, as ``DynamicEmbedding.record_feedback`` over every rank's ``ids``.
+        """
+        if not self.collective:
+            self.shard.record_feedback(ids, shows, clicks, tags)
+            return
+        flat = check_ids(ids, "feedback ids").reshape(-1).to(self.device)
+        flat_tags = None if tags is None else tags.reshape(-1).to(self.device, torch.int64)
+        keys, key_tags, inverse, _ = unique_keys(flat, flat_tags)
+        feedback = torch.zeros(keys.numel(), 2, device=self.device)  # (U, 2): shows, clicks summed per key
+        feedback.index_add_(0, inverse, torch.stack([shows.reshape(-1), clicks.reshape(-1)], 1).to(self.device, torch.float32))
+        owner = self.owners(keys, key_tags)
+        order = torch.argsort(owner, stable=True)
+        send_splits, recv_splits, _ = self._exchange_splits(owner, keys)
+        recv_keys = keys.new_empty(sum(recv_splits), 2)
+        dist.all_to_all_single(recv_keys, torch.stack([keys, key_tags], 1)[order], recv_splits, send_splits, group=self.group)
+        recv_feedback = feedback.new_empty(sum(recv_splits), 2)
+        dist.all_to_all_single(recv_feedback, feedback[order], recv_splits, send_splits, group=self.group)
+        self.shard.record_feedback(recv_keys[:, 0], recv_feedback[:, 0], recv_feedback[:, 1], None if tags is None else recv_keys[:, 1])
+
+    def warm_start(self, weight: Tensor, ids: Tensor, tag: int = 0) -> None:
+        """Put dense rows into the table: row ``i`` of ``weight`` becomes ID ``ids[i]``, on its owner.
+
+        Every rank passes the same (global) ``weight``/``ids``; each keeps the rows it owns. No communication.
+        """
+        from recforge.sparse.checkpoint import warm_start
+
+        ids = check_ids(ids, "warm_start ids")
+        mine = (self.owners(ids, torch.full_like(ids, tag)) == self.rank).nonzero().squeeze(1)
+        warm_start(self.shard, weight[mine], ids[mine], tag)
+
+
+def sharded_tables(module: nn.Module) -> dict[str, ShardedDynamicEmbedding]:
+    """Every ``ShardedDynamicEmbedding`` inside ``module``, by module path (what a sharded checkpoint saves)."""
+    return {name or "table": m for name, m in module.named_modules() if isinstance(m, ShardedDynamicEmbedding)}

@@ -1,0 +1,51 @@
+"""Process setup every recipe shares: the device, threads, autocast precision, the dense optimizer."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from recforge.config import RunConfig
+
+
+def resolve_device(name: str) -> torch.device:
+    """``train.device`` as a device; under ``torchrun``, ``auto``/``cuda`` mean this process's GPU (``cuda:LOCAL_RANK``)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"train.device={name!r} but CUDA is not available; use train.device=cpu")
+    if name == "cuda" and "LOCAL_RANK" in os.environ:
+        local = int(os.environ["LOCAL_RANK"])
+        if local >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK={local} but this host has {torch.cuda.device_count()} GPU(s); "
+                             "start at most that many processes per node (torchrun --nproc-per-node)")  # fmt: skip
+        return torch.device("cuda", local)
+    return torch.device(name)
+
+
+def prepare_runtime(cfg: RunConfig) -> torch.device:
+    """Apply ``train.threads``, resolve ``train.device`` (TF32 matmuls on CUDA) and return it."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    device = resolve_device(cfg.train.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    return device
+
+
+def autocast(cfg: RunConfig, device: torch.device):
+    """The context a training step's forward and loss run in: ``torch.autocast`` to bfloat16 for
+    ``train.precision=bfloat16``, else nothing."""
+    if cfg.train.precision == "bfloat16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW over every parameter, per ``cfg.optim``."""
+    return torch.optim.AdamW(
+        model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
+    )

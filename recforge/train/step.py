@@ -1,0 +1,171 @@
+"""One optimizer step on one rank: K micro-batches, weighted so N ranks equal one process.
+
+``train.batch_size`` (and ``train.token_budget``) are global per optimizer step. A step hands
+each rank K = ``dist.grad_accum`` micro-batches (``None`` where the rank has no data left); the
+runner
+
+1. all-reduces how many real micro-batches and loss units (targets) the step holds globally
+   (zero real micro-batches everywhere: the epoch is over, every rank agrees);
+2. runs forward + backward of each micro-batch through the DDP/FSDP2-wrapped objective, the
+   gradient sync only on the last one (``no_sync``), each objective scaled so that the averaged
+   gradient is the gradient of the *global* batch's loss: mean-type losses by
+   ``world * units / global units``, token-budget (already sum-type) losses by ``world``;
+3. clips the synchronised gradient (the full norm over all ranks), steps the dense optimizer,
+   then the sparse one (the dynamic tables' row gradients of all K micro-batches, applied once).
+
+A rank without data for a micro-batch repeats its last batch with weight 0, so the collectives of
+DDP and of sharded tables still match across ranks.
+
+Example:
+    >>> runner = StepRunner(cfg, model, device, ctx, loss_fn=lambda b: _loss(s, b), units_fn=lambda b: b.num_targets)
+    >>> result = runner([batch_a, batch_b], lr_scale=1.0)   # None: no rank had data (epoch over)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from recforge.config import RunConfig
+from recforge.sparse import SparseOptimizer
+from recforge.train.distributed import DistContext, Objective, wrap_dense
+from recforge.train.pipeline_step import AheadTable, LookAhead
+from recforge.train.runtime import autocast, make_optimizer
+
+log = logging.getLogger(__name__)
+LossFn = Callable[[Any], tuple[torch.Tensor, torch.Tensor]]  # device batch -> (objective, loss to log)
+UnitsFn = Callable[[Any], float]  # batch -> loss units its mean-type objective averages over (e.g. targets)
+
+
+@dataclass
+class StepResult:
+    loss: float  # the global batch's loss (units-weighted mean over ranks and micro-batches)
+    tokens: int  # tokens trained on by all ranks this step
+
+
+class StepRunner:
+    """The dense wrapper, the optimizers and the step of one rank.
+
+    Args:
+        cfg: run configuration (``dist``, ``optim.grad_clip``, ``train.precision``).
+        model: the unwrapped model (evaluation and checkpoints use it directly).
+        device: this rank's device.
+        ctx: the distributed context (single-process: no wrapping, no collectives).
+        loss_fn: the recipe's loss of a device batch.
+        units_fn: loss units of a batch (host-side count, no device sync).
+        summed: the objective is already a sum with global weights (token-budget batches).
+        sparse_optimizer: the dynamic tables' optimizer, stepped after the dense one.
+    """
+
+    def __init__(self, cfg: RunConfig, model: nn.Module, device: torch.device, ctx: DistContext, *, loss_fn: LossFn,
+                 units_fn: UnitsFn, summed: bool = False, sparse_optimizer: SparseOptimizer | None = None) -> None:  # fmt: skip
+        self.cfg, self.model, self.device, self.ctx = cfg, model, device, ctx
+        self.objective = wrap_dense(Objective(model, loss_fn), cfg, ctx, device)
+        # created after wrapping (FSDP2 replaces the parameters); same order as model.parameters()
+        self.optimizer = make_optimizer(cfg, self.objective)
+        self.units_fn, self.summed, self.sparse_optimizer = units_fn, summed, sparse_optimizer
+        self._last: Any = None  # this rank's last real batch: the stand-in when it has none
+        tables = {n: m for n, m in model.named_modules() if isinstance(m, AheadTable)}
+        self.ahead = LookAhead(tables, announce=ctx.is_main) if tables else None
+        self.upcoming: Callable[[], list] | None = None  # the next step's micro-batches (StepInputs.peek)
+
+    def set_upcoming(self, peek: Callable[[], list] | None) -> None:
+        """Where the next step's batches can be seen early (the loop's prefetched inputs), or None."""
+        self.upcoming = peek if self.ahead is not None else None
+        if peek is None and self.ahead is not None:
+            self.ahead.drop()  # e.g. started for a step a step budget (train.max_steps) then skipped
+            if self.ctx.is_main and any((self.ahead.features or {}).values()):
+                used = {name: t.lookups_ahead for name, t in self.ahead.tables.items()}
+                log.info("lookups that used an input distribution started a step ahead, so far: %s", used)
+
+    def _start_next(self) -> None:
+        """Distribute the next step's first micro-batch's IDs (its stand-in on a rank without data, as
+        ``__call__`` will pick it), so every rank starts the same collectives."""
+        upcoming = self.upcoming()
+        last = next((b for b in reversed(upcoming) if b is not None), self._last)
+        first = upcoming[0] if upcoming[0] is not None else last
+        if first is not None:
+            self.ahead.start(first)
+
+    @contextlib.contextmanager
+    def full_weights(self):
+        """Within: the model's own weights are whole (FSDP2 gathers them, e.g. for an evaluation that
+        calls model parts directly); DDP and single-process weights already are."""
+        fsdp = self.ctx.initialized and hasattr(self.objective, "unshard")
+        if fsdp:
+            self.objective.unshard()
+        try:
+            yield
+        finally:
+            if fsdp:
+                self.objective.reshard()
+
+    def _no_sync(self, last: bool):
+        if last or not self.ctx.initialized:
+            return contextlib.nullcontext()
+        if isinstance(self.objective, nn.parallel.DistributedDataParallel):
+            return self.objective.no_sync()
+        return _fsdp_no_sync(self.objective)
+
+    def __call__(self, micro: list[Any | None], lr_scale: float = 1.0) -> StepResult | None:
+        """Train one step on this rank's micro-batches (device batches or None); None when no rank had any."""
+        units = [self.units_fn(b) if b is not None else 0.0 for b in micro]
+        real = sum(b is not None for b in micro)
+        global_real, global_units = self.ctx.all_reduce_sum([real, sum(units)])
+        if global_real == 0:
+            if self.ahead is not None:
+                self.ahead.drop()  # started for a step that no rank has data for
+            return None
+        if real:
+            self._last = next(b for b in reversed(micro) if b is not None)
+        elif self._last is None:
+            raise RuntimeError(
+                f"rank {self.ctx.rank} got no training batch while other ranks did: the training data has fewer "
+                "rows than ranks x dist.grad_accum; use fewer ranks or a smaller dist.grad_accum"
+            )
+        world = self.ctx.world_size
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = 0
+        for i, (batch, n) in enumerate(zip(micro, units, strict=True)):
+            weight = 0.0 if batch is None else (world if self.summed else world * n / max(global_units, 1e-12))
+            inputs = batch if batch is not None else self._last
+            learn = i == 0 and self.ahead is not None and self.ahead.learning()
+            with self._no_sync(last=i == len(micro) - 1):
+                if learn:
+                    self.ahead.begin()
+                with autocast(self.cfg, self.device):
+                    objective, loss = self.objective(inputs)
+                if learn:
+                    self.ahead.end(inputs)
+                if i == 0 and self.ahead is not None:
+                    self.ahead.drop()  # what this step's forward did not use
+                if i == len(micro) - 1 and self.upcoming is not None:
+                    self._start_next()  # the next step's ID all-to-all overlaps this backward
+                (objective * weight).backward()
+            if batch is not None:
+                loss_sum += loss.detach().double() * n
+                tokens += batch.num_tokens
+        if self.cfg.optim.grad_clip > 0:  # gradients are already reduced: this is the norm over all ranks
+            torch.nn.utils.clip_grad_norm_(self.objective.parameters(), self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        if self.sparse_optimizer is not None:
+            self.sparse_optimizer.step(lr_scale=lr_scale)
+        total_loss, total_tokens = self.ctx.all_reduce_sum([float(loss_sum), tokens])
+        return StepResult(total_loss / max(global_units, 1e-12), int(total_tokens))
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(module: nn.Module):
+    """FSDP2's counterpart of DDP's ``no_sync``: keep unsharded gradients, reduce-scatter later."""
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)

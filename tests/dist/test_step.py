@@ -1,0 +1,94 @@
+"""Unit tests of the distributed pieces in one process: config, batch splitting, micro-batch weighting, prefetch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from recforge.config import ConfigError, config_from_dict
+from recforge.train import retrieval
+from recforge.train.distributed import DistContext, even_batches, split_budget
+from recforge.train.inputs import StepInputs
+from tests.dist.test_torchrun import _raw, data_dir  # noqa: F401 - data_dir is a fixture
+
+
+def test_dist_config_errors_are_collected_with_the_others(tmp_path: Path) -> None:
+    raw = _raw(tmp_path, tmp_path)
+    raw["dist"] = {"dense": "zero3", "grad_accum": 0, "backend": "mpi", "timeout_minutes": 0}
+    raw["train"]["epochs"] = 0
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(raw)
+    for expected in ("dist.dense", "dist.grad_accum", "dist.backend", "dist.timeout_minutes", "train.epochs"):
+        assert expected in str(err.value)
+    assert config_from_dict(_raw(tmp_path, tmp_path)).dist.dense == "ddp"  # defaults that just work
+
+
+def test_split_budget_per_rank_and_micro_batch(tmp_path: Path) -> None:
+    cfg = config_from_dict(_raw(tmp_path, tmp_path, batch_size=24), ["dist.grad_accum=2"])
+    assert split_budget(cfg, DistContext(rank=1, world_size=3)) == (4, 0)
+    with pytest.raises(ValueError, match="multiple of 10"):
+        split_budget(cfg, DistContext(rank=0, world_size=5))
+    cfg = config_from_dict(_raw(tmp_path, tmp_path, loader="pipeline", token_budget=1000), ["dist.grad_accum=2"])
+    assert split_budget(cfg, DistContext(rank=0, world_size=2)) == (12, 250)
+
+
+@pytest.mark.parametrize(("n", "world", "batch", "expected"), [(10, 3, 2, 2), (10, 1, 4, 3), (0, 2, 4, 0), (7, 4, 2, 1)])
+def test_even_batches_is_the_largest_share_s_count(n: int, world: int, batch: int, expected: int) -> None:
+    counts = []
+    for rank in range(world):
+        ctx = DistContext(rank=rank, world_size=world)
+        lo, hi = ctx.shard(n)
+        assert -(-(hi - lo) // batch) <= even_batches(n, batch, ctx)
+        counts.append(even_batches(n, batch, ctx))
+    assert set(counts) == {expected}
+
+
+def test_grad_accum_micro_batches_equal_one_batch(tmp_path: Path, data_dir: Path) -> None:  # noqa: F811
+    """One step over 3 uneven micro-batches (weighted by their targets) equals one step over their union."""
+    runs = {}
+    for accum in (1, 3):
+        cfg = config_from_dict(_raw(data_dir, tmp_path / str(accum)), [f"dist.grad_accum={accum}"])
+        s = retrieval.setup(cfg)
+        samples = s.seqs.training_samples(s.holdout, cfg.data.max_seq_len, cfg.data.train_windows)
+        parts = torch.arange(10).tensor_split(accum)
+        micro = [s.seqs.training_batch(samples[ids], cfg.data.max_seq_len) for ids in parts]
+        result = s.runner(micro)
+        runs[accum] = (result.loss, result.tokens, [p.detach().clone() for p in s.model.parameters()])
+    assert runs[3][0] == pytest.approx(runs[1][0], rel=1e-5)
+    assert runs[3][1] == runs[1][1]
+    for a, b in zip(runs[1][2], runs[3][2], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_no_rank_with_data_ends_the_epoch(tmp_path: Path, data_dir: Path) -> None:  # noqa: F811
+    s = retrieval.setup(config_from_dict(_raw(data_dir, tmp_path)))
+    assert s.runner([None]) is None
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_step_inputs_carry_the_state_after_their_own_batches(prefetch: bool) -> None:
+    """The prefetch thread runs a step ahead; each step still carries the source state right after its batches."""
+    pulled = []
+
+    def raw():
+        for i in range(4):
+            pulled.append(i)
+            yield [torch.tensor([i])]
+
+    class Batch:
+        def __init__(self, ids):
+            self.ids = ids
+
+        def to(self, device, non_blocking=False):
+            return self
+
+    inputs = StepInputs(raw(), build=Batch, device=torch.device("cpu"), snapshot=lambda: {"pulled": len(pulled)},
+                        prefetch=prefetch)  # fmt: skip
+    seen = [next(inputs) for _ in range(3)]
+    inputs.close()
+    assert [int(item.micro[0].ids) for item in seen] == [0, 1, 2]
+    assert [item.data_state["pulled"] for item in seen] == [1, 2, 3]
+    assert np.all([set(item.times) == {"fetch_s", "build_s", "h2d_s"} for item in seen])
