@@ -31,7 +31,8 @@ def prepare_runtime(cfg: RunConfig) -> torch.device:
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        if device.index is not None:  # plain "cuda" is the current device (set_device needs an index on torch 2.11)
+            torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
     return device
 
