@@ -22,7 +22,10 @@ def resolve_device(name: str) -> torch.device:
             raise ValueError(f"LOCAL_RANK={local} but this host has {torch.cuda.device_count()} GPU(s); "
                              "start at most that many processes per node (torchrun --nproc-per-node)")  # fmt: skip
         return torch.device("cuda", local)
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:  # an explicit index: set_device and side threads need one
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def prepare_runtime(cfg: RunConfig) -> torch.device:
@@ -31,8 +34,7 @@ def prepare_runtime(cfg: RunConfig) -> torch.device:
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device)
     if device.type == "cuda":
-        if device.index is not None:  # plain "cuda" is the current device (set_device needs an index on torch 2.11)
-            torch.cuda.set_device(device)
+        torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
     return device
 
