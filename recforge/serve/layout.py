@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -86,6 +87,11 @@ class Vocab:
     def __post_init__(self) -> None:
         if self.item_ids is not None:
             self._item_code = {_key(v): c + 1 for c, v in enumerate(self.item_ids)}
+            ints = [(v, c) for v, c in self._item_code.items() if isinstance(v, int) and -(2**63) <= v < 2**63]
+            ints.sort()
+            # integer IDs map without a Python loop: searchsorted over the sorted IDs (the dict serves the rest)
+            self._int_ids = np.array([v for v, _ in ints], dtype=np.int64)
+            self._int_codes = np.array([c for _, c in ints], dtype=np.int64)
         if self.actions is not None:
             self._action_code = {str(v): c + 1 for c, v in enumerate(self.actions)}
         for name, spec in self.user_features.items():
@@ -109,12 +115,27 @@ class Vocab:
             codes = [_int(v, what) for v in values]
             bad = [v for v in codes if not 1 <= v <= self.num_items]
         else:
-            codes = [self._item_code.get(_key(v), 0) for v in values]
-            bad = [v for v, c in zip(values, codes) if c == 0]
+            codes = self._int_item_codes(values)
+            if codes is None:
+                codes = [self._item_code.get(_key(v), 0) for v in values]
+            bad = [v for v, c in zip(values, codes) if c == 0] if 0 in codes else []
         if bad and unknown == "error":
             raise RequestError(f"{len(bad)} unknown {what} (not in the model's vocabulary), e.g. {bad[:5]}")
-        codes = [c if (self.item_ids is not None or 1 <= c <= self.num_items) else 0 for c in codes]
-        return torch.tensor(codes, dtype=torch.int64)
+        out = _int64(codes)
+        if self.item_ids is None:
+            out[(out < 1) | (out > self.num_items)] = 0
+        return out
+
+    def _int_item_codes(self, values: list[Any]) -> list[int] | None:
+        """Codes of integer IDs, vectorised; None when ``values`` holds anything but int64 integers."""
+        if not values or self._int_ids.size == 0 or not _all_ints(values):
+            return None
+        try:
+            raw = np.array(values, dtype=np.int64)
+        except OverflowError:
+            return None
+        pos = np.minimum(np.searchsorted(self._int_ids, raw), self._int_ids.size - 1)
+        return np.where(self._int_ids[pos] == raw, self._int_codes[pos], 0).tolist()
 
     def action_codes(self, values: list[Any] | None, length: int, unknown: str) -> Tensor:
         if values is None or self.num_actions == 0:
@@ -123,13 +144,15 @@ class Vocab:
             codes = [0 if v is None else _int(v, "history action") for v in values]
             bad = [v for v in codes if not 0 <= v <= self.num_actions]
         else:
-            codes = [0 if v is None else self._action_code.get(str(v), -1) for v in values]
-            bad = [v for v, c in zip(values, codes) if c < 0]
+            table = {v: self._action_code.get(str(v), -1) if v is not None else 0 for v in set(values)}  # few distinct
+            codes = [table[v] for v in values]
+            bad = [v for v, c in table.items() if c < 0]
         if bad and unknown == "error":
             known = self.actions if self.actions is not None else f"1..{self.num_actions}"
-            raise RequestError(f"{len(bad)} unknown history actions, e.g. {bad[:5]} (known: {known})")
-        codes = [max(c, 0) if (self.actions is not None or 0 <= c <= self.num_actions) else 0 for c in codes]
-        return torch.tensor(codes, dtype=torch.int64)  # int64 when empty too (a user with no history yet)
+            raise RequestError(f"unknown history actions, e.g. {bad[:5]} (known: {known})")
+        out = _int64(codes)  # int64 when empty too (a user with no history yet)
+        out[(out < 0) | (out > self.num_actions)] = 0
+        return out
 
     def context_codes(self, features: dict[str, Any], unknown: str) -> Tensor:
         extra = set(features) - set(self.feature_names)
@@ -170,9 +193,12 @@ def encode_request(vocab: Vocab, config: EngineConfig, max_events: int, user: An
         raise RequestError("candidates is empty; give at least one item to score")
     if len(candidates) > config.max_candidates:
         raise RequestError(f"{len(candidates)} candidates; the limit is {config.max_candidates}")
-    if any(isinstance(t, bool) or not isinstance(t, int) for t in stamps):
+    if stamps and not _all_ints(stamps):
         raise RequestError("history timestamps must be integers (seconds)")
-    ts = torch.tensor(stamps, dtype=torch.int64)
+    try:
+        ts = _int64(stamps)
+    except OverflowError:
+        raise RequestError("history timestamps must fit in 64-bit integers (seconds)") from None
     if ts.numel() > 1 and bool((ts[1:] < ts[:-1]).any()):
         raise RequestError("history timestamps must be non-decreasing (oldest event first)")
     if timestamp is None:
@@ -189,6 +215,16 @@ def encode_request(vocab: Vocab, config: EngineConfig, max_events: int, user: An
         user=str(user), context_ids=context, items=item_codes[drop:], actions=action_codes[drop:],
         timestamps=ts[drop:], candidates=cand_codes, request_time=timestamp, truncated=drop,
     )  # fmt: skip
+
+
+def _all_ints(values: list[Any]) -> bool:
+    """Every value is a plain int (not a bool, float or str); one pass in C."""
+    return set(map(type, values)) == {int}
+
+
+def _int64(values: list[int]) -> Tensor:
+    """A CPU int64 tensor of Python ints (through numpy: ~3x faster than torch.tensor on a list)."""
+    return torch.from_numpy(np.array(values, dtype=np.int64).reshape(-1))
 
 
 def _key(value: Any) -> Any:

@@ -174,7 +174,9 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
     async def _bad_request(request: Request, err: RequestError) -> JSONResponse:
         return JSONResponse({"detail": str(err)}, status_code=422)
 
-    errors = {422: {"model": ErrorOut, "description": "invalid request (the message says what to fix)"},
+    errors = {408: {"model": ErrorOut, "description": "the body did not arrive within body_timeout_s"},
+              413: {"model": ErrorOut, "description": "the body is larger than max_body_bytes"},
+              422: {"model": ErrorOut, "description": "invalid request (the message says what to fix)"},
               503: {"model": ErrorOut, "description": "overloaded or shutting down; retry after `Retry-After` s"},
               504: {"model": ErrorOut, "description": "the request's deadline passed before the answer was ready"}}  # fmt: skip
 

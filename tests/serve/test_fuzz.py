@@ -3,6 +3,7 @@ over HTTP: many threads, few users, random history extensions and rewrites, rand
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 
@@ -47,7 +48,7 @@ def test_api_never_fails_on_generated_requests(tmp_path, path, method, mode) -> 
     operation = schemathesis.openapi.from_asgi("/openapi.json", create_app(engine, config))[path][method]
 
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=int(os.environ.get("RECFORGE_FUZZ_EXAMPLES", 25)), deadline=None, suppress_health_check=list(HealthCheck), database=None)
     def check(case) -> None:
         case.call_and_validate(checks=CHECKS)
 
