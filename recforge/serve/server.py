@@ -166,7 +166,7 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
         f"{config.request_timeout_ms:g} ms; header `X-Request-Timeout-Ms`): 503 with `Retry-After` when it cannot "
         "be met, 504 when it passes.",
     )  # fmt: skip
-    app.state.engine, app.state.runner, app.state.metrics = engine, runner, metrics
+    app.state.engine, app.state.runner, app.state.metrics, app.state.loop_lag = engine, runner, metrics, lag
     app.add_middleware(RequestLimits, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s,
                        on_status=metrics.on_status, shed=shed)  # fmt: skip
 

@@ -27,6 +27,8 @@ from recforge.serve.scheduler import SchedulerConfig
 from recforge.serve.server import ServerConfig, create_app
 from _serve_helpers import build_model, export, random_history
 
+QUEUE_MS = LAG_MS = 60_000  # admission and load shedding are tested on their own; a loaded test box must not trip them
+
 
 POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 OPERATIONS = [("/v1/rank", "POST", POSITIVE), ("/v1/rank", "POST", NEGATIVE), ("/v1/reload", "POST", POSITIVE),
@@ -43,7 +45,7 @@ def test_api_never_fails_on_generated_requests(tmp_path, path, method, mode) -> 
     outside the model's vocabulary are schema-valid and get a documented 422."""
     run = export(build_model(), tmp_path / "run")
     engine = RankEngine.from_run(run, EngineConfig(max_candidates=20, max_history_events=64))
-    config = ServerConfig(scheduler=SchedulerConfig(max_wait_ms=0), pool=PoolConfig(device_mb=1, block_size=16),
+    config = ServerConfig(max_loop_lag_ms=LAG_MS, scheduler=SchedulerConfig(max_wait_ms=0, max_queue_ms=QUEUE_MS), pool=PoolConfig(device_mb=1, block_size=16),
                           allow_reload=True, run_dir=str(run))  # fmt: skip
     operation = schemathesis.openapi.from_asgi("/openapi.json", create_app(engine, config))[path][method]
 
@@ -73,7 +75,7 @@ def test_concurrent_users_histories_and_reloads_fuzz(tmp_path) -> None:
     rng = random.Random(seed)
     runs = [export(build_model(seed=s), tmp_path / f"run{s}", step=s + 1) for s in (0, 1)]
     engine = RankEngine.from_run(runs[0], EngineConfig())
-    config = ServerConfig(scheduler=SchedulerConfig(token_budget=rng.choice([16, 40, 4096]), prefill_chunk=rng.choice([8, 24]),
+    config = ServerConfig(max_loop_lag_ms=LAG_MS, scheduler=SchedulerConfig(token_budget=rng.choice([16, 40, 4096]), prefill_chunk=rng.choice([8, 24]),
                                                     max_wait_ms=1), pool=PoolConfig(device_mb=1, block_size=8),
                           allow_reload=True, request_timeout_ms=60_000)  # fmt: skip
     histories = {f"u{u}": random_history(rng.randint(0, 30), seed=rng.randrange(1000)) for u in range(3)}

@@ -12,6 +12,8 @@ from recforge.serve.scheduler import SchedulerConfig
 from recforge.serve.server import ServerConfig, create_app
 from _serve_helpers import build_model, export, random_history
 
+QUEUE_MS = LAG_MS = 60_000  # admission and load shedding are tested on their own; a loaded test box must not trip them
+
 
 @pytest.fixture
 def run(tmp_path):
@@ -21,7 +23,7 @@ def run(tmp_path):
 @pytest.fixture
 def client(run):
     engine = RankEngine.from_run(run, EngineConfig(max_candidates=50, max_history_events=500))
-    config = ServerConfig(scheduler=SchedulerConfig(max_wait_ms=1), pool=PoolConfig(device_mb=1, block_size=16),
+    config = ServerConfig(max_loop_lag_ms=LAG_MS, scheduler=SchedulerConfig(max_wait_ms=1, max_queue_ms=QUEUE_MS), pool=PoolConfig(device_mb=1, block_size=16),
                           allow_reload=True, run_dir=str(run), max_body_bytes=200_000)  # fmt: skip
     with TestClient(create_app(engine, config)) as c:
         yield c

@@ -22,6 +22,8 @@ from recforge.serve.scheduler import SchedulerConfig
 from recforge.serve.server import ServerConfig, create_app
 from _serve_helpers import build_model, export, random_history
 
+QUEUE_MS = LAG_MS = 60_000  # admission and load shedding are tested on their own; a loaded test box must not trip them
+
 
 @pytest.fixture
 def run(tmp_path):
@@ -29,7 +31,7 @@ def run(tmp_path):
 
 
 def _config(run, **change) -> ServerConfig:
-    base = dict(scheduler=SchedulerConfig(max_wait_ms=1), pool=PoolConfig(device_mb=1, block_size=16), allow_reload=True,
+    base = dict(max_loop_lag_ms=LAG_MS, scheduler=SchedulerConfig(max_wait_ms=1, max_queue_ms=QUEUE_MS), pool=PoolConfig(device_mb=1, block_size=16), allow_reload=True,
                 run_dir=str(run), max_body_bytes=200_000)  # fmt: skip
     base.update(change)
     return ServerConfig(**base)
@@ -158,12 +160,23 @@ def test_overload_gets_503_with_retry_after(run) -> None:
     assert all(h is not None and int(h) >= 1 for s, h in zip(statuses, headers) if s == 503)
 
 
+def test_a_late_event_loop_sheds_rank_requests_before_reading_them(run) -> None:
+    engine = RankEngine.from_run(run, EngineConfig())
+    with TestClient(create_app(engine, _config(run, max_loop_lag_ms=250))) as client:
+        assert client.post("/v1/rank", json=_body()).status_code == 200
+        client.app.state.loop_lag.lag_s = 100.0  # as if the loop had been 100 s late (the monitor decays it)
+        refused = client.post("/v1/rank", json=_body())
+        assert refused.status_code == 503 and "behind reading requests" in refused.text
+        assert int(refused.headers["retry-after"]) >= 1
+        assert client.get("/health").status_code == 200  # only rank requests are shed
+
+
 def test_health_turns_unhealthy_when_the_worker_is_stuck(run) -> None:
     engine = RankEngine.from_run(run, EngineConfig())
     gate = threading.Event()
     real_run = engine.run
     engine.run = lambda items: (gate.wait(10), real_run(items))[1]
-    config = _config(run, scheduler=SchedulerConfig(max_wait_ms=0, stall_seconds=0.2))
+    config = _config(run, scheduler=SchedulerConfig(max_wait_ms=0, stall_seconds=0.2, max_queue_ms=QUEUE_MS))
     with TestClient(create_app(engine, config)) as client:
         assert client.get("/health").status_code == 200
         waiter = threading.Thread(target=client.post, args=("/v1/rank",), kwargs={"json": _body()})
@@ -219,7 +232,7 @@ def test_slow_headers_and_bodies_are_cut_off_and_gone_clients_cost_nothing(run, 
     gate = threading.Event()
     real_run = engine.run
     engine.run = lambda items: (gate.wait(10), real_run(items))[1]
-    config = _config(run, header_timeout_s=0.5, body_timeout_s=0.5, scheduler=SchedulerConfig(max_wait_ms=0))
+    config = _config(run, header_timeout_s=0.5, body_timeout_s=0.5, scheduler=SchedulerConfig(max_wait_ms=0, max_queue_ms=QUEUE_MS))
     app = create_app(engine, config)
     with _Server(app, config, base) as srv:
         slow = socket.create_connection(("127.0.0.1", srv.port))
