@@ -97,6 +97,7 @@ class ParquetSource:
             if self.schema is None:
                 self.schema = projected
         self._local = threading.local()
+        self._tokens: dict[str, list[np.ndarray]] = {}  # list column -> per file, values per row group
 
     def check_types(self, cast: set[str]) -> None:
         """Raise ``ValueError`` naming the file when a column's type differs from the first file's,
@@ -154,6 +155,28 @@ class ParquetSource:
         first = int(rg_rows[: unit.row_group].sum()) + unit.start
         row_ids = encode_row_ids(unit.file_index, np.arange(first, first + table.num_rows))
         return one_batch(table.append_column(ROW_ID, pa.array(row_ids)))
+
+    def has_list_column(self, name: str) -> bool:
+        """Whether ``name`` is a (large) list column of the projected schema."""
+        if name not in self.schema.names:
+            return False
+        t = self.schema.field(name).type
+        return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+    def row_group_tokens(self, column: str) -> list[np.ndarray]:
+        """Per file, per row group: the number of values of list column ``column`` (its tokens; an
+        empty or null list counts as one), from the Parquet footers, without decoding any data."""
+        if column not in self._tokens:
+            out = []
+            for path in self.paths:
+                meta = self._open(path).metadata
+                leaf = [j for j in range(meta.num_columns) if meta.schema.column(j).path.split(".")[0] == column]
+                if not leaf:
+                    raise ValueError(f"{path}: no list column {column!r} to count tokens of")
+                rgs = [meta.row_group(g) for g in range(meta.num_row_groups)]
+                out.append(np.array([rg.column(leaf[0]).num_values for rg in rgs], np.float64))
+            self._tokens[column] = out
+        return self._tokens[column]
 
     def location(self, row_id: int) -> str:
         """'path row N' for messages."""

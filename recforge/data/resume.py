@@ -7,8 +7,9 @@ model after a step and restoring both after a crash replays every unconsumed row
 once and no consumed row again, whatever happened to the in-flight data.
 
 Re-splitting: on every (re)start the unconsumed rows, in file/row order, are cut into
-``world_size`` contiguous shares of equal size (±1 row), so a changed number of ranks
-still splits the remaining work evenly. Ranks save their own states; ``merge`` ORs them
+``world_size`` contiguous shares of equal size (±1 row), or of equal estimated tokens for
+token-budget batches (see ``plan``), so a changed number of ranks still splits the remaining
+work evenly. Ranks save their own states; ``merge`` ORs them
 (rows consumed by any rank are consumed), which is also exact across several restarts
 with different world sizes. A rank's own state knows only the rows that rank consumed: to
 resume, always ``merge`` the states of all ranks of the interrupted run, even when the world
@@ -94,8 +95,15 @@ class PipelineState:
             c[:] = False
 
     # -- splitting ---------------------------------------------------------------------
-    def plan(self, source: ParquetSource, rank: int = 0, world_size: int = 1) -> tuple[list[ReadUnit], list[np.ndarray]]:
+    def plan(self, source: ParquetSource, rank: int = 0, world_size: int = 1,
+             token_column: str | None = None) -> tuple[list[ReadUnit], list[np.ndarray]]:  # fmt: skip
         """This rank's share of the unconsumed rows as read units, with a keep-mask per unit.
+
+        Shares are contiguous runs of the unconsumed rows, in file/row order, of equal row counts
+        (±1), or, with ``token_column`` (a list column), of equal *estimated tokens*: each row
+        weighs its row group's mean list length, read from the Parquet footer. Token-budget
+        batching then gives every rank about the same number of batches even when history lengths
+        differ between files.
 
         Returns:
             (units, keep): ``keep[i]`` is a bool mask over unit i's rows (False = already consumed).
@@ -103,14 +111,27 @@ class PipelineState:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is outside world_size={world_size}")
         self.check(source)
-        remaining = self.num_rows - self.num_consumed
-        lo, hi = remaining * rank // world_size, remaining * (rank + 1) // world_size
-        units, keep, seen = [], [], 0  # seen = unconsumed rows before the current row group
+        if token_column is None:
+            weights = [np.ones(len(r)) for r in source.row_group_rows]
+        else:
+            weights = [np.maximum(t / np.maximum(r, 1), 1e-9) for t, r in zip(source.row_group_tokens(token_column), source.row_group_rows, strict=True)]  # fmt: skip
+        free_rows = [
+            [np.flatnonzero(~self.consumed[f][first : first + n]) for first, n in zip(np.cumsum(rg) - rg, rg, strict=True)]
+            for f, rg in enumerate(source.row_group_rows)
+        ]
+        total = sum(float(len(fr) * w) for f in range(len(free_rows)) for fr, w in zip(free_rows[f], weights[f], strict=True))
+        if token_column is None:  # integer bounds: exactly the historical row split
+            remaining = int(total)
+            lo, hi = remaining * rank // world_size, remaining * (rank + 1) // world_size
+        else:
+            lo = -np.inf if rank == 0 else total * rank / world_size
+            hi = np.inf if rank == world_size - 1 else total * (rank + 1) / world_size
+        units, keep, seen = [], [], 0.0  # seen = weight of the unconsumed rows before the current row group
         for f, rg_rows in enumerate(source.row_group_rows):
-            first = 0
-            for g, n in enumerate(rg_rows.tolist()):
-                free = np.flatnonzero(~self.consumed[f][first : first + n])
-                a, b = max(lo - seen, 0), min(hi - seen, len(free))
+            for g in range(len(rg_rows)):
+                free, w = free_rows[f][g], float(weights[f][g])
+                pos = seen + (np.arange(len(free)) + 0.5) * w  # each free row's middle on the weight axis
+                a, b = int(np.searchsorted(pos, lo)), int(np.searchsorted(pos, hi))
                 if a < b:
                     start, stop = int(free[a]), int(free[b - 1]) + 1
                     # the share's unconsumed rows inside [start, stop): consumed rows in between are dropped
@@ -118,8 +139,7 @@ class PipelineState:
                     mask[free[a:b] - start] = True
                     units.append(ReadUnit(f, g, start, stop))
                     keep.append(mask)
-                seen += len(free)
-                first += n
+                seen += len(free) * w
         return units, keep
 
     def check(self, source: ParquetSource) -> None:

@@ -1,0 +1,240 @@
+"""Reader workers: run the pipeline's per-task work in parallel, hand results back in task order.
+
+A *task* is a group of read units (row groups) that one worker turns into one RecordBatch:
+read → map/filter → shuffle → batch cut points (see ``Pipeline``). The consumer receives the
+results strictly in task order, so the output does not depend on the number of workers or on
+which kind runs them.
+
+Two kinds of workers:
+
+- ``"process"`` (Linux default): forked worker processes. Everything a task does, including the
+  GIL-holding Python between Arrow calls and the shuffle's ``take``, runs outside the consumer's
+  process, so throughput grows with cores. A result travels as one Arrow IPC stream in an
+  anonymous shared-memory file (``memfd``) whose descriptor is passed over a Unix socket; the
+  consumer maps it and reads the batch zero-copy (no pickling or copying of the data). Each
+  worker has at most ``depth`` results in flight (credit-based flow control). Workers exit when
+  the consumer closes its sockets, stops, or dies (even by SIGKILL: the socket closes).
+- ``"thread"``: a thread pool in the consumer's process (pyarrow releases the GIL while decoding).
+  Used where ``fork`` is unavailable, or on request.
+
+::
+
+    consumer                          worker k (tasks k, k+W, k+2W, ...)
+      credit ─────────────────────►   recv credit → run(task) → Arrow IPC into a memfd
+      recv_fds ◄── (sizes, memfd) ──  send_fds; close
+      mmap → RecordBatch (zero-copy), send one credit back
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import struct
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from recforge.data.bad_rows import BadRowReport
+
+log = logging.getLogger(__name__)
+
+WORKER_MODES = ("auto", "process", "thread")
+_MESSAGE = struct.Struct("qqq")  # header bytes, offset of the IPC stream, IPC stream bytes
+_ALIGN = 64  # Arrow buffers stay 64-byte aligned inside the shared file, so reads are zero-copy
+
+
+@dataclass(frozen=True)
+class Task:
+    """One unit of worker work: ``units`` index the epoch plan's read units (in shuffled order)."""
+
+    index: int
+    units: tuple[int, ...]
+
+
+@dataclass
+class TaskResult:
+    """A task's output: its rows (None when all were filtered), and where full batches end.
+
+    Rows ``[cuts[i], cuts[i+1])`` form full batches; rows from ``cuts[-1]`` on are left over
+    for the consumer to merge with the next task's leftovers.
+    """
+
+    index: int
+    batch: pa.RecordBatch | None
+    cuts: np.ndarray
+    bad_rows: BadRowReport = field(default_factory=BadRowReport)
+
+
+def resolve_mode(mode: str) -> str:
+    """``"auto"`` → ``"process"`` where ``fork`` exists (Linux), else ``"thread"`` (logged once)."""
+    if mode not in WORKER_MODES:
+        raise ValueError(f"worker_mode must be one of {WORKER_MODES}, got {mode!r}")
+    can_fork = "fork" in mp.get_all_start_methods() and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
+    if mode == "process" and not can_fork:
+        raise ValueError("worker_mode='process' needs fork, memfd_create and send_fds (Linux); use worker_mode='thread'")
+    if mode == "auto":
+        if can_fork:
+            return "process"
+        if not getattr(resolve_mode, "_logged", False):
+            log.info("recforge pipeline: reader workers are threads (no fork/memfd here), decoding scales less with cores")
+            resolve_mode._logged = True  # type: ignore[attr-defined]
+        return "thread"
+    return mode
+
+
+def run_tasks(run: Callable[[Task], TaskResult], tasks: list[Task], num_workers: int, mode: str,
+              depth: int = 2) -> Iterator[TaskResult]:  # fmt: skip
+    """Run ``run(task)`` for every task on ``num_workers`` workers; yield the results in task order.
+
+    Raises:
+        Whatever ``run`` raised for a task (re-raised in the consumer), or ``RuntimeError`` when a
+        worker process died without answering (killed, out of memory).
+    """
+    if not tasks:
+        return iter(())
+    if resolve_mode(mode) == "thread":
+        return _thread_results(run, tasks, num_workers)
+    return _process_results(run, tasks, min(num_workers, len(tasks)), depth)
+
+
+def _thread_results(run: Callable[[Task], TaskResult], tasks: list[Task], num_workers: int) -> Iterator[TaskResult]:
+    with ThreadPoolExecutor(num_workers, thread_name_prefix="recforge-read") as pool:
+        futures = []
+        try:
+            for task in tasks:
+                futures.append(pool.submit(run, task))
+                if len(futures) >= 2 * num_workers:
+                    yield futures.pop(0).result()
+            while futures:
+                yield futures.pop(0).result()
+        finally:
+            for f in futures:
+                f.cancel()
+
+
+# -- process workers -------------------------------------------------------------------------
+def _send(sock: socket.socket, result: TaskResult | None, error: BaseException | None) -> None:
+    """Write one result (pickled header + Arrow IPC stream) into a memfd and pass its descriptor."""
+    batch = result.batch if result is not None else None
+    meta = (result.index, result.cuts, result.bad_rows) if result is not None else None
+    try:  # our own forked child talks to its parent: the same trust boundary as multiprocessing's pickles
+        header = pickle.dumps((meta, error), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - an unpicklable exception still reaches the consumer, as text
+        header = pickle.dumps((meta, RuntimeError(f"{type(error).__name__}: {error}")))
+    start = -(-len(header) // _ALIGN) * _ALIGN
+    size = 0
+    if batch is not None:
+        mock = pa.MockOutputStream()
+        with pa.ipc.new_stream(mock, batch.schema) as writer:
+            writer.write_batch(batch)
+        size = mock.size()
+    fd = os.memfd_create("recforge-task", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, start + size)
+        # a writable memory map of the memfd: the header, then the IPC stream written straight into it
+        with pa.memory_map(f"/proc/self/fd/{fd}", "r+") as target:
+            target.write(header)
+            if batch is not None:
+                target.seek(start)
+                with pa.ipc.new_stream(target, batch.schema) as writer:
+                    writer.write_batch(batch)
+        socket.send_fds(sock, [_MESSAGE.pack(len(header), start, size)], [fd])
+    finally:
+        os.close(fd)
+
+
+def _receive(sock: socket.socket, worker: int) -> TaskResult:
+    try:
+        msg, fds, _, _ = socket.recv_fds(sock, _MESSAGE.size, 1)
+    except ConnectionResetError:
+        msg, fds = b"", []
+    if not msg or not fds:
+        raise RuntimeError(
+            f"pipeline reader worker {worker} exited without sending its result (killed, or out of memory?); "
+            "see its stderr above, or run with worker_mode='thread' to debug in-process"
+        )
+    hlen, start, size = _MESSAGE.unpack(msg)
+    try:
+        mm = mmap.mmap(fds[0], start + size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fds[0])
+    meta, error = pickle.loads(mm[:hlen])  # noqa: S301 - written by our own forked worker (see _send)
+    if error is not None:
+        raise error
+    index, cuts, bad_rows = meta
+    # zero-copy: the batch's buffers point into the mapping, which lives as long as they do
+    batch = pa.ipc.open_stream(pa.py_buffer(mm).slice(start, size)).read_next_batch() if size else None
+    return TaskResult(index, batch, cuts, bad_rows)
+
+
+def _worker_main(run: Callable[[Task], TaskResult], tasks: list[Task], socks: list[tuple[socket.socket, socket.socket]],
+                 k: int, parent_pid: int) -> None:  # fmt: skip
+    for j, (parent_end, child_end) in enumerate(socks):  # keep only our end: EOF must reach whoever waits
+        parent_end.close()
+        if j != k:
+            child_end.close()
+    sock = socks[k][1]
+    sock.settimeout(1.0)
+    for task in tasks:
+        while True:  # wait for a credit; stop when the consumer is gone
+            try:
+                credit = sock.recv(1)
+                break
+            except TimeoutError:
+                if os.getppid() != parent_pid:
+                    return
+        if not credit:
+            return
+        try:
+            result, error = run(task), None
+        except BaseException as err:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            result, error = None, err
+        try:
+            _send(sock, result, error)
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            return
+        if error is not None:
+            return
+
+
+def _process_results(run: Callable[[Task], TaskResult], tasks: list[Task], num_workers: int, depth: int) -> Iterator[TaskResult]:
+    ctx = mp.get_context("fork")
+    socks = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(num_workers)]
+    procs = []
+    try:
+        for k in range(num_workers):
+            proc = ctx.Process(target=_worker_main, args=(run, tasks[k::num_workers], socks, k, os.getpid()),
+                               name=f"recforge-read-{k}", daemon=True)  # fmt: skip
+            proc.start()
+            procs.append(proc)
+        for _, child_end in socks:
+            child_end.close()
+        # never more credits than a worker has tasks: a socket closed with unread credits resets its peer
+        owed = [len(tasks[k::num_workers]) for k in range(num_workers)]
+        for k, (parent_end, _) in enumerate(socks):
+            for _ in range(min(depth, owed[k])):
+                parent_end.send(b"c")
+            owed[k] -= min(depth, owed[k])
+        for i in range(len(tasks)):
+            k = i % num_workers
+            result = _receive(socks[k][0], k)
+            if owed[k]:
+                socks[k][0].send(b"c")
+                owed[k] -= 1
+            yield result
+    finally:
+        for parent_end, child_end in socks:
+            parent_end.close()
+            child_end.close()
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
