@@ -8,24 +8,20 @@ No per-row Python anywhere.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from recforge.data.batch import JaggedBatch
+from recforge.data.batch import JaggedBatch, readonly_tensor
 from recforge.data.parquet_source import ROW_ID
 
 
 def _tensor(col: pa.Array) -> torch.Tensor:
     if col.null_count:
         raise ValueError(f"cannot collate a column with {col.null_count} nulls; add RowRules(ids=...) to drop such rows")
-    values = col.to_numpy(zero_copy_only=False)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(values)
+    return readonly_tensor(col.to_numpy(zero_copy_only=False))
 
 
 @dataclass(frozen=True)

@@ -140,11 +140,12 @@ class ParquetSource:
             cache[file_index] = self._open(self.paths[file_index])
         return cache[file_index]
 
-    def read(self, unit: ReadUnit) -> pa.RecordBatch:
-        """Read one unit (projected) with its ``__row_id__`` column appended."""
+    def read(self, unit: ReadUnit, use_threads: bool = True) -> pa.RecordBatch:
+        """Read one unit (projected) with its ``__row_id__`` column appended; ``use_threads=False``
+        decodes its columns one after another (a worker process that is itself one of many)."""
         path = self.paths[unit.file_index]
         try:
-            table = self._file(unit.file_index).read_row_group(unit.row_group, columns=self.columns)
+            table = self._file(unit.file_index).read_row_group(unit.row_group, columns=self.columns, use_threads=use_threads)
         except (pa.ArrowException, OSError) as err:
             raise ValueError(
                 f"{path}: row group {unit.row_group} cannot be decoded ({err}); the file is truncated or corrupt"

@@ -171,7 +171,8 @@ class Pipeline:
         if any(s.kind == "shuffle" for s in self.stages):
             order = rng.permutation(len(units))
             units, keep = [units[i] for i in order], [keep[i] for i in order]
-        run = TaskRunner(self.source, units, keep, self.rules, plan, (self.seed, state.epoch, state.resumes, self.rank))
+        run = TaskRunner(self.source, units, keep, self.rules, plan, (self.seed, state.epoch, state.resumes, self.rank),
+                         use_threads=self.worker_mode == "thread")  # fmt: skip
         done: list = []
         results = run_tasks(run, make_tasks(keep, plan.task_rows), self.num_workers, self.worker_mode)
         stream: Iterator[Item] = task_items(results, plan, self.bad_rows, done)

@@ -83,12 +83,13 @@ class TaskRunner:
     rules: RowRules | None
     plan: WorkerPlan
     shuffle_seed: tuple[int, ...]  # (seed, epoch, resumes, rank); the task index is appended
+    use_threads: bool = True  # Arrow's decode threads; off in worker processes (one core each)
 
     def __call__(self, task: Task) -> TaskResult:
         report = BadRowReport()
         parts = []
         for i in task.units:
-            rb = self.source.read(self.units[i])
+            rb = self.source.read(self.units[i], self.use_threads)
             if not self.keep[i].all():
                 rb = rb.filter(pa.array(self.keep[i]))
             if self.rules is not None:

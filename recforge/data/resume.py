@@ -71,6 +71,9 @@ class PipelineState:
     def mark(self, row_ids: np.ndarray) -> None:
         """Record rows as consumed (called when a batch is handed to the trainer)."""
         files, rows = decode_row_ids(row_ids)
+        if len(files) and files[0] == files[-1] and (files == files[0]).all():  # the common case: one file
+            self.consumed[int(files[0])][rows] = True
+            return
         for f in np.unique(files):
             self.consumed[int(f)][rows[files == f]] = True
 
