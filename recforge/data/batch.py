@@ -161,7 +161,7 @@ class JaggedBatch:
             col_off = col.offsets.to_numpy()
             if off_np is None:
                 off_np = col_off
-            elif not np.array_equal(off_np, col_off):
+            elif not np.array_equal(off_np - off_np[0], col_off - col_off[0]):
                 raise ValueError(f"list column {name!r} has different lengths from the others")
             # Arrow buffers are immutable; the tensor shares them (zero-copy), so batch
             # features are read-only: clone before modifying one in place.
