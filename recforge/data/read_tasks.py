@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -40,6 +41,7 @@ class WorkerPlan:
     shuffle_rows: int | None  # the first shuffle's window, when it directly follows them
     batch_spec: tuple | None  # the first batch's spec, when it directly follows those
     consumer_stages: tuple[Stage, ...]
+    fused_collate: Any = None  # a collate right after that batch, with ``collate_slices`` (e.g. JaggedCollate)
 
     @staticmethod
     def split(stages: tuple[Stage, ...]) -> WorkerPlan:
@@ -51,6 +53,8 @@ class WorkerPlan:
             shuffle_rows, n = stages[n].arg, n + 1
         if n < len(stages) and stages[n].kind == "batch":
             batch_spec, n = stages[n].arg, n + 1
+            if n < len(stages) and stages[n].kind == "collate" and hasattr(stages[n].arg, "collate_slices"):
+                return WorkerPlan(row_stages, shuffle_rows, batch_spec, stages[n + 1 :], stages[n].arg)
         return WorkerPlan(row_stages, shuffle_rows, batch_spec, stages[n:])
 
     @property
@@ -114,20 +118,26 @@ class TaskRunner:
 def task_items(results: Iterator[TaskResult], plan: WorkerPlan, bad_rows: BadRowReport, done: list) -> Iterator[Item]:
     """Task results (in task order) → items: full batches as slices, the rests merged by one ``Batcher``."""
     batcher = Batcher(plan.batch_spec) if plan.batch_spec is not None else None
+    collate = plan.fused_collate
     for result in results:
         bad_rows.merge(result.bad_rows)
         rb = result.batch
         if rb is None:
             continue
-        for a, b in itertools.pairwise(result.cuts.tolist()):
-            if b > a:
+        cuts = result.cuts[np.r_[True, np.diff(result.cuts) > 0]]  # no empty batches
+        if collate is not None:  # every full batch of the task collated in one pass over its columns
+            row_ids = row_ids_of(rb)
+            for a, b, data in zip(cuts[:-1].tolist(), cuts[1:].tolist(), collate.collate_slices(rb, cuts), strict=True):
+                yield Item(data, row_ids[a:b])
+        else:
+            for a, b in itertools.pairwise(cuts.tolist()):
                 part = rb.slice(a, b - a)
                 yield Item(part, row_ids_of(part))
-        rest = int(result.cuts[-1])
+        rest = int(cuts[-1])
         if batcher is not None and rest < rb.num_rows:
             for part in batcher.push(rb.slice(rest)):
-                yield Item(part, row_ids_of(part))
+                yield Item(collate(part) if collate is not None else part, row_ids_of(part))
     if batcher is not None:
         for part in batcher.finish():
-            yield Item(part, row_ids_of(part))
+            yield Item(collate(part) if collate is not None else part, row_ids_of(part))
     done.append(True)
