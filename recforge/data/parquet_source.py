@@ -47,6 +47,10 @@ class ReadUnit:
     stop: int
 
 
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
 def one_batch(table: pa.Table) -> pa.RecordBatch:
     """A table as one RecordBatch (zero-copy when it already has a single chunk)."""
     if table.num_rows == 0:
@@ -97,7 +101,7 @@ class ParquetSource:
             if self.schema is None:
                 self.schema = projected
         self._local = threading.local()
-        self._tokens: dict[str, list[np.ndarray]] = {}  # list column -> per file, values per row group
+        self._tokens: dict[str, list[list[np.ndarray]]] = {}  # column -> per file, per row group: row tokens
 
     def check_types(self, cast: set[str]) -> None:
         """Raise ``ValueError`` naming the file when a column's type differs from the first file's,
@@ -157,25 +161,34 @@ class ParquetSource:
         row_ids = encode_row_ids(unit.file_index, np.arange(first, first + table.num_rows))
         return one_batch(table.append_column(ROW_ID, pa.array(row_ids)))
 
-    def has_list_column(self, name: str) -> bool:
-        """Whether ``name`` is a (large) list column of the projected schema."""
-        if name not in self.schema.names:
-            return False
-        t = self.schema.field(name).type
-        return pa.types.is_list(t) or pa.types.is_large_list(t)
+    def token_column(self, column: str) -> str | None:
+        """The column of the files to weigh rows by when batches are cut by ``column``'s tokens: the
+        column itself when the files have it as a list or integer column, else (a column made by a
+        map, e.g. ``input_ids`` from ``item_ids``) the files' first list column; None when there is none."""
+        fields = {f.name: f.type for f in self.schema}
+        if column in fields and (_is_list(fields[column]) or pa.types.is_integer(fields[column])):
+            return column
+        return next((name for name, t in fields.items() if _is_list(t)), None)
 
-    def row_group_tokens(self, column: str) -> list[np.ndarray]:
-        """Per file, per row group: the number of values of list column ``column`` (its tokens; an
-        empty or null list counts as one), from the Parquet footers, without decoding any data."""
+    def row_tokens(self, column: str) -> list[list[np.ndarray]]:
+        """Per file, per row group: the tokens of each row, to balance ranks' shares.
+
+        For a list column, a 0-d array: the row group's mean list length, from the value count in
+        the Parquet footer (no data is decoded). For an integer column (per-row token counts), the
+        (rows,) column itself, read once and cached.
+        """
         if column not in self._tokens:
             out = []
             for path in self.paths:
-                meta = self._open(path).metadata
-                leaf = [j for j in range(meta.num_columns) if meta.schema.column(j).path.split(".")[0] == column]
-                if not leaf:
-                    raise ValueError(f"{path}: no list column {column!r} to count tokens of")
-                rgs = [meta.row_group(g) for g in range(meta.num_row_groups)]
-                out.append(np.array([rg.column(leaf[0]).num_values for rg in rgs], np.float64))
+                pf = self._open(path)
+                meta = pf.metadata
+                if pa.types.is_integer(self.schema.field(column).type):
+                    out.append([pf.read_row_group(g, columns=[column]).column(0).to_numpy().astype(np.float64)
+                                for g in range(meta.num_row_groups)])  # fmt: skip
+                    continue
+                leaf = next(j for j in range(meta.num_columns) if meta.schema.column(j).path.split(".")[0] == column)
+                out.append([np.array(meta.row_group(g).column(leaf).num_values / max(meta.row_group(g).num_rows, 1))
+                            for g in range(meta.num_row_groups)])  # fmt: skip
             self._tokens[column] = out
         return self._tokens[column]
 

@@ -166,7 +166,7 @@ class Pipeline:
         if state.share_done or (state.complete and state.num_rows):
             state.next_epoch()
         plan = WorkerPlan.split(self.stages)
-        units, keep = state.plan(self.source, self.rank, self.world_size, token_column=self._token_column(plan))
+        units, keep = state.plan(self.source, self.rank, self.world_size, token_column=self._token_column())
         rng = np.random.default_rng([self.seed, state.epoch, state.resumes, self.rank])
         if any(s.kind == "shuffle" for s in self.stages):
             order = rng.permutation(len(units))
@@ -187,14 +187,13 @@ class Pipeline:
                 state.consumed[unit.file_index][first + unit.start : first + unit.stop] |= k
             state.share_done = True
 
-    def _token_column(self, plan: WorkerPlan) -> str | None:
-        """The list column whose lengths token-budget batching counts, when ranks' shares should be
-        balanced by tokens (its per-row-group value counts are in the Parquet footers)."""
+    def _token_column(self) -> str | None:
+        """With token-budget batches, the column of the files that ranks' shares are balanced by
+        (see ``ParquetSource.token_column``); None (an even split by rows) otherwise."""
         batch = next((s for s in self.stages if s.kind == "batch"), None)
         if batch is None or batch.arg[1] is None:
             return None
-        column = batch.arg[2]
-        return column if self.source.has_list_column(column) else None
+        return self.source.token_column(batch.arg[2])
 
 
 class PipelineSource:

@@ -42,6 +42,25 @@ def _unpack(text: str, n: int) -> np.ndarray:
     return np.unpackbits(raw, count=n).astype(bool)
 
 
+def _positions(free_rows: list[list[np.ndarray]], tokens: list[list[np.ndarray]] | None) -> tuple[list[list[np.ndarray]], float]:
+    """Each unconsumed row's middle on the axis of cumulative weight (rows in file/row order), and the
+    total weight. A row weighs 1, or its tokens (``tokens[f][g]``: per row, or one mean per row group)."""
+    positions, seen = [], 0.0
+    for f, per_group in enumerate(free_rows):
+        out = []
+        for g, free in enumerate(per_group):
+            if tokens is None:
+                w = np.ones(len(free))
+            else:
+                t = tokens[f][g]
+                w = np.maximum(np.full(len(free), float(t)) if t.ndim == 0 else t[free], 1e-9)
+            ends = seen + np.cumsum(w)
+            out.append(ends - w / 2)
+            seen = float(ends[-1]) if len(ends) else seen
+        positions.append(out)
+    return positions, seen
+
+
 @dataclass
 class PipelineState:
     """Rows consumed per file this epoch, plus what seeds the shuffle.
@@ -103,10 +122,10 @@ class PipelineState:
         """This rank's share of the unconsumed rows as read units, with a keep-mask per unit.
 
         Shares are contiguous runs of the unconsumed rows, in file/row order, of equal row counts
-        (±1), or, with ``token_column`` (a list column), of equal *estimated tokens*: each row
-        weighs its row group's mean list length, read from the Parquet footer. Token-budget
-        batching then gives every rank about the same number of batches even when history lengths
-        differ between files.
+        (±1), or, with ``token_column``, of equal tokens: each row weighs its tokens, exactly for an
+        integer column of per-row counts, or its row group's mean list length (from the Parquet
+        footer) for a list column (``ParquetSource.row_tokens``). Token-budget batching then gives
+        every rank about the same number of batches even when history lengths differ between files.
 
         Returns:
             (units, keep): ``keep[i]`` is a bool mask over unit i's rows (False = already consumed).
@@ -114,27 +133,21 @@ class PipelineState:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is outside world_size={world_size}")
         self.check(source)
-        if token_column is None:
-            weights = [np.ones(len(r)) for r in source.row_group_rows]
-        else:
-            weights = [np.maximum(t / np.maximum(r, 1), 1e-9) for t, r in zip(source.row_group_tokens(token_column), source.row_group_rows, strict=True)]  # fmt: skip
         free_rows = [
             [np.flatnonzero(~self.consumed[f][first : first + n]) for first, n in zip(np.cumsum(rg) - rg, rg, strict=True)]
             for f, rg in enumerate(source.row_group_rows)
         ]
-        total = sum(float(len(fr) * w) for f in range(len(free_rows)) for fr, w in zip(free_rows[f], weights[f], strict=True))
-        if token_column is None:  # integer bounds: exactly the historical row split
+        positions, total = _positions(free_rows, None if token_column is None else source.row_tokens(token_column))
+        if token_column is None:  # integer bounds on row counts: the historical even split (±1 row)
             remaining = int(total)
             lo, hi = remaining * rank // world_size, remaining * (rank + 1) // world_size
         else:
             lo = -np.inf if rank == 0 else total * rank / world_size
             hi = np.inf if rank == world_size - 1 else total * (rank + 1) / world_size
-        units, keep, seen = [], [], 0.0  # seen = weight of the unconsumed rows before the current row group
-        for f, rg_rows in enumerate(source.row_group_rows):
-            for g in range(len(rg_rows)):
-                free, w = free_rows[f][g], float(weights[f][g])
-                pos = seen + (np.arange(len(free)) + 0.5) * w  # each free row's middle on the weight axis
-                a, b = int(np.searchsorted(pos, lo)), int(np.searchsorted(pos, hi))
+        units, keep = [], []
+        for f in range(len(free_rows)):
+            for g, (free, pos) in enumerate(zip(free_rows[f], positions[f], strict=True)):
+                a, b = int(np.searchsorted(pos, lo)), int(np.searchsorted(pos, hi))  # rows whose middle is in [lo, hi)
                 if a < b:
                     start, stop = int(free[a]), int(free[b - 1]) + 1
                     # the share's unconsumed rows inside [start, stop): consumed rows in between are dropped
@@ -142,7 +155,6 @@ class PipelineState:
                     mask[free[a:b] - start] = True
                     units.append(ReadUnit(f, g, start, stop))
                     keep.append(mask)
-                seen += len(free) * w
         return units, keep
 
     def check(self, source: ParquetSource) -> None:

@@ -107,17 +107,26 @@ def _skewed_files(directory) -> None:
         table = pa.table({
             "user_id": np.arange(rows, dtype=np.int64) + f * rows,
             "item_ids": pa.LargeListArray.from_arrays(pa.array(off), pa.array(rng.integers(1, 1000, off[-1]))),
+            "n": lengths.astype(np.int64),  # per-row token counts, as the ranking samples store them
         })  # fmt: skip
         pq.write_table(table, directory / f"part-{f}.parquet", row_group_size=50)
 
 
+def _with_input_ids(rb: pa.RecordBatch) -> pa.RecordBatch:
+    return rb.append_column("input_ids", rb.column("item_ids"))  # a length column made by a map
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_token_budget_batches_are_balanced_across_ranks(tmp_path, world):
+@pytest.mark.parametrize("length_column", ["item_ids", "n", "input_ids"])
+def test_token_budget_batches_are_balanced_across_ranks(tmp_path, world, length_column):
+    """Balanced by a list column (footer value counts), an integer column of counts (exact), or a
+    column a map makes (the files' first list column stands in for it)."""
     _skewed_files(tmp_path)
     budget = 1000
     counts, rows = [], []
     for rank in range(world):
-        pipe = Pipeline.from_parquet(tmp_path, rank=rank, world_size=world, seed=1).shuffle(120).batch(token_budget=budget)
+        pipe = (Pipeline.from_parquet(tmp_path, rank=rank, world_size=world, seed=1).map(_with_input_ids).shuffle(120)
+                .batch(token_budget=budget, length_column=length_column))  # fmt: skip
         batches = list(pipe)
         counts.append(len(batches))
         rows.append(np.concatenate([b.column("__row_id__").to_numpy() for b in batches]))
