@@ -4,9 +4,9 @@ of issue 15 (>= 10x the best per-row DataLoader at equal worker counts; >= 0.7 x
 from 1 to 8 workers).
 
 Usage (the 16-core GPU host; about 3-4 minutes):
-    python benchmarks/pipeline.py --rows 2000000 --files 16 --workers-list 1,2,4,8,16 --out benchmarks/results/pipeline-h200-host.json
+    python benchmarks/pipeline.py --rows 4000000 --files 16 --workers-list 1,2,4,8,16 --out benchmarks/results/pipeline-h200-host.json
 On a small machine:
-    python benchmarks/pipeline.py --rows 200000 --workers-list 1,2 --out benchmarks/results/pipeline-cpu-2core.json
+    python benchmarks/pipeline.py --rows 400000 --files 8 --workers-list 1,2 --out benchmarks/results/pipeline-workers-cpu-2core.json
 
 Both sides read the same Parquet sample files (user_id, item_ids list, timestamps list,
 label), keep the last ``--max-len`` items of each history and produce the same
@@ -232,7 +232,7 @@ def main() -> None:
         make_samples(data, args.rows, args.mean_len, args.files)
     paths = sorted(str(x) for x in data.glob("*.parquet"))
     file_rows = [pq.ParquetFile(x).metadata.num_rows for x in paths]
-    need = 2 * args.baseline_rows_per_worker * max(workers)
+    need = args.baseline_rows_per_worker * max(workers) * 5 // 4  # rows the largest DataLoader run reads, and a margin
     baseline_paths = paths[: next((i + 1 for i, n in enumerate(np.cumsum(file_rows)) if n >= need), len(paths))]
     load_at_start = os.getloadavg()[0]
     run_pipeline(paths, workers[0], args)  # warm-up: the first pass over fresh files runs slower (allocator, caches)

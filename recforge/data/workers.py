@@ -34,6 +34,7 @@ import os
 import pickle
 import socket
 import struct
+import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -195,6 +196,7 @@ def _worker_main(run: Callable[[Task], TaskResult], tasks: list[Task], socks: li
         try:
             result, error = run(task), None
         except BaseException as err:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            err.add_note(f"raised in pipeline reader worker {k} (pid {os.getpid()}), task {task.index}:\n{traceback.format_exc()}")
             result, error = None, err
         try:
             _send(sock, result, error)
