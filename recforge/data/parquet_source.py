@@ -34,7 +34,7 @@ def encode_row_ids(file_index: int, rows: np.ndarray) -> np.ndarray:
 def decode_row_ids(row_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Global row ids -> (file index, row in file)."""
     row_ids = np.asarray(row_ids, dtype=np.int64)
-    return row_ids // ROWS_PER_FILE, row_ids % ROWS_PER_FILE
+    return row_ids >> 40, row_ids & (ROWS_PER_FILE - 1)  # ROWS_PER_FILE = 2**40; shifts beat // and %
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ class PipelineState:
         if len(files) and files[0] == files[-1] and (files == files[0]).all():  # the common case: one file
             self.consumed[int(files[0])][rows] = True
             return
-        for f in np.unique(files):
+        for f in np.flatnonzero(np.bincount(files)):  # the files present (few, small ints): no sort
             self.consumed[int(f)][rows[files == f]] = True
 
     @property
