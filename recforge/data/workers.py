@@ -32,6 +32,7 @@ import mmap
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import struct
 import traceback
@@ -182,6 +183,8 @@ def _receive(sock: socket.socket, worker: int) -> TaskResult:
 
 def _worker_main(run: Callable[[Task], TaskResult], tasks: list[Task], socks: list[tuple[socket.socket, socket.socket]],
                  k: int, parent_pid: int) -> None:  # fmt: skip
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the consumer, which closes our socket
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # never run the parent's handlers (e.g. save on preemption)
     for j, (parent_end, child_end) in enumerate(socks):  # keep only our end: EOF must reach whoever waits
         parent_end.close()
         if j != k:
