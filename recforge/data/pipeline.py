@@ -60,7 +60,8 @@ class Pipeline:
                  worker_mode: str = "auto"):  # fmt: skip
         self.source = source
         self.num_workers = num_workers
-        self.worker_mode = resolve_mode(worker_mode)
+        resolve_mode(worker_mode)  # checks the name now; "auto" is resolved where the pipeline is iterated
+        self.worker_mode = worker_mode
         self.rules = rules
         self.seed = seed
         self.rank = rank
@@ -171,10 +172,11 @@ class Pipeline:
         if any(s.kind == "shuffle" for s in self.stages):
             order = rng.permutation(len(units))
             units, keep = [units[i] for i in order], [keep[i] for i in order]
+        mode = resolve_mode(self.worker_mode)
         run = TaskRunner(self.source, units, keep, self.rules, plan, (self.seed, state.epoch, state.resumes, self.rank),
-                         use_threads=self.worker_mode == "thread")  # fmt: skip
+                         use_threads=mode == "thread")  # fmt: skip
         done: list = []
-        results = run_tasks(run, make_tasks(keep, plan.task_rows), self.num_workers, self.worker_mode)
+        results = run_tasks(run, make_tasks(keep, plan.task_rows), self.num_workers, mode)
         stream: Iterator[Item] = task_items(results, plan, self.bad_rows, done)
         for stage in plan.consumer_stages:
             stream = STAGES[stage.kind](stream, stage.arg, rng)

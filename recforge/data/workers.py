@@ -81,11 +81,15 @@ def resolve_mode(mode: str) -> str:
     can_fork = "fork" in mp.get_all_start_methods() and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
     if mode == "process" and not can_fork:
         raise ValueError("worker_mode='process' needs fork, memfd_create and send_fds (Linux); use worker_mode='thread'")
+    daemonic = mp.current_process().daemon  # e.g. inside a torch DataLoader worker: it may not have children
+    if mode == "process" and daemonic:
+        raise ValueError("worker_mode='process' cannot start workers from a daemonic process; use worker_mode='thread'")
     if mode == "auto":
-        if can_fork:
+        if can_fork and not daemonic:
             return "process"
         if not getattr(resolve_mode, "_logged", False):
-            log.info("recforge pipeline: reader workers are threads (no fork/memfd here), decoding scales less with cores")
+            why = "this is a daemonic process" if daemonic else "no fork/memfd here"
+            log.info("recforge pipeline: reader workers are threads (%s); decoding scales less with cores", why)
             resolve_mode._logged = True  # type: ignore[attr-defined]
         return "thread"
     return mode

@@ -164,3 +164,19 @@ def test_token_balanced_shares_resume_exactly_once_on_another_world_size(tmp_pat
     rows = np.concatenate(seen)
     assert len(rows) == 1200 and len(np.unique(rows)) == 1200
     assert max(counts) - min(counts) <= 1, counts
+
+
+def _count_rows(directory, out) -> None:
+    out.put(sum(b.num_rows for b in Pipeline.from_parquet(directory, num_workers=2).shuffle(100).batch(32)))
+
+
+def test_auto_mode_uses_threads_inside_a_daemonic_process(tmp_path):
+    """A daemonic process (e.g. a torch DataLoader worker) may not fork workers: "auto" falls back to threads."""
+    write_samples(tmp_path)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_count_rows, args=(tmp_path, out), daemon=True)
+    proc.start()
+    assert out.get(timeout=60) == 1500
+    proc.join(timeout=10)
+    assert proc.exitcode == 0
