@@ -90,11 +90,14 @@ class Pipeline:
             columns: column projection (None = all).
             num_workers: reader workers: row groups are read, transformed, shuffled and cut into
                 batches in parallel (see ``recforge.data.read_tasks``).
-            worker_mode: ``"process"`` (forked worker processes, the default where fork exists: scales
-                with cores), ``"thread"`` (threads in this process), or ``"auto"``.
+            worker_mode: ``"process"`` (forked worker processes: scales with cores; map/filter functions
+                run there, so changes to their own state stay there), ``"thread"`` (threads in this
+                process), or ``"auto"`` (the default): processes where fork and memfd exist (Linux) and
+                this is not a daemonic process, else threads (logged once). Output is the same.
             rules: malformed-row checks and policy (see ``recforge.data.bad_rows``).
             seed: shuffle seed.
-            rank, world_size: this rank's even share of the (unconsumed) rows.
+            rank, world_size: this rank's even share of the (unconsumed) rows: by rows, or by tokens
+                with ``batch(token_budget=...)`` (ranks' batch counts then differ by about 1 at most).
             state: a saved ``state_dict()`` (or several ranks' states merged) to resume from.
         """
         if num_workers < 1:
