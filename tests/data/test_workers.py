@@ -180,3 +180,24 @@ def test_auto_mode_uses_threads_inside_a_daemonic_process(tmp_path):
     assert out.get(timeout=60) == 1500
     proc.join(timeout=10)
     assert proc.exitcode == 0
+
+
+def test_reused_shared_memory_never_changes_a_batch_still_held(tmp_path, monkeypatch):
+    """Workers rewrite a task's shared memory once the consumer freed every batch viewing it: batches
+    still held (every 12th; a task has 5) must keep their contents while the others are reused."""
+    import recforge.data.workers as workers
+
+    released = []
+    release = workers._release
+    monkeypatch.setattr(workers, "_release", lambda sock, key: (released.append(key), release(sock, key)))
+    write_samples(tmp_path, files=3, rows=1000, row_group=50)
+
+    def pipe(mode):
+        return Pipeline.from_parquet(tmp_path, num_workers=1, worker_mode=mode, seed=9).shuffle(100).batch(20).collate(COLLATE)
+
+    reference = list(pipe("thread"))
+    held = {i: b for i, b in enumerate(pipe("process")) if i % 12 == 0}  # the rest is freed at once
+    assert len(reference) == 150 and len(held) == 13
+    assert len(released) > 10 and len(set(released)) < len(released)  # memory was released, and reused
+    for i, b in held.items():
+        assert torch.equal(b.item_ids, reference[i].item_ids) and torch.equal(b.dense["row_ids"], reference[i].dense["row_ids"])
