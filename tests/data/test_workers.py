@@ -185,7 +185,7 @@ def test_auto_mode_uses_threads_inside_a_daemonic_process(tmp_path):
 def test_reused_shared_memory_never_changes_a_batch_still_held(tmp_path, monkeypatch):
     """Workers rewrite a task's shared memory once the consumer freed every batch viewing it: batches
     still held (every 12th; a task has 5) must keep their contents while the others are reused."""
-    import recforge.data.workers as workers
+    import recforge.data.worker_processes as workers
 
     released = []
     release = workers._release
