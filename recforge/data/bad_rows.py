@@ -62,6 +62,11 @@ class BadRowReport:
         room = self.max_examples - len(self.examples)
         self.examples.extend(f"{w}: {reason}" for w in where[:room])
 
+    def merge(self, other: BadRowReport) -> None:
+        """Add another report's counts and examples (a worker's report for one task)."""
+        self.counts.update(other.counts)
+        self.examples.extend(other.examples[: max(self.max_examples - len(self.examples), 0)])
+
     def __repr__(self) -> str:
         return f"BadRowReport(total={self.total}, counts={dict(self.counts)}, examples={self.examples[:3]})"
 

@@ -28,6 +28,26 @@ from recforge.ops.jagged import lengths_from_offsets
 from recforge.ops.mask import AttentionMask
 
 
+_silenced = False
+
+
+def readonly_tensor(values: np.ndarray) -> Tensor:
+    """``torch.from_numpy`` of a read-only array (an Arrow buffer), zero-copy.
+
+    PyTorch warns once per process that such tensors must not be written; that warning is
+    silenced on the first call (``warnings.catch_warnings`` on every call cost a quarter of
+    a batch's collation, and is not thread-safe).
+    """
+    global _silenced
+    if _silenced or values.flags.writeable:
+        return torch.from_numpy(values)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        out = torch.from_numpy(values)
+    _silenced = True
+    return out
+
+
 @dataclass
 class JaggedBatch:
     """Named jagged token features + dense features + labels + the mask description.
@@ -133,25 +153,22 @@ class JaggedBatch:
                 contain ``item_ids``.
             max_seq_len: upper bound on lengths; computed when None.
         """
-        offsets = None
+        off_np = None
         features = {}
         for name, col in columns.items():
             if isinstance(col, pa.ChunkedArray):
                 col = col.combine_chunks()
-            off_np = col.offsets.to_numpy()
-            values = col.values.slice(off_np[0], off_np[-1] - off_np[0]).to_numpy(zero_copy_only=False)
-            off = torch.from_numpy(off_np.astype(np.int64, copy=False) - off_np[0])
-            if offsets is None:
-                offsets = off
-            elif not torch.equal(offsets, off):
+            col_off = col.offsets.to_numpy()
+            if off_np is None:
+                off_np = col_off
+            elif not np.array_equal(off_np - off_np[0], col_off - col_off[0]):
                 raise ValueError(f"list column {name!r} has different lengths from the others")
-            with warnings.catch_warnings():
-                # Arrow buffers are immutable; the tensor shares them (zero-copy), so batch
-                # features are read-only: clone before modifying one in place.
-                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                features[name] = torch.from_numpy(values)
-        if offsets is None:
+            # Arrow buffers are immutable; the tensor shares them (zero-copy), so batch
+            # features are read-only: clone before modifying one in place.
+            features[name] = readonly_tensor(col.values.slice(col_off[0], col_off[-1] - col_off[0]).to_numpy(zero_copy_only=False))
+        if off_np is None:
             raise ValueError("from_arrow needs at least one column")
+        offsets = torch.from_numpy(off_np.astype(np.int64) - off_np[0])  # a copy: (B+1,) rebased to 0
         if max_seq_len is None:
-            max_seq_len = int(lengths_from_offsets(offsets).max()) if offsets.numel() > 1 else 0
+            max_seq_len = int(np.diff(off_np).max()) if len(off_np) > 1 else 0
         return JaggedBatch(offsets, features, max_seq_len)

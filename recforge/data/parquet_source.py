@@ -34,7 +34,7 @@ def encode_row_ids(file_index: int, rows: np.ndarray) -> np.ndarray:
 def decode_row_ids(row_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Global row ids -> (file index, row in file)."""
     row_ids = np.asarray(row_ids, dtype=np.int64)
-    return row_ids // ROWS_PER_FILE, row_ids % ROWS_PER_FILE
+    return row_ids >> 40, row_ids & (ROWS_PER_FILE - 1)  # ROWS_PER_FILE = 2**40; shifts beat // and %
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,10 @@ class ReadUnit:
     row_group: int
     start: int
     stop: int
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
 
 
 def one_batch(table: pa.Table) -> pa.RecordBatch:
@@ -97,6 +101,7 @@ class ParquetSource:
             if self.schema is None:
                 self.schema = projected
         self._local = threading.local()
+        self._tokens: dict[str, list[list[np.ndarray]]] = {}  # column -> per file, per row group: row tokens
 
     def check_types(self, cast: set[str]) -> None:
         """Raise ``ValueError`` naming the file when a column's type differs from the first file's,
@@ -139,11 +144,12 @@ class ParquetSource:
             cache[file_index] = self._open(self.paths[file_index])
         return cache[file_index]
 
-    def read(self, unit: ReadUnit) -> pa.RecordBatch:
-        """Read one unit (projected) with its ``__row_id__`` column appended."""
+    def read(self, unit: ReadUnit, use_threads: bool = True) -> pa.RecordBatch:
+        """Read one unit (projected) with its ``__row_id__`` column appended; ``use_threads=False``
+        decodes its columns one after another (a worker process that is itself one of many)."""
         path = self.paths[unit.file_index]
         try:
-            table = self._file(unit.file_index).read_row_group(unit.row_group, columns=self.columns)
+            table = self._file(unit.file_index).read_row_group(unit.row_group, columns=self.columns, use_threads=use_threads)
         except (pa.ArrowException, OSError) as err:
             raise ValueError(
                 f"{path}: row group {unit.row_group} cannot be decoded ({err}); the file is truncated or corrupt"
@@ -154,6 +160,37 @@ class ParquetSource:
         first = int(rg_rows[: unit.row_group].sum()) + unit.start
         row_ids = encode_row_ids(unit.file_index, np.arange(first, first + table.num_rows))
         return one_batch(table.append_column(ROW_ID, pa.array(row_ids)))
+
+    def token_column(self, column: str) -> str | None:
+        """The column of the files to weigh rows by when batches are cut by ``column``'s tokens: the
+        column itself when the files have it as a list or integer column, else (a column made by a
+        map, e.g. ``input_ids`` from ``item_ids``) the files' first list column; None when there is none."""
+        fields = {f.name: f.type for f in self.schema}
+        if column in fields and (_is_list(fields[column]) or pa.types.is_integer(fields[column])):
+            return column
+        return next((name for name, t in fields.items() if _is_list(t)), None)
+
+    def row_tokens(self, column: str) -> list[list[np.ndarray]]:
+        """Per file, per row group: the tokens of each row, to balance ranks' shares.
+
+        For a list column, a 0-d array: the row group's mean list length, from the value count in
+        the Parquet footer (no data is decoded). For an integer column (per-row token counts), the
+        (rows,) column itself, read once and cached.
+        """
+        if column not in self._tokens:
+            out = []
+            for path in self.paths:
+                pf = self._open(path)
+                meta = pf.metadata
+                if pa.types.is_integer(self.schema.field(column).type):
+                    out.append([pf.read_row_group(g, columns=[column]).column(0).to_numpy().astype(np.float64)
+                                for g in range(meta.num_row_groups)])  # fmt: skip
+                    continue
+                leaf = next(j for j in range(meta.num_columns) if meta.schema.column(j).path.split(".")[0] == column)
+                out.append([np.array(meta.row_group(g).column(leaf).num_values / max(meta.row_group(g).num_rows, 1))
+                            for g in range(meta.num_row_groups)])  # fmt: skip
+            self._tokens[column] = out
+        return self._tokens[column]
 
     def location(self, row_id: int) -> str:
         """'path row N' for messages."""

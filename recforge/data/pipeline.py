@@ -2,7 +2,7 @@
 
 ::
 
-    Pipeline.from_parquet(paths, columns=[...], num_workers=4)   parallel row-group reads (threads)
+    Pipeline.from_parquet(paths, columns=[...], num_workers=4)   parallel reads (worker processes)
         .map(truncate_lists(["item_ids"], 200))                  RecordBatch -> RecordBatch (pyarrow.compute)
         .filter(lambda rb: pc.greater(...))                      RecordBatch -> bool mask
         .shuffle(buffer_rows=65536)                              windowed shuffle, seeded
@@ -11,9 +11,12 @@
         .prefetch(4)                                             background thread, bounded queue
         .take(1000)
 
-``map``/``filter`` stages placed before the first ``shuffle``/``batch`` run inside the
-reader workers, one row group at a time, in parallel (pyarrow releases the GIL); the
-rest run in order in the thread that iterates (the prefetch thread when there is one).
+The leading ``map``/``filter`` stages, the ``shuffle`` right after them and the ``batch`` right
+after that run inside the reader workers (forked processes by default), one task of about a
+shuffle window of rows at a time, in parallel; the consumer only slices the finished batches
+(zero-copy from shared memory), merges each task's under-full rest, and runs the remaining
+stages (collate, ...) in order in the thread that iterates (the prefetch thread when there is
+one). See ``recforge.data.read_tasks`` and ``recforge.data.workers``.
 
 Row identity and exactly-once resume: every row carries ``__row_id__``; when a batch is
 *handed to the caller* its rows are marked consumed in ``pipeline.state``. Save
@@ -25,17 +28,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from recforge.data.bad_rows import BadRowReport, RowRules, check_rows
-from recforge.data.collate import row_ids_of
-from recforge.data.parquet_source import ParquetSource, ReadUnit
+from recforge.data.bad_rows import BadRowReport, RowRules
+from recforge.data.parquet_source import ParquetSource
+from recforge.data.read_tasks import TaskRunner, WorkerPlan, make_tasks, task_items
 from recforge.data.resume import PipelineState
-from recforge.data.stages import STAGES, Item, Stage, apply_row_stages
+from recforge.data.stages import STAGES, Item, Stage
+from recforge.data.workers import resolve_mode, run_tasks
 
 MapFn = Callable[[pa.RecordBatch], pa.RecordBatch]
 FilterFn = Callable[[pa.RecordBatch], Any]  # -> bool array / mask per row
@@ -53,9 +56,12 @@ class Pipeline:
     """
 
     def __init__(self, source: ParquetSource, *, num_workers: int, rules: RowRules | None, seed: int,
-                 rank: int, world_size: int, stages: tuple[Stage, ...] = (), state: PipelineState | None = None):  # fmt: skip
+                 rank: int, world_size: int, stages: tuple[Stage, ...] = (), state: PipelineState | None = None,
+                 worker_mode: str = "auto"):  # fmt: skip
         self.source = source
         self.num_workers = num_workers
+        resolve_mode(worker_mode)  # checks the name now; "auto" is resolved where the pipeline is iterated
+        self.worker_mode = worker_mode
         self.rules = rules
         self.seed = seed
         self.rank = rank
@@ -75,16 +81,23 @@ class Pipeline:
         rank: int = 0,
         world_size: int = 1,
         state: dict | PipelineState | None = None,
+        worker_mode: str = "auto",
     ) -> Pipeline:
         """Start a pipeline over Parquet files.
 
         Args:
             paths: files or directories of ``*.parquet``.
             columns: column projection (None = all).
-            num_workers: reader threads (row groups are read and transformed in parallel).
+            num_workers: reader workers: row groups are read, transformed, shuffled and cut into
+                batches in parallel (see ``recforge.data.read_tasks``).
+            worker_mode: ``"process"`` (forked worker processes: scales with cores; map/filter functions
+                run there, so changes to their own state stay there), ``"thread"`` (threads in this
+                process), or ``"auto"`` (the default): processes where fork and memfd exist (Linux) and
+                this is not a daemonic process, else threads (logged once). Output is the same.
             rules: malformed-row checks and policy (see ``recforge.data.bad_rows``).
             seed: shuffle seed.
-            rank, world_size: this rank's even share of the (unconsumed) rows.
+            rank, world_size: this rank's even share of the (unconsumed) rows: by rows, or by tokens
+                with ``batch(token_budget=...)`` (ranks' batch counts then differ by about 1 at most).
             state: a saved ``state_dict()`` (or several ranks' states merged) to resume from.
         """
         if num_workers < 1:
@@ -95,13 +108,15 @@ class Pipeline:
             state = PipelineState.from_dict(state)
         if state is not None:
             state.check(source)
-        return Pipeline(source, num_workers=num_workers, rules=rules, seed=seed, rank=rank, world_size=world_size, state=state)
+        return Pipeline(source, num_workers=num_workers, rules=rules, seed=seed, rank=rank, world_size=world_size,
+                        state=state, worker_mode=worker_mode)  # fmt: skip
 
     def _with(self, stage: Stage) -> Pipeline:
         if stage.kind in ("map", "filter", "shuffle", "batch", "collate") and any(s.kind == "collate" for s in self.stages):
             raise ValueError(f"{stage.kind}() after collate(): Arrow stages must come before collate (which ends the Arrow part)")
         out = Pipeline(self.source, num_workers=self.num_workers, rules=self.rules, seed=self.seed, rank=self.rank,
-                       world_size=self.world_size, stages=(*self.stages, stage), state=self.state)  # fmt: skip
+                       world_size=self.world_size, stages=(*self.stages, stage), state=self.state,
+                       worker_mode=self.worker_mode)  # fmt: skip
         out.bad_rows = self.bad_rows
         return out
 
@@ -150,49 +165,23 @@ class Pipeline:
         return self.state.to_dict()
 
     # -- execution -----------------------------------------------------------------------
-    def _read_one(self, unit: ReadUnit, keep: np.ndarray, stages: tuple[Stage, ...]) -> pa.RecordBatch:
-        rb = self.source.read(unit)
-        if not keep.all():
-            rb = rb.filter(pa.array(keep))
-        if self.rules is not None:
-            rb = check_rows(rb, self.rules, self.bad_rows, self.source.paths)
-        return apply_row_stages(rb, stages)
-
-    def _read(self, units: list[ReadUnit], keep: list[np.ndarray], stages: tuple[Stage, ...], done: list) -> Iterator[Item]:
-        window = 2 * self.num_workers
-        with ThreadPoolExecutor(self.num_workers, thread_name_prefix="recforge-read") as pool:
-            futures = []
-            try:
-                for i in range(len(units)):
-                    futures.append(pool.submit(self._read_one, units[i], keep[i], stages))
-                    if len(futures) >= window:
-                        rb = futures.pop(0).result()
-                        if rb.num_rows:
-                            yield Item(rb, row_ids_of(rb))
-                while futures:
-                    rb = futures.pop(0).result()
-                    if rb.num_rows:
-                        yield Item(rb, row_ids_of(rb))
-                done.append(True)
-            finally:
-                for f in futures:
-                    f.cancel()
-
     def __iter__(self) -> Iterator[Any]:
         state = self.state
         if state.share_done or (state.complete and state.num_rows):
             state.next_epoch()
-        units, keep = state.plan(self.source, self.rank, self.world_size)
+        plan = WorkerPlan.split(self.stages)
+        units, keep = state.plan(self.source, self.rank, self.world_size, token_column=self._token_column())
         rng = np.random.default_rng([self.seed, state.epoch, state.resumes, self.rank])
         if any(s.kind == "shuffle" for s in self.stages):
             order = rng.permutation(len(units))
             units, keep = [units[i] for i in order], [keep[i] for i in order]
-        n_row = 0
-        while n_row < len(self.stages) and self.stages[n_row].kind in ("map", "filter"):
-            n_row += 1
+        mode = resolve_mode(self.worker_mode)
+        run = TaskRunner(self.source, units, keep, self.rules, plan, (self.seed, state.epoch, state.resumes, self.rank),
+                         use_threads=mode == "thread")  # fmt: skip
         done: list = []
-        stream: Iterator[Item] = self._read(units, keep, self.stages[:n_row], done)
-        for stage in self.stages[n_row:]:
+        results = run_tasks(run, make_tasks(keep, plan.task_rows), self.num_workers, mode)
+        stream: Iterator[Item] = task_items(results, plan, self.bad_rows, done)
+        for stage in plan.consumer_stages:
             stream = STAGES[stage.kind](stream, stage.arg, rng)
         for item in stream:
             state.mark(item.row_ids)
@@ -202,6 +191,14 @@ class Pipeline:
                 first = int(self.source.row_group_rows[unit.file_index][: unit.row_group].sum())
                 state.consumed[unit.file_index][first + unit.start : first + unit.stop] |= k
             state.share_done = True
+
+    def _token_column(self) -> str | None:
+        """With token-budget batches, the column of the files that ranks' shares are balanced by
+        (see ``ParquetSource.token_column``); None (an even split by rows) otherwise."""
+        batch = next((s for s in self.stages if s.kind == "batch"), None)
+        if batch is None or batch.arg[1] is None:
+            return None
+        return self.source.token_column(batch.arg[2])
 
 
 class PipelineSource:

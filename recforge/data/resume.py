@@ -7,8 +7,9 @@ model after a step and restoring both after a crash replays every unconsumed row
 once and no consumed row again, whatever happened to the in-flight data.
 
 Re-splitting: on every (re)start the unconsumed rows, in file/row order, are cut into
-``world_size`` contiguous shares of equal size (±1 row), so a changed number of ranks
-still splits the remaining work evenly. Ranks save their own states; ``merge`` ORs them
+``world_size`` contiguous shares of equal size (±1 row), or of equal estimated tokens for
+token-budget batches (see ``plan``), so a changed number of ranks still splits the remaining
+work evenly. Ranks save their own states; ``merge`` ORs them
 (rows consumed by any rank are consumed), which is also exact across several restarts
 with different world sizes. A rank's own state knows only the rows that rank consumed: to
 resume, always ``merge`` the states of all ranks of the interrupted run, even when the world
@@ -41,6 +42,25 @@ def _unpack(text: str, n: int) -> np.ndarray:
     return np.unpackbits(raw, count=n).astype(bool)
 
 
+def _positions(free_rows: list[list[np.ndarray]], tokens: list[list[np.ndarray]] | None) -> tuple[list[list[np.ndarray]], float]:
+    """Each unconsumed row's middle on the axis of cumulative weight (rows in file/row order), and the
+    total weight. A row weighs 1, or its tokens (``tokens[f][g]``: per row, or one mean per row group)."""
+    positions, seen = [], 0.0
+    for f, per_group in enumerate(free_rows):
+        out = []
+        for g, free in enumerate(per_group):
+            if tokens is None:
+                w = np.ones(len(free))
+            else:
+                t = tokens[f][g]
+                w = np.maximum(np.full(len(free), float(t)) if t.ndim == 0 else t[free], 1e-9)
+            ends = seen + np.cumsum(w)
+            out.append(ends - w / 2)
+            seen = float(ends[-1]) if len(ends) else seen
+        positions.append(out)
+    return positions, seen
+
+
 @dataclass
 class PipelineState:
     """Rows consumed per file this epoch, plus what seeds the shuffle.
@@ -70,7 +90,10 @@ class PipelineState:
     def mark(self, row_ids: np.ndarray) -> None:
         """Record rows as consumed (called when a batch is handed to the trainer)."""
         files, rows = decode_row_ids(row_ids)
-        for f in np.unique(files):
+        if len(files) and files[0] == files[-1] and (files == files[0]).all():  # the common case: one file
+            self.consumed[int(files[0])][rows] = True
+            return
+        for f in np.flatnonzero(np.bincount(files)):  # the files present (few, small ints): no sort
             self.consumed[int(f)][rows[files == f]] = True
 
     @property
@@ -94,8 +117,15 @@ class PipelineState:
             c[:] = False
 
     # -- splitting ---------------------------------------------------------------------
-    def plan(self, source: ParquetSource, rank: int = 0, world_size: int = 1) -> tuple[list[ReadUnit], list[np.ndarray]]:
+    def plan(self, source: ParquetSource, rank: int = 0, world_size: int = 1,
+             token_column: str | None = None) -> tuple[list[ReadUnit], list[np.ndarray]]:  # fmt: skip
         """This rank's share of the unconsumed rows as read units, with a keep-mask per unit.
+
+        Shares are contiguous runs of the unconsumed rows, in file/row order, of equal row counts
+        (±1), or, with ``token_column``, of equal tokens: each row weighs its tokens, exactly for an
+        integer column of per-row counts, or its row group's mean list length (from the Parquet
+        footer) for a list column (``ParquetSource.row_tokens``). Token-budget batching then gives
+        every rank about the same number of batches even when history lengths differ between files.
 
         Returns:
             (units, keep): ``keep[i]`` is a bool mask over unit i's rows (False = already consumed).
@@ -103,14 +133,21 @@ class PipelineState:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is outside world_size={world_size}")
         self.check(source)
-        remaining = self.num_rows - self.num_consumed
-        lo, hi = remaining * rank // world_size, remaining * (rank + 1) // world_size
-        units, keep, seen = [], [], 0  # seen = unconsumed rows before the current row group
-        for f, rg_rows in enumerate(source.row_group_rows):
-            first = 0
-            for g, n in enumerate(rg_rows.tolist()):
-                free = np.flatnonzero(~self.consumed[f][first : first + n])
-                a, b = max(lo - seen, 0), min(hi - seen, len(free))
+        free_rows = [
+            [np.flatnonzero(~self.consumed[f][first : first + n]) for first, n in zip(np.cumsum(rg) - rg, rg, strict=True)]
+            for f, rg in enumerate(source.row_group_rows)
+        ]
+        positions, total = _positions(free_rows, None if token_column is None else source.row_tokens(token_column))
+        if token_column is None:  # integer bounds on row counts: the historical even split (±1 row)
+            remaining = int(total)
+            lo, hi = remaining * rank // world_size, remaining * (rank + 1) // world_size
+        else:
+            lo = -np.inf if rank == 0 else total * rank / world_size
+            hi = np.inf if rank == world_size - 1 else total * (rank + 1) / world_size
+        units, keep = [], []
+        for f in range(len(free_rows)):
+            for g, (free, pos) in enumerate(zip(free_rows[f], positions[f], strict=True)):
+                a, b = int(np.searchsorted(pos, lo)), int(np.searchsorted(pos, hi))  # rows whose middle is in [lo, hi)
                 if a < b:
                     start, stop = int(free[a]), int(free[b - 1]) + 1
                     # the share's unconsumed rows inside [start, stop): consumed rows in between are dropped
@@ -118,8 +155,6 @@ class PipelineState:
                     mask[free[a:b] - start] = True
                     units.append(ReadUnit(f, g, start, stop))
                     keep.append(mask)
-                seen += len(free)
-                first += n
         return units, keep
 
     def check(self, source: ParquetSource) -> None:

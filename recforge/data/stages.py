@@ -79,38 +79,61 @@ def _shuffle(stream: Iterator[Item], buffer_rows: int, rng: np.random.Generator)
         yield flush()
 
 
-def _batch(stream: Iterator[Item], spec: tuple, rng: np.random.Generator) -> Iterator[Item]:
-    batch_size, token_budget, length_column, max_rows, drop_last = spec
-    pending: pa.Table | None = None
+def _lengths(table: pa.Table | pa.RecordBatch, length_column: str) -> np.ndarray:
+    col = table.column(length_column)
+    # a list column counts its values; an integer column already holds each row's tokens
+    return (col if pa.types.is_integer(col.type) else pc.list_value_length(col)).to_numpy()
 
-    def cut(table: pa.Table, final: bool) -> tuple[list[pa.RecordBatch], pa.Table | None]:
-        if batch_size is not None:
-            cuts = list(range(0, table.num_rows, batch_size)) + [table.num_rows]
+
+def full_batch_cuts(rb: pa.RecordBatch, spec: tuple) -> np.ndarray:
+    """Cut points of the full batches in ``rb`` (the ``batch`` stage's spec): rows ``[cuts[i], cuts[i+1])``
+    are batches; rows from ``cuts[-1]`` on are left over (an under-full batch, to merge with others)."""
+    batch_size, token_budget, length_column, max_rows, _ = spec
+    n = rb.num_rows
+    if batch_size is not None:
+        return np.arange(0, n - n % batch_size + 1, batch_size, dtype=np.int64)
+    return token_budget_cuts(_lengths(rb, length_column), token_budget, max_rows)[:-1]
+
+
+class Batcher:
+    """Groups incoming RecordBatches into batches of ``batch_size`` rows or ``token_budget`` tokens,
+    carrying the under-full rest over to the next ``push`` (``finish`` flushes it)."""
+
+    def __init__(self, spec: tuple) -> None:
+        self.batch_size, self.token_budget, self.length_column, self.max_rows, self.drop_last = spec
+        self.pending: pa.Table | None = None
+
+    def _cut(self, table: pa.Table, final: bool) -> list[pa.RecordBatch]:
+        if self.batch_size is not None:
+            cuts = list(range(0, table.num_rows, self.batch_size)) + [table.num_rows]
         else:
-            col = table.column(length_column)
-            # a list column counts its values; an integer column already holds each row's tokens
-            lengths = (col if pa.types.is_integer(col.type) else pc.list_value_length(col)).to_numpy()
-            cuts = token_budget_cuts(lengths, token_budget, max_rows).tolist()
-        out = []
-        for a, b in itertools.pairwise(cuts[:-1]):
-            out.append(table.slice(a, b - a))
-        a = cuts[-2] if len(cuts) > 1 else 0
-        rest = table.slice(a)
-        full = batch_size is not None and rest.num_rows == batch_size
-        if full or (final and rest.num_rows and not drop_last):
+            cuts = token_budget_cuts(_lengths(table, self.length_column), self.token_budget, self.max_rows).tolist()
+        out = [table.slice(a, b - a) for a, b in itertools.pairwise(cuts[:-1])]
+        rest = table.slice(cuts[-2] if len(cuts) > 1 else 0)
+        full = self.batch_size is not None and rest.num_rows == self.batch_size
+        if full or (final and rest.num_rows and not self.drop_last):
             out.append(rest)
             rest = None
-        return [t.combine_chunks().to_batches()[0] for t in out if t.num_rows], rest
+        self.pending = rest if rest is not None and rest.num_rows else None
+        return [t.combine_chunks().to_batches()[0] for t in out if t.num_rows]
 
+    def push(self, rb: pa.RecordBatch) -> list[pa.RecordBatch]:
+        table = pa.Table.from_batches([rb])
+        return self._cut(table if self.pending is None else pa.concat_tables([self.pending, table]), final=False)
+
+    def finish(self) -> list[pa.RecordBatch]:
+        if self.pending is None:
+            return []
+        return self._cut(self.pending, final=True)
+
+
+def _batch(stream: Iterator[Item], spec: tuple, rng: np.random.Generator) -> Iterator[Item]:
+    batcher = Batcher(spec)
     for item in stream:
-        table = pa.Table.from_batches([item.data]) if pending is None else pa.concat_tables([pending, pa.Table.from_batches([item.data])])
-        ready, pending = cut(table, final=False)
-        for rb in ready:
+        for rb in batcher.push(item.data):
             yield Item(rb, row_ids_of(rb))
-    if pending is not None and pending.num_rows:
-        ready, _ = cut(pending, final=True)
-        for rb in ready:
-            yield Item(rb, row_ids_of(rb))
+    for rb in batcher.finish():
+        yield Item(rb, row_ids_of(rb))
 
 
 def _collate(stream: Iterator[Item], fn: Callable, rng: np.random.Generator) -> Iterator[Item]:

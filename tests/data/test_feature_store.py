@@ -74,8 +74,10 @@ def test_join_in_the_pipeline(arrow_store, tmp_path):
 
     item_ids = pa.array([[10, 20, 5], [], [30]], pa.large_list(pa.int64()))
     pq.write_table(pa.table({"item_ids": item_ids}), tmp_path / "s.parquet")
+    # thread workers: the store's lookup counters are updated in this process (process workers
+    # run the join in forked children, whose counters the test cannot see)
     pipe = (
-        Pipeline.from_parquet(tmp_path / "s.parquet")
+        Pipeline.from_parquet(tmp_path / "s.parquet", worker_mode="thread")
         .map(join_features(arrow_store, "item_ids", columns=["category", "price"], prefix="item_"))
         .batch(10)
         .collate(JaggedCollate({"item_ids": "item_ids", "item_category": "category", "item_price": "price"}))

@@ -1,0 +1,228 @@
+"""Process reader workers (see ``recforge.data.workers``): forked processes, results passed as
+Arrow IPC streams in memfds over Unix sockets, credit-based flow control, memfd reuse.
+
+::
+
+    consumer                              worker k (tasks k, k+W, k+2W, ...)
+      b"c" (credit) ───────────────────►  run(task) → Arrow IPC into a memfd (a reused one if free)
+      recv_fds ◄── (id, sizes) + memfd ──  send_fds
+      mmap → RecordBatch (zero-copy)
+      b"r"+id when its batches are freed ─► the memfd is free for a later task
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing as mp
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import traceback
+import weakref
+from collections.abc import Callable, Iterator
+
+import pyarrow as pa
+
+from recforge.data.workers import Task, TaskResult
+
+_MESSAGE = struct.Struct("qqqq")  # memfd id, header bytes, offset of the IPC stream, IPC stream bytes
+_ID = struct.Struct("q")
+_ALIGN = 64  # the IPC stream starts aligned, so its (8-byte padded) buffers are read in place, zero-copy
+
+
+class _WorkerChannel:
+    """A worker's end of its socket: credits and releases in, results out, and a pool of memfds.
+
+    The consumer sends ``b"c"`` (a credit: start one more task) and ``b"r" + id`` (memfd ``id`` is
+    no longer mapped: its batches were freed). A released memfd is rewritten for a later task, so
+    its pages are allocated once instead of being allocated here and freed in the consumer for
+    every task (that freeing cost the consumer about a third of its time per batch).
+    """
+
+    def __init__(self, sock: socket.socket, parent_pid: int, keep_free: int) -> None:
+        self.sock, self.parent_pid, self.keep_free = sock, parent_pid, keep_free
+        self.credits = 0
+        self.lent: dict[int, int] = {}  # memfd id -> fd, mapped by the consumer
+        self.free: list[tuple[int, int, int]] = []  # (id, fd, size) ready for reuse
+        self.next_id = 0
+        sock.settimeout(1.0)
+
+    def _handle(self, msg: bytes) -> None:
+        if msg == b"c":
+            self.credits += 1
+        else:
+            key = _ID.unpack(msg[1:])[0]
+            fd = self.lent.pop(key)
+            if len(self.free) < self.keep_free:
+                self.free.append((key, fd, os.fstat(fd).st_size))
+            else:
+                os.close(fd)
+
+    def _recv(self, block: bool) -> bool:
+        """Handle one message; False when the consumer is gone (or, without ``block``, nothing is queued)."""
+        if not block and not select.select([self.sock], [], [], 0)[0]:
+            return False
+        while True:
+            try:
+                msg = self.sock.recv(16)
+            except TimeoutError:
+                if os.getppid() != self.parent_pid:
+                    return False
+                continue
+            except (ConnectionResetError, BrokenPipeError):
+                return False
+            if not msg:
+                return False
+            self._handle(msg)
+            return True
+
+    def wait_for_credit(self) -> bool:
+        while self._recv(block=False):  # releases queued while the last task ran
+            pass
+        while self.credits == 0:
+            if not self._recv(block=True):
+                return False
+        self.credits -= 1
+        return True
+
+    def wait_for_close(self) -> None:
+        """Stay until the consumer closes its end: exiting earlier with unread messages (releases
+        of freed batches) would reset the socket before the consumer has read our last results."""
+        while self._recv(block=True):
+            pass
+
+    def send(self, result: TaskResult | None, error: BaseException | None) -> None:
+        """Write one result (pickled header + Arrow IPC stream) into a memfd and pass its descriptor."""
+        batch = result.batch if result is not None else None
+        meta = (result.index, result.cuts, result.bad_rows) if result is not None else None
+        try:  # our own forked child talks to its parent: the same trust boundary as multiprocessing's pickles
+            header = pickle.dumps((meta, error), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001 - an unpicklable exception still reaches the consumer, as text
+            header = pickle.dumps((meta, RuntimeError(f"{type(error).__name__}: {error}")))
+        start = -(-len(header) // _ALIGN) * _ALIGN
+        body = None
+        if batch is not None:
+            # serialise into (reused, allocator-cached) memory, then one write into the memfd: cheaper
+            # than faulting in shared pages while Arrow writes through a memory map
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, batch.schema) as writer:
+                writer.write_batch(batch)
+            body = sink.getvalue()
+        size = body.size if body is not None else 0
+        if self.free:
+            key, fd, capacity = self.free.pop()
+        else:
+            key, fd, capacity = self.next_id, os.memfd_create("recforge-task", os.MFD_CLOEXEC), 0
+            self.next_id += 1
+        if capacity < start + size:
+            os.ftruncate(fd, start + size)
+        _write_all(fd, memoryview(header), 0)
+        if body is not None:
+            _write_all(fd, memoryview(body), start)
+        self.lent[key] = fd
+        socket.send_fds(self.sock, [_MESSAGE.pack(key, len(header), start, size)], [fd])
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _release(sock: socket.socket, key: int) -> None:
+    """The consumer's mapping of memfd ``key`` is gone: the worker may reuse it."""
+    try:
+        sock.send(b"r" + _ID.pack(key))
+    except OSError:
+        pass  # the iteration is over (socket closed) or the worker exited: nothing to reuse
+
+
+def _receive(sock: socket.socket, worker: int) -> TaskResult:
+    try:
+        msg, fds, _, _ = socket.recv_fds(sock, _MESSAGE.size, 1)
+    except ConnectionResetError:
+        msg, fds = b"", []
+    if not msg or not fds:
+        raise RuntimeError(
+            f"pipeline reader worker {worker} exited without sending its result (killed, or out of memory?); "
+            "see its stderr above, or run with worker_mode='thread' to debug in-process"
+        )
+    key, hlen, start, size = _MESSAGE.unpack(msg)
+    try:
+        mm = mmap.mmap(fds[0], start + size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fds[0])
+    weakref.finalize(mm, _release, sock, key)  # runs when the last batch viewing this memory is freed
+    meta, error = pickle.loads(mm[:hlen])  # noqa: S301 - written by our own forked worker (see _send)
+    if error is not None:
+        raise error
+    index, cuts, bad_rows = meta
+    # zero-copy: the batch's buffers point into the mapping, which lives as long as they do
+    batch = pa.ipc.open_stream(pa.py_buffer(mm).slice(start, size)).read_next_batch() if size else None
+    return TaskResult(index, batch, cuts, bad_rows)
+
+
+def _worker_main(run: Callable[[Task], TaskResult], tasks: list[Task], socks: list[tuple[socket.socket, socket.socket]],
+                 k: int, parent_pid: int, depth: int) -> None:  # fmt: skip
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the consumer, which closes our socket
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # never run the parent's handlers (e.g. save on preemption)
+    for j, (parent_end, child_end) in enumerate(socks):  # keep only our end: EOF must reach whoever waits
+        parent_end.close()
+        if j != k:
+            child_end.close()
+    channel = _WorkerChannel(socks[k][1], parent_pid, keep_free=depth + 2)
+    for task in tasks:
+        if not channel.wait_for_credit():
+            return
+        try:
+            result, error = run(task), None
+        except BaseException as err:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            err.add_note(f"raised in pipeline reader worker {k} (pid {os.getpid()}), task {task.index}:\n{traceback.format_exc()}")
+            result, error = None, err
+        try:
+            channel.send(result, error)
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            return
+        if error is not None:
+            break
+    channel.wait_for_close()
+
+
+def process_results(run: Callable[[Task], TaskResult], tasks: list[Task], num_workers: int, depth: int) -> Iterator[TaskResult]:
+    """Fork ``num_workers`` workers (worker k runs tasks k, k+W, ...); yield the results in task order."""
+    ctx = mp.get_context("fork")
+    socks = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(num_workers)]
+    procs = []
+    try:
+        for k in range(num_workers):
+            proc = ctx.Process(target=_worker_main, args=(run, tasks[k::num_workers], socks, k, os.getpid(), depth),
+                               name=f"recforge-read-{k}", daemon=True)  # fmt: skip
+            proc.start()
+            procs.append(proc)
+        for _, child_end in socks:
+            child_end.close()
+        # never more credits than a worker has tasks: a socket closed with unread credits resets its peer
+        owed = [len(tasks[k::num_workers]) for k in range(num_workers)]
+        for k, (parent_end, _) in enumerate(socks):
+            for _ in range(min(depth, owed[k])):
+                parent_end.send(b"c")
+            owed[k] -= min(depth, owed[k])
+        for i in range(len(tasks)):
+            k = i % num_workers
+            result = _receive(socks[k][0], k)
+            if owed[k]:
+                socks[k][0].send(b"c")
+                owed[k] -= 1
+            yield result
+    finally:
+        for parent_end, child_end in socks:
+            parent_end.close()
+            child_end.close()
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
