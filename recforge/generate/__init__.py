@@ -1,0 +1,6 @@
+"""Semantic-ID decoding: the valid-SID trie, constrained beam search, and the retrieval entry point."""
+
+from recforge.generate.beam_search import BeamOutput, beam_search, resolve_items
+from recforge.generate.trie import SidTrie
+
+__all__ = ["BeamOutput", "SidTrie", "beam_search", "resolve_items"]
