@@ -146,3 +146,48 @@ def test_config_errors_name_the_fix(tmp_path: Path, sid_data: Path) -> None:
         load_config(config, _args(tmp_path, sid_data, "recipe=retrieval"))
     missing = _args(tmp_path, sid_data, f"generative.sids={tmp_path / 'nope'}", "train.max_steps=1")
     assert main(["--no-progress", "train", str(config), *missing]) == 2
+
+
+def test_gpu_retrieve_matches_cpu_and_decodes_without_host_sync(tmp_path: Path, sid_data: Path, cuda_device: torch.device) -> None:
+    from recforge.generate import Retriever, beam_search
+
+    config = _config(tmp_path, sid_data)
+    args = _args(tmp_path, sid_data, "train.epochs=1", "generative.beam=10", "eval.ks=[1,5,10]", "train.device=cpu")
+    assert main(["--no-progress", "train", str(config), *args]) == 0
+    cpu = Retriever.from_run(tmp_path / "run", device="cpu")
+    gpu = Retriever.from_run(tmp_path / "run", device="cuda")
+    raw = load_dataset(sid_data).events.column("item_id").to_pylist()
+    histories = [raw[i : i + 7] for i in range(0, 56, 7)]
+    want, got = cpu.retrieve(histories, k=10, beam=32), gpu.retrieve(histories, k=10, beam=32)
+    for (items_cpu, scores_cpu), (items_gpu, scores_gpu) in zip(want, got, strict=True):
+        assert items_cpu == items_gpu
+        torch.testing.assert_close(torch.tensor(scores_gpu), torch.tensor(scores_cpu), rtol=1e-4, atol=1e-4)
+    codes, mask = gpu._histories(histories)
+    with torch.no_grad():
+        memory = gpu.model.start(codes, mask)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            beam_search(lambda c: gpu.model.next_token_logprobs(memory, c), gpu.trie, batch_size=len(histories), beam=32)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def test_sid_fit_from_a_retrieval_runs_item_embeddings(tmp_path: Path, sid_data: Path, capsys: pytest.CaptureFixture) -> None:
+    run = tmp_path / "sasrec"
+    assert main(["--no-progress", "train", "configs/beauty-sasrec.yaml", f"data.path={sid_data}", f"train.output_dir={run}",
+                 "train.epochs=1", "model.dim=16", "model.ffn_dim=16", "train.threads=1"]) == 0  # fmt: skip
+    out = tmp_path / "sids-collab"
+    assert main(["sid", "fit", str(sid_data), "--out", str(out), "--source", f"run:{run}", "--codebook-size", "8",
+                 "--levels", "2", "--method", "rqvae", "--rqvae-epochs", "3"]) == 0  # fmt: skip
+    sids = read_sids(out)
+    assert sids.meta["source"] == f"run:{run}" and sids.meta["embedding_dim"] == 16 and len(sids.item_ids) == 40
+    assert "collision rate" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="collaborative embeddings"):
+        add_items(out, _grown(tmp_path, sid_data))
+
+
+def _grown(tmp_path: Path, data: Path) -> Path:
+    dataset = load_dataset(data)
+    extra = dataset.items.slice(0, 1).set_column(0, "item_id", pa.array([5000], pa.int64()))
+    return write_dataset(tmp_path / "grown2", dataset.events, pa.concat_tables([dataset.items, extra]), name="g", source="t")
