@@ -139,10 +139,10 @@ class EvalConfig:
 
 @dataclass
 class GenerativeConfig:
-    """Generative retrieval over semantic IDs (``recipe: generative``, ``model.kind: tiger``)."""
+    """Generative retrieval over semantic IDs (``recipe: generative``, ``model.kind: tiger | sid_hstu``)."""
 
     sids: str = ""  # SID directory from `recforge sid fit` ("" = DATA_PATH/sids)
-    decoder_blocks: int = 4  # decoder layers (model.num_blocks counts the encoder's)
+    decoder_blocks: int = 4  # tiger: decoder layers (model.num_blocks counts the encoder's); unused by sid_hstu
     beam: int = 20  # beam width at evaluation: SIDs generated per user
     exclude_seen_in_search: bool = True  # the user's other history items are excluded during the search, not only after
 
@@ -181,7 +181,7 @@ CHOICES = {
     "model.head": ("mlp", "mmoe", "ple"),
     "data.protocol": ("paper", "clean"),
     "data.train_windows": ("last", "all"),
-    "model.kind": ("hstu", "sasrec", "dlrm", "item", "tiger"),
+    "model.kind": ("hstu", "sasrec", "dlrm", "item", "tiger", "sid_hstu"),
     "model.kernel": ("auto", "pytorch", "triton"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "loss.negatives": ("per_position", "shared", "full"),
@@ -287,8 +287,8 @@ def validate(cfg: RunConfig) -> list[str]:
         problems.append(f"eval.select_metric: {cfg.eval.select_metric!r} is not a metric; use hr@K, ndcg@K or mrr")
     if cfg.recipe == "generative":
         problems += _validate_generative(cfg)
-    elif cfg.model.kind == "tiger":
-        problems.append("model.kind: tiger is a semantic-ID model; use recipe: generative")
+    elif cfg.model.kind in ("tiger", "sid_hstu"):
+        problems.append(f"model.kind: {cfg.model.kind} is a semantic-ID model; use recipe: generative")
     if cfg.recipe == "retrieval" and cfg.model.kind in ("dlrm", "item"):
         problems.append(f"model.kind: {cfg.model.kind} is a ranking baseline; use recipe: ranking (or model.kind hstu/sasrec)")
     if any(k <= 0 for k in cfg.eval.ks):
@@ -345,8 +345,9 @@ def _validate_ranking(cfg: RunConfig) -> list[str]:
 
 def _validate_generative(cfg: RunConfig) -> list[str]:
     g, problems = cfg.generative, []
-    if cfg.model.kind != "tiger":
-        problems.append(f"model.kind: the generative recipe supports tiger (encoder-decoder), got {cfg.model.kind!r}")
+    if cfg.model.kind not in ("tiger", "sid_hstu"):
+        problems.append(f"model.kind: the generative recipe supports tiger (encoder-decoder) and sid_hstu "
+                        f"(decoder-only HSTU), got {cfg.model.kind!r}")
     if cfg.model.dim % cfg.model.num_heads:
         problems.append(f"model.dim {cfg.model.dim} must be divisible by model.num_heads {cfg.model.num_heads}")
     if g.decoder_blocks <= 0 or g.beam <= 0:

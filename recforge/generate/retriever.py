@@ -20,6 +20,7 @@ from torch import Tensor
 
 from recforge.generate.beam_search import beam_search, resolve_items
 from recforge.generate.trie import SidTrie
+from recforge.models.sid_hstu import SIDHSTU
 from recforge.models.sid_seq2seq import SIDSeq2Seq
 
 
@@ -27,14 +28,14 @@ class Retriever:
     """A generative model, its items' SIDs and their trie, ready to retrieve.
 
     Args:
-        model: the trained SID model (eval mode, on ``device``).
+        model: the trained SID model (tiger or sid_hstu; on ``device``).
         item_vocab: (N + 1,) raw item ID of each dense index (index 0 is padding).
         item_codes: (N + 1, L) SID of each dense index.
         trie: the valid SIDs over items 1..N (trie item i = dense index i + 1), on ``device``.
         max_items: most recent history items the model reads.
     """
 
-    def __init__(self, model: SIDSeq2Seq, item_vocab: np.ndarray, item_codes: Tensor, trie: SidTrie, max_items: int) -> None:
+    def __init__(self, model: SIDSeq2Seq | SIDHSTU, item_vocab: np.ndarray, item_codes: Tensor, trie: SidTrie, max_items: int) -> None:
         self.model, self.item_vocab, self.trie, self.max_items = model.eval(), item_vocab, trie, max_items
         self.device = trie.leaf_offsets.device
         self.item_codes = item_codes.to(self.device)

@@ -1,4 +1,6 @@
-"""Recipe: generative retrieval over semantic IDs (TIGER-style encoder-decoder), ``recipe: generative``.
+"""Recipe: generative retrieval over semantic IDs, ``recipe: generative``.
+
+``model.kind: tiger`` is a TIGER-style encoder-decoder, ``sid_hstu`` a decoder-only HSTU over SID tokens.
 
     cfg = load_config("configs/beauty-sid-tiger.yaml")
     summary = train(cfg)                  # setup -> epochs of steps -> checkpoints -> final eval
@@ -32,6 +34,7 @@ from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences
 from recforge.data.sid_sequences import eval_samples, history_windows, seen_mask, transition_samples
 from recforge.data.sids import META_FILE, SIDS_FILE, read_sids
 from recforge.generate import SidTrie, beam_search, resolve_items
+from recforge.models.sid_hstu import SIDHSTU, SIDHSTUConfig
 from recforge.models.sid_seq2seq import Seq2SeqConfig, SIDSeq2Seq
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
 from recforge.train.loop import autocast, make_optimizer, prepare_run_dir, prepare_runtime, run_loop
@@ -44,7 +47,7 @@ class Setup:
     seqs: UserSequences
     item_codes: torch.Tensor  # (num_items + 1, L) SID of each dense item index (row 0: padding, zeros)
     trie: SidTrie  # over items 1..num_items (trie item i = dense item i + 1), on the device
-    model: SIDSeq2Seq
+    model: SIDSeq2Seq | SIDHSTU
     optimizer: torch.optim.Optimizer
     device: torch.device
     holdout: int
@@ -55,8 +58,14 @@ def sid_dir_of(cfg: RunConfig) -> Path:
     return Path(cfg.generative.sids or Path(cfg.data.path) / "sids")
 
 
-def build_model(cfg: RunConfig, num_levels: int, vocab_size: int) -> SIDSeq2Seq:
+def build_model(cfg: RunConfig, num_levels: int, vocab_size: int) -> SIDSeq2Seq | SIDHSTU:
+    """``model.kind``: tiger (encoder-decoder) or sid_hstu (decoder-only HSTU); same decoding interface."""
     m = cfg.model
+    if m.kind == "sid_hstu":
+        return SIDHSTU(SIDHSTUConfig(
+            num_levels=num_levels, vocab_size=vocab_size, dim=m.dim, num_blocks=m.num_blocks, num_heads=m.num_heads,
+            dropout=m.dropout, max_items=cfg.data.max_seq_len, kernel=m.kernel,
+        ))  # fmt: skip
     return SIDSeq2Seq(Seq2SeqConfig(
         num_levels=num_levels, vocab_size=vocab_size, dim=m.dim, encoder_layers=m.num_blocks,
         decoder_layers=cfg.generative.decoder_blocks, num_heads=m.num_heads, ffn_dim=m.ffn_dim, dropout=m.dropout,

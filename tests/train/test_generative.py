@@ -191,3 +191,12 @@ def _grown(tmp_path: Path, data: Path) -> Path:
     dataset = load_dataset(data)
     extra = dataset.items.slice(0, 1).set_column(0, "item_id", pa.array([5000], pa.int64()))
     return write_dataset(tmp_path / "grown2", dataset.events, pa.concat_tables([dataset.items, extra]), name="g", source="t")
+
+
+def test_decoder_only_hstu_trains_and_evaluates(tmp_path: Path, sid_data: Path) -> None:
+    config = _config(tmp_path, sid_data)
+    args = _args(tmp_path, sid_data, "model.kind=sid_hstu", "model.kernel=pytorch", "train.epochs=1",
+                 "generative.beam=10", "eval.ks=[1,5,10]")  # fmt: skip
+    assert main(["--no-progress", "train", str(config), *args]) == 0
+    result = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert result["model"] == "sid_hstu" and result["num_users"] == 60 and 0.0 <= result["hr@10"] <= 1.0
