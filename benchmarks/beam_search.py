@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _machine import cpu_model  # noqa: E402
 
 from recforge.generate import SidTrie, beam_search, resolve_items  # noqa: E402
+from recforge.models.sid_hstu import SIDHSTU, SIDHSTUConfig  # noqa: E402
 from recforge.models.sid_seq2seq import Seq2SeqConfig, SIDSeq2Seq  # noqa: E402
 from recforge.models.sid_tokenizer import add_collision_level  # noqa: E402
 
@@ -61,7 +62,7 @@ def pct(times: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def naive_search(model: SIDSeq2Seq, memory, trie_dict: dict, batch: int, beam: int, levels: int, vocab: int, device):
+def naive_search(model: SIDSeq2Seq | SIDHSTU, memory, trie_dict: dict, batch: int, beam: int, levels: int, vocab: int, device):
     """Beam search with the valid-digit mask built on the host, one beam row at a time."""
     scores = torch.zeros(batch, 1, device=device)
     codes = torch.zeros(batch, 1, 0, dtype=torch.long, device=device)
@@ -94,6 +95,8 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4, help="encoder and decoder layers each")
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--model", default="tiger", choices=("tiger", "sid_hstu"),
+                   help="tiger: encoder-decoder; sid_hstu: decoder-only HSTU (--layers blocks)")
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--naive-repeats", type=int, default=5)
     p.add_argument("--state-beams", default="64,128,256,512")
@@ -113,10 +116,14 @@ def main() -> None:
         for t in range(levels):
             trie_dict.setdefault(tuple(row[:t]), set()).add(row[t])
     trie_dict = {key: sorted(v) for key, v in trie_dict.items()}
-    cfg = Seq2SeqConfig(num_levels=levels, vocab_size=vocab, dim=args.dim, encoder_layers=args.layers,
-                        decoder_layers=args.layers, num_heads=args.heads, ffn_dim=4 * args.dim, dropout=0.0,
-                        max_items=args.history)  # fmt: skip
-    model = SIDSeq2Seq(cfg).to(device=device, dtype=dtype).eval()
+    if args.model == "tiger":
+        model = SIDSeq2Seq(Seq2SeqConfig(num_levels=levels, vocab_size=vocab, dim=args.dim, encoder_layers=args.layers,
+                                         decoder_layers=args.layers, num_heads=args.heads, ffn_dim=4 * args.dim,
+                                         dropout=0.0, max_items=args.history))  # fmt: skip
+    else:
+        model = SIDHSTU(SIDHSTUConfig(num_levels=levels, vocab_size=vocab, dim=args.dim, num_blocks=args.layers,
+                                      num_heads=args.heads, dropout=0.0, max_items=args.history))  # fmt: skip
+    model = model.to(device=device, dtype=dtype).eval()
     history = codes[torch.randint(args.items, (args.batch, args.history))].to(device)  # (B, H, L)
 
     @torch.no_grad()
