@@ -100,7 +100,7 @@ class SidTrie:
         out = []
         for depth, nodes in enumerate(self.item_nodes, start=1):
             size = self.children[depth].shape[0] if depth < self.num_levels else self.leaf_offsets.numel() - 1
-            mask = torch.zeros(item_mask.shape[0], size, dtype=torch.int8, device=item_mask.device)
-            mask.scatter_reduce_(1, nodes.expand(item_mask.shape[0], -1), item_mask.to(torch.int8), reduce="amax")
-            out.append(mask.bool())
+            counts = torch.zeros(item_mask.shape[0], size, dtype=torch.int32, device=item_mask.device)
+            counts.scatter_add_(1, nodes.expand(item_mask.shape[0], -1), item_mask.to(torch.int32))  # allowed items below
+            out.append(counts > 0)
         return out

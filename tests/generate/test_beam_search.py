@@ -151,8 +151,15 @@ def test_gpu_matches_cpu_without_host_sync(cuda_device: torch.device) -> None:
     try:
         gpu = beam_search(step, gpu_trie, batch_size=batch, beam=64)
         items_gpu, _ = resolve_items(gpu, gpu_trie, k=64)
+        mask = (torch.arange(2000, device=cuda_device) % 3 == 0).expand(batch, -1)
+        restricted = beam_search(step, gpu_trie, batch_size=batch, beam=64, allowed=gpu_trie.allowed_nodes(mask))
+        items_restricted, _ = resolve_items(restricted, gpu_trie, k=64, item_mask=mask)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(gpu.codes.cpu(), cpu.codes)
     torch.testing.assert_close(gpu.scores.cpu(), cpu.scores, rtol=1e-5, atol=1e-5)
     assert torch.equal(items_gpu.cpu(), resolve_items(cpu, trie, k=64)[0])
+    cpu_mask = mask.cpu()
+    cpu_restricted = beam_search(step, trie, batch_size=batch, beam=64, allowed=trie.allowed_nodes(cpu_mask))
+    assert torch.equal(items_restricted.cpu(), resolve_items(cpu_restricted, trie, k=64, item_mask=cpu_mask)[0])
+    assert (items_restricted[items_restricted >= 0] % 3 == 0).all()

@@ -158,7 +158,9 @@ def test_gpu_retrieve_matches_cpu_and_decodes_without_host_sync(tmp_path: Path, 
     gpu = Retriever.from_run(tmp_path / "run", device="cuda")
     raw = load_dataset(sid_data).events.column("item_id").to_pylist()
     histories = [raw[i : i + 7] for i in range(0, 56, 7)]
-    want, got = cpu.retrieve(histories, k=10, beam=32), gpu.retrieve(histories, k=10, beam=32)
+    allowed = [None, raw[:20]] * 4
+    want = cpu.retrieve(histories, k=10, beam=32, allowed_items=allowed)
+    got = gpu.retrieve(histories, k=10, beam=32, allowed_items=allowed)
     for (items_cpu, scores_cpu), (items_gpu, scores_gpu) in zip(want, got, strict=True):
         assert items_cpu == items_gpu
         torch.testing.assert_close(torch.tensor(scores_gpu), torch.tensor(scores_cpu), rtol=1e-4, atol=1e-4)
