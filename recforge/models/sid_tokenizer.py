@@ -35,7 +35,7 @@ class TokenizerConfig:
     levels: int = 3  # quantization levels (not counting the collision level)
     codebook_size: int = 256  # codes per level (also the collision level's capacity)
     collision_level: bool = True  # append a digit that makes every item's SID unique
-    balanced: bool = False  # rkmeans: at most ceil(N / K) items per cluster
+    balanced: bool = False  # rkmeans: clusters capped at ceil(N / K) items while fitting (codes stay nearest-centroid, as for new items)
     seed: int = 0
     kmeans_iters: int = 20
     rqvae_latent_dim: int = 32
