@@ -139,6 +139,7 @@ def test_trie_rejects_out_of_range_digits() -> None:
         SidTrie.build(torch.tensor([[0, 5]]), 4)
 
 
+@pytest.mark.gpu
 def test_gpu_matches_cpu_without_host_sync(cuda_device: torch.device) -> None:
     vocab, levels, batch = 32, 4, 4
     codes = catalogue(2000, vocab, levels, 11)

@@ -66,3 +66,19 @@ def test_padding_does_not_change_a_request(index: int) -> None:
         together = model.next_token_logprobs(model.start(codes, mask), target[:, None, :2])
         alone = model.next_token_logprobs(model.start(codes[2:, 4:], None), target[2:, None, :2])
     torch.testing.assert_close(together[2:], alone, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_hstu_decode_on_gpu_matches_cpu(cuda_device: torch.device) -> None:
+    """Triton kernel (history pass) + dense decode on the GPU vs the PyTorch reference on the CPU."""
+    cpu = _models()[1].float()
+    gpu = SIDHSTU(SIDHSTUConfig(num_levels=3, vocab_size=7, dim=16, num_blocks=2, num_heads=2, dropout=0.0, max_items=8,
+                                kernel="auto")).to(cuda_device).eval()  # fmt: skip
+    gpu.load_state_dict(cpu.state_dict())
+    codes, mask, target = _batch(3)
+    with torch.no_grad():
+        want = cpu.next_token_logprobs(cpu.start(codes, mask), target[:, None, :2])
+        got = gpu.next_token_logprobs(gpu.start(codes.to(cuda_device), mask.to(cuda_device)), target[:, None, :2].to(cuda_device))
+        loss_cpu, loss_gpu = cpu.loss(codes, mask, target), gpu.loss(codes.to(cuda_device), mask.to(cuda_device), target.to(cuda_device))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(loss_gpu.cpu(), loss_cpu, rtol=1e-3, atol=1e-3)

@@ -148,6 +148,7 @@ def test_config_errors_name_the_fix(tmp_path: Path, sid_data: Path) -> None:
     assert main(["--no-progress", "train", str(config), *missing]) == 2
 
 
+@pytest.mark.gpu
 def test_gpu_retrieve_matches_cpu_and_decodes_without_host_sync(tmp_path: Path, sid_data: Path, cuda_device: torch.device) -> None:
     from recforge.generate import Retriever, beam_search
 
