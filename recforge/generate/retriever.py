@@ -44,13 +44,21 @@ class Retriever:
 
     @staticmethod
     def from_run(run_dir: str | Path, *, checkpoint: str = "auto", device: str = "auto", dtype: str = "float32") -> Retriever:
-        """Load a generative run's checkpoint (``auto``: best for clean runs, else latest)."""
+        """Load a generative run's checkpoint (``auto``: best for clean runs, else latest); its catalogue is
+        every item in ``RUN_DIR/sids``."""
+        from recforge.data.sids import read_sids
         from recforge.train.generative import load_run  # the recipe owns the run layout
 
         s, _, _ = load_run(run_dir, checkpoint, [f"train.device={device}"])
         if dtype != "float32":
             s.model.to(getattr(torch, dtype))
-        return Retriever(s.model, s.seqs.item_vocab, s.item_codes, s.trie, s.cfg.data.max_seq_len)
+        # the catalogue is every item of RUN_DIR/sids, so items coded after training (`recforge sid add
+        # RUN_DIR/sids DATA_DIR`) can be retrieved and read in histories without retraining
+        sids = read_sids(Path(run_dir) / "sids")
+        vocab = np.r_[-1, sids.item_ids].astype(np.int64)
+        codes = torch.cat([torch.zeros(1, sids.num_levels, dtype=torch.long), sids.codes])
+        trie = SidTrie.build(sids.codes, sids.vocab_size).to(s.device)
+        return Retriever(s.model, vocab, codes, trie, s.cfg.data.max_seq_len)
 
     def dense_ids(self, raw: Sequence[int], what: str = "history") -> np.ndarray:
         raw = np.asarray(raw, dtype=np.int64)

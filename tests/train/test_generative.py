@@ -117,6 +117,11 @@ def test_train_resume_eval_and_retrieve(tmp_path: Path, sid_data: Path, capsys: 
     assert set(restricted) <= set(raw[10:13]) and restricted
     with pytest.raises(ValueError, match="unknown item IDs"):
         retriever.retrieve([[10**9]], k=5, beam=10)
+    # an item coded after training is retrievable without retraining (cold start through its SID)
+    assert add_items(straight / "sids", _grown(tmp_path, sid_data))["added"] == 1
+    fresh = Retriever.from_run(straight, device="cpu")
+    ((items, _),) = fresh.retrieve([raw[:5] + [5000]], k=5, beam=10, allowed_items=[[5000]])
+    assert items == [5000]
 
 
 def test_sid_add_codes_new_items_without_recoding(tmp_path: Path, sid_data: Path) -> None:
