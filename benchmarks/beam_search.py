@@ -100,6 +100,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--naive-repeats", type=int, default=5)
     p.add_argument("--state-beams", default="64,128,256,512")
+    p.add_argument("--trie", default="dense", choices=("dense", "csr"), help="SidTrie layout")
     p.add_argument("--out", default="")
     args = p.parse_args()
     if args.quick:
@@ -110,7 +111,7 @@ def main() -> None:
     codes = add_collision_level(torch.randint(args.vocab, (args.items, 3)))
     vocab = max(args.vocab, int(codes.max()) + 1)
     levels = codes.shape[1]
-    trie = SidTrie.build(codes, vocab).to(device)
+    trie = SidTrie.build(codes, vocab, args.trie).to(device)
     trie_dict: dict = {}
     for row in codes.tolist():
         for t in range(levels):

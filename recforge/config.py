@@ -145,6 +145,7 @@ class GenerativeConfig:
     decoder_blocks: int = 4  # tiger: decoder layers (model.num_blocks counts the encoder's); unused by sid_hstu
     beam: int = 20  # beam width at evaluation: SIDs generated per user
     exclude_seen_in_search: bool = True  # the user's other history items are excluded during the search, not only after
+    trie: str = "dense"  # valid-SID trie layout: dense (one gather per step) | csr (edges only, for huge catalogues)
 
 
 @dataclass
@@ -182,6 +183,7 @@ CHOICES = {
     "data.protocol": ("paper", "clean"),
     "data.train_windows": ("last", "all"),
     "model.kind": ("hstu", "sasrec", "dlrm", "item", "tiger", "sid_hstu"),
+    "generative.trie": ("dense", "csr"),
     "model.kernel": ("auto", "pytorch", "triton"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "loss.negatives": ("per_position", "shared", "full"),

@@ -75,8 +75,7 @@ def beam_search(
     for level in range(trie.num_levels):
         logp = step(codes).float()  # (B, W, V)
         width = logp.shape[1]
-        child = trie.children[level][nodes.clamp_min(0)].long()  # (B, W, V)
-        child = torch.where(nodes[..., None] >= 0, child, -1)
+        child = trie.child_rows(level, nodes)  # (B, W, V) next node per digit, -1 if invalid
         cand = scores[..., None] + logp
         if constrained:
             valid = child >= 0

@@ -57,7 +57,7 @@ class Retriever:
         sids = read_sids(Path(run_dir) / "sids")
         vocab = np.r_[-1, sids.item_ids].astype(np.int64)
         codes = torch.cat([torch.zeros(1, sids.num_levels, dtype=torch.long), sids.codes])
-        trie = SidTrie.build(sids.codes, sids.vocab_size).to(s.device)
+        trie = SidTrie.build(sids.codes, sids.vocab_size, s.trie.layout).to(s.device)
         return Retriever(s.model, vocab, codes, trie, s.cfg.data.max_seq_len)
 
     def dense_ids(self, raw: Sequence[int], what: str = "history") -> np.ndarray:

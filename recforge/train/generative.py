@@ -80,7 +80,7 @@ def setup(cfg: RunConfig, sid_dir: Path | None = None) -> Setup:
     sids = read_sids(sid_dir or sid_dir_of(cfg))
     codes = sids.codes_for(seqs.item_vocab[1:])  # (N, L)
     item_codes = torch.cat([torch.zeros(1, codes.shape[1], dtype=torch.long), codes])
-    trie = SidTrie.build(codes, sids.vocab_size).to(device)
+    trie = SidTrie.build(codes, sids.vocab_size, cfg.generative.trie).to(device)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, sids.num_levels, sids.vocab_size).to(device)
     return Setup(cfg, seqs, item_codes, trie, model, make_optimizer(cfg, model), device, PROTOCOL_HOLDOUT[cfg.data.protocol])

@@ -40,11 +40,12 @@ def catalogue(num_items: int, vocab: int, levels: int, seed: int) -> torch.Tenso
     return torch.randint(vocab, (num_items, levels), generator=g)  # collisions likely on purpose
 
 
+@pytest.mark.parametrize("layout", ["dense", "csr"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_exhaustive_beam_equals_brute_force_topk(seed: int) -> None:
+def test_exhaustive_beam_equals_brute_force_topk(seed: int, layout: str) -> None:
     vocab, levels, batch = 5, 3, 3
     codes = catalogue(40, vocab, levels, seed)
-    trie = SidTrie.build(codes, vocab)
+    trie = SidTrie.build(codes, vocab, layout)
     step = random_step(batch, vocab, levels, seed)
     valid = sorted(set(map(tuple, codes.tolist())))
     beam = 64  # >= the number of valid prefixes at every depth: the search is exhaustive
@@ -65,11 +66,12 @@ def test_exhaustive_beam_equals_brute_force_topk(seed: int) -> None:
         assert torch.isfinite(scores[b]).all()
 
 
+@pytest.mark.parametrize("layout", ["dense", "csr"])
 @pytest.mark.parametrize("beam", [1, 3, 8])
-def test_small_beam_emits_only_valid_sids_best_first(beam: int) -> None:
+def test_small_beam_emits_only_valid_sids_best_first(beam: int, layout: str) -> None:
     vocab, levels, batch = 16, 4, 4
     codes = catalogue(60, vocab, levels, 7)
-    trie = SidTrie.build(codes, vocab)
+    trie = SidTrie.build(codes, vocab, layout)
     out = beam_search(random_step(batch, vocab, levels, 7), trie, batch_size=batch, beam=beam)
     valid = set(map(tuple, codes.tolist()))
     assert out.codes.shape == (batch, beam, levels)
@@ -84,10 +86,11 @@ def test_small_beam_emits_only_valid_sids_best_first(beam: int) -> None:
             assert i == -1 or tuple(codes[i].tolist()) in {tuple(c) for c in out.codes[b].tolist()}
 
 
-def test_allowed_items_restrict_the_search_exactly() -> None:
+@pytest.mark.parametrize("layout", ["dense", "csr"])
+def test_allowed_items_restrict_the_search_exactly(layout: str) -> None:
     vocab, levels, batch, n = 4, 3, 3, 30
     codes = torch.cat([catalogue(n - 1, vocab, levels, 3), torch.tensor([[3, 3, 3]])])
-    trie = SidTrie.build(codes, vocab)
+    trie = SidTrie.build(codes, vocab, layout)
     step = random_step(batch, vocab, levels, 3)
     g = torch.Generator().manual_seed(3)
     mask = torch.rand(batch, n, generator=g) < 0.3
@@ -107,10 +110,11 @@ def test_allowed_items_restrict_the_search_exactly() -> None:
     assert items[2].tolist()[:2] == [n - 1, -1]
 
 
-def test_free_beam_searches_all_sequences_and_drops_invalid_ones() -> None:
+@pytest.mark.parametrize("layout", ["dense", "csr"])
+def test_free_beam_searches_all_sequences_and_drops_invalid_ones(layout: str) -> None:
     vocab, levels, batch = 3, 3, 2
     codes = catalogue(6, vocab, levels, 5)
-    trie = SidTrie.build(codes, vocab)
+    trie = SidTrie.build(codes, vocab, layout)
     step = random_step(batch, vocab, levels, 5)
     every = list(itertools.product(range(vocab), repeat=levels))
     out = beam_search(step, trie, batch_size=batch, beam=vocab**levels, constrained=False)
@@ -134,6 +138,15 @@ def test_resolve_cuts_collisions_at_k() -> None:
     assert items.shape == (1, 3) and len(set(items[0].tolist())) == 3
 
 
+def test_csr_and_dense_tries_give_the_same_child_rows() -> None:
+    codes = catalogue(300, 16, 3, 9)
+    dense, csr = SidTrie.build(codes, 16, "dense"), SidTrie.build(codes, 16, "csr")
+    assert csr.nbytes() < dense.nbytes() and csr.num_nodes == dense.num_nodes
+    for level in range(3):
+        nodes = torch.arange(-1, dense.num_nodes[level - 1] if level else 1).view(-1, 1).expand(-1, 2)
+        assert torch.equal(dense.child_rows(level, nodes), csr.child_rows(level, nodes))
+
+
 def test_trie_rejects_out_of_range_digits() -> None:
     with pytest.raises(ValueError, match="digits must lie in"):
         SidTrie.build(torch.tensor([[0, 5]]), 4)
@@ -147,17 +160,19 @@ def test_gpu_matches_cpu_without_host_sync(cuda_device: torch.device) -> None:
     step = random_step(batch, vocab, levels, 11)
     cpu = beam_search(step, trie, batch_size=batch, beam=64)
     gpu_trie = trie.to(cuda_device)
+    csr_trie = SidTrie.build(codes, vocab, "csr").to(cuda_device)
     beam_search(step, gpu_trie, batch_size=batch, beam=64)  # warm-up (lazy CUDA init syncs)
     torch.cuda.set_sync_debug_mode("error")
     try:
         gpu = beam_search(step, gpu_trie, batch_size=batch, beam=64)
         items_gpu, _ = resolve_items(gpu, gpu_trie, k=64)
+        gpu_csr = beam_search(step, csr_trie, batch_size=batch, beam=64)
         mask = (torch.arange(2000, device=cuda_device) % 3 == 0).expand(batch, -1)
         restricted = beam_search(step, gpu_trie, batch_size=batch, beam=64, allowed=gpu_trie.allowed_nodes(mask))
         items_restricted, _ = resolve_items(restricted, gpu_trie, k=64, item_mask=mask)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(gpu.codes.cpu(), cpu.codes)
+    assert torch.equal(gpu.codes.cpu(), cpu.codes) and torch.equal(gpu_csr.codes.cpu(), cpu.codes)
     torch.testing.assert_close(gpu.scores.cpu(), cpu.scores, rtol=1e-5, atol=1e-5)
     assert torch.equal(items_gpu.cpu(), resolve_items(cpu, trie, k=64)[0])
     cpu_mask = mask.cpu()
