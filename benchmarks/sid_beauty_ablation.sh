@@ -22,7 +22,7 @@ if [[ "${1:-}" == "prep" ]]; then
   $RF sid fit data/beauty --out data/beauty/sids-collab-rqvae --source run:runs/beauty-sasrec-collab --method rqvae --overwrite &
   wait
 elif [[ "${1:-}" == "train" ]]; then
-  common="train.max_minutes=$MINUTES"
+  common="train.max_minutes=$MINUTES train.threads=2"  # 5 runs share the host CPUs
   $RF train configs/beauty-sid-tiger.yaml name=tiger-text-rk $common > /tmp/tiger-text-rk.log 2>&1 &
   $RF train configs/beauty-sid-tiger.yaml name=tiger-text-rqvae generative.sids=data/beauty/sids-text-rqvae $common > /tmp/tiger-text-rqvae.log 2>&1 &
   $RF train configs/beauty-sid-tiger.yaml name=tiger-collab-rk generative.sids=data/beauty/sids-collab $common > /tmp/tiger-collab-rk.log 2>&1 &
