@@ -208,3 +208,17 @@ def test_decoder_only_hstu_trains_and_evaluates(tmp_path: Path, sid_data: Path) 
     assert main(["--no-progress", "train", str(config), *args]) == 0
     result = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert result["model"] == "sid_hstu" and result["num_users"] == 60 and 0.0 <= result["hr@10"] <= 1.0
+
+
+def test_sid_fit_from_an_embedding_column(tmp_path: Path, sid_data: Path, capsys: pytest.CaptureFixture) -> None:
+    dataset = load_dataset(sid_data)
+    ids = dataset.items.column("item_id").to_pylist()
+    g = torch.Generator().manual_seed(0)
+    vectors = torch.randn(len(ids), 6, generator=g).tolist()
+    items = pa.table({"item_id": pa.array(ids, pa.int64()), "embedding": pa.array(vectors, pa.list_(pa.float32()))})
+    data = write_dataset(tmp_path / "emb", dataset.events, items, name="emb", source="test")
+    assert main(["sid", "fit", str(data), "--out", str(tmp_path / "s"), "--source", "embedding", "--codebook-size", "4"]) == 0
+    sids = read_sids(tmp_path / "s")
+    assert sids.meta["embedding_dim"] == 6 and torch.unique(sids.codes, dim=0).shape[0] == len(ids)
+    assert main(["sid", "fit", str(sid_data), "--out", str(tmp_path / "t"), "--source", "embedding"]) == 2
+    assert "has no 'embedding' column" in capsys.readouterr().err
