@@ -192,11 +192,18 @@ def load_run(run_dir: str | Path, checkpoint: str = "auto", overrides: list[str]
     return s, ckpt, manifest
 
 
-def evaluate_run(run_dir: str | Path, *, checkpoint: str = "auto", split: str = "test", command: str | None = None) -> dict:
-    """Evaluate a trained generative run on the test (or validation) target and write ``eval.json``."""
+def evaluate_run(
+    run_dir: str | Path, *, checkpoint: str = "auto", split: str = "test", command: str | None = None,
+    overrides: list[str] | None = None,
+) -> dict:  # fmt: skip
+    """Evaluate a trained generative run on the test (or validation) target and write ``eval.json``.
+
+    ``overrides`` change the run's config for this evaluation only, e.g. ``["generative.beam=100",
+    "eval.ks=[10,50,100]"]`` (what `recforge eval` runs uses the run's own settings).
+    """
     if split not in ("test", "valid"):
         raise ValueError(f"split={split!r}: expected test or valid")
-    s, ckpt, manifest = load_run(run_dir, checkpoint)
+    s, ckpt, manifest = load_run(run_dir, checkpoint, overrides)
     started = time.perf_counter()
     metrics = _evaluate(s, target_from_end=1 if split == "test" else 2)
     result = {

@@ -106,6 +106,8 @@ def test_train_resume_eval_and_retrieve(tmp_path: Path, sid_data: Path, capsys: 
     result = json.loads((straight / "eval.json").read_text())
     assert result["split"] == "test" and result["num_users"] == 60 and 0.0 <= result["ndcg@10"] <= result["hr@10"] <= 1.0
     assert "hr@10" in capsys.readouterr().out
+    wider = generative.evaluate_run(straight, overrides=["generative.beam=40", "eval.ks=[10,40]"])
+    assert wider["beam"] == 40 and wider["hr@40"] >= wider["hr@10"] == pytest.approx(result["hr@10"], abs=0.1)
 
     from recforge.generate import Retriever
 
