@@ -1,4 +1,4 @@
-"""The `recforge` command: demo | data prepare | train | eval | serve | export."""
+"""The `recforge` command: demo | data prepare | sid fit | train | eval | serve | export."""
 
 from __future__ import annotations
 
@@ -50,9 +50,43 @@ def _recipe_module(recipe: str):
         from recforge.train import ranking
 
         return ranking
-    from recforge.train import retrieval
+    if recipe == "generative":
+        from recforge.train import generative
 
-    return retrieval
+        return generative
+    if recipe == "retrieval":
+        from recforge.train import retrieval
+
+        return retrieval
+    raise ValueError(f"recipe {recipe!r} is not known; use retrieval, ranking or generative")
+
+
+def cmd_sid_fit(args: argparse.Namespace) -> None:
+    from recforge.models.sid_tokenizer import TokenizerConfig
+    from recforge.train.sid_fit import fit_sids
+
+    config = TokenizerConfig(
+        method=args.method, levels=args.levels, codebook_size=args.codebook_size, balanced=args.balanced,
+        collision_level=not args.no_collision_level, seed=args.seed, rqvae_epochs=args.rqvae_epochs,
+    )  # fmt: skip
+    meta = fit_sids(args.data_dir, args.out, source=args.source, config=config, text_dim=args.text_dim,
+                    overwrite=args.overwrite)  # fmt: skip
+    stats = meta["stats"]
+    print(f"wrote {args.out}: {stats['num_items']:,} items, {meta['num_levels']} digits per SID "
+          f"(vocab {meta['vocab_size']} per level), source {meta['source']}, {config.method}")  # fmt: skip
+    print("codebook usage per level: " + ", ".join(f"{u:.1%}" for u in stats["codebook_usage"]))
+    print(f"collision rate (items sharing all {config.levels} codes): {stats['collision_rate']:.2%}, "
+          f"most items on one SID: {stats['max_items_per_sid']}")  # fmt: skip
+    for p in stats["prefixes"]:
+        print(f"  prefix depth {p['depth']}: {p['distinct']:,} distinct, {p['mean_items']:.1f} items each on average, "
+              f"max {p['max_items']}")  # fmt: skip
+
+
+def cmd_sid_add(args: argparse.Namespace) -> None:
+    from recforge.train.sid_fit import add_items
+
+    report = add_items(args.sid_dir, args.data_dir)
+    print(f"{args.sid_dir}: coded {report['added']:,} new items ({report['num_items']:,} in all); existing SIDs unchanged")
 
 
 def cmd_synthetic(args: argparse.Namespace) -> None:
@@ -163,6 +197,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.set_defaults(func=cmd_synthetic)
+
+    sid = sub.add_parser("sid", help="semantic IDs").add_subparsers(dest="sid_command", required=True)
+    p = sid.add_parser("fit", help="fit a SID tokenizer on item vectors and write SID_DIR (sids.parquet, codebooks)")
+    p.add_argument("data_dir", help="dataset directory (recforge data prepare)")
+    p.add_argument("--out", required=True, help="SID directory to write (the generative recipe reads DATA/sids by default)")
+    p.add_argument("--source", default="text",
+                   help="embedding (items.parquet column) | text (built-in TF-IDF + SVD of item attributes) | "
+                        "run:RUN_DIR (a retrieval run's item embeddings)")
+    p.add_argument("--method", default="rkmeans", choices=("rkmeans", "rqvae"))
+    p.add_argument("--levels", type=int, default=3, help="quantization levels (default 3)")
+    p.add_argument("--codebook-size", type=int, default=256)
+    p.add_argument("--balanced", action="store_true", help="rkmeans: at most ceil(items / codebook size) per cluster")
+    p.add_argument("--no-collision-level", action="store_true", help="do not append the digit that makes SIDs unique")
+    p.add_argument("--text-dim", type=int, default=64, help="--source text: SVD dimensions")
+    p.add_argument("--rqvae-epochs", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing SID directory")
+    p.set_defaults(func=cmd_sid_fit)
+    p = sid.add_parser("add", help="code the dataset's items that SID_DIR lacks, keeping existing SIDs")
+    p.add_argument("sid_dir")
+    p.add_argument("data_dir")
+    p.set_defaults(func=cmd_sid_add)
 
     p = sub.add_parser("train", help="train from a YAML config (several GPUs/nodes: torchrun ... -m recforge.cli train)")
     p.add_argument("config", help="YAML config, e.g. configs/ml1m-hstu.yaml")

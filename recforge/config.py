@@ -154,8 +154,19 @@ class EvalConfig:
 
 
 @dataclass
+class GenerativeConfig:
+    """Generative retrieval over semantic IDs (``recipe: generative``, ``model.kind: tiger | sid_hstu``)."""
+
+    sids: str = ""  # SID directory from `recforge sid fit` ("" = DATA_PATH/sids)
+    decoder_blocks: int = 4  # tiger: decoder layers (model.num_blocks counts the encoder's); unused by sid_hstu
+    beam: int = 20  # beam width at evaluation: SIDs generated per user
+    exclude_seen_in_search: bool = True  # the user's other history items are excluded during the search, not only after
+    trie: str = "dense"  # valid-SID trie layout: dense (one gather per step) | csr (edges only, for huge catalogues)
+
+
+@dataclass
 class RunConfig:
-    recipe: str = "retrieval"  # retrieval | ranking
+    recipe: str = "retrieval"  # retrieval | ranking | generative
     name: str = "run"
     data: DataConfig = field(default_factory=DataConfig)
     ranking: RankingConfig = field(default_factory=RankingConfig)
@@ -166,6 +177,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     sparse: SparseConfig = field(default_factory=SparseConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    generative: GenerativeConfig = field(default_factory=GenerativeConfig)
 
     @property
     def eval_ks(self) -> list[int]:
@@ -182,12 +194,13 @@ class RunConfig:
 
 
 CHOICES = {
-    "recipe": ("retrieval", "ranking"),
+    "recipe": ("retrieval", "ranking", "generative"),
     "ranking.action_encoding": ("sum", "interleave"),
     "model.head": ("mlp", "mmoe", "ple"),
     "data.protocol": ("paper", "clean"),
     "data.train_windows": ("last", "all"),
-    "model.kind": ("hstu", "sasrec", "dlrm", "item"),
+    "model.kind": ("hstu", "sasrec", "dlrm", "item", "tiger", "sid_hstu"),
+    "generative.trie": ("dense", "csr"),
     "model.kernel": ("auto", "pytorch", "triton"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "loss.negatives": ("per_position", "shared", "full"),
@@ -294,6 +307,10 @@ def validate(cfg: RunConfig) -> list[str]:
         problems += _validate_ranking(cfg)
     elif not re.fullmatch(r"(hr|ndcg)@[1-9][0-9]*|mrr", cfg.eval.select_metric):
         problems.append(f"eval.select_metric: {cfg.eval.select_metric!r} is not a metric; use hr@K, ndcg@K or mrr")
+    if cfg.recipe == "generative":
+        problems += _validate_generative(cfg)
+    elif cfg.model.kind in ("tiger", "sid_hstu"):
+        problems.append(f"model.kind: {cfg.model.kind} is a semantic-ID model; use recipe: generative")
     if cfg.recipe == "retrieval" and cfg.model.kind in ("dlrm", "item"):
         problems.append(f"model.kind: {cfg.model.kind} is a ranking baseline; use recipe: ranking (or model.kind hstu/sasrec)")
     if any(k <= 0 for k in cfg.eval.ks):
@@ -345,6 +362,24 @@ def _validate_ranking(cfg: RunConfig) -> list[str]:
             f"ranking.max_targets ({r.max_targets}) + contextual features ({len(r.user_features)}) must be < "
             f"data.max_seq_len ({cfg.data.max_seq_len}) to leave room for history"
         )
+    return problems
+
+
+def _validate_generative(cfg: RunConfig) -> list[str]:
+    g, problems = cfg.generative, []
+    if cfg.model.kind not in ("tiger", "sid_hstu"):
+        problems.append(f"model.kind: the generative recipe supports tiger (encoder-decoder) and sid_hstu "
+                        f"(decoder-only HSTU), got {cfg.model.kind!r}")
+    if cfg.model.dim % cfg.model.num_heads:
+        problems.append(f"model.dim {cfg.model.dim} must be divisible by model.num_heads {cfg.model.num_heads}")
+    if g.decoder_blocks <= 0 or g.beam <= 0:
+        problems.append(f"generative.decoder_blocks and generative.beam must be > 0, got {g.decoder_blocks}, {g.beam}")
+    if cfg.eval_ks and max(cfg.eval_ks) > g.beam:
+        problems.append(f"eval.ks / eval.select_metric go up to {max(cfg.eval_ks)} but generative.beam is {g.beam}: "
+                        "a beam yields one SID each, so larger cut-offs mostly count misses; raise generative.beam "
+                        "or drop them")
+    if cfg.train.loader != "memory" or cfg.model.embedding != "static":
+        problems.append("the generative recipe needs train.loader=memory and model.embedding=static")
     return problems
 
 

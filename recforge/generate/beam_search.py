@@ -1,0 +1,133 @@
+"""Batched beam search over semantic IDs, constrained to valid prefixes, then resolved to items.
+
+Every decode step is a fixed sequence of device ops (gather the beams' trie rows, mask, top-k,
+gather the parents): no ``.item()``, ``.tolist()``, ``nonzero`` or boolean indexing, so the host
+never waits for the device inside the loop and the step can be captured in a CUDA graph.
+Shapes depend only on (batch, beam, vocab, level), never on data.
+
+Beams that run out of valid continuations keep a score of -inf and resolve to no item. With
+``constrained=False`` (free beam) any digit may follow any prefix; sequences that are not a
+catalogue SID are dropped when resolving to items.
+
+Example:
+    >>> step = lambda codes: model.next_token_logprobs(memory, codes)   # (B, W, t) -> (B, W, V)
+    >>> out = beam_search(step, trie, batch_size=8, beam=256)
+    >>> items, scores = resolve_items(out, trie, k=100)                   # (8, 100) each
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from recforge.generate.trie import SidTrie
+
+StepFn = Callable[[Tensor], Tensor]  # (B, W, t) int64 digits so far -> (B, W, V) next-digit log-probabilities
+
+
+@dataclass
+class BeamOutput:
+    """Finished beams, best first per request.
+
+    Attributes:
+        codes: (B, W, L) int64 generated digits.
+        scores: (B, W) float32 sum of log-probabilities (-inf: a dead beam).
+        leaves: (B, W) int64 leaf node of each SID in the trie (-1: not a catalogue SID).
+    """
+
+    codes: Tensor
+    scores: Tensor
+    leaves: Tensor
+
+
+def beam_search(
+    step: StepFn,
+    trie: SidTrie,
+    *,
+    batch_size: int,
+    beam: int,
+    allowed: list[Tensor] | None = None,
+    constrained: bool = True,
+) -> BeamOutput:
+    """Keep the ``beam`` best prefixes per request through the trie's ``L`` levels.
+
+    Args:
+        step: next-digit log-probabilities of the beams' prefixes (the model, with each
+            request's encoded history captured once and shared by all its beams).
+        trie: the valid SIDs, on the device ``step`` runs on.
+        batch_size: requests B.
+        beam: beam width W (the most SIDs returned per request).
+        allowed: ``trie.allowed_nodes(item_mask)``: restricts each request to prefixes leading to
+            its allowed items (None: the whole catalogue).
+        constrained: False for a free beam (any digit sequence; invalid ones resolve to no item).
+    """
+    if allowed is not None and not constrained:
+        raise ValueError("allowed items need the constrained beam (constrained=True)")
+    device = trie.leaf_offsets.device
+    vocab = trie.vocab_size
+    scores = torch.zeros(batch_size, 1, device=device)  # one live (empty) prefix per request
+    nodes = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # -1: left the trie (free beam)
+    codes = torch.zeros(batch_size, 1, 0, dtype=torch.long, device=device)
+    rows = torch.arange(batch_size, device=device)[:, None, None]
+    for level in range(trie.num_levels):
+        logp = step(codes).float()  # (B, W, V)
+        width = logp.shape[1]
+        child = trie.child_rows(level, nodes)  # (B, W, V) next node per digit, -1 if invalid
+        cand = scores[..., None] + logp
+        if constrained:
+            valid = child >= 0
+            if allowed is not None:
+                valid = valid & allowed[level][rows, child.clamp_min(0)]
+            cand = cand.masked_fill(~valid, float("-inf"))
+        new_width = min(beam, width * vocab)
+        scores, flat = cand.view(batch_size, width * vocab).topk(new_width, dim=1)  # (B, W'), best first
+        parent = torch.div(flat, vocab, rounding_mode="floor")
+        token = flat - parent * vocab
+        codes = torch.cat([codes.gather(1, parent[..., None].expand(-1, -1, level)), token[..., None]], dim=2)
+        nodes = child.view(batch_size, width * vocab).gather(1, flat)
+    nodes = torch.where(torch.isfinite(scores), nodes, -1)
+    return BeamOutput(codes, scores, nodes)
+
+
+def resolve_items(
+    out: BeamOutput, trie: SidTrie, k: int, item_mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """The first ``k`` items of the beams in order, each SID expanded to all its items.
+
+    A SID shared by several items (no collision level) yields them all, at the SID's score,
+    in item order; items past ``k`` are cut, so a collision never returns more than ``k``.
+    ``item_mask`` (B, N) bool drops items a request may not get (e.g. ones already seen).
+
+    Returns:
+        (items (B, k) int64 with -1 for empty slots, scores (B, k) float32 with -inf there).
+    """
+    batch, width = out.leaves.shape
+    live = out.leaves >= 0
+    leaf = out.leaves.clamp_min(0)
+    count = torch.where(live, trie.leaf_offsets[leaf + 1] - trie.leaf_offsets[leaf], 0)  # (B, W)
+    ends = torch.cumsum(count, 1)
+    # enough slots for k survivors even if the mask drops items; the trie bounds items per SID
+    most = width * trie.max_items_per_leaf
+    slots = most if item_mask is not None else min(k, most)
+    j = torch.arange(slots, device=leaf.device).expand(batch, -1).contiguous()  # (B, S)
+    which = torch.searchsorted(ends, j, right=True).clamp_max(width - 1)  # beam holding slot j
+    start = ends.gather(1, which) - count.gather(1, which)
+    position = (trie.leaf_offsets[leaf.gather(1, which)] + (j - start)).clamp(0, trie.num_items - 1)  # empty slots: any item
+    item = trie.leaf_items[position]
+    score = out.scores.gather(1, which)
+    ok = j < ends[:, -1:]
+    if item_mask is not None:
+        ok = ok & item_mask.gather(1, item)
+    # stable compaction: kept slots first, in beam order
+    order = torch.sort((~ok).to(torch.int8), dim=1, stable=True).indices[:, :k]
+    item, score, ok = item.gather(1, order), score.gather(1, order), ok.gather(1, order)
+    item = torch.where(ok, item, -1)
+    score = torch.where(ok, score, float("-inf"))
+    if item.shape[1] < k:  # fewer slots than k: pad
+        pad = k - item.shape[1]
+        item = torch.cat([item, item.new_full((batch, pad), -1)], 1)
+        score = torch.cat([score, score.new_full((batch, pad), float("-inf"))], 1)
+    return item, score

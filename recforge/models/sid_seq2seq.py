@@ -1,0 +1,185 @@
+"""TIGER-style generative retrieval: history SID tokens -> bidirectional encoder -> decoder of one item's SID.
+
+The history's items become ``L`` tokens each (token id ``1 + level * V + digit``, 0 = padding),
+plus a level embedding and the item's position counted from the most recent item. The decoder
+reads ``[BOS, d_0, ..., d_{t-1}]`` and predicts digit ``d_t`` with a per-level output head.
+
+Beam search shares each request's encoding across its beams: ``encode`` runs once per request,
+``memory_kv`` projects the encoder output to every decoder layer's cross-attention keys/values
+once, and the ``W`` beams' decoder queries attend to them as ``W * t`` query rows of the same
+request (no per-beam copy of the history: decode state is O(B * W * L * d), not O(B * W * S * d)).
+
+Example:
+    >>> model = SIDSeq2Seq(Seq2SeqConfig(num_levels=4, vocab_size=256))
+    >>> loss = model.loss(history_codes, history_mask, target_codes)       # (B, H, L), (B, H), (B, L)
+    >>> memory = model.start(history_codes, history_mask)                  # once per request
+    >>> logp = model.next_token_logprobs(memory, codes)                    # (B, W, t) -> (B, W, V)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class Seq2SeqConfig:
+    num_levels: int  # digits per SID (the collision level included)
+    vocab_size: int  # digits per level
+    dim: int = 128
+    encoder_layers: int = 4
+    decoder_layers: int = 4
+    num_heads: int = 4
+    ffn_dim: int = 512
+    dropout: float = 0.1
+    max_items: int = 50  # history items the position embedding covers (older ones are cut by the caller)
+
+
+def _split_heads(x: Tensor, heads: int) -> Tensor:
+    b, n, d = x.shape
+    return x.view(b, n, heads, d // heads).transpose(1, 2)  # (B, H, N, dh)
+
+
+def _merge_heads(x: Tensor) -> Tensor:
+    b, h, n, dh = x.shape
+    return x.transpose(1, 2).reshape(b, n, h * dh)
+
+
+class _FFN(nn.Sequential):
+    def __init__(self, dim: int, hidden: int, dropout: float) -> None:
+        super().__init__(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, dim))
+
+
+class EncoderBlock(nn.Module):
+    """Pre-norm bidirectional self-attention + FFN over the padded history tokens."""
+
+    def __init__(self, cfg: Seq2SeqConfig) -> None:
+        super().__init__()
+        self.heads, self.dropout = cfg.num_heads, cfg.dropout
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.out = nn.Linear(cfg.dim, cfg.dim)
+        self.ffn = _FFN(cfg.dim, cfg.ffn_dim, cfg.dropout)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, key_mask: Tensor | None) -> Tensor:
+        q, k, v = (_split_heads(t, self.heads) for t in self.qkv(self.norm(x)).chunk(3, -1))  # (B, H, S, dh)
+        p = self.dropout if self.training else 0.0
+        x = x + self.drop(self.out(_merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=p))))
+        return x + self.drop(self.ffn(x))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm causal self-attention within each beam, cross-attention to the request's history, FFN."""
+
+    def __init__(self, cfg: Seq2SeqConfig) -> None:
+        super().__init__()
+        self.heads, self.dropout = cfg.num_heads, cfg.dropout
+        self.norm_self, self.norm_cross = nn.LayerNorm(cfg.dim), nn.LayerNorm(cfg.dim)
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.self_out = nn.Linear(cfg.dim, cfg.dim)
+        self.q = nn.Linear(cfg.dim, cfg.dim)
+        self.kv = nn.Linear(cfg.dim, 2 * cfg.dim)
+        self.cross_out = nn.Linear(cfg.dim, cfg.dim)
+        self.ffn = _FFN(cfg.dim, cfg.ffn_dim, cfg.dropout)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = self.kv(memory).chunk(2, -1)
+        return _split_heads(k, self.heads), _split_heads(v, self.heads)  # (B, H, S, dh) each
+
+    def forward(self, x: Tensor, kv: tuple[Tensor, Tensor], key_mask: Tensor | None) -> Tensor:
+        b, w, t, d = x.shape
+        p = self.dropout if self.training else 0.0
+        flat = x.reshape(b * w, t, d)
+        q, k, v = (_split_heads(z, self.heads) for z in self.qkv(self.norm_self(flat)).chunk(3, -1))  # (BW, H, t, dh)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        x = x + self.drop(self.self_out(_merge_heads(attn))).view(b, w, t, d)
+        q = _split_heads(self.q(self.norm_cross(x).reshape(b, w * t, d)), self.heads)  # (B, H, W*t, dh)
+        attn = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=key_mask, dropout_p=p)
+        x = x + self.drop(self.cross_out(_merge_heads(attn))).view(b, w, t, d)
+        return x + self.drop(self.ffn(x))
+
+
+@dataclass
+class Memory:
+    """A batch of encoded histories: every decoder layer's cross-attention keys/values and the key mask."""
+
+    kv: list[tuple[Tensor, Tensor]]
+    key_mask: Tensor | None  # (B, 1, 1, S) bool, True = a real token; None when nothing is padded
+
+
+class SIDSeq2Seq(nn.Module):
+    """Encoder-decoder over semantic IDs (see the module docstring)."""
+
+    def __init__(self, cfg: Seq2SeqConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        L, V, d = cfg.num_levels, cfg.vocab_size, cfg.dim
+        self.token_embedding = nn.Embedding(1 + L * V, d, padding_idx=0)
+        self.level_embedding = nn.Embedding(L, d)
+        self.position_embedding = nn.Embedding(cfg.max_items, d)
+        self.encoder = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.encoder_layers))
+        self.encoder_norm = nn.LayerNorm(d)
+        self.decoder_embedding = nn.Embedding(1 + L * V, d)  # 0 = BOS
+        self.decoder_position = nn.Embedding(L, d)
+        self.decoder = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.decoder_layers))
+        self.decoder_norm = nn.LayerNorm(d)
+        self.heads = nn.Parameter(torch.randn(L, V, d) * d**-0.5)  # per-level output projection
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def _token_ids(self, codes: Tensor) -> Tensor:
+        levels = torch.arange(codes.shape[-1], device=codes.device)
+        return 1 + levels * self.cfg.vocab_size + codes
+
+    def encode(self, history_codes: Tensor, history_mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """(memory (B, H*L, d), key mask (B, 1, 1, H*L) or None) of right-aligned histories.
+
+        Args:
+            history_codes: (B, H, L) SIDs of each request's last H items, most recent last.
+            history_mask: (B, H) bool, False for padding (on the left); None when nothing is padded.
+        """
+        b, h, L = history_codes.shape
+        if h > self.cfg.max_items:
+            raise ValueError(f"history of {h} items > max_items {self.cfg.max_items}; keep the most recent ones")
+        tokens = self._token_ids(history_codes)  # (B, H, L)
+        recency = torch.arange(h - 1, -1, -1, device=tokens.device)  # 0 = the most recent item
+        x = self.token_embedding(tokens) + self.level_embedding.weight + self.position_embedding(recency)[:, None]
+        x = self.drop(x.view(b, h * L, -1))  # (B, S, d)
+        key_mask = None
+        if history_mask is not None:
+            key_mask = history_mask[:, :, None].expand(b, h, L).reshape(b, 1, 1, h * L)
+        for block in self.encoder:
+            x = block(x, key_mask)
+        return self.encoder_norm(x), key_mask
+
+    def start(self, history_codes: Tensor, history_mask: Tensor | None) -> Memory:
+        """Encode the histories once and project them for every decoder layer (what beams share)."""
+        memory, key_mask = self.encode(history_codes, history_mask)
+        return Memory([block.memory_kv(memory) for block in self.decoder], key_mask)
+
+    def decode(self, memory: Memory, codes: Tensor) -> Tensor:
+        """(B, W, t+1, d) decoder states after reading ``[BOS, codes]`` (codes: (B, W, t))."""
+        b, w, t = codes.shape
+        bos = torch.zeros(b, w, 1, dtype=torch.long, device=codes.device)
+        tokens = torch.cat([bos, self._token_ids(codes)], 2)  # (B, W, t+1)
+        x = self.drop(self.decoder_embedding(tokens) + self.decoder_position.weight[: t + 1])
+        for block, kv in zip(self.decoder, memory.kv, strict=True):
+            x = block(x, kv, memory.key_mask)
+        return self.decoder_norm(x)
+
+    def next_token_logprobs(self, memory: Memory, codes: Tensor) -> Tensor:
+        """(B, W, V) log-probabilities of digit ``t`` after each beam's prefix ``codes`` (B, W, t)."""
+        t = codes.shape[2]
+        last = self.decode(memory, codes)[:, :, t]  # (B, W, d)
+        return (last @ self.heads[t].T).float().log_softmax(-1)
+
+    def loss(self, history_codes: Tensor, history_mask: Tensor | None, target_codes: Tensor) -> Tensor:
+        """Mean cross-entropy of each target SID's digits given the history (teacher forcing)."""
+        memory = self.start(history_codes, history_mask)
+        states = self.decode(memory, target_codes[:, None, :-1])[:, 0]  # (B, L, d)
+        logits = torch.einsum("bld,lvd->blv", states, self.heads)  # (B, L, V)
+        return F.cross_entropy(logits.float().flatten(0, 1), target_codes.flatten())

@@ -1,0 +1,217 @@
+"""Recipe: generative retrieval over semantic IDs, ``recipe: generative``.
+
+``model.kind: tiger`` is a TIGER-style encoder-decoder, ``sid_hstu`` a decoder-only HSTU over SID tokens.
+
+    cfg = load_config("configs/beauty-sid-tiger.yaml")
+    summary = train(cfg)                  # setup -> epochs of steps -> checkpoints -> final eval
+    metrics = evaluate_run(cfg.run_dir)   # what `recforge eval RUN_DIR` runs
+
+Same splits, loop, checkpoints, resume and evaluation protocol as the retrieval recipe. Every
+training transition is an example (sliding windows, ``recforge.data.sid_sequences``). The SIDs
+(``generative.sids``, made by `recforge sid fit`) are copied into ``RUN_DIR/sids`` so the run
+carries the codes its model was trained on.
+
+Evaluation is item-level: beam search generates ``generative.beam`` valid SIDs per user, each
+resolves to its items (a SID shared by several items yields them all, cut at the list length),
+the user's other history items are excluded (during the search when
+``generative.exclude_seen_in_search``), and HR@k / NDCG@k are taken from the target's position
+in that list. A target outside the list is a miss; MRR is therefore a lower bound.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from recforge.config import RunConfig, load_config
+from recforge.data.dataset import load_dataset
+from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences
+from recforge.data.sid_sequences import eval_samples, history_windows, seen_mask, transition_samples
+from recforge.data.sids import META_FILE, SIDS_FILE, read_sids
+from recforge.generate import SidTrie, beam_search, resolve_items
+from recforge.models.sid_hstu import SIDHSTU, SIDHSTUConfig
+from recforge.models.sid_seq2seq import Seq2SeqConfig, SIDSeq2Seq
+from recforge.train.checkpoint import find_checkpoint, load_checkpoint
+from recforge.train.loop import autocast, make_optimizer, prepare_run_dir, prepare_runtime, run_loop
+from recforge.train.metrics import retrieval_metrics
+
+
+@dataclass
+class Setup:
+    cfg: RunConfig
+    seqs: UserSequences
+    item_codes: torch.Tensor  # (num_items + 1, L) SID of each dense item index (row 0: padding, zeros)
+    trie: SidTrie  # over items 1..num_items (trie item i = dense item i + 1), on the device
+    model: SIDSeq2Seq | SIDHSTU
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    holdout: int
+
+
+def sid_dir_of(cfg: RunConfig) -> Path:
+    """The SID directory the config names (``generative.sids``; default ``DATA/sids``)."""
+    return Path(cfg.generative.sids or Path(cfg.data.path) / "sids")
+
+
+def build_model(cfg: RunConfig, num_levels: int, vocab_size: int) -> SIDSeq2Seq | SIDHSTU:
+    """``model.kind``: tiger (encoder-decoder) or sid_hstu (decoder-only HSTU); same decoding interface."""
+    m = cfg.model
+    if m.kind == "sid_hstu":
+        return SIDHSTU(SIDHSTUConfig(
+            num_levels=num_levels, vocab_size=vocab_size, dim=m.dim, num_blocks=m.num_blocks, num_heads=m.num_heads,
+            dropout=m.dropout, max_items=cfg.data.max_seq_len, kernel=m.kernel,
+        ))  # fmt: skip
+    return SIDSeq2Seq(Seq2SeqConfig(
+        num_levels=num_levels, vocab_size=vocab_size, dim=m.dim, encoder_layers=m.num_blocks,
+        decoder_layers=cfg.generative.decoder_blocks, num_heads=m.num_heads, ffn_dim=m.ffn_dim, dropout=m.dropout,
+        max_items=cfg.data.max_seq_len,
+    ))  # fmt: skip
+
+
+def setup(cfg: RunConfig, sid_dir: Path | None = None) -> Setup:
+    """Load data and SIDs, build the model and optimizer (deterministically from ``cfg.train.seed``)."""
+    device = prepare_runtime(cfg)
+    seqs = UserSequences.from_dataset(load_dataset(cfg.data.path))
+    sids = read_sids(sid_dir or sid_dir_of(cfg))
+    codes = sids.codes_for(seqs.item_vocab[1:])  # (N, L)
+    item_codes = torch.cat([torch.zeros(1, codes.shape[1], dtype=torch.long), codes])
+    trie = SidTrie.build(codes, sids.vocab_size, cfg.generative.trie).to(device)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg, sids.num_levels, sids.vocab_size).to(device)
+    return Setup(cfg, seqs, item_codes, trie, model, make_optimizer(cfg, model), device, PROTOCOL_HOLDOUT[cfg.data.protocol])
+
+
+def _inputs(s: Setup, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    items, mask, targets = history_windows(s.seqs, samples, s.cfg.data.max_seq_len)
+    return s.item_codes[items].to(s.device), mask.to(s.device), targets
+
+
+def _train_step(s: Setup, samples: torch.Tensor) -> tuple[float, int]:
+    history, mask, targets = _inputs(s, samples)
+    with autocast(s.cfg, s.device):
+        loss = s.model.loss(history, mask, s.item_codes[targets].to(s.device))
+    s.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if s.cfg.optim.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.cfg.optim.grad_clip)
+    s.optimizer.step()
+    return loss.item(), int(mask.sum()) * history.shape[2]
+
+
+@torch.no_grad()
+def generated_ranks(s: Setup, samples: torch.Tensor, k: int) -> torch.Tensor:
+    """(B,) 0-based position of each sample's target in its generated item list (``num_items``: a miss)."""
+    history, mask, targets = _inputs(s, samples)
+    seen = seen_mask(s.seqs, samples)
+    seen[torch.arange(targets.numel()), targets] = False  # the target is never excluded (as in target_ranks)
+    allowed_items = (~seen[:, 1:]).to(s.device)  # over trie items
+    was_training = s.model.training
+    s.model.eval()
+    memory = s.model.start(history, mask)
+    allowed = s.trie.allowed_nodes(allowed_items) if s.cfg.generative.exclude_seen_in_search else None
+    out = beam_search(lambda c: s.model.next_token_logprobs(memory, c), s.trie, batch_size=targets.numel(),
+                      beam=s.cfg.generative.beam, allowed=allowed)  # fmt: skip
+    items, _ = resolve_items(out, s.trie, k, item_mask=allowed_items)
+    s.model.train(was_training)
+    hit = (items + 1).cpu() == targets[:, None]  # (B, k); empty slots (-1 + 1 = 0) never match an item
+    return torch.where(hit.any(1), hit.int().argmax(1), s.seqs.num_items)
+
+
+def _evaluate(s: Setup, target_from_end: int) -> dict[str, float]:
+    users = s.seqs.evaluable_users(target_from_end)
+    k = max(s.cfg.eval_ks)
+    ranks = [
+        generated_ranks(s, eval_samples(s.seqs, users[i : i + s.cfg.eval.batch_size], target_from_end), k)
+        for i in range(0, users.numel(), s.cfg.eval.batch_size)
+    ]
+    all_ranks = torch.cat(ranks) if ranks else torch.zeros(0, dtype=torch.long)
+    metrics = retrieval_metrics(all_ranks, s.cfg.eval_ks)
+    metrics["num_users"] = int(all_ranks.numel())
+    return metrics
+
+
+def _eval_during_training(s: Setup) -> tuple[str, dict[str, float]]:
+    split = "test" if s.cfg.data.protocol == "paper" else "valid"
+    return split, _evaluate(s, target_from_end=1 if split == "test" else 2)
+
+
+def _copy_sids(cfg: RunConfig, run_dir: Path) -> Path:
+    target = run_dir / "sids"
+    if not (target / SIDS_FILE).is_file():
+        source = sid_dir_of(cfg)
+        read_sids(source)  # fails with a clear message when the SIDs are missing
+        target.mkdir(parents=True, exist_ok=True)
+        for path in source.iterdir():
+            if path.is_file():
+                shutil.copy2(path, target / path.name)
+    return target
+
+
+def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict:
+    """Train per ``cfg``; return a summary with the final evaluation.
+
+    Example:
+        >>> summary = train(load_config("configs/beauty-sid-tiger.yaml", ["train.epochs=1"]))
+        >>> summary["ndcg@10"]
+    """
+    run_dir = prepare_run_dir(cfg, resume)
+    s = setup(cfg, _copy_sids(cfg, run_dir))
+    samples = transition_samples(s.seqs, s.holdout)
+    state = run_loop(
+        cfg, model=s.model, optimizer=s.optimizer, device=s.device, num_samples=samples.shape[0],
+        step=lambda ids: _train_step(s, samples[ids]), evaluate=lambda: _eval_during_training(s),
+        manifest={"num_items": s.seqs.num_items, "sid_levels": s.item_codes.shape[1]}, resume=resume, progress=progress,
+        show_keys=("hr@10", "ndcg@10"),
+    )  # fmt: skip
+    summary = evaluate_run(run_dir)
+    summary["train_minutes"] = state["train_minutes"]
+    return summary
+
+
+def load_run(run_dir: str | Path, checkpoint: str = "auto", overrides: list[str] | None = None) -> tuple[Setup, Path, dict]:
+    """(setup with the checkpoint's weights, checkpoint path, manifest) of a generative run."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ValueError(f"{run_dir} is not a recforge run directory (no config.yaml)")
+    cfg = load_config(run_dir / "config.yaml", overrides)
+    if checkpoint == "auto":
+        checkpoint = "best" if cfg.data.protocol == "clean" else "latest"
+    ckpt = find_checkpoint(run_dir, checkpoint) if checkpoint in ("best", "latest") else Path(checkpoint)
+    if ckpt is None:
+        raise ValueError(f"{run_dir} has no {checkpoint} checkpoint; train it first")
+    if not (run_dir / "sids" / META_FILE).is_file():
+        raise ValueError(f"{run_dir}/sids is missing: the run's semantic IDs are needed to decode its model")
+    s = setup(cfg, run_dir / "sids")
+    manifest = load_checkpoint(ckpt, s.model, device=s.device)
+    s.model.eval()
+    return s, ckpt, manifest
+
+
+def evaluate_run(
+    run_dir: str | Path, *, checkpoint: str = "auto", split: str = "test", command: str | None = None,
+    overrides: list[str] | None = None,
+) -> dict:  # fmt: skip
+    """Evaluate a trained generative run on the test (or validation) target and write ``eval.json``.
+
+    ``overrides`` change the run's config for this evaluation only, e.g. ``["generative.beam=100",
+    "eval.ks=[10,50,100]"]`` (what `recforge eval` runs uses the run's own settings).
+    """
+    if split not in ("test", "valid"):
+        raise ValueError(f"split={split!r}: expected test or valid")
+    s, ckpt, manifest = load_run(run_dir, checkpoint, overrides)
+    started = time.perf_counter()
+    metrics = _evaluate(s, target_from_end=1 if split == "test" else 2)
+    result = {
+        **metrics, "split": split, "protocol": s.cfg.data.protocol, "model": s.cfg.model.kind,
+        "dataset": Path(s.cfg.data.path).name, "checkpoint": ckpt.name, "step": manifest["step"],
+        "beam": s.cfg.generative.beam, "sids": read_sids(Path(run_dir) / "sids").meta["source"],
+        "eval_seconds": time.perf_counter() - started,
+        "command": command or f"recforge.train.generative.evaluate_run({str(run_dir)!r})",
+    }  # fmt: skip
+    (Path(run_dir) / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
