@@ -14,13 +14,17 @@ def random_step(batch: int, vocab: int, levels: int, seed: int, hash_size: int =
     """A deterministic stand-in model: next-digit log-probs looked up by (request, level, prefix hash)."""
     g = torch.Generator().manual_seed(seed)
     tables = torch.randn(levels, batch, hash_size, vocab, generator=g, dtype=torch.float64).log_softmax(-1)
+    weights = 31 ** torch.arange(levels, dtype=torch.long)
+    on_device: dict = {}  # the tables and weights copied once per device: the step itself never syncs
 
     def step(codes: torch.Tensor) -> torch.Tensor:
         b, w, t = codes.shape
-        weights = torch.tensor([31**i for i in range(t)], dtype=torch.long, device=codes.device)
-        key = ((codes + 1) * weights).sum(-1) % hash_size  # (B, W)
+        if codes.device not in on_device:
+            on_device[codes.device] = (tables.to(codes.device), weights.to(codes.device))
+        dev_tables, dev_weights = on_device[codes.device]
+        key = ((codes + 1) * dev_weights[:t]).sum(-1) % hash_size  # (B, W)
         rows = torch.arange(b, device=codes.device)[:, None]
-        return tables[t].to(codes.device)[rows, key]  # (B, W, V)
+        return dev_tables[t][rows, key]  # (B, W, V)
 
     return step
 

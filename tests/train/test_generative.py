@@ -171,7 +171,8 @@ def test_gpu_retrieve_matches_cpu_and_decodes_without_host_sync(tmp_path: Path, 
     got = gpu.retrieve(histories, k=10, beam=32, allowed_items=allowed)
     for (items_cpu, scores_cpu), (items_gpu, scores_gpu) in zip(want, got, strict=True):
         assert items_cpu == items_gpu
-        torch.testing.assert_close(torch.tensor(scores_gpu), torch.tensor(scores_cpu), rtol=1e-4, atol=1e-4)
+        # CUDA matmuls run in TF32 (train.runtime): scores agree to ~1e-3, the items exactly
+        torch.testing.assert_close(torch.tensor(scores_gpu), torch.tensor(scores_cpu), rtol=2e-3, atol=2e-3)
     codes, mask = gpu._histories(histories)
     with torch.no_grad():
         memory = gpu.model.start(codes, mask)
