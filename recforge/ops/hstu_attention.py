@@ -72,6 +72,37 @@ def relative_bias(
     return bias
 
 
+def relative_bias_rows(
+    offsets: Tensor,
+    max_len: int,
+    q_pos: Tensor,
+    pos_weights: Tensor | None,
+    timestamps: Tensor | None,
+    time_weights: Tensor | None,
+    num_targets: Tensor | None = None,
+    num_contextual: Tensor | None = None,
+) -> Tensor | None:
+    """(B, M, N) rows ``q_pos`` (B, M) of ``relative_bias`` (same rules), without the other rows."""
+    bias = None
+    device = offsets.device
+    keys = torch.arange(max_len, device=device).view(1, -1)  # (1, N)
+    if pos_weights is not None:
+        q, k = q_pos, keys
+        if num_targets is not None:
+            history_end = (lengths_from_offsets(offsets) - num_targets).view(-1, 1)  # (B, 1)
+            q, k = torch.minimum(q_pos, history_end), torch.minimum(keys, history_end)
+        bias = pos_weights[(q.unsqueeze(2) - k.unsqueeze(1)).clamp(0, pos_weights.numel() - 1)]  # (B, M, N)
+    if time_weights is not None and timestamps is not None:
+        ts = jagged_to_padded(timestamps, offsets, max_len)  # (B, N)
+        ts_q = torch.gather(ts, 1, q_pos.clamp(0, max_len - 1))  # (B, M)
+        time_bias = time_weights[time_buckets(ts_q.unsqueeze(2) - ts.unsqueeze(1), time_weights.numel() - 1)]
+        if num_contextual is not None:
+            c = num_contextual.view(-1, 1)
+            time_bias = time_bias * ((q_pos >= c).unsqueeze(2) & (keys >= c).unsqueeze(1))
+        bias = time_bias if bias is None else bias + time_bias
+    return bias
+
+
 def hstu_attention_reference(
     q: Tensor,
     k: Tensor,
@@ -158,4 +189,4 @@ def hstu_attention(
     )
 
 
-__all__ = ["hstu_attention", "hstu_attention_reference", "relative_bias", "time_buckets"]
+__all__ = ["hstu_attention", "hstu_attention_reference", "relative_bias", "relative_bias_rows", "time_buckets"]

@@ -146,11 +146,20 @@ class AttentionMask:
         return result
 
     def _build_dense(self, offsets: Tensor, max_len: int) -> Tensor:
+        rows = torch.arange(max_len, device=offsets.device).expand(offsets.numel() - 1, -1)
+        return self.rows(offsets, max_len, rows)
+
+    def rows(self, offsets: Tensor, max_len: int, q_pos: Tensor) -> Tensor:
+        """(B, M, max_len) boolean visibility of the query positions ``q_pos`` (B, M) over keys 0..max_len-1.
+
+        The rows of ``dense`` at ``q_pos``, without building the other rows: the cached attention op
+        (``recforge.ops.cached_hstu_attention``) asks for the rows of its new tokens only. Positions
+        at or past a sequence's length are padding and see only themselves. No host synchronisation.
+        """
         lengths = lengths_from_offsets(offsets)
         device = offsets.device
-        pos = torch.arange(max_len, device=device)
-        i = pos.view(1, -1, 1)  # query
-        j = pos.view(1, 1, -1)  # key
+        i = q_pos.unsqueeze(2)  # (B, M, 1) query
+        j = torch.arange(max_len, device=device).view(1, 1, -1)  # key
         n = lengths.view(-1, 1, 1)
         zeros = torch.zeros_like(lengths)
         t = (self.num_targets if self.num_targets is not None else zeros).view(-1, 1, 1)
@@ -160,21 +169,22 @@ class AttentionMask:
         # a target's effective position is the end of history: it sees what the last history token sees
         i_eff = torch.minimum(i, history_end - 1)
         seg, full = self._segments(lengths, max_len)  # (B, N) segment id per position, (B, S + 1) flags
-        seg_i = torch.gather(seg, 1, i_eff.clamp(min=0).squeeze(2).expand(seg.shape[0], -1)).unsqueeze(2)  # (B, N, 1)
+        seg_i = torch.gather(seg, 1, i_eff.clamp(0, max_len - 1).squeeze(2)).unsqueeze(2)  # (B, M, 1)
         seg_j = seg.unsqueeze(1)  # (B, 1, N)
-        full_i = torch.gather(full, 1, seg_i.squeeze(2)).unsqueeze(2)  # (B, N, 1)
+        full_i = torch.gather(full, 1, seg_i.squeeze(2)).unsqueeze(2)  # (B, M, 1)
         visible = (seg_j < seg_i) | ((seg_j == seg_i) & (full_i | (j <= i_eff)))
         if self.max_attn_len is not None:
             visible = visible & ((i_eff - j < self.max_attn_len) | (j >= i_eff))
         if self.timestamps is not None:
             ts = jagged_to_padded(self.timestamps, offsets, max_len)  # (B, N)
-            earlier = ts.unsqueeze(1) < ts.unsqueeze(2)  # key strictly before query
+            ts_i = torch.gather(ts, 1, q_pos.clamp(0, max_len - 1)).unsqueeze(2)  # (B, M, 1)
+            earlier = ts.unsqueeze(1) < ts_i  # key strictly before query
             visible = visible & (earlier | (i < history_end))
         visible = visible | (j == i)  # every token sees itself (targets included)
         visible = visible & ~((j >= history_end) & (j != i))  # nobody sees another target
         in_context_q = i < c
         visible = torch.where(in_context_q, j < c, visible | (j < c))  # contextual prefix
-        eye = (i == j).expand_as(valid)
+        eye = i == j
         return (visible & valid) | (eye & ~valid)
 
     def _segments(self, lengths: Tensor, max_len: int) -> tuple[Tensor, Tensor]:
