@@ -26,7 +26,7 @@ from torch import Tensor
 
 from recforge.ops.dispatch import resolve_kernel, unsupported_by_triton
 from recforge.ops.hstu_attention import relative_bias_rows
-from recforge.ops.jagged import lengths_from_offsets, padding_index
+from recforge.ops.jagged import jagged_rows, lengths_from_offsets
 from recforge.ops.mask import AttentionMask
 
 
@@ -60,15 +60,16 @@ def cached_hstu_attention_reference(
     time_weights: Tensor | None = None,
 ) -> Tensor:
     """PyTorch reference: the new tokens' rows of the whole sequences' mask and bias, padded."""
-    batch = q_offsets.numel() - 1
     full = max_cache_len + max_q_len
     full_offsets = cache_offsets + q_offsets
     r = torch.arange(max_q_len, device=q.device).view(1, -1)
     q_pos = lengths_from_offsets(cache_offsets).view(-1, 1) + r  # (B, M) positions of the queries
     q_real = r < lengths_from_offsets(q_offsets).view(-1, 1)
-    seq, pos = padding_index(q_offsets, q.shape[0])
-    qp = q.new_zeros(batch, max_q_len, *q.shape[1:])
-    qp[seq, pos] = q
+    qp = jagged_rows(q, q_offsets, max_q_len)  # (B, M, H, Dqk)
+    # each new token's (request, row): gathers only, so this traces into exported programs too
+    tokens = torch.arange(q.shape[0], device=q.device).view(-1, 1)
+    seq = (tokens >= q_offsets[1:].view(1, -1)).sum(1)  # (Tq,)
+    pos = tokens.view(-1) - q_offsets[seq]
     kp = _padded_keys(k_cache, k, cache_offsets, q_offsets, full)  # (B, N, H, Dqk)
     vp = _padded_keys(v_cache, v, cache_offsets, q_offsets, full)  # (B, N, H, Dv)
     scores = torch.einsum("bmhd,bnhd->bhmn", qp, kp)  # (B, H, M, N)

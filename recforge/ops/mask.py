@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from recforge.ops.jagged import jagged_to_padded, lengths_from_offsets
+from recforge.ops.jagged import jagged_rows, lengths_from_offsets
 
 
 @dataclass
@@ -176,14 +176,15 @@ class AttentionMask:
         if self.max_attn_len is not None:
             visible = visible & ((i_eff - j < self.max_attn_len) | (j >= i_eff))
         if self.timestamps is not None:
-            ts = jagged_to_padded(self.timestamps, offsets, max_len)  # (B, N)
+            ts = jagged_rows(self.timestamps, offsets, max_len)  # (B, N)
             ts_i = torch.gather(ts, 1, q_pos.clamp(0, max_len - 1)).unsqueeze(2)  # (B, M, 1)
             earlier = ts.unsqueeze(1) < ts_i  # key strictly before query
             visible = visible & (earlier | (i < history_end))
         visible = visible | (j == i)  # every token sees itself (targets included)
         visible = visible & ~((j >= history_end) & (j != i))  # nobody sees another target
         in_context_q = i < c
-        visible = torch.where(in_context_q, j < c, visible | (j < c))  # contextual prefix
+        # contextual prefix (logical ops, not a boolean where: exported ONNX programs have no boolean Where)
+        visible = (in_context_q & (j < c)) | (~in_context_q & (visible | (j < c)))
         eye = i == j
         return (visible & valid) | (eye & ~valid)
 
