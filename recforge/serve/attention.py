@@ -35,7 +35,7 @@ class CachedPass:
         cached = [it.start if it.kind == "prefix" else it.state.length for it in items]
         sizes = [it.size for it in items]
         self.spans = [(a, a + m) for a, m in zip(_starts(sizes), sizes)]
-        self.cached, self.max_q, self.max_cache = cached, max(sizes), max(max(cached), 1)
+        self.cached, self.max_q, self.max_cache = cached, max(sizes), max(cached)
         offsets = torch.tensor([_starts(sizes) + [sum(sizes)], _starts(cached) + [sum(cached)]], dtype=torch.int64)
         self.q_offsets, self.cache_offsets = offsets.to(device).unbind(0)
         # the whole sequences' times: per item its cached tokens' times, then its new tokens' (a prefill
@@ -47,7 +47,10 @@ class CachedPass:
         counts = torch.tensor([[it.state.num_contextual for it in items],
                                [it.size if it.kind == "targets" else 0 for it in items]], dtype=torch.int64)  # fmt: skip
         contextual, targets = counts.to(device).unbind(0)
-        self.mask = AttentionMask(num_contextual=contextual, num_targets=targets, timestamps=self.timestamps)
+        if any(it.kind == "targets" for it in items):
+            self.mask = AttentionMask(num_contextual=contextual, num_targets=targets, timestamps=self.timestamps)
+        else:  # prefill only: no targets, so the timestamp rule (for targets) has nothing to do
+            self.mask = AttentionMask(num_contextual=contextual)
         self.time_bias = time_bias
 
     def cache(self, layer: int) -> tuple[Tensor, Tensor]:

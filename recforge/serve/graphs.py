@@ -78,8 +78,11 @@ class PaddedPass:
         self.q_offsets = torch.tensor([0, m], dtype=torch.int64, device=device)
         self.cache_offsets = torch.zeros(2, dtype=torch.int64, device=device)
         self.num_contextual = torch.zeros(1, dtype=torch.int64, device=device)
-        targets = torch.full((1,), m if kind == "targets" else 0, dtype=torch.int64, device=device)
-        self.mask = AttentionMask(num_contextual=self.num_contextual, num_targets=targets, timestamps=self.times)
+        if kind == "targets":
+            targets = torch.full((1,), m, dtype=torch.int64, device=device)
+            self.mask = AttentionMask(num_contextual=self.num_contextual, num_targets=targets, timestamps=self.times)
+        else:  # a prefill chunk: no targets (the timestamp rule is for targets only)
+            self.mask = AttentionMask(num_contextual=self.num_contextual)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: Tensor | None = None
 

@@ -76,6 +76,15 @@ def test_reference_equals_whole_sequence(kind: str, split: str) -> None:
     assert err < 1e-12, f"{kind}/{split} seed {seed}: relative error {err}"
 
 
+@pytest.mark.parametrize("kind", ["causal", "contextual", "timestamps", "all"])
+def test_reference_one_request_without_padding(kind: str) -> None:
+    # one request whose buffers are exactly its tokens: the reference's unpadded path
+    for seed in range(4):
+        err = _case(kind, seed, batch=1, max_len=19, heads=2, dqk=8, dv=6, dtype=torch.float64, device="cpu",
+                    kernel="pytorch")  # fmt: skip
+        assert err < 1e-12, f"{kind} seed {seed}: relative error {err}"
+
+
 def test_stale_rows_past_the_cache_do_not_leak() -> None:
     # a preallocated cache buffer: rows past cache_offsets[-1] may hold anything (inf from an earlier request)
     q = torch.randn(2, 1, 4)
