@@ -76,6 +76,11 @@ class AttentionMask:
             move(self.timestamps),
         )
 
+    def forget(self) -> None:
+        """Drop what calls keep on this object between layers (the dense mask, the cached op's plan)."""
+        self.__dict__.pop("_dense", None)
+        self.__dict__.pop("_cached_plan", None)
+
     def validate(self, offsets: Tensor) -> None:
         """Raise ValueError naming the first inconsistency with the batch's ``offsets``."""
         lengths = lengths_from_offsets(offsets)

@@ -114,6 +114,9 @@ class PaddedPass:
         cfg = enc.cfg
         m, device = self.m, self.features.device
         feats = dict(zip(FEATURES, self.features))
+        # what the op keeps on the mask between blocks must be computed inside this pass (and so inside its
+        # graph), never carried over from an earlier one: a replay would reuse a stale request's plan
+        self.mask.forget()
         x = engine.model.prefix(feats)  # (M, d)
         q_pos = self.cache_offsets[1] + torch.arange(m, device=device)  # where a prefill chunk's keys go
         times = self.times if engine.time_bias else None
