@@ -121,7 +121,12 @@ def interpreter(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["causal", "full", "targets", "window", "segments", "all"])
 @pytest.mark.parametrize("split", ["random", "targets"])
-def test_interpreter_equals_whole_sequence(interpreter, kind: str, split: str) -> None:
+@pytest.mark.parametrize("key_splits", [1, 3])
+def test_interpreter_equals_whole_sequence(interpreter, monkeypatch, kind: str, split: str, key_splits: int) -> None:
+    # key_splits: programs sharing one query block's keys (their partial sums added up), as on a GPU
+    import recforge.ops.triton.cached as cached_mod
+
+    monkeypatch.setattr(cached_mod, "num_splits", lambda *args: key_splits)
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     err = _case(kind, seed, batch=3, max_len=29, heads=2, dqk=12, dv=10, dtype=torch.float32, device="cpu",
                 kernel="triton", split=split)  # fmt: skip
@@ -135,7 +140,13 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split", ["random", "targets"])
-def test_gpu_equals_whole_sequence(cuda_device, kind: str, dtype: torch.dtype, split: str) -> None:
+@pytest.mark.parametrize("key_splits", [None, 3])
+def test_gpu_equals_whole_sequence(cuda_device, monkeypatch, kind: str, dtype: torch.dtype, split: str,
+                                   key_splits: int | None) -> None:  # fmt: skip
+    if key_splits is not None:  # None: the kernel's own choice
+        import recforge.ops.triton.cached as cached_mod
+
+        monkeypatch.setattr(cached_mod, "num_splits", lambda *args: key_splits)
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     err = _case(kind, seed, batch=6, max_len=150, heads=2, dqk=32, dv=32, dtype=dtype, device=cuda_device,
                 kernel="triton", split=split)  # fmt: skip

@@ -11,6 +11,8 @@ candidates cost C x history, not C x (history + C).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -35,8 +37,8 @@ from recforge.ops.triton.tuning import launch, tuned
 
 @triton.jit
 def _cached_fwd(
-    Q, K, V, KC, VC, O, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, skc_t, skc_h, svc_t, svc_h, so_t, so_h,
-    q_offsets, cache_offsets, num_targets, num_contextual, seg_ends, ts_mask, ts_bias, pos_w, time_w, time_thr,
+    Q, K, V, KC, VC, O, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, skc_t, skc_h, svc_t, svc_h, so_s, so_t, so_h,
+    q_offsets, cache_offsets, splits, num_targets, num_contextual, seg_ends, ts_mask, ts_bias, pos_w, time_w, time_thr,
     scale, window, P, NB, num_heads, len_key,
     S: tl.constexpr, FULL_BITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr, HAS_POS: tl.constexpr,
@@ -44,7 +46,9 @@ def _cached_fwd(
     DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    blk, num_blocks, b, h = block_of_program(len_key, num_heads, BLOCK_M)
+    blk, num_blocks, bs, h = block_of_program(len_key, num_heads, BLOCK_M)
+    b = bs // splits  # the grid's "sequences" are (request, key split) pairs
+    split = bs % splits
     pid_m = num_blocks - 1 - blk
     q_start = tl.load(q_offsets + b)
     m = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
@@ -81,8 +85,11 @@ def _cached_fwd(
     m_lo, m_hi = free_tile_span(start, free_lo, free_hi, BLOCK_N)
     n_ctx = tl.cdiv(ctx_end, BLOCK_N)
     n_masked = n_ctx + m_lo + tl.cdiv(end - start, BLOCK_N) - m_hi
+    total = n_masked + m_hi - m_lo
+    t_lo = split * total // splits  # this program's share of the key tiles
+    t_hi = (split + 1) * total // splits
     for phase in tl.static_range(1 + SPLIT_LOOPS):  # see SPLIT_LOOPS in tuning.launch
-        for t in range(phase * n_masked, n_masked if SPLIT_LOOPS and phase == 0 else n_masked + m_hi - m_lo):
+        for t in range(tl.maximum(t_lo, phase * n_masked), tl.minimum(t_hi, n_masked if SPLIT_LOOPS and phase == 0 else total)):
             j_start, khi, masked = key_tile(t, n_masked, n_ctx, m_lo, m_hi, start, ctx_end, end, BLOCK_N)
             if SPLIT_LOOPS:
                 masked = phase == 0
@@ -106,7 +113,7 @@ def _cached_fwd(
                               S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
                 a = tl.where(vis, a, 0.0)
             acc += tl.dot(a.to(v.dtype), v, input_precision=DOT_PREC)
-    if only_targets:  # each target sees itself: SiLU(q_i . k_i + rab(0)) * scale * v_i
+    if only_targets & (split == 0):  # each target sees itself (in one split only): SiLU(q_i . k_i + rab(0)) * scale * v_i
         k_self = tl.load(K_h + rows * sk_t + dq_[None, :], mask=row_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
         v_self = tl.load(V_h + rows * sv_t + dv_[None, :], mask=row_ok[:, None] & (dv_[None, :] < DV), other=0.0)
         s_self = tl.sum(q.to(tl.float32) * k_self.to(tl.float32), 1)
@@ -116,7 +123,7 @@ def _cached_fwd(
             s_self += tl.load(time_w + time_bucket(ts_i.to(tl.int64) * 0, time_thr, NB)).to(tl.float32)
         a_self = s_self * tl.sigmoid(s_self) * scale
         acc += a_self[:, None] * v_self.to(tl.float32)
-    tl.store(O + rows * so_t + h * so_h + dv_[None, :], acc.to(O.dtype.element_ty),
+    tl.store(O + split * so_s + rows * so_t + h * so_h + dv_[None, :], acc.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (dv_[None, :] < DV))
 
 
@@ -152,18 +159,40 @@ def cached_hstu_attention_triton(
     out = torch.empty(total, heads, dv, dtype=q.dtype, device=q.device)
     if total == 0 or batch == 0:
         return out
+    splits = num_splits(batch, heads, max_q_len, max_cache_len, q.device)
+    # more than one split: each writes its float32 partial sums, added up below (no atomics: deterministic,
+    # and autotuning may rerun the kernel freely)
+    target = out if splits == 1 else torch.empty(splits, total, heads, dv, dtype=torch.float32, device=q.device)
     dummy_f = placeholder(q.device, torch.float32)
     num_buckets = time_weights.numel() - 1 if has_time else 0
     thr = time_thresholds(num_buckets, q.device) if has_time else placeholder(q.device, torch.int64, 2)
     ts_bias = timestamps.to(torch.int64).contiguous() if has_time else ma.ts
     meta = _meta(ma, dqk, dv, has_pos, has_time, q.dtype)
-    args = (q, k, v, k_cache, v_cache, out, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *k_cache.stride()[:2],
-            *v_cache.stride()[:2], *out.stride()[:2], q_offsets, cache_offsets, ma.num_targets, ma.num_contextual,
-            ma.segment_ends, ma.ts, ts_bias, pos_weights if has_pos else dummy_f,
+    split_stride = target.stride(0) if splits > 1 else 0
+    strides = target.stride()[-3:-1]
+    args = (q, k, v, k_cache, v_cache, target, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *k_cache.stride()[:2],
+            *v_cache.stride()[:2], split_stride, *strides, q_offsets, cache_offsets, splits, ma.num_targets,
+            ma.num_contextual, ma.segment_ends, ma.ts, ts_bias, pos_weights if has_pos else dummy_f,
             time_weights if has_time else dummy_f, thr, float(scale), ma.window,
             pos_weights.numel() if has_pos else 1, num_buckets, heads, max_len_bucket(max_q_len))  # fmt: skip
-    launch(_fwd, "m", batch, heads, max_q_len, args, meta)
-    return out
+    launch(_fwd, "m", batch * splits, heads, max_q_len, args, meta)
+    return out if splits == 1 else target.sum(0).to(q.dtype)
 
 
-__all__ = ["cached_hstu_attention_triton"]
+def num_splits(batch: int, heads: int, max_q_len: int, max_cache_len: int, device: torch.device) -> int:
+    """How many programs share one query block's keys: serving passes are one or a few requests of a
+    few heads (1,000 candidates x 2 heads = 32 blocks of 64 rows), too few programs for a GPU's SMs;
+    splitting the key walk fills them. At most 8 splits, each of at least 256 keys."""
+    if device.type != "cuda":
+        return 1
+    programs = batch * heads * max(1, -(-max_q_len // 64))
+    wanted = -(-2 * _multiprocessors(device.index) // programs)
+    return max(1, min(8, wanted, (max_cache_len + max_q_len) // 256))
+
+
+@functools.lru_cache(maxsize=16)
+def _multiprocessors(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
+
+
+__all__ = ["cached_hstu_attention_triton", "num_splits"]
