@@ -12,6 +12,7 @@ timestamps exist, a learned weight per log-spaced time-difference bucket.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -113,12 +114,20 @@ def visible_key_counts(seq_offsets: Tensor, max_seq_len: int, mask: AttentionMas
     return visible[seq, pos]
 
 
+AttentionHook = Callable[[int, HSTUBlock, Tensor, Tensor, Tensor], Tensor]
+"""``attention(layer, block, q, k, v) -> (T, H, Dv)``: a block's attention, given its projections.
+
+Serving passes one (``recforge.serve.engine``: ``ops.cached_hstu_attention`` over the KV cache)
+to ``HSTUEncoder.encode`` so that it runs the training blocks' own projection and output code."""
+
+
 class HSTUEncoder(nn.Module):
     """A stack of HSTU blocks over jagged token embeddings.
 
     Example:
         >>> enc = HSTUEncoder(HSTUConfig(dim=64, num_blocks=2, num_heads=2, dqk=32, dv=32))
         >>> y = enc(x, seq_offsets, max_seq_len=200, mask=AttentionMask())  # (T, 64)
+        >>> y = enc.encode(x, lambda layer, block, q, k, v: my_attention(q, k, v))  # serving: own attention
     """
 
     def __init__(self, cfg: HSTUConfig) -> None:
@@ -141,4 +150,15 @@ class HSTUEncoder(nn.Module):
             visible_keys = visible_key_counts(seq_offsets, max_seq_len, mask, x.shape[0])
         for block in self.blocks:
             x = block(x, seq_offsets, max_seq_len, mask, timestamps, visible_keys)
+        return x
+
+    def encode(self, x: Tensor, attention: AttentionHook) -> Tensor:
+        """``x`` (T, d) through every block with ``attention(layer, block, q, k, v)`` as the blocks' attention
+        (``attn_norm=layernorm``: ``visible_mean`` needs per-token visible-key counts that a hook does not give)."""
+        if self.cfg.attn_norm != "layernorm":
+            raise ValueError(f"HSTUEncoder.encode: attn_norm={self.cfg.attn_norm!r} needs visible-key counts; "
+                             "run forward() with a mask instead")  # fmt: skip
+        for layer, block in enumerate(self.blocks):
+            u, q, k, v = block.project(x)
+            x = block.combine(x, attention(layer, block, q, k, v), u)
         return x

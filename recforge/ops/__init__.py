@@ -1,5 +1,6 @@
 """Jagged utilities and attention ops: a PyTorch reference behind one dispatch function per op."""
 
+from recforge.ops.cached_attention import cached_hstu_attention
 from recforge.ops.hstu_attention import hstu_attention
 from recforge.ops.jagged import (
     gather_sequences,
@@ -13,6 +14,7 @@ from recforge.ops.softmax_attention import softmax_attention
 
 __all__ = [
     "AttentionMask",
+    "cached_hstu_attention",
     "gather_sequences",
     "hstu_attention",
     "jagged_to_padded",

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from recforge.ops.dispatch import resolve_kernel, unsupported_by_triton
-from recforge.ops.jagged import jagged_to_padded, lengths_from_offsets, padded_to_jagged
+from recforge.ops.jagged import jagged_rows, jagged_to_padded, lengths_from_offsets, padded_to_jagged
 from recforge.ops.mask import AttentionMask
 
 TIME_BUCKET_LOG_BASE = 0.301  # bucket width in log-seconds: each bucket spans x1.35 in time
@@ -70,6 +70,68 @@ def relative_bias(
             time_bias = time_bias * (event.unsqueeze(2) & event.unsqueeze(1))
         bias = time_bias if bias is None else bias + time_bias
     return bias
+
+
+def relative_bias_index_rows(
+    offsets: Tensor,
+    max_len: int,
+    q_pos: Tensor,
+    num_pos: int | None,
+    timestamps: Tensor | None,
+    num_buckets: int | None,
+    num_targets: Tensor | None = None,
+    num_contextual: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The layer-independent part of ``relative_bias`` for rows ``q_pos`` (B, M): (B, M, N) indices into
+    ``pos_weights`` (``num_pos`` of them; None: no position bias) and ``time_weights`` (``num_buckets``
+    + 1; None: no time bias), and the (B, M, N) pairs that get a time bias (None: all)."""
+    device = offsets.device
+    keys = torch.arange(max_len, device=device).view(1, -1)  # (1, N)
+    pos_index = time_index = events = None
+    if num_pos is not None:
+        q, k = q_pos, keys
+        if num_targets is not None:
+            history_end = (lengths_from_offsets(offsets) - num_targets).view(-1, 1)  # (B, 1)
+            q, k = torch.minimum(q_pos, history_end), torch.minimum(keys, history_end)
+        pos_index = (q.unsqueeze(2) - k.unsqueeze(1)).clamp(0, num_pos - 1)  # (B, M, N)
+    if num_buckets is not None and timestamps is not None:
+        ts = jagged_rows(timestamps, offsets, max_len)  # (B, N)
+        ts_q = torch.gather(ts, 1, q_pos.clamp(0, max_len - 1))  # (B, M)
+        time_index = time_buckets(ts_q.unsqueeze(2) - ts.unsqueeze(1), num_buckets)
+        if num_contextual is not None:
+            c = num_contextual.view(-1, 1)
+            events = (q_pos >= c).unsqueeze(2) & (keys >= c).unsqueeze(1)
+    return pos_index, time_index, events
+
+
+def apply_bias_index(index: tuple[Tensor | None, Tensor | None, Tensor | None], pos_weights: Tensor | None,
+                     time_weights: Tensor | None) -> Tensor | None:  # fmt: skip
+    """The bias of ``relative_bias_index_rows``'s indices with one block's weights."""
+    pos_index, time_index, events = index
+    bias = pos_weights[pos_index] if pos_weights is not None and pos_index is not None else None
+    if time_weights is not None and time_index is not None:
+        time_bias = time_weights[time_index]
+        if events is not None:
+            time_bias = time_bias * events
+        bias = time_bias if bias is None else bias + time_bias
+    return bias
+
+
+def relative_bias_rows(
+    offsets: Tensor,
+    max_len: int,
+    q_pos: Tensor,
+    pos_weights: Tensor | None,
+    timestamps: Tensor | None,
+    time_weights: Tensor | None,
+    num_targets: Tensor | None = None,
+    num_contextual: Tensor | None = None,
+) -> Tensor | None:
+    """(B, M, N) rows ``q_pos`` (B, M) of ``relative_bias`` (same rules), without the other rows."""
+    index = relative_bias_index_rows(
+        offsets, max_len, q_pos, None if pos_weights is None else pos_weights.numel(), timestamps,
+        None if time_weights is None else time_weights.numel() - 1, num_targets, num_contextual)  # fmt: skip
+    return apply_bias_index(index, pos_weights, time_weights)
 
 
 def hstu_attention_reference(
@@ -158,4 +220,5 @@ def hstu_attention(
     )
 
 
-__all__ = ["hstu_attention", "hstu_attention_reference", "relative_bias", "time_buckets"]
+__all__ = ["hstu_attention", "hstu_attention_reference", "apply_bias_index", "relative_bias", "relative_bias_index_rows",
+           "relative_bias_rows", "time_buckets"]

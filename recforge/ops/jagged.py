@@ -91,6 +91,20 @@ def jagged_to_padded(values: Tensor, offsets: Tensor, max_len: int, pad_value: f
     return out
 
 
+def jagged_rows(values: Tensor, offsets: Tensor, max_len: int) -> Tensor:
+    """(T, *rest) jagged values -> (B, max_len, *rest), zeros past each sequence's end, by gathering.
+
+    Unlike ``jagged_to_padded`` it needs no host synchronisation nor ``T == offsets[-1]``: rows of
+    ``values`` past ``offsets[-1]`` are ignored (a preallocated buffer can be passed as it is),
+    so it also runs inside CUDA graphs and exported programs."""
+    pos = torch.arange(max_len, device=offsets.device).view(1, -1)
+    real = pos < lengths_from_offsets(offsets).view(-1, 1)  # (B, max_len)
+    if values.shape[0] == 0:
+        return values.new_zeros(real.shape[0], max_len, *values.shape[1:])
+    rows = values[(offsets[:-1].view(-1, 1) + pos).clamp(0, values.shape[0] - 1)]
+    return torch.where(real.view(*real.shape, *(1,) * (values.dim() - 1)), rows, 0)
+
+
 def padded_to_jagged(padded: Tensor, offsets: Tensor, total: int | None = None) -> Tensor:
     """(B, N, *rest) right-padded dense tensor -> (T, *rest) jagged values.
 

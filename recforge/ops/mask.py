@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from recforge.ops.jagged import jagged_to_padded, lengths_from_offsets
+from recforge.ops.jagged import jagged_rows, lengths_from_offsets
 
 
 @dataclass
@@ -75,6 +75,11 @@ class AttentionMask:
             self.segment_full,
             move(self.timestamps),
         )
+
+    def forget(self) -> None:
+        """Drop what calls keep on this object between layers (the dense mask, the cached op's plan)."""
+        self.__dict__.pop("_dense", None)
+        self.__dict__.pop("_cached_plan", None)
 
     def validate(self, offsets: Tensor) -> None:
         """Raise ValueError naming the first inconsistency with the batch's ``offsets``."""
@@ -146,36 +151,51 @@ class AttentionMask:
         return result
 
     def _build_dense(self, offsets: Tensor, max_len: int) -> Tensor:
+        rows = torch.arange(max_len, device=offsets.device).expand(offsets.numel() - 1, -1)
+        return self.rows(offsets, max_len, rows)
+
+    def rows(self, offsets: Tensor, max_len: int, q_pos: Tensor) -> Tensor:
+        """(B, M, max_len) boolean visibility of the query positions ``q_pos`` (B, M) over keys 0..max_len-1.
+
+        The rows of ``dense`` at ``q_pos``, without building the other rows: the cached attention op
+        (``recforge.ops.cached_hstu_attention``) asks for the rows of its new tokens only. Positions
+        at or past a sequence's length are padding and see only themselves. No host synchronisation.
+        """
         lengths = lengths_from_offsets(offsets)
-        device = offsets.device
-        pos = torch.arange(max_len, device=device)
-        i = pos.view(1, -1, 1)  # query
-        j = pos.view(1, 1, -1)  # key
+        i = q_pos.unsqueeze(2)  # (B, M, 1) query
+        j = torch.arange(max_len, device=offsets.device).view(1, 1, -1)  # key
         n = lengths.view(-1, 1, 1)
-        zeros = torch.zeros_like(lengths)
-        t = (self.num_targets if self.num_targets is not None else zeros).view(-1, 1, 1)
-        c = (self.num_contextual if self.num_contextual is not None else zeros).view(-1, 1, 1)
-        valid = (i < n) & (j < n)
-        history_end = n - t  # first target position
+        targets = self.num_targets is not None
+        history_end = n - self.num_targets.view(-1, 1, 1) if targets else n  # first target position
         # a target's effective position is the end of history: it sees what the last history token sees
-        i_eff = torch.minimum(i, history_end - 1)
-        seg, full = self._segments(lengths, max_len)  # (B, N) segment id per position, (B, S + 1) flags
-        seg_i = torch.gather(seg, 1, i_eff.clamp(min=0).squeeze(2).expand(seg.shape[0], -1)).unsqueeze(2)  # (B, N, 1)
-        seg_j = seg.unsqueeze(1)  # (B, 1, N)
-        full_i = torch.gather(full, 1, seg_i.squeeze(2)).unsqueeze(2)  # (B, N, 1)
-        visible = (seg_j < seg_i) | ((seg_j == seg_i) & (full_i | (j <= i_eff)))
+        # (without targets every real row is history; padding rows are masked at the end)
+        i_eff = torch.minimum(i, history_end - 1) if targets else i
+        if self.segment_lengths is None:  # one segment: the history follows ``causal``
+            visible = (j <= i_eff) if self.causal else (j == j)
+        else:
+            seg, full = self._segments(lengths, max_len)  # (B, N) segment id per position, (B, S + 1) flags
+            seg_i = torch.gather(seg, 1, i_eff.clamp(0, max_len - 1).squeeze(2)).unsqueeze(2)  # (B, M, 1)
+            seg_j = seg.unsqueeze(1)  # (B, 1, N)
+            full_i = torch.gather(full, 1, seg_i.squeeze(2)).unsqueeze(2)  # (B, M, 1)
+            visible = (seg_j < seg_i) | ((seg_j == seg_i) & (full_i | (j <= i_eff)))
         if self.max_attn_len is not None:
             visible = visible & ((i_eff - j < self.max_attn_len) | (j >= i_eff))
-        if self.timestamps is not None:
-            ts = jagged_to_padded(self.timestamps, offsets, max_len)  # (B, N)
-            earlier = ts.unsqueeze(1) < ts.unsqueeze(2)  # key strictly before query
+        if self.timestamps is not None and targets:  # the rule is for targets only
+            ts = jagged_rows(self.timestamps, offsets, max_len)  # (B, N)
+            ts_i = torch.gather(ts, 1, q_pos.clamp(0, max_len - 1)).unsqueeze(2)  # (B, M, 1)
+            earlier = ts.unsqueeze(1) < ts_i  # key strictly before query
             visible = visible & (earlier | (i < history_end))
-        visible = visible | (j == i)  # every token sees itself (targets included)
-        visible = visible & ~((j >= history_end) & (j != i))  # nobody sees another target
-        in_context_q = i < c
-        visible = torch.where(in_context_q, j < c, visible | (j < c))  # contextual prefix
-        eye = (i == j).expand_as(valid)
-        return (visible & valid) | (eye & ~valid)
+        eye = j == i
+        visible = visible | eye  # every token sees itself (targets included)
+        if targets:
+            visible = visible & ((j < history_end) | eye)  # nobody sees another target
+        if self.num_contextual is not None:
+            c = self.num_contextual.view(-1, 1, 1)
+            in_context_q, key_context = i < c, j < c
+            # contextual prefix (logical ops, not a boolean where: exported ONNX programs have no boolean Where)
+            visible = (in_context_q & key_context) | (~in_context_q & (visible | key_context))
+        real_q = i < n
+        return (visible & real_q & (j < n)) | (eye & ~real_q)  # padding rows see only themselves
 
     def _segments(self, lengths: Tensor, max_len: int) -> tuple[Tensor, Tensor]:
         """Segment id of every position (history positions; others get any id) and per-segment full flags."""

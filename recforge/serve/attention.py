@@ -1,127 +1,94 @@
-"""HSTU attention of new query tokens over a cached prefix (prefill chunks, incremental extension, candidates).
+"""Work items -> one ``recforge.ops.cached_hstu_attention`` call per block.
 
-Same arithmetic as ``recforge.ops.hstu_attention`` (``SiLU(q.k + rab) * scale * v``, summed
-over visible keys) but for m queries against n cached keys, never an n x n matrix over the
-whole sequence. Positions are *effective* positions: a candidate sits at the history end
-``h`` (the index of the first target), so its position bias to history key j is
-``pos_weights[clamp(h - j)]`` and to itself ``pos_weights[0]``, whatever its index among the
-candidates; its time bias uses its own timestamp. Contextual tokens (positions < c) are
-features, not events: no time bias involves them, so a user's cached history does not depend
-on the request time.
+Each work item is one request's whole sequence as the training mask sees it: the state's cached
+tokens (contextual + history so far), then the item's new tokens. A prefill chunk's new tokens
+are the next history tokens (causal among themselves, appended to the cache); candidates are
+the sequence's targets (``num_targets = m``: each sees the contextual tokens, the history events
+strictly before its time, and itself). Visibility and biases are the op's, i.e. the training
+rules of ``recforge.ops.mask`` and ``recforge.ops.hstu_attention``: nothing is re-derived here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from recforge.ops.hstu_attention import time_buckets
+from recforge.ops import AttentionMask, cached_hstu_attention
 from recforge.serve.state import WorkItem
 
 
-@dataclass
-class BiasIndex:
-    """Layer-independent indices of the relative bias of m queries over n keys (computed once per
-    pass, gathered from each block's own weights): ``distance`` into ``pos_weights``, ``bucket``
-    into ``time_weights``; each (m, n) or (1, n) when every query has the same position and time."""
+class CachedPass:
+    """The op's arguments for one eager pass of several work items (the same in every block).
 
-    distance: Tensor | None
-    bucket: Tensor | None
-    events: Tensor | None = None  # (m|1, n) bool: the pairs that get a time bias (neither contextual)
-
-    @classmethod
-    def build(cls, q_pos: Tensor, k_pos: Tensor, q_ts: Tensor | None, k_ts: Tensor | None, num_pos: int,
-              num_buckets: int | None, num_contextual: int = 0) -> BiasIndex:  # fmt: skip
-        uniform = q_pos.numel() > 0 and bool((q_pos == q_pos[0]).all())
-        if q_ts is not None:
-            uniform = uniform and bool((q_ts == q_ts[0]).all())
-        if uniform:
-            q_pos = q_pos[:1]
-            q_ts = None if q_ts is None else q_ts[:1]
-        distance = (q_pos.view(-1, 1) - k_pos.view(1, -1)).clamp(0, num_pos - 1) if num_pos else None
-        bucket = events = None
-        if num_buckets is not None and q_ts is not None:
-            bucket = time_buckets(q_ts.view(-1, 1) - k_ts.view(1, -1), num_buckets)
-            if num_contextual:
-                events = (q_pos.view(-1, 1) >= num_contextual) & (k_pos.view(1, -1) >= num_contextual)
-        return cls(distance, bucket, events)
-
-    def bias(self, pos_weights: Tensor | None, time_weights: Tensor | None) -> Tensor | None:
-        out = pos_weights[self.distance] if pos_weights is not None and self.distance is not None else None
-        if time_weights is not None and self.bucket is not None:
-            time_bias = time_weights[self.bucket]
-            if self.events is not None:
-                time_bias = time_bias * self.events
-            out = time_bias if out is None else out + time_bias
-        return out
-
-
-def cached_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    visible: Tensor,
-    bias: Tensor | None,
-    scale: float,
-) -> Tensor:
-    """out_i = sum_j visible_ij * SiLU(q_i . k_j + bias_ij) * scale * v_j.
+    ``attend`` is the encoder's attention hook (``HSTUEncoder.encode``): it writes a prefill chunk's
+    keys/values into its state and runs the op over every item's cache at once.
 
     Args:
-        q: (m, H, Dqk) queries; k: (n, H, Dqk) keys; v: (n, H, Dv) values.
-        visible: (m, n) or (1, n) bool.
-        bias: (m, n), (1, n) or None.
-
-    Returns:
-        (m, H, Dv).
+        items: the pass's work items; ``q_ts`` (T,) the times of their new tokens, concatenated.
+        time_bias: the model has a time bias (the blocks' ``time_weights`` are used).
+        scale: the attention scale (1 / max_seq_len); ``kernel``: the encoder's attention backend.
     """
-    scores = torch.einsum("mhd,nhd->hmn", q, k)  # (H, m, n)
-    if bias is not None:
-        scores = scores + bias.to(scores.dtype).unsqueeze(0)
-    weights = torch.where(visible.unsqueeze(0), F.silu(scores), 0) * scale  # where: invisible keys may hold anything
-    return torch.einsum("hmn,nhd->mhd", weights, v)
+
+    def __init__(self, items: list[WorkItem], q_ts: Tensor, time_bias: bool, scale: float, kernel: str) -> None:
+        device = q_ts.device
+        self.items, self.scale, self.kernel = items, scale, kernel
+        cached = [it.start if it.kind == "prefix" else it.state.length for it in items]
+        sizes = [it.size for it in items]
+        self.spans = [(a, a + m) for a, m in zip(_starts(sizes), sizes)]
+        self.cached, self.max_q, self.max_cache = cached, max(sizes), max(cached)
+        offsets = torch.tensor([_starts(sizes) + [sum(sizes)], _starts(cached) + [sum(cached)]], dtype=torch.int64)
+        self.q_offsets, self.cache_offsets = offsets.to(device).unbind(0)
+        # the whole sequences' times: per item its cached tokens' times, then its new tokens' (a prefill
+        # chunk's are already in its state)
+        times = []
+        for it, n, (a, b) in zip(items, cached, self.spans):
+            times.append(it.state.timestamps[: n + it.size] if it.kind == "prefix" else torch.cat([it.state.timestamps[:n], q_ts[a:b]]))
+        self.timestamps = times[0] if len(times) == 1 else torch.cat(times)
+        counts = torch.tensor([[it.state.num_contextual for it in items],
+                               [it.size if it.kind == "targets" else 0 for it in items]], dtype=torch.int64)  # fmt: skip
+        contextual, targets = counts.to(device).unbind(0)
+        if any(it.kind == "targets" for it in items):
+            self.mask = AttentionMask(num_contextual=contextual, num_targets=targets, timestamps=self.timestamps)
+        else:  # prefill only: no targets, so the timestamp rule (for targets) has nothing to do
+            self.mask = AttentionMask(num_contextual=contextual)
+        self.time_bias = time_bias
+
+    def cache(self, layer: int) -> tuple[Tensor, Tensor]:
+        """(keys, values) of every item's cached tokens at ``layer``, jagged (a view for one item)."""
+        keys = [it.state.keys[layer, :n] for it, n in zip(self.items, self.cached)]
+        values = [it.state.values[layer, :n] for it, n in zip(self.items, self.cached)]
+        if len(keys) == 1:
+            return keys[0], values[0]
+        return torch.cat(keys), torch.cat(values)
+
+    def attend(self, layer: int, block, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        for it, (a, b) in zip(self.items, self.spans):
+            if it.kind == "prefix":
+                s = it.start
+                it.state.keys[layer, s : s + it.size] = k[a:b]
+                it.state.values[layer, s : s + it.size] = v[a:b]
+        k_cache, v_cache = self.cache(layer)
+        return attend_cached(block, q, k, v, k_cache, v_cache, self.q_offsets, self.cache_offsets, self.max_q,
+                             self.max_cache, self.mask, self.timestamps if self.time_bias else None, self.scale,
+                             self.kernel)  # fmt: skip
 
 
-def self_attention_term(
-    q: Tensor, k: Tensor, v: Tensor, q_ts: Tensor, pos_weights: Tensor | None, time_weights: Tensor | None, scale: float
-) -> Tensor:
-    """Each candidate's attention to itself: SiLU(q_i . k_i + pos_weights[0] + time bias(0)) * scale * v_i."""
-    scores = (q * k).sum(-1)  # (m, H)
-    if pos_weights is not None:
-        scores = scores + pos_weights[0].to(scores.dtype)
-    if time_weights is not None:
-        scores = scores + time_weights[time_buckets(torch.zeros_like(q_ts[:1]), time_weights.numel() - 1)].to(scores.dtype)
-    return (F.silu(scores) * scale).unsqueeze(-1) * v
+def attend_cached(block, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, q_offsets: Tensor,
+                  cache_offsets: Tensor, max_q: int, max_cache: int, mask: AttentionMask, timestamps: Tensor | None,
+                  scale: float, kernel: str) -> Tensor:  # fmt: skip
+    """``cached_hstu_attention`` with ``block``'s bias weights (its time bias only when ``timestamps`` is given)."""
+    use_time = timestamps is not None and block.time_weights is not None
+    return cached_hstu_attention(q, k, v, k_cache, v_cache, q_offsets, cache_offsets, max_q, max_cache, mask,
+                                 scale=scale, pos_weights=block.pos_weights, timestamps=timestamps if use_time else None,
+                                 time_weights=block.time_weights if use_time else None, kernel=kernel)  # fmt: skip
 
 
-def plan_item(it: WorkItem, q_ts: Tensor, num_pos: int, num_buckets: int | None) -> tuple[int, Tensor, BiasIndex]:
-    """(keys attended, (m|1, n) visibility, bias index) of one work item: the same in every block.
-
-    ``num_buckets``: the time-bias buckets, None when the model has no time bias.
-    """
-    st = it.state
-    c = st.num_contextual
-    device = st.timestamps.device
-    if it.kind == "prefix":  # contextual: full among themselves; history: causal, sees every contextual token
-        s, e = it.start, it.start + it.size
-        q_pos = torch.arange(s, e, device=device)
-        k_pos = torch.arange(e, device=device)
-        visible = (k_pos.view(1, -1) < c) | ((q_pos.view(-1, 1) >= c) & (k_pos.view(1, -1) <= q_pos.view(-1, 1)))
-        index = BiasIndex.build(q_pos, k_pos, q_ts if num_buckets is not None else None, st.timestamps[:e], num_pos,
-                                num_buckets, c)  # fmt: skip
-        return e, visible, index
-    h = st.length
-    k_pos = torch.arange(h, device=device)
-    k_ts = st.timestamps[:h]
-    q_rows = q_ts[:1] if bool((q_ts == q_ts[0]).all()) else q_ts
-    # a candidate sits at the history end h; it sees contextual keys, and history keys strictly earlier than it
-    visible = (k_pos.view(1, -1) < c) | (k_ts.view(1, -1) < q_rows.view(-1, 1))
-    index = BiasIndex.build(torch.full_like(q_ts, h), k_pos, q_ts if num_buckets is not None else None, k_ts, num_pos,
-                            num_buckets, c)  # fmt: skip
-    return h, visible, index
+def _starts(sizes: list[int]) -> list[int]:
+    out, lo = [], 0
+    for n in sizes:
+        out.append(lo)
+        lo += n
+    return out
 
 
-__all__ = ["BiasIndex", "cached_attention", "plan_item", "self_attention_term"]
+__all__ = ["CachedPass", "attend_cached"]

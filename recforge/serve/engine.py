@@ -28,8 +28,8 @@ from torch import Tensor
 
 from recforge.models.hstu import HSTUEncoder
 from recforge.models.ranking import RankingModel, load_slices
-from recforge.serve.attention import cached_attention, plan_item, self_attention_term
-from recforge.serve.graphs import GraphCaptureError, GraphRunner, encode_blocks
+from recforge.serve.attention import CachedPass
+from recforge.serve.graphs import GraphCaptureError, GraphRunner
 from recforge.serve.layout import (
     EncodedRequest,
     History,
@@ -273,7 +273,8 @@ class RankEngine:
 
         Prefix items are written into their states; returns (C, K) scores per targets item, None per
         prefix item. On CUDA each item replays the CUDA graph of its shape bucket (``graphs.py``);
-        otherwise linear layers run on all items' tokens at once and attention per item over its own state.
+        otherwise linear layers run on all items' tokens at once and attention is one
+        ``ops.cached_hstu_attention`` call per block over every item's cache (``serve.attention``).
         """
         if self.graphs is not None:
             try:
@@ -292,30 +293,8 @@ class RankEngine:
                 s, e = it.start, it.start + it.size
                 it.state.timestamps[s:e] = it.features["timestamps"].to(self.device)
                 it.state.tokens[s:e] = token_identity(it.features)
-        scale = 1.0 / enc.cfg.max_seq_len
-        first = enc.blocks[0]
-        num_pos = first.pos_weights.numel()
-        num_buckets = first.time_weights.numel() - 1 if first.time_weights is not None else None
-        use_time = num_buckets is not None and self.time_bias
-        plans = [plan_item(it, feats["timestamps"][a:b], num_pos, num_buckets if use_time else None)
-                 for it, (a, b) in zip(items, spans)]
-
-        def attend(layer: int, block, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            outs = []
-            for it, (a, b), (n_keys, visible, index) in zip(items, spans, plans):
-                st = it.state
-                if it.kind == "prefix":
-                    s, e = it.start, it.start + it.size
-                    st.keys[layer, s:e], st.values[layer, s:e] = k[a:b], v[a:b]
-                out = cached_attention(q[a:b], st.keys[layer, :n_keys], st.values[layer, :n_keys], visible=visible,
-                                       bias=index.bias(block.pos_weights, block.time_weights), scale=scale)  # fmt: skip
-                if it.kind == "targets":  # each candidate also sees itself (and no other candidate)
-                    out = out + self_attention_term(q[a:b], k[a:b], v[a:b], feats["timestamps"][a:b], block.pos_weights,
-                                                    block.time_weights, scale)  # fmt: skip
-                outs.append(out)
-            return torch.cat(outs)
-
-        embedded, x = x, encode_blocks(enc, x, attend)
+        cached = CachedPass(items, feats["timestamps"], self.time_bias, 1.0 / enc.cfg.max_seq_len, enc.cfg.kernel)
+        embedded, x = x, enc.encode(x, cached.attend)
         results: list[Tensor | None] = []
         for it, (a, b) in zip(items, spans):
             if it.kind == "prefix":

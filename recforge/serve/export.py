@@ -24,13 +24,13 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recforge.io import atomic_write_json
 from recforge.models.hstu import HSTUEncoder
 from recforge.models.ranking import RankingModel, load_slices
-from recforge.ops.hstu_attention import time_buckets
+from recforge.ops import AttentionMask
+from recforge.serve.attention import attend_cached
 from recforge.serve.model_dir import model_dir_of
 
 log = logging.getLogger(__name__)
@@ -45,13 +45,25 @@ class PrefixProgram(nn.Module):
         return self.prefix({"item_ids": item_ids, "actions": actions, "context_ids": context_ids, "timestamps": timestamps})
 
 
-def _bias(block: nn.Module, distance: Tensor, delta_t: Tensor, events: Tensor | None = None) -> Tensor:
-    """Position + time bias; ``events`` marks the pairs with a time bias (contextual tokens have none)."""
-    bias = block.pos_weights[distance.clamp(0, block.pos_weights.numel() - 1)]
-    if block.time_weights is not None:
-        time_bias = block.time_weights[time_buckets(delta_t, block.time_weights.numel() - 1)]
-        bias = bias + (time_bias if events is None else time_bias * events)
-    return bias
+def _encode(encoder: HSTUEncoder, x: Tensor, whole_times: Tensor, num_contextual: Tensor, num_targets: Tensor,
+            cache: tuple[Tensor, Tensor] | None, on_layer=None) -> Tensor:  # fmt: skip
+    """``x`` (the new tokens) through the encoder's blocks, attending with ``ops.cached_hstu_attention``
+    (the engine's op, its PyTorch reference: it traces) over ``cache`` (per-layer keys, values) or none."""
+    m = x.shape[0]
+    n = cache[0].shape[1] if cache is not None else 0
+    step = torch.arange(2, device=x.device)  # [0, 1]
+    q_offsets, cache_offsets = step * m, step * n
+    mask = AttentionMask(num_contextual=num_contextual.view(1), num_targets=num_targets.view(1), timestamps=whole_times)
+    scale = 1.0 / encoder.cfg.max_seq_len
+
+    def attend(layer: int, block, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if on_layer is not None:
+            on_layer(k, v)
+        k_cache, v_cache = (cache[0][layer], cache[1][layer]) if cache is not None else (k[:0], v[:0])
+        return attend_cached(block, q, k, v, k_cache, v_cache, q_offsets, cache_offsets, m, max(n, 1), mask,
+                             whole_times, scale, "pytorch")  # fmt: skip
+
+    return encoder.encode(x, attend)
 
 
 class PrefillProgram(nn.Module):
@@ -59,52 +71,28 @@ class PrefillProgram(nn.Module):
 
     def __init__(self, encoder: HSTUEncoder) -> None:
         super().__init__()
-        self.blocks = encoder.blocks
-        self.cfg = encoder.cfg
+        self.encoder = encoder
 
     def forward(self, x: Tensor, timestamps: Tensor, num_contextual: Tensor) -> tuple[Tensor, Tensor]:
-        cfg, n = self.cfg, x.shape[0]
-        pos = torch.arange(n, device=x.device)
-        i, j = pos.view(-1, 1), pos.view(1, -1)
-        visible = ((j < num_contextual) | ((i >= num_contextual) & (j <= i))).to(x.dtype)  # (n, n)
-        delta_t = timestamps.view(-1, 1) - timestamps.view(1, -1)
-        events = ((i >= num_contextual) & (j >= num_contextual)).to(x.dtype)
         keys, values = [], []
-        for block in self.blocks:
-            u, q, k, v = block.project(x)
-            scores = torch.einsum("mhd,nhd->hmn", q, k) + _bias(block, i - j, delta_t, events).unsqueeze(0)
-            attn = torch.einsum("hmn,nhd->mhd", F.silu(scores) * visible / cfg.max_seq_len, v)
-            x = block.combine(x, attn, u)
-            keys.append(k)
-            values.append(v)
+        _encode(self.encoder, x, timestamps, num_contextual, num_contextual * 0, None,
+                lambda k, v: (keys.append(k), values.append(v)))  # fmt: skip
         return torch.stack(keys), torch.stack(values)
 
 
 class ScoreProgram(nn.Module):
-    """Candidates through every block, attending to the cached keys/values and to themselves."""
+    """Candidates (the targets of the user's sequence) through every block, attending to the cached
+    keys/values and to themselves."""
 
     def __init__(self, encoder: HSTUEncoder) -> None:
         super().__init__()
-        self.blocks = encoder.blocks
-        self.cfg = encoder.cfg
+        self.encoder = encoder
 
     def forward(self, x: Tensor, timestamps: Tensor, keys: Tensor, values: Tensor, key_timestamps: Tensor,
                 num_contextual: Tensor) -> Tensor:  # fmt: skip
-        cfg, n = self.cfg, keys.shape[1]
-        k_pos = torch.arange(n, device=x.device).view(1, -1)
-        # contextual keys always; history keys strictly earlier than the candidate; its position is the history end n
-        visible = ((k_pos < num_contextual) | (key_timestamps.view(1, -1) < timestamps.view(-1, 1))).to(x.dtype)
-        delta_t = timestamps.view(-1, 1) - key_timestamps.view(1, -1)
-        events = (k_pos >= num_contextual).to(x.dtype)  # (1, n): candidates are events, contextual keys are not
-        zero = torch.zeros_like(timestamps)
-        for layer, block in enumerate(self.blocks):
-            u, q, k, v = block.project(x)
-            scores = torch.einsum("mhd,nhd->hmn", q, keys[layer]) + _bias(block, n - k_pos, delta_t, events).unsqueeze(0)
-            attn = torch.einsum("hmn,nhd->mhd", F.silu(scores) * visible / cfg.max_seq_len, values[layer])
-            own = (q * k).sum(-1) + _bias(block, zero, zero).unsqueeze(1)  # (C, H)
-            attn = attn + (F.silu(own) / cfg.max_seq_len).unsqueeze(-1) * v
-            x = block.combine(x, attn, u)
-        return x
+        num_targets = torch.ones_like(num_contextual) * x.shape[0]
+        return _encode(self.encoder, x, torch.cat([key_timestamps, timestamps]), num_contextual, num_targets,
+                       (keys, values))  # fmt: skip
 
 
 def _programs(model: RankingModel) -> dict[str, tuple[nn.Module, tuple, dict]]:

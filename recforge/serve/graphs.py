@@ -13,9 +13,10 @@ The item's tokens and the state's keys/values are copied into the bucket's stati
 graph replays prefix -> every HSTU block -> postfix, and the real rows are copied out. Where a
 query stands (the history end for candidates, the chunk start for a prefill) and how many keys
 are real are device tensors, so one graph serves every request in its bucket: padded keys are
-invisible, padded queries are computed and dropped. The arithmetic is the engine's own
-(``cached_attention``, ``self_attention_term``, ``BiasIndex``) with general (M, N) masks, so
-scores equal the eager pass within rounding (tested on CPU without capture, on CUDA with it).
+invisible, padded queries are computed and dropped. The attention is the engine's own op
+(``ops.cached_hstu_attention`` through ``serve.attention.attend_cached``, the Triton kernel on
+CUDA) with the cache length a device tensor, so scores equal the eager pass within rounding
+(tested on CPU without capture, on CUDA with it).
 
 The static buffers make a runner (like the engine and its KV pool) single-threaded: one thread,
 the ``BatchRunner``'s in the server, drives an engine.
@@ -34,8 +35,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from recforge.ops.hstu_attention import time_buckets
-from recforge.serve.attention import BiasIndex, cached_attention, self_attention_term
+from recforge.ops import AttentionMask
+from recforge.serve.attention import attend_cached
 from recforge.serve.state import WorkItem, token_identity
 
 if TYPE_CHECKING:
@@ -71,9 +72,17 @@ class PaddedPass:
         self.features = torch.zeros(len(FEATURES), m, dtype=torch.int64, device=device)
         self.keys = torch.zeros(cfg.num_blocks, n, cfg.num_heads, cfg.dqk, dtype=dtype, device=device)
         self.values = torch.zeros(cfg.num_blocks, n, cfg.num_heads, cfg.dv, dtype=dtype, device=device)
-        self.key_times = torch.zeros(n, dtype=torch.int64, device=device)
-        # where the queries stand: the history end (targets) or the chunk start (prefix); then the contextual count
-        self.where = torch.zeros(2, dtype=torch.int64, device=device)
+        # the whole sequence's times: the cached tokens', then the new tokens' (rows past them: ignored)
+        self.times = torch.zeros(n + m, dtype=torch.int64, device=device)
+        # (B+1,) offsets of the op, B = 1: the new tokens (fixed, M) and the cached keys (the real count, on the device)
+        self.q_offsets = torch.tensor([0, m], dtype=torch.int64, device=device)
+        self.cache_offsets = torch.zeros(2, dtype=torch.int64, device=device)
+        self.num_contextual = torch.zeros(1, dtype=torch.int64, device=device)
+        if kind == "targets":
+            targets = torch.full((1,), m, dtype=torch.int64, device=device)
+            self.mask = AttentionMask(num_contextual=self.num_contextual, num_targets=targets, timestamps=self.times)
+        else:  # a prefill chunk: no targets (the timestamp rule is for targets only)
+            self.mask = AttentionMask(num_contextual=self.num_contextual)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: Tensor | None = None
 
@@ -89,13 +98,13 @@ class PaddedPass:
             st.tokens[start : start + size] = token_identity(item.features)
         self.keys[:, :start].copy_(st.keys[:, :start])
         self.values[:, :start].copy_(st.values[:, :start])
-        # past them: zeros. The mask hides those keys, but an invisible value still meets a zero weight,
-        # and 0 * inf is NaN: an earlier request's non-finite values must not leak into this one
-        self.keys[:, start:].zero_()
-        self.values[:, start:].zero_()
-        n_times = start + (size if item.kind == "prefix" else 0)
-        self.key_times[:n_times].copy_(st.timestamps[:n_times])
-        self.where.copy_(torch.tensor([start, st.num_contextual]))
+        # rows past them keep an earlier request's keys: the op reads only the first ``start`` (cache_offsets)
+        host_times = torch.zeros(self.times.numel(), dtype=torch.int64)
+        host_times[:start] = st.timestamps[:start].cpu()
+        host_times[start : start + size] = item.features["timestamps"].cpu()
+        self.times.copy_(host_times)
+        self.cache_offsets.copy_(torch.tensor([0, start]))
+        self.num_contextual.fill_(st.num_contextual)
 
     def compute(self) -> Tensor | None:
         """The padded pass; no host synchronisation, so it can be captured. (M, K) head outputs for
@@ -105,39 +114,21 @@ class PaddedPass:
         cfg = enc.cfg
         m, device = self.m, self.features.device
         feats = dict(zip(FEATURES, self.features))
+        # what the op keeps on the mask between blocks must be computed inside this pass (and so inside its
+        # graph), never carried over from an earlier one: a replay would reuse a stale request's plan
+        self.mask.forget()
         x = engine.model.prefix(feats)  # (M, d)
-        start, num_contextual = self.where[0], self.where[1]
-        k_pos = torch.arange(self.n, device=device)
-        q_ts = feats["timestamps"]
-        key_is_context = k_pos < num_contextual
-        first = enc.blocks[0]
-        num_pos = first.pos_weights.numel()
-        use_time = first.time_weights is not None and engine.time_bias
-        if self.kind == "targets":  # every candidate sits at the history end, sees context and strictly earlier events
-            distance = (start - k_pos).clamp(0, num_pos - 1).view(1, -1)
-            visible = (k_pos < start) & (key_is_context | (self.key_times.view(1, -1) < q_ts.view(-1, 1)))
-            events = ~key_is_context.view(1, -1)
-        else:  # causal chunk at [start, start + M): contextual queries see context, event queries see context + the past
-            q_pos = start + torch.arange(m, device=device)  # the bucket holds start + M keys (keys_needed)
-            distance = (q_pos.view(-1, 1) - k_pos.view(1, -1)).clamp(0, num_pos - 1)
-            query_is_event = (q_pos >= num_contextual).view(-1, 1)
-            visible = key_is_context.view(1, -1) | (query_is_event & (k_pos.view(1, -1) <= q_pos.view(-1, 1)))
-            events = query_is_event & ~key_is_context.view(1, -1)
-        time_index = time_buckets(q_ts.view(-1, 1) - self.key_times.view(1, -1), first.time_weights.numel() - 1) if use_time else None
-        index = BiasIndex(distance, time_index, events if use_time else None)
-        scale = 1.0 / cfg.max_seq_len
+        q_pos = self.cache_offsets[1] + torch.arange(m, device=device)  # where a prefill chunk's keys go
+        times = self.times if engine.time_bias else None
 
         def attend(layer: int, block, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            if self.kind == "prefix":
+            if self.kind == "prefix":  # finish() copies the chunk's keys/values into the state
                 self.keys[layer].index_copy_(0, q_pos, k)
                 self.values[layer].index_copy_(0, q_pos, v)
-            out = cached_attention(q, self.keys[layer], self.values[layer], visible=visible,
-                                   bias=index.bias(block.pos_weights, block.time_weights), scale=scale)  # fmt: skip
-            if self.kind == "targets":
-                out = out + self_attention_term(q, k, v, q_ts, block.pos_weights, block.time_weights, scale)
-            return out
+            return attend_cached(block, q, k, v, self.keys[layer], self.values[layer], self.q_offsets, self.cache_offsets,
+                                 m, self.n, self.mask, times, 1.0 / cfg.max_seq_len, cfg.kernel)  # fmt: skip
 
-        embedded, x = x, encode_blocks(enc, x, attend)
+        embedded, x = x, enc.encode(x, attend)
         return engine.model.postfix(engine.model.postfix_input(x, embedded)) if self.kind == "targets" else None
 
     def capture(self) -> None:
@@ -164,14 +155,6 @@ class PaddedPass:
         st.values[:, s:e] = self.values[:, s:e]
         st.length = e
         return None
-
-
-def encode_blocks(encoder, x: Tensor, attend) -> Tensor:
-    """x through every HSTU block with ``attend(layer, block, q, k, v) -> (T, H, Dv)`` as its attention."""
-    for layer, block in enumerate(encoder.blocks):
-        u, q, k, v = block.project(x)
-        x = block.combine(x, attend(layer, block, q, k, v), u)
-    return x
 
 
 class GraphCaptureError(RuntimeError):
@@ -217,4 +200,4 @@ class GraphRunner:
         return {"graphs": len(self.passes), **self.stats}
 
 
-__all__ = ["GraphCaptureError", "GraphRunner", "PaddedPass", "bucket", "bucket_of", "encode_blocks"]
+__all__ = ["GraphCaptureError", "GraphRunner", "PaddedPass", "bucket", "bucket_of"]

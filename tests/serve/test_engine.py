@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -199,3 +201,28 @@ def test_wrapped_encoders_are_served_uncached(tmp_path, wrapper) -> None:
     assert not engine.cached
     req = _request(engine, n_events=30, n_cands=6)
     torch.testing.assert_close(engine.rank_encoded(req).scores, engine.rank_naive(req), rtol=1e-5, atol=ATOL)
+
+
+@pytest.mark.parametrize("kernel", ["pytorch", "triton"])
+def test_one_pass_of_several_requests_equals_each_alone(tmp_path, kernel) -> None:
+    """``run`` with prefill chunks and candidates of several requests (one jagged ``cached_hstu_attention``
+    call per block) gives each request's own keys and scores. "triton": the kernel in Triton's interpreter."""
+    from recforge.serve.layout import candidate_tokens
+    from recforge.serve.state import WorkItem
+
+    if kernel == "triton" and (torch.cuda.is_available() or importlib.util.find_spec("triton") is None):
+        pytest.skip("the interpreter check runs on CPU-only machines with triton installed")
+    engine = _engine(tmp_path, prefill_chunk=16)
+    engine.model.encoder.cfg.kernel = kernel
+    reqs = [_request(engine, n, c, seed=n, late_events=n % 3) for n, c in ((40, 12), (7, 5), (23, 30))]
+    alone = [engine.rank_encoded(r).scores for r in reqs]
+    states, items = [], []
+    for r in reqs:
+        tokens = prefix_tokens(r, engine.action_encoding)
+        states.append(engine.new_state(r, tokens["item_ids"].numel()))
+        items.append(engine.prefill_items(states[-1], tokens))
+    for step in range(max(len(chunks) for chunks in items)):  # the requests' chunks side by side
+        engine.run([chunks[step] for chunks in items if step < len(chunks)])
+    together = engine.run([WorkItem(s, candidate_tokens(r), "targets") for s, r in zip(states, reqs)])
+    for got, want in zip(together, alone):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=ATOL)

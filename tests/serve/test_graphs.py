@@ -98,3 +98,16 @@ def test_cuda_graphs_equal_eager_on_cuda(tmp_path, cuda_device, encoding) -> Non
         captures_after_first = graphs.graphs.report()["captures"]
     report = graphs.graphs.report()
     assert report["replays"] > report["captures"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["pytorch", "triton"])
+def test_cuda_graphs_with_either_kernel_equal_the_training_forward(tmp_path, cuda_device, kernel) -> None:
+    """The cached op's PyTorch reference and its Triton kernel, each replayed as CUDA graphs over several
+    requests of the same buckets (nothing of an earlier request may be replayed), give the training forward."""
+    engine = _engine(tmp_path, device="cuda", prefill_chunk=16)
+    engine.model.encoder.cfg.kernel = kernel
+    for seed, (events, cands) in enumerate([(50, 20), (47, 18), (52, 19), (90, 300)]):
+        req = _request(engine, events, cands, seed=seed, late_events=seed % 3)
+        torch.testing.assert_close(engine.rank_encoded(req).scores, engine.rank_naive(req), rtol=1e-4, atol=1e-4)
+    assert engine.graphs.report()["replays"] > engine.graphs.report()["captures"]
