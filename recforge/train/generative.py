@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,8 +37,11 @@ from recforge.generate import SidTrie, beam_search, resolve_items
 from recforge.models.sid_hstu import SIDHSTU, SIDHSTUConfig
 from recforge.models.sid_seq2seq import Seq2SeqConfig, SIDSeq2Seq
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint
-from recforge.train.loop import autocast, make_optimizer, prepare_run_dir, prepare_runtime, run_loop
+from recforge.train.distributed import DistContext, init_distributed
+from recforge.train.loop import prepare_run_dir, run_loop
 from recforge.train.metrics import retrieval_metrics
+from recforge.train.runtime import prepare_runtime
+from recforge.train.step import StepRunner
 
 
 @dataclass
@@ -48,9 +51,25 @@ class Setup:
     item_codes: torch.Tensor  # (num_items + 1, L) SID of each dense item index (row 0: padding, zeros)
     trie: SidTrie  # over items 1..num_items (trie item i = dense item i + 1), on the device
     model: SIDSeq2Seq | SIDHSTU
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None
     device: torch.device
     holdout: int
+    ctx: DistContext = field(default_factory=DistContext)
+    runner: StepRunner | None = None  # the training step (dense wrapper + optimizer, see recforge.train.step)
+
+
+@dataclass
+class SidBatch:
+    """Training examples of the generative recipe: histories as SID digits and the next item's digits."""
+
+    history: torch.Tensor  # (B, T, L) SID digits of each history item (0: padding)
+    mask: torch.Tensor  # (B, T) bool, True at real history items
+    targets: torch.Tensor  # (B, L) the target item's digits
+    num_tokens: int  # SID tokens in the histories (counted on the host)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> SidBatch:
+        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return SidBatch(move(self.history), move(self.mask), move(self.targets), self.num_tokens)
 
 
 def sid_dir_of(cfg: RunConfig) -> Path:
@@ -73,9 +92,11 @@ def build_model(cfg: RunConfig, num_levels: int, vocab_size: int) -> SIDSeq2Seq 
     ))  # fmt: skip
 
 
-def setup(cfg: RunConfig, sid_dir: Path | None = None) -> Setup:
-    """Load data and SIDs, build the model and optimizer (deterministically from ``cfg.train.seed``)."""
+def setup(cfg: RunConfig, sid_dir: Path | None = None, ctx: DistContext | None = None) -> Setup:
+    """Load data and SIDs, build the model and its training step (deterministically from ``cfg.train.seed``).
+    ``ctx``: the ``torchrun`` job this process is part of (None: one process)."""
     device = prepare_runtime(cfg)
+    ctx = ctx or DistContext()
     seqs = UserSequences.from_dataset(load_dataset(cfg.data.path))
     sids = read_sids(sid_dir or sid_dir_of(cfg))
     codes = sids.codes_for(seqs.item_vocab[1:])  # (N, L)
@@ -83,7 +104,10 @@ def setup(cfg: RunConfig, sid_dir: Path | None = None) -> Setup:
     trie = SidTrie.build(codes, sids.vocab_size, cfg.generative.trie).to(device)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, sids.num_levels, sids.vocab_size).to(device)
-    return Setup(cfg, seqs, item_codes, trie, model, make_optimizer(cfg, model), device, PROTOCOL_HOLDOUT[cfg.data.protocol])
+    s = Setup(cfg, seqs, item_codes, trie, model, None, device, PROTOCOL_HOLDOUT[cfg.data.protocol], ctx)
+    s.runner = StepRunner(cfg, model, device, ctx, loss_fn=lambda b: _loss(s, b), units_fn=lambda b: b.targets.shape[0])
+    s.optimizer = s.runner.optimizer
+    return s
 
 
 def _inputs(s: Setup, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -91,16 +115,17 @@ def _inputs(s: Setup, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return s.item_codes[items].to(s.device), mask.to(s.device), targets
 
 
-def _train_step(s: Setup, samples: torch.Tensor) -> tuple[float, int]:
-    history, mask, targets = _inputs(s, samples)
-    with autocast(s.cfg, s.device):
-        loss = s.model.loss(history, mask, s.item_codes[targets].to(s.device))
-    s.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    if s.cfg.optim.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.cfg.optim.grad_clip)
-    s.optimizer.step()
-    return loss.item(), int(mask.sum()) * history.shape[2]
+def training_batch(s: Setup, samples: torch.Tensor) -> SidBatch:
+    """The CPU batch of training transitions ``samples`` (the loop moves it to the device)."""
+    items, mask, targets = history_windows(s.seqs, samples, s.cfg.data.max_seq_len)
+    history = s.item_codes[items]
+    return SidBatch(history, mask, s.item_codes[targets], int(mask.sum()) * history.shape[2])
+
+
+def _loss(s: Setup, batch: SidBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(objective, loss to log) of a device batch: mean cross-entropy over its targets' digits."""
+    loss = s.model.loss(batch.history, batch.mask, batch.targets)
+    return loss, loss
 
 
 @torch.no_grad()
@@ -159,15 +184,22 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
         >>> summary = train(load_config("configs/beauty-sid-tiger.yaml", ["train.epochs=1"]))
         >>> summary["ndcg@10"]
     """
+    ctx = init_distributed(cfg, prepare_runtime(cfg))
     run_dir = prepare_run_dir(cfg, resume)
-    s = setup(cfg, _copy_sids(cfg, run_dir))
+    ctx.barrier()  # every rank has checked the run directory before any writes to it
+    sid_dir = _copy_sids(cfg, run_dir) if ctx.is_main else run_dir / "sids"
+    ctx.barrier()  # rank 0 copied the SIDs every rank reads
+    s = setup(cfg, sid_dir, ctx)
     samples = transition_samples(s.seqs, s.holdout)
     state = run_loop(
         cfg, model=s.model, optimizer=s.optimizer, device=s.device, num_samples=samples.shape[0],
-        step=lambda ids: _train_step(s, samples[ids]), evaluate=lambda: _eval_during_training(s),
-        manifest={"num_items": s.seqs.num_items, "sid_levels": s.item_codes.shape[1]}, resume=resume, progress=progress,
-        show_keys=("hr@10", "ndcg@10"),
+        build=lambda ids: training_batch(s, samples[ids]), step=lambda micro, lr_scale: s.runner(micro, lr_scale),
+        evaluate=lambda: _eval_during_training(s), manifest={"num_items": s.seqs.num_items,
+        "sid_levels": s.item_codes.shape[1]}, resume=resume, progress=progress, show_keys=("hr@10", "ndcg@10"), ctx=ctx,
     )  # fmt: skip
+    ctx.barrier()
+    if not ctx.is_main:
+        return {"train_minutes": state["train_minutes"]}
     summary = evaluate_run(run_dir)
     summary["train_minutes"] = state["train_minutes"]
     return summary
