@@ -14,15 +14,16 @@ directory into place, a barrier. Loading on the same world size and placement re
 shard exactly (row numbers, free stack, RNG: training continues as if uninterrupted). On another
 world size (or plan) every rank reads each saved shard and keeps the rows it now owns
 (``owner_of``): IDs, weights, optimizer state, policy counters and admission candidates move
-to their new owner; rows are renumbered, stats restart at 0. ``export_sharded_checkpoint``
-merges all shards into the single-process format (``checkpoint.save_sparse_checkpoint``) that
-``recforge eval``, ``serve`` and ``export`` read.
+to their new owner; rows are renumbered, stats restart at 0. ``load_merged`` restores plain
+one-process tables from all shards (``recforge eval`` of a torchrun checkpoint);
+``export_sharded_checkpoint`` writes that merge in the single-process format
+(``checkpoint.save_sparse_checkpoint``).
 
 Example:
     >>> tables = sharded_tables(model)                                # {"embedding.item": ShardedDynamicEmbedding}
     >>> save_sharded_checkpoint("run/sparse-step-100", tables, plan)  # on every rank
     >>> load_sharded_checkpoint("run/sparse-step-100", tables)        # any world size
-    >>> export_sharded_checkpoint("run/sparse-step-100", "run/export/sparse")   # one process, no group
+    >>> load_merged("run/sparse-step-100", {"embedding.item": DynamicEmbedding(cfg)})  # one process, no group
 """
 
 from __future__ import annotations
@@ -239,20 +240,38 @@ def _evict_surplus(tensors: dict[str, Tensor], limit: int, step: int, shard: Dyn
     return {k: v[keep] for k, v in tensors.items()}
 
 
+def load_merged(path: str | Path, tables: dict[str, DynamicEmbedding]) -> dict:
+    """Restore plain (one-process) ``tables`` from a sharded checkpoint: every saved shard's rows merged
+    (what ``recforge eval`` does with a checkpoint written under torchrun); return its manifest.
+
+    Every saved row is kept, even when the shards together hold a few more than ``max_rows`` (each
+    shard's limit is ``max_rows / world size`` rounded up).
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    missing = sorted(set(tables) - set(manifest["tables"]))
+    if missing:
+        raise ValueError(f"{path} has no state for tables {missing} (it holds {sorted(manifest['tables'])})")
+    for name, table in tables.items():
+        entry = manifest["tables"][name]
+        if entry["config"]["dim"] != table.dim or entry["config"]["optimizer"]["kind"] != table.cfg.optimizer.kind:
+            raise ValueError(f"table {name!r}: checkpoint has dim {entry['config']['dim']} / optimizer "
+                             f"{entry['config']['optimizer']['kind']}, the table {table.dim} / {table.cfg.optimizer.kind}; "
+                             "build the table with the checkpoint's config")  # fmt: skip
+        reroute(path, _saved_files(manifest, entry), entry["step"], table, lambda k, t: torch.ones_like(k, dtype=torch.bool),
+                limit=0)  # fmt: skip
+    return manifest
+
+
 def export_sharded_checkpoint(path: str | Path, out: str | Path, num_shards: int = 1) -> Path:
     """Merge a sharded checkpoint into the single-process sparse checkpoint format at ``out`` (one process, no group).
 
     The tables come back as ``DynamicEmbedding``s with their full configs, loadable by
-    ``load_sparse_checkpoint`` (and so by ``recforge eval``/``serve``/``export`` inside a training checkpoint).
-    Every saved row is kept, even when the shards together hold a few more than ``max_rows`` (each shard's
-    limit is ``max_rows / world size`` rounded up).
+    ``load_sparse_checkpoint``. (Training checkpoints need no export: ``recforge eval`` and
+    ``train.checkpoint.load_checkpoint`` read ``sparse_sharded/`` directly, see ``load_merged``.)
     """
     path = Path(path)
     manifest = read_manifest(path)
-    tables = {}
-    for name, entry in manifest["tables"].items():
-        table = DynamicEmbedding(shard_config(table_config(entry["config"]), 1))
-        reroute(path, _saved_files(manifest, entry), entry["step"], table, lambda k, t: torch.ones_like(k, dtype=torch.bool),
-                limit=0)
-        tables[name] = table
+    tables = {name: DynamicEmbedding(shard_config(table_config(entry["config"]), 1)) for name, entry in manifest["tables"].items()}
+    load_merged(path, tables)
     return save_sparse_checkpoint(out, tables, num_shards)
