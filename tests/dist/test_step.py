@@ -12,6 +12,7 @@ from recforge.config import ConfigError, config_from_dict
 from recforge.train import retrieval
 from recforge.train.distributed import DistContext, even_batches, split_budget
 from recforge.train.inputs import StepInputs
+from recforge.train.runtime import resolve_device
 from tests.dist.test_torchrun import _raw, data_dir  # noqa: F401 - data_dir is a fixture
 
 
@@ -92,3 +93,22 @@ def test_step_inputs_carry_the_state_after_their_own_batches(prefetch: bool) -> 
     assert [int(item.micro[0].ids) for item in seen] == [0, 1, 2]
     assert [item.data_state["pulled"] for item in seen] == [1, 2, 3]
     assert np.all([set(item.times) == {"fetch_s", "build_s", "h2d_s"} for item in seen])
+
+
+def test_batch_split_problems_are_config_errors_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun (WORLD_SIZE set) a global batch that does not split over ranks x grad_accum is reported
+    with the other config errors when the config loads, not at the first step."""
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    raw = _raw(tmp_path, tmp_path, batch_size=24, loader="pipeline")
+    raw["train"]["epochs"] = 0
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(raw, ["dist.grad_accum=2"])
+    assert "multiple of 10" in str(err.value) and "train.epochs" in str(err.value)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    config_from_dict(_raw(tmp_path, tmp_path, batch_size=24, loader="pipeline"), ["dist.grad_accum=2"])
+
+
+def test_an_explicit_gpu_index_is_refused_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError, match="every rank on that one GPU.*CUDA_VISIBLE_DEVICES"):
+        resolve_device("cuda:1")
