@@ -133,7 +133,9 @@ class TrainConfig:
 
 @dataclass
 class DistConfig:
-    """Multi-process training under ``torchrun`` (ignored in a plain ``recforge train``).
+    """Multi-process training under ``torchrun``. A plain ``recforge train`` uses only ``pipeline`` (its
+    input prefetch: the next step's batches are built and copied while this one computes; results are
+    identical either way) and ``grad_accum``; the other fields need a process group.
 
     ``train.batch_size`` and ``train.token_budget`` stay *global* (per optimizer step): each rank
     trains on 1/world_size of them per micro-batch, split again into ``grad_accum`` micro-batches,
@@ -143,7 +145,7 @@ class DistConfig:
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
     dense: str = "ddp"  # ddp (replicated dense weights, gradients all-reduced) | fsdp2 (fully_shard: sharded weights and optimizer state)
     grad_accum: int = 1  # micro-batches per optimizer step (DDP syncs gradients only on the last)
-    pipeline: bool = True  # overlap the next batch's fetch + host-to-device copy with this step's compute
+    pipeline: bool = True  # overlap the next batch's fetch + build + H2D copy (and, sharded, its ID all-to-all) with this step
     timeout_minutes: float = 10.0  # collectives wait this long for a missing rank before the run fails
 
 

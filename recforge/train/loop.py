@@ -246,56 +246,58 @@ def run_loop(
             disable=not progress, leave=False, dynamic_ncols=True,
         )  # fmt: skip
         exhausted = False
-        while True:
-            t0 = time.perf_counter()
-            item = next(inputs)  # a source hands out batches here: from now on their rows count as consumed
-            data_wait_s = time.perf_counter() - t0
-            torch.manual_seed(cfg.train.seed * 1_000_003 + state["global_step"])
-            lr = lr_at(cfg, state["global_step"], total_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            t0 = time.perf_counter()
-            result = step(item.micro, run_lr_scale(cfg, optimizer))
-            step_s = time.perf_counter() - t0
-            if item.data_state is not None:
-                trained_state = item.data_state
-            if result is None:  # no rank had data left
-                exhausted = True
-                break
-            loss = result.loss
-            if not math.isfinite(loss):  # stop before a checkpoint can hold the weights this step corrupted
-                raise FloatingPointError(
-                    f"training loss is {loss} at step {state['global_step'] + 1} (epoch {epoch + 1}, lr {lr:.3g}); "
-                    f"the run stops here and {run_dir}/checkpoints holds only earlier, finite states. Lower optim.lr, "
-                    "set optim.grad_clip, or check the data for empty batches and non-finite features; then "
-                    "restart, or continue from the last checkpoint with --resume"
+        try:
+            while True:
+                t0 = time.perf_counter()
+                item = next(inputs)  # a source hands out batches here: from now on their rows count as consumed
+                data_wait_s = time.perf_counter() - t0
+                torch.manual_seed(cfg.train.seed * 1_000_003 + state["global_step"])
+                lr = lr_at(cfg, state["global_step"], total_steps)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                t0 = time.perf_counter()
+                result = step(item.micro, run_lr_scale(cfg, optimizer))
+                step_s = time.perf_counter() - t0
+                if item.data_state is not None:
+                    trained_state = item.data_state
+                if result is None:  # no rank had data left
+                    exhausted = True
+                    break
+                loss = result.loss
+                if not math.isfinite(loss):  # stop before a checkpoint can hold the weights this step corrupted
+                    raise FloatingPointError(
+                        f"training loss is {loss} at step {state['global_step'] + 1} (epoch {epoch + 1}, lr {lr:.3g}); "
+                        f"the run stops here and {run_dir}/checkpoints holds only earlier, finite states. Lower optim.lr, "
+                        "set optim.grad_clip, or check the data for empty batches and non-finite features; then "
+                        "restart, or continue from the last checkpoint with --resume"
+                    )
+                tokens_per_s = result.tokens / step_s
+                state["global_step"] += 1
+                state["step_in_epoch"] += 1
+                if main:
+                    append_jsonl(steps_log, {"step": state["global_step"], "epoch": epoch, "loss": loss,
+                                             "tokens_per_s": tokens_per_s, "step_s": step_s, "data_wait_s": data_wait_s,
+                                             **item.times})  # fmt: skip
+                if main and state["global_step"] % cfg.train.log_every == 0:
+                    writer.add_scalar("train/loss", loss, state["global_step"])
+                    writer.add_scalar("train/tokens_per_s", tokens_per_s, state["global_step"])
+                    writer.add_scalar("train/data_wait_s", data_wait_s, state["global_step"])
+                    writer.add_scalar("train/lr", lr, state["global_step"])
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+                out_of_budget = (cfg.train.max_steps and state["global_step"] >= cfg.train.max_steps) or (
+                    cfg.train.max_minutes and any_rank(ctx, time.monotonic() - started >= cfg.train.max_minutes * 60)
                 )
-            tokens_per_s = result.tokens / step_s
-            state["global_step"] += 1
-            state["step_in_epoch"] += 1
-            if main:
-                append_jsonl(steps_log, {"step": state["global_step"], "epoch": epoch, "loss": loss,
-                                         "tokens_per_s": tokens_per_s, "step_s": step_s, "data_wait_s": data_wait_s,
-                                         **item.times})  # fmt: skip
-            if main and state["global_step"] % cfg.train.log_every == 0:
-                writer.add_scalar("train/loss", loss, state["global_step"])
-                writer.add_scalar("train/tokens_per_s", tokens_per_s, state["global_step"])
-                writer.add_scalar("train/data_wait_s", data_wait_s, state["global_step"])
-                writer.add_scalar("train/lr", lr, state["global_step"])
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
-            out_of_budget = (cfg.train.max_steps and state["global_step"] >= cfg.train.max_steps) or (
-                cfg.train.max_minutes and any_rank(ctx, time.monotonic() - started >= cfg.train.max_minutes * 60)
-            )
-            if out_of_budget:
-                stop = True
-                break
-            if cfg.train.checkpoint_every and state["global_step"] % cfg.train.checkpoint_every == 0:
-                checkpoint()
-        bar.close()
-        if lookahead is not None:
-            lookahead(None)
-        inputs.close()  # rows prefetched but not trained stay unconsumed in the saved state
+                if out_of_budget:
+                    stop = True
+                    break
+                if cfg.train.checkpoint_every and state["global_step"] % cfg.train.checkpoint_every == 0:
+                    checkpoint()
+        finally:  # also on an exception: no prefetch or read-ahead thread outlives the loop
+            bar.close()
+            if lookahead is not None:
+                lookahead(None)
+            inputs.close()  # rows prefetched but not trained stay unconsumed in the saved state
         # memory: the epoch's step count is known, so a budget stop on its last step also ends the epoch (as before)
         if exhausted or (source is None and state["step_in_epoch"] >= steps_per_epoch):
             state["epoch"] += 1

@@ -112,3 +112,21 @@ def test_an_explicit_gpu_index_is_refused_under_torchrun(monkeypatch: pytest.Mon
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(ValueError, match="every rank on that one GPU.*CUDA_VISIBLE_DEVICES"):
         resolve_device("cuda:1")
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_step_inputs_close_closes_the_raw_inputs(prefetch: bool) -> None:
+    """``close`` ends the raw generator (whose ``finally`` stops a source's read-ahead thread) with or without prefetch."""
+    closed = []
+
+    def raw():
+        try:
+            while True:
+                yield [None]
+        finally:
+            closed.append(True)
+
+    inputs = StepInputs(raw(), build=lambda r: r, device=torch.device("cpu"), snapshot=None, prefetch=prefetch)
+    next(inputs)
+    inputs.close()
+    assert closed == [True]
