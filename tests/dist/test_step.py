@@ -130,3 +130,14 @@ def test_step_inputs_close_closes_the_raw_inputs(prefetch: bool) -> None:
     next(inputs)
     inputs.close()
     assert closed == [True]
+
+
+def test_fsdp2_shards_each_encoder_block_on_its_own(tmp_path: Path) -> None:
+    """``dist.dense=fsdp2`` wraps every HSTU block in its own group (not only the root), tables excluded."""
+    from recforge.models.builders import build_retrieval_model
+    from recforge.train.distributed import fsdp_blocks
+
+    cfg = config_from_dict(_raw(tmp_path, tmp_path), ["model.num_blocks=3"])
+    model = build_retrieval_model(cfg.model, 50, 20, cfg.sparse)
+    blocks = fsdp_blocks(model)
+    assert len(blocks) == 3 and all(type(b).__name__ == "HSTUBlock" for b in blocks)
