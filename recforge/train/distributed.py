@@ -135,10 +135,13 @@ class Objective(nn.Module):
         return self.loss_fn(batch)  # (objective, loss to log)
 
 
-def wrap_dense(objective: Objective, cfg: RunConfig, ctx: DistContext, device: torch.device) -> nn.Module:
+def wrap_dense(objective: Objective, cfg: RunConfig, ctx: DistContext, device: torch.device, *,
+               find_unused: bool = True) -> nn.Module:  # fmt: skip
     """DDP (default) or FSDP2 over the objective's dense parameters; the objective itself when single-process.
 
     Buffers are not broadcast: dynamic-table shards live in buffers and differ per rank by design.
+    ``find_unused``: DDP searches the graph for parameters the loss did not use (needed by some
+    configs, e.g. time buckets without timestamps; ``unused_parameters`` tells; it costs a graph pass per step).
     """
     if not ctx.initialized:
         return objective
@@ -149,10 +152,30 @@ def wrap_dense(objective: Objective, cfg: RunConfig, ctx: DistContext, device: t
             fully_shard(block)
         return fully_shard(objective)  # the rest (embeddings, heads: used by item_vectors etc.) in the root group
     ids = [device.index if device.index is not None else 0] if device.type == "cuda" else None
-    # find_unused_parameters: some configs leave parameters out of the loss (e.g. time buckets without timestamps)
     return nn.parallel.DistributedDataParallel(
-        objective, device_ids=ids, broadcast_buffers=False, find_unused_parameters=True
+        objective, device_ids=ids, broadcast_buffers=False, find_unused_parameters=find_unused
     )
+
+
+def unused_parameters(objective: Objective, batch: Any, ctx: DistContext, precision: Callable[[], Any]) -> bool:
+    """Whether the loss of ``batch`` leaves a trainable parameter without gradient on any rank (a collective).
+
+    One probe forward + gradient, run as a stand-in (dynamic tables read only, see
+    ``sparse.sharded.standin_lookups``) with the RNG state restored, so training is unchanged.
+    """
+    from recforge.sparse.sharded import standin_lookups
+
+    params = [p for p in objective.parameters() if p.requires_grad]
+    device = params[0].device if params else torch.device("cpu")
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with standin_lookups(objective.model, here=True, anywhere=True), precision():
+            value, _ = objective(batch)
+        grads = torch.autograd.grad(value, params, allow_unused=True)
+    unused = [name for (name, p), g in zip(((n, p) for n, p in objective.named_parameters() if p.requires_grad), grads,
+                                            strict=True) if g is None]  # fmt: skip
+    if unused and ctx.is_main:
+        log.info("parameters without gradient in this config (DDP will search for them each step): %s", unused[:8])
+    return ctx.all_reduce_sum([float(bool(unused))])[0] > 0
 
 
 def fsdp_blocks(model: nn.Module) -> list[nn.Module]:

@@ -37,7 +37,7 @@ from torch import nn
 from recforge.config import RunConfig
 from recforge.sparse import SparseOptimizer
 from recforge.sparse.sharded import standin_lookups
-from recforge.train.distributed import DistContext, Objective, wrap_dense
+from recforge.train.distributed import DistContext, Objective, unused_parameters, wrap_dense
 from recforge.train.pipeline_step import AheadTable, LookAhead
 from recforge.train.runtime import autocast, make_optimizer
 
@@ -69,8 +69,12 @@ class StepRunner:
     def __init__(self, cfg: RunConfig, model: nn.Module, device: torch.device, ctx: DistContext, *, loss_fn: LossFn,
                  units_fn: UnitsFn, summed: bool = False, sparse_optimizer: SparseOptimizer | None = None) -> None:  # fmt: skip
         self.cfg, self.model, self.device, self.ctx = cfg, model, device, ctx
-        self.objective = wrap_dense(Objective(model, loss_fn), cfg, ctx, device)
-        # created after wrapping (FSDP2 replaces the parameters); same order as model.parameters()
+        self.objective: nn.Module = Objective(model, loss_fn)
+        # DDP waits for the first batch: it tells whether DDP must search for unused parameters each step
+        self._wrap_later = ctx.initialized and cfg.dist.dense == "ddp"
+        if not self._wrap_later:
+            self.objective = wrap_dense(self.objective, cfg, ctx, device)
+        # created after FSDP2 wrapping (it replaces the parameters; DDP keeps them); order of model.parameters()
         self.optimizer = make_optimizer(cfg, self.objective)
         self.units_fn, self.summed, self.sparse_optimizer = units_fn, summed, sparse_optimizer
         self._last: Any = None  # this rank's last real batch: the stand-in when it has none
@@ -133,6 +137,10 @@ class StepRunner:
             self._borrow_standin(micro)
         if any(has):
             self._last = next(b for b in reversed(micro) if b is not None)
+        if self._wrap_later:  # the first step: every rank probes its first (or stand-in) batch
+            probe = next((b for b in micro if b is not None), self._last)
+            find = unused_parameters(self.objective, probe, self.ctx, lambda: autocast(self.cfg, self.device))
+            self.objective, self._wrap_later = wrap_dense(self.objective, self.cfg, self.ctx, self.device, find_unused=find), False
         if not self.ctx.initialized:  # one process: no collective to match, a missing micro-batch is just skipped
             micro, units, ranks_with = [b for b in micro if b is not None], [n for n in units if n], [1.0] * int(global_real)
         self.optimizer.zero_grad(set_to_none=True)

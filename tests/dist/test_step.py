@@ -141,3 +141,20 @@ def test_fsdp2_shards_each_encoder_block_on_its_own(tmp_path: Path) -> None:
     model = build_retrieval_model(cfg.model, 50, 20, cfg.sparse)
     blocks = fsdp_blocks(model)
     assert len(blocks) == 3 and all(type(b).__name__ == "HSTUBlock" for b in blocks)
+
+
+def test_ddp_searches_for_unused_parameters_only_when_some_are_unused() -> None:
+    """The first-step probe finds parameters outside the loss's graph, and leaves the RNG as it found it."""
+    import contextlib
+
+    from recforge.train.distributed import Objective, unused_parameters
+
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 1), "dropout": torch.nn.Dropout(0.5), "spare": torch.nn.Linear(3, 1)})
+    loss = lambda x: (model["used"](model["dropout"](x)).sum(),) * 2  # noqa: E731
+    only_used = lambda x: (model["used"](x).sum() + model["spare"](x).sum(),) * 2  # noqa: E731
+    torch.manual_seed(0)
+    expected = torch.rand(1)
+    torch.manual_seed(0)
+    assert unused_parameters(Objective(model, loss), torch.ones(2, 3), DistContext(), contextlib.nullcontext)
+    assert torch.equal(torch.rand(1), expected)  # the probe's dropout did not move the training RNG
+    assert not unused_parameters(Objective(model, only_used), torch.ones(2, 3), DistContext(), contextlib.nullcontext)
