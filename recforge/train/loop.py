@@ -21,11 +21,9 @@ time, and the input stages' times (``fetch_s``, ``build_s``, ``h2d_s``; see ``in
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -38,6 +36,9 @@ from recforge.sparse.sharded_checkpoint import save_sharded_checkpoint
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from recforge.train.distributed import DistContext, any_rank, full_dense_state, merged_data_state
 from recforge.train.inputs import StepInputs
+from recforge.train.run_files import append_jsonl, format_metrics, prepare_run_dir, truncate_jsonl
+
+__all__ = ["BatchSource", "lr_at", "prepare_run_dir", "run_loop", "run_lr_scale"]
 
 StepFn = Callable[[list, float], Any]  # (micro-batches, lr scale) -> StepResult, or None when no rank had data
 EvalFn = Callable[[], tuple[str, dict[str, float]]]  # () -> (split name, metrics)
@@ -82,34 +83,6 @@ def run_lr_scale(cfg: RunConfig, optimizer: torch.optim.Optimizer) -> float:
     """This step's learning rate over ``optim.lr`` (what ``optim.schedule`` set): the factor sparse
     tables apply on top of their own schedule, so ``model.embedding=dynamic`` follows the run's."""
     return optimizer.param_groups[0]["lr"] / cfg.optim.lr if cfg.optim.lr else 1.0
-
-
-def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path:
-    """Create the run directory; refuse to overwrite an existing run unless resuming."""
-    run_dir = cfg.run_dir
-    if not resume and find_checkpoint(run_dir) is not None:
-        raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it or choose another name/output_dir")
-    if resume and find_checkpoint(run_dir) is None:
-        raise ValueError(f"--resume: {run_dir} has no checkpoint to resume from")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
-
-
-def append_jsonl(path: Path, row: dict) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
-def _truncate_jsonl(path: Path, max_step: int) -> None:
-    """Drop log rows written after the checkpoint we resume from (they will be replayed)."""
-    if path.is_file():
-        rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= max_step]
-        path.write_text("".join(r + "\n" for r in rows))
-
-
-def format_metrics(metrics: dict, keys: tuple[str, ...] | None = None) -> str:
-    keys = keys or tuple(k for k, v in metrics.items() if isinstance(v, float))
-    return "  ".join(f"{k}={metrics[k]:.4f}" for k in keys if k in metrics)
 
 
 def run_loop(
@@ -163,8 +136,8 @@ def run_loop(
             written, now = ("memory", "pipeline") if data_state is None else ("pipeline", "memory")
             raise ValueError(f"{ckpt} was written with train.loader={written}; resume it with that loader, not {now}")
         if main:
-            _truncate_jsonl(steps_log, state["global_step"])
-            _truncate_jsonl(evals_log, state["global_step"])
+            truncate_jsonl(steps_log, state["global_step"])
+            truncate_jsonl(evals_log, state["global_step"])
     elif main:
         for path in (steps_log, evals_log):
             path.unlink(missing_ok=True)
