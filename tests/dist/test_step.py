@@ -158,3 +158,25 @@ def test_ddp_searches_for_unused_parameters_only_when_some_are_unused() -> None:
     assert unused_parameters(Objective(model, loss), torch.ones(2, 3), DistContext(), contextlib.nullcontext)
     assert torch.equal(torch.rand(1), expected)  # the probe's dropout did not move the training RNG
     assert not unused_parameters(Objective(model, only_used), torch.ones(2, 3), DistContext(), contextlib.nullcontext)
+
+
+def _first_step_without_data_worker(rank: int, world_size: int, data: str, out: str) -> None:
+    cfg = config_from_dict(_raw(Path(data), Path(out) / str(rank)), ["model.embedding=dynamic", "sparse.optimizer=adam"])
+    ctx = DistContext(rank, world_size, rank, initialized=True)
+    s = retrieval.setup(cfg, ctx)
+    samples = s.seqs.training_samples(s.holdout, cfg.data.max_seq_len, cfg.data.train_windows)
+    batch = s.seqs.training_batch(samples[torch.arange(6)], cfg.data.max_seq_len)
+    # rank 1 resumed at the end of its share: no batch on its first step (it used to raise, while rank 0 hung)
+    result = s.runner([batch if rank == 0 else None])
+    assert result is not None and result.tokens == batch.num_tokens
+    stats = s.model.prefix.item_embedding.global_stats()
+    assert stats["admitted"] == torch.unique(batch.features["item_ids"]).numel()  # the borrowed stand-in admitted nothing
+
+
+def test_a_rank_without_any_batch_on_its_first_step_borrows_a_stand_in(tmp_path: Path, data_dir: Path) -> None:  # noqa: F811
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sparse"))
+    from _dist import spawn
+
+    spawn(_first_step_without_data_worker, 2, str(data_dir), str(tmp_path))
