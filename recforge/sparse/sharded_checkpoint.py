@@ -201,7 +201,10 @@ def reroute(path: Path, files: list[list[str]], step: int, shard: DynamicEmbeddi
     cfg = shard.cfg
     limit = cfg.max_rows if limit is None else limit
     if limit and tensors["key.keys"].numel() > limit:
-        tensors = _evict_surplus(tensors, limit, step, shard)
+        tensors, dropped = _evict_surplus(tensors, limit, step, shard)
+        if "deleted_keys" in cand:  # deletions are tracked (for delta exports): these rows are gone too
+            cand["deleted_keys"].append(dropped["key.keys"])
+            cand["deleted_tags"].append(dropped["key.tags"])
     n = tensors["key.keys"].numel()
     num_rows = max(cfg.capacity, n)
     tensors["key.rows"] = torch.arange(n)
@@ -224,20 +227,22 @@ def reroute(path: Path, files: list[list[str]], step: int, shard: DynamicEmbeddi
     load_table_state(shard, tensors, meta)
 
 
-def _evict_surplus(tensors: dict[str, Tensor], limit: int, step: int, shard: DynamicEmbedding) -> dict[str, Tensor]:
-    """The ``limit`` saved rows the table's eviction policy ranks highest (LRU/LFU/...; ``none``: the most
-    looked-up); the others are dropped with a warning."""
+def _evict_surplus(tensors: dict[str, Tensor], limit: int, step: int,
+                   shard: DynamicEmbedding) -> tuple[dict[str, Tensor], dict[str, Tensor]]:  # fmt: skip
+    """(kept, dropped): the ``limit`` saved rows the table's eviction policy ranks highest (LRU/LFU/...;
+    ``none``: the most looked-up) and the others, dropped with a warning."""
     cfg, n = shard.cfg, tensors["key.keys"].numel()
     counters = RowCounters(**{name: tensors[f"key.counter.{name}"] for name in RowCounters.zeros(0, "cpu").tensors()})
     rows = torch.arange(n)
     policy = cfg.eviction if cfg.eviction.kind != "none" else dataclasses.replace(cfg.eviction, kind="lfu")
     norms = tensors["key.weight"].float().norm(dim=1) if policy.kind == "l2" else None
     scores = eviction_scores(policy, counters, rows, step, shard.clock(), norms)
-    keep = torch.sort(torch.topk(scores, limit, largest=True).indices).values  # saved order kept
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[torch.topk(scores, limit, largest=True).indices] = True  # saved order kept
     log.warning("table %r: %d saved rows route to this shard, which holds at most %d (max_rows / world size, rounded "
                 "up); the %d lowest-priority rows under eviction %r are dropped. Raise max_rows to keep them all",
                 cfg.name, n, limit, n - limit, policy.kind)  # fmt: skip
-    return {k: v[keep] for k, v in tensors.items()}
+    return {k: v[keep] for k, v in tensors.items()}, {k: v[~keep] for k, v in tensors.items()}
 
 
 def load_merged(path: str | Path, tables: dict[str, DynamicEmbedding]) -> dict:
