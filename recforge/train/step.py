@@ -142,7 +142,9 @@ class StepRunner:
             find = unused_parameters(self.objective, probe, self.ctx, lambda: autocast(self.cfg, self.device))
             self.objective, self._wrap_later = wrap_dense(self.objective, self.cfg, self.ctx, self.device, find_unused=find), False
         if not self.ctx.initialized:  # one process: no collective to match, a missing micro-batch is just skipped
-            micro, units, ranks_with = [b for b in micro if b is not None], [n for n in units if n], [1.0] * int(global_real)
+            units = [n for b, n in zip(micro, units, strict=True) if b is not None]
+            micro = [b for b in micro if b is not None]
+            ranks_with = [1.0] * len(micro)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = 0
@@ -187,6 +189,7 @@ class StepRunner:
         offers = self.ctx.all_gather_objects(None if mine is None else mine.to("cpu"))
         if self._last is None and mine is None:
             self._last = next(b for b in offers if b is not None).to(self.device)
+
 
 @contextlib.contextmanager
 def _fsdp_no_sync(module: nn.Module):

@@ -180,3 +180,19 @@ def test_a_rank_without_any_batch_on_its_first_step_borrows_a_stand_in(tmp_path:
     from _dist import spawn
 
     spawn(_first_step_without_data_worker, 2, str(data_dir), str(tmp_path))
+
+
+def test_one_process_skips_a_missing_micro_batch(tmp_path: Path, data_dir: Path) -> None:  # noqa: F811
+    """grad_accum=2 with the epoch's last step holding one batch: the same model and tables as that batch alone
+    (before, a weight-0 rerun of the batch still counted its IDs twice for the eviction policy)."""
+    states = []
+    for accum, micro_of in ((1, lambda b: [b]), (2, lambda b: [b, None])):
+        cfg = config_from_dict(_raw(data_dir, tmp_path / str(accum)), [f"dist.grad_accum={accum}", "model.embedding=dynamic",
+                                                                        "sparse.optimizer=adam"])  # fmt: skip
+        s = retrieval.setup(cfg)
+        samples = s.seqs.training_samples(s.holdout, cfg.data.max_seq_len, cfg.data.train_windows)
+        s.runner(micro_of(s.seqs.training_batch(samples[torch.arange(8)], cfg.data.max_seq_len)))
+        states.append({k: v.clone() for k, v in s.model.state_dict().items()} | {"stats": s.model.prefix.item_embedding.stats})
+    assert states[0].pop("stats") == states[1].pop("stats")
+    for key in states[0]:
+        torch.testing.assert_close(states[1][key], states[0][key], rtol=0, atol=0, msg=key)
