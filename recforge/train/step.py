@@ -17,6 +17,8 @@ A rank without data for a micro-batch repeats its last batch with weight 0, so t
 DDP and of sharded tables still match across ranks; its table lookups are marked as a stand-in
 (``standin_lookups``), so they change no sparse state (admission, counters, optimizer). A rank that
 has had no batch at all yet borrows one from a rank with data. One process skips missing micro-batches.
+DDP wraps the objective at the first step, after a probe of its batch tells whether some parameter
+is outside the loss (then, and only then, DDP searches for unused parameters every step).
 
 Example:
     >>> runner = StepRunner(cfg, model, device, ctx, loss_fn=lambda b: _loss(s, b), units_fn=lambda b: b.num_targets)
