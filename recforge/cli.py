@@ -103,7 +103,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     cfg = load_config(args.config, args.overrides)
     summary = _recipe_module(cfg.recipe).train(cfg, resume=args.resume, progress=not args.no_progress)
-    if "split" not in summary:  # a torchrun rank other than 0: rank 0 evaluates and prints
+    if not summary.get("is_main", True):  # a torchrun rank other than 0: rank 0 evaluates and prints
         return
     if cfg.recipe == "ranking":
         print(f"run {cfg.run_dir}: {summary['split']} split, {int(summary['impressions']):,} impressions, "

@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -132,7 +133,9 @@ class TrainConfig:
 
 @dataclass
 class DistConfig:
-    """Multi-process training under ``torchrun`` (ignored in a plain ``recforge train``).
+    """Multi-process training under ``torchrun``. A plain ``recforge train`` uses only ``pipeline`` (its
+    input prefetch: the next step's batches are built and copied while this one computes; results are
+    identical either way) and ``grad_accum``; the other fields need a process group.
 
     ``train.batch_size`` and ``train.token_budget`` stay *global* (per optimizer step): each rank
     trains on 1/world_size of them per micro-batch, split again into ``grad_accum`` micro-batches,
@@ -142,7 +145,7 @@ class DistConfig:
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
     dense: str = "ddp"  # ddp (replicated dense weights, gradients all-reduced) | fsdp2 (fully_shard: sharded weights and optimizer state)
     grad_accum: int = 1  # micro-batches per optimizer step (DDP syncs gradients only on the last)
-    pipeline: bool = True  # overlap the next batch's fetch + host-to-device copy with this step's compute
+    pipeline: bool = True  # overlap the next batch's fetch + build + H2D copy (and, sharded, its ID all-to-all) with this step
     timeout_minutes: float = 10.0  # collectives wait this long for a missing rank before the run fails
 
 
@@ -321,7 +324,23 @@ def validate(cfg: RunConfig) -> list[str]:
         problems.append("train.loader_workers must be >= 1 and train.token_budget >= 0 (> 0 needs train.loader=pipeline)")
     if not cfg.data.path:
         problems.append("data.path: required (a directory written by `recforge data prepare`)")
-    return problems
+    return problems + _validate_dist(cfg)
+
+
+def _validate_dist(cfg: RunConfig) -> list[str]:
+    """The global batch must split into world size x ``dist.grad_accum`` micro-batches (checked again, with
+    the process group's world size, by ``train.distributed.split_budget``)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; 1 for a plain `recforge train`
+    parts, t = world * max(cfg.dist.grad_accum, 1), cfg.train
+    if t.loader != "pipeline":
+        return []  # the memory loader splits each global batch as evenly as it can
+    if t.token_budget and t.token_budget // parts < 1:
+        return [f"train.token_budget={t.token_budget} is less than one token per micro-batch over {world} rank(s) x "
+                f"dist.grad_accum={cfg.dist.grad_accum}; raise it"]  # fmt: skip
+    if not t.token_budget and t.batch_size % parts:
+        return [f"train.batch_size={t.batch_size} (global, per optimizer step) must divide evenly into {world} rank(s) x "
+                f"dist.grad_accum={cfg.dist.grad_accum} micro-batches with train.loader=pipeline; use a multiple of {parts}"]  # fmt: skip
+    return []
 
 
 def _validate_ranking(cfg: RunConfig) -> list[str]:

@@ -109,13 +109,13 @@ class ShardingPlan:
     def load(cls, path: str | Path) -> ShardingPlan:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
-    def build(self, cfg: TableConfig, device: torch.device | str = "cpu", group=None) -> nn.Module:
-        """The ``ShardedDynamicEmbedding`` of table ``cfg.name`` as this plan places it."""
+    def build(self, cfg: TableConfig, device: torch.device | str = "cpu", group=None, cls: type | None = None) -> nn.Module:
+        """The ``ShardedDynamicEmbedding`` (or its subclass ``cls``) of table ``cfg.name`` as this plan places it."""
         from recforge.sparse.sharded import ShardedDynamicEmbedding
 
         if cfg.name not in self.tables:
             raise ValueError(f"sharding plan has no table {cfg.name!r} (it plans {sorted(self.tables)}); re-plan with this table")
-        return ShardedDynamicEmbedding(cfg, device, group, owner_rank=self.tables[cfg.name].owner_rank)
+        return (cls or ShardedDynamicEmbedding)(cfg, device, group, owner_rank=self.tables[cfg.name].owner_rank)
 
 
 def plan_sharding(tables: list[TableConfig], world_size: int, row_wise_min_bytes: int = 64 << 20) -> ShardingPlan:

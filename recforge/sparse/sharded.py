@@ -24,15 +24,19 @@ batches. Gradient accumulation: several forward/backward passes before one ``app
 sum their row gradients on the owner (``DynamicEmbedding`` keeps one pending list per step).
 
 Every rank must call ``forward`` (or ``distribute`` + ``lookup``), ``backward`` and
-``apply_gradients`` the same number of times in the same order: they are collectives.
+``apply_gradients`` the same number of times in the same order: they are collectives. A rank with
+nothing to look up that must still join (a stand-in batch, see ``standin_lookups``) sends its IDs
+with 0 occurrences: an owner neither admits, touches nor updates a row whose occurrences sum to 0.
 Without an initialised process group the table is a plain ``DynamicEmbedding`` (the shard is
 the whole table and ``forward`` is exactly its forward).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +154,8 @@ class ShardedDynamicEmbedding(nn.Module):
         self.shard = DynamicEmbedding(shard_config(cfg, 1 if owner_rank is not None else self.world_size, owns), device)
         if self.rank and owner_rank is None:  # shard 0 draws exactly as the unsharded table; the others their own stream
             self.shard.generator.manual_seed((cfg.seed + self.rank * _RANK_SEED) & (2**63 - 1))
+        self.standin_here = False  # this rank's lookups are a stand-in: their IDs are sent with 0 occurrences
+        self.standin_anywhere = False  # some rank's are: owners look up 0-occurrence IDs read-only
 
     @property
     def device(self) -> torch.device:
@@ -201,6 +207,8 @@ class ShardedDynamicEmbedding(nn.Module):
         if not self.collective:
             return DistributedIds(ids.shape, ids=flat, tags=flat_tags, has_tags=tags is not None)
         keys, key_tags, inverse, occurrences = unique_keys(flat, flat_tags)
+        if self.standin_here:
+            occurrences = torch.zeros_like(occurrences)
         owner = self.owners(keys, key_tags)  # (U,)
         order = torch.argsort(owner, stable=True)
         send = torch.stack([keys[order], key_tags[order], occurrences[order]], 1)  # (U, 3)
@@ -227,7 +235,15 @@ class ShardedDynamicEmbedding(nn.Module):
     def lookup(self, handle: DistributedIds, admit: bool = True) -> Tensor:
         """Phase 2: the owner's lookup (admission in training, as ``DynamicEmbedding``) and the embeddings' way back."""
         if handle.ids is not None:
-            return self.shard(handle.ids.view(handle.shape), None if handle.tags is None else handle.tags.view(handle.shape), admit)
+            ids, tags = handle.ids.view(handle.shape), None if handle.tags is None else handle.tags.view(handle.shape)
+            if self.standin_here and self.training:  # no other rank: a stand-in only reads
+                with torch.no_grad():
+                    self.shard.eval()
+                    try:
+                        return self.shard(ids, tags, admit)
+                    finally:
+                        self.shard.train()
+            return self.shard(ids, tags, admit)
         handle.wait()
         recv_keys, recv_tags, recv_occ = handle.received.unbind(1)  # (R,) each
         if handle.has_tags:
@@ -236,11 +252,26 @@ class ShardedDynamicEmbedding(nn.Module):
             keys, inverse = torch.unique(recv_keys, return_inverse=True)
             tags = None
         occurrences = torch.zeros(keys.numel(), dtype=torch.int64, device=keys.device).index_add_(0, inverse, recv_occ)
-        rows, absent = self.shard._rows(keys, tags, occurrences, self.training, admit)
-        unique_emb = self.shard._gather(rows, absent)  # (G, d)
+        unique_emb = self._owner_rows(keys, tags, occurrences, admit)  # (G, d)
         sent_back = F.embedding(inverse, unique_emb)  # (R, d): each sender's keys, in the order it sent them
         out = _AllToAll.apply(sent_back, handle.send_splits, handle.recv_splits, self.group)  # (U, d); backward: to the owners
         return F.embedding(handle.position, out).view(*handle.shape, self.dim)
+
+    def _owner_rows(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor, admit: bool) -> Tensor:
+        """The owner's rows of distinct ``keys`` (G, d): a training lookup, except for keys whose occurrences
+        sum to 0 (only stand-in batches asked for them), which are read without admission, counters or gradient."""
+        if not (self.standin_anywhere and self.training):
+            rows, absent = self.shard._rows(keys, tags, occurrences, self.training, admit)
+            return self.shard._gather(rows, absent)
+        live = occurrences > 0
+        real, idle = live.nonzero().squeeze(1), (~live).nonzero().squeeze(1)
+        rows, absent = self.shard._rows(keys[real], None if tags is None else tags[real], occurrences[real], True, admit)
+        emb = self.shard._gather(rows, absent)  # (G_real, d), gradients flow to these rows only
+        idle_rows = self.shard.index.lookup(keys[idle], None if tags is None else tags[idle])
+        with torch.no_grad():
+            idle_emb = self.shard._gather(idle_rows, int((idle_rows < 0).sum()))  # (G_idle, d)
+        out = emb.new_zeros(keys.numel(), self.dim).index_copy(0, real, emb)
+        return out.index_copy(0, idle, idle_emb.to(emb.dtype))
 
     # ------------------------------------------------------------- update, tiers, loading
 
@@ -301,6 +332,27 @@ class ShardedDynamicEmbedding(nn.Module):
         ids = check_ids(ids, "warm_start ids")
         mine = (self.owners(ids, torch.full_like(ids, tag)) == self.rank).nonzero().squeeze(1)
         warm_start(self.shard, weight[mine], ids[mine], tag)
+
+
+@contextlib.contextmanager
+def standin_lookups(module: nn.Module, here: bool, anywhere: bool) -> Iterator[None]:
+    """Within: lookups of ``module``'s sharded tables are a stand-in on this rank (``here``: a rank without data
+    repeating its last batch with weight 0, so the collectives still match) and/or on some rank (``anywhere``,
+    the same on every rank). Stand-in IDs change no table state: no admission, counters or optimizer step.
+
+    Example:
+        >>> with standin_lookups(model, here=batch is None, anywhere=ranks_with_data < world_size):
+        ...     (model(batch or last_batch) * weight).backward()
+    """
+    tables = [m for m in module.modules() if isinstance(m, ShardedDynamicEmbedding)]
+    before = [(t.standin_here, t.standin_anywhere) for t in tables]
+    for table in tables:
+        table.standin_here, table.standin_anywhere = here, anywhere or here
+    try:
+        yield
+    finally:
+        for table, (was_here, was_anywhere) in zip(tables, before, strict=True):
+            table.standin_here, table.standin_anywhere = was_here, was_anywhere
 
 
 def sharded_tables(module: nn.Module) -> dict[str, ShardedDynamicEmbedding]:

@@ -14,15 +14,16 @@ directory into place, a barrier. Loading on the same world size and placement re
 shard exactly (row numbers, free stack, RNG: training continues as if uninterrupted). On another
 world size (or plan) every rank reads each saved shard and keeps the rows it now owns
 (``owner_of``): IDs, weights, optimizer state, policy counters and admission candidates move
-to their new owner; rows are renumbered, stats restart at 0. ``export_sharded_checkpoint``
-merges all shards into the single-process format (``checkpoint.save_sparse_checkpoint``) that
-``recforge eval``, ``serve`` and ``export`` read.
+to their new owner; rows are renumbered, stats restart at 0. ``load_merged`` restores plain
+one-process tables from all shards (``recforge eval`` of a torchrun checkpoint);
+``export_sharded_checkpoint`` writes that merge in the single-process format
+(``checkpoint.save_sparse_checkpoint``).
 
 Example:
     >>> tables = sharded_tables(model)                                # {"embedding.item": ShardedDynamicEmbedding}
     >>> save_sharded_checkpoint("run/sparse-step-100", tables, plan)  # on every rank
     >>> load_sharded_checkpoint("run/sparse-step-100", tables)        # any world size
-    >>> export_sharded_checkpoint("run/sparse-step-100", "run/export/sparse")   # one process, no group
+    >>> load_merged("run/sparse-step-100", {"embedding.item": DynamicEmbedding(cfg)})  # one process, no group
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from recforge.sparse.checkpoint import FORMAT_VERSION as SINGLE_FORMAT_VERSION
 from recforge.sparse.checkpoint import load_table_state, save_sparse_checkpoint, table_state
 from recforge.sparse.optim import SparseOptimConfig
 from recforge.sparse.planner import ShardingPlan, TablePlacement, row_bytes
-from recforge.sparse.policies import AdmissionConfig, EvictionConfig
+from recforge.sparse.policies import AdmissionConfig, EvictionConfig, RowCounters, eviction_scores
 from recforge.sparse.sharded import ShardedDynamicEmbedding, owner_of, shard_config
 from recforge.sparse.table import DynamicEmbedding, TableConfig
 
@@ -167,9 +168,14 @@ def load_sharded_checkpoint(path: str | Path, tables: dict[str, ShardedDynamicEm
     return manifest
 
 
-def reroute(path: Path, files: list[list[str]], step: int, shard: DynamicEmbedding, owns) -> None:
+def reroute(path: Path, files: list[list[str]], step: int, shard: DynamicEmbedding, owns, limit: int | None = None) -> None:
     """Fill ``shard`` with the saved rows for which ``owns(keys, tags)`` is true, read from every saved shard
-    (``files``: per shard, its files; one shard in memory at a time)."""
+    (``files``: per shard, its files; one shard in memory at a time).
+
+    ``limit`` (default: the shard's ``max_rows``; 0: none): when more saved rows route here than that (a full
+    table resharded: hash ownership is not even, and shard limits are rounded up), the lowest-priority surplus
+    rows under the table's eviction policy are dropped, and a warning says how many.
+    """
     per_key: dict[str, list[Tensor]] = {}
     cand: dict[str, list[Tensor]] = {}
     globals0 = None
@@ -192,11 +198,14 @@ def reroute(path: Path, files: list[list[str]], step: int, shard: DynamicEmbeddi
             for name in ("count", "last_step", "last_time", "show", "click"):
                 cand.setdefault(f"cand.{name}", []).append(saved[f"global.cand.{name}"][slots[keep]])
     tensors = {k: torch.cat(v) for k, v in per_key.items()}
-    n = tensors["key.keys"].numel()
     cfg = shard.cfg
-    if cfg.max_rows and n > cfg.max_rows:
-        raise ValueError(f"table {cfg.name!r}: this rank owns {n} saved rows but its shard holds at most {cfg.max_rows} "
-                         "(max_rows / world size); raise max_rows or load on more ranks")  # fmt: skip
+    limit = cfg.max_rows if limit is None else limit
+    if limit and tensors["key.keys"].numel() > limit:
+        tensors, dropped = _evict_surplus(tensors, limit, step, shard)
+        if "deleted_keys" in cand:  # deletions are tracked (for delta exports): these rows are gone too
+            cand["deleted_keys"].append(dropped["key.keys"])
+            cand["deleted_tags"].append(dropped["key.tags"])
+    n = tensors["key.keys"].numel()
     num_rows = max(cfg.capacity, n)
     tensors["key.rows"] = torch.arange(n)
     tensors["global.free"] = torch.arange(num_rows - 1, n - 1, -1)  # rows n, n+1, ... are taken next
@@ -218,17 +227,56 @@ def reroute(path: Path, files: list[list[str]], step: int, shard: DynamicEmbeddi
     load_table_state(shard, tensors, meta)
 
 
+def _evict_surplus(tensors: dict[str, Tensor], limit: int, step: int,
+                   shard: DynamicEmbedding) -> tuple[dict[str, Tensor], dict[str, Tensor]]:  # fmt: skip
+    """(kept, dropped): the ``limit`` saved rows the table's eviction policy ranks highest (LRU/LFU/...;
+    ``none``: the most looked-up) and the others, dropped with a warning."""
+    cfg, n = shard.cfg, tensors["key.keys"].numel()
+    counters = RowCounters(**{name: tensors[f"key.counter.{name}"] for name in RowCounters.zeros(0, "cpu").tensors()})
+    rows = torch.arange(n)
+    policy = cfg.eviction if cfg.eviction.kind != "none" else dataclasses.replace(cfg.eviction, kind="lfu")
+    norms = tensors["key.weight"].float().norm(dim=1) if policy.kind == "l2" else None
+    scores = eviction_scores(policy, counters, rows, step, shard.clock(), norms)
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[torch.topk(scores, limit, largest=True).indices] = True  # saved order kept
+    log.warning("table %r: %d saved rows route to this shard, which holds at most %d (max_rows / world size, rounded "
+                "up); the %d lowest-priority rows under eviction %r are dropped. Raise max_rows to keep them all",
+                cfg.name, n, limit, n - limit, policy.kind)  # fmt: skip
+    return {k: v[keep] for k, v in tensors.items()}, {k: v[~keep] for k, v in tensors.items()}
+
+
+def load_merged(path: str | Path, tables: dict[str, DynamicEmbedding]) -> dict:
+    """Restore plain (one-process) ``tables`` from a sharded checkpoint: every saved shard's rows merged
+    (what ``recforge eval`` does with a checkpoint written under torchrun); return its manifest.
+
+    Every saved row is kept, even when the shards together hold a few more than ``max_rows`` (each
+    shard's limit is ``max_rows / world size`` rounded up).
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    missing = sorted(set(tables) - set(manifest["tables"]))
+    if missing:
+        raise ValueError(f"{path} has no state for tables {missing} (it holds {sorted(manifest['tables'])})")
+    for name, table in tables.items():
+        entry = manifest["tables"][name]
+        if entry["config"]["dim"] != table.dim or entry["config"]["optimizer"]["kind"] != table.cfg.optimizer.kind:
+            raise ValueError(f"table {name!r}: checkpoint has dim {entry['config']['dim']} / optimizer "
+                             f"{entry['config']['optimizer']['kind']}, the table {table.dim} / {table.cfg.optimizer.kind}; "
+                             "build the table with the checkpoint's config")  # fmt: skip
+        reroute(path, _saved_files(manifest, entry), entry["step"], table, lambda k, t: torch.ones_like(k, dtype=torch.bool),
+                limit=0)  # fmt: skip
+    return manifest
+
+
 def export_sharded_checkpoint(path: str | Path, out: str | Path, num_shards: int = 1) -> Path:
     """Merge a sharded checkpoint into the single-process sparse checkpoint format at ``out`` (one process, no group).
 
     The tables come back as ``DynamicEmbedding``s with their full configs, loadable by
-    ``load_sparse_checkpoint`` (and so by ``recforge eval``/``serve``/``export`` inside a training checkpoint).
+    ``load_sparse_checkpoint``. (Training checkpoints need no export: ``recforge eval`` and
+    ``train.checkpoint.load_checkpoint`` read ``sparse_sharded/`` directly, see ``load_merged``.)
     """
     path = Path(path)
     manifest = read_manifest(path)
-    tables = {}
-    for name, entry in manifest["tables"].items():
-        table = DynamicEmbedding(shard_config(table_config(entry["config"]), 1))
-        reroute(path, _saved_files(manifest, entry), entry["step"], table, lambda k, t: torch.ones_like(k, dtype=torch.bool))
-        tables[name] = table
+    tables = {name: DynamicEmbedding(shard_config(table_config(entry["config"]), 1)) for name, entry in manifest["tables"].items()}
+    load_merged(path, tables)
     return save_sparse_checkpoint(out, tables, num_shards)

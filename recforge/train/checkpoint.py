@@ -8,7 +8,7 @@ Layout inside a run directory::
         optimizer.safetensors   AdamW moments and step counts, flattened by parameter index
         sparse/                 the model's dynamic tables, if any (recforge.sparse.checkpoint)
         sparse_sharded/         torchrun with dynamic tables: every rank's shards (recforge.sparse.sharded_checkpoint),
-                                restored on any number of ranks; sparse/ then holds their single-process export
+                                restored on any number of ranks, and merged when one process loads them (eval)
         manifest.json           step, epoch, config, optimizer param_groups, metrics, files
       latest.json               {"step_dir": "step_00000480"}   replaced atomically
       best.json                 same, for the best validation checkpoint (clean protocol)
@@ -30,7 +30,7 @@ from torch import nn
 from recforge.io import atomic_directory, atomic_write_json
 from recforge.sparse.checkpoint import load_sparse_checkpoint, module_tables, write_sparse
 from recforge.sparse.sharded import sharded_tables
-from recforge.sparse.sharded_checkpoint import export_sharded_checkpoint, load_sharded_checkpoint
+from recforge.sparse.sharded_checkpoint import load_merged, load_sharded_checkpoint
 
 FORMAT_VERSION = 1
 
@@ -67,7 +67,8 @@ def save_checkpoint(
         keep: how many most recent checkpoints to keep (the best one is always kept).
         best: also point ``best.json`` at this checkpoint.
         sharded_sparse: a sharded sparse checkpoint all ranks just wrote (``save_sharded_checkpoint``):
-            moved into this checkpoint, plus its single-process export as ``sparse/``.
+            moved into this checkpoint as ``sparse_sharded/`` (no whole-table export: a single process
+            loading it merges the shards, ``load_merged``).
         weights, optimizer_state: the full (unsharded) ``state_dict``s to save instead of the
             model's and optimizer's own (FSDP2: see ``distributed.full_dense_state``).
     """
@@ -85,8 +86,7 @@ def save_checkpoint(
             full_manifest["optimizer_param_groups"] = groups
         if sharded_sparse is not None:
             os.replace(sharded_sparse, tmp / "sparse_sharded")
-            export_sharded_checkpoint(tmp / "sparse_sharded", tmp / "sparse")  # what eval/serve/export read
-            full_manifest["files"].update(sparse="sparse", sparse_sharded="sparse_sharded")
+            full_manifest["files"]["sparse_sharded"] = "sparse_sharded"
         elif tables := module_tables(model):  # rows, their optimizer state, policy counters, hash keys
             (tmp / "sparse").mkdir()
             write_sparse(tmp / "sparse", tables)
@@ -105,6 +105,12 @@ def _pointer(ckpt_root: Path, which: str) -> str | None:
 
 
 def _prune(ckpt_root: Path, keep: int) -> None:
+    """Delete all but the ``keep`` newest checkpoints (never best/latest) and what crashed saves left behind:
+    sharded-sparse staging (``.sparse-<step>``) and temporary directories (``.<name>.tmp-*``, ``.<name>.old-*``).
+    Runs on rank 0 after a save completed, while no rank is writing."""
+    for leftover in [*ckpt_root.glob(".sparse-*"), *ckpt_root.glob(".*.tmp-*"), *ckpt_root.glob(".*.old-*")]:
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
     protected = {_pointer(ckpt_root, "best"), _pointer(ckpt_root, "latest")}
     steps = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
     for old in steps[:-keep]:
@@ -133,15 +139,16 @@ def load_checkpoint(
     weights = load_file(path / manifest["files"]["model"], device=str(device))
     current = model.state_dict()
     model.load_state_dict({k: _like(v, current.get(k)) for k, v in weights.items()})
-    if sharded := sharded_tables(model):  # torchrun: this rank's shards, resharded from any saved world size
-        if "sparse_sharded" not in manifest["files"]:
-            raise ValueError(f"{path} holds no sharded dynamic-table state (it was saved by a single process); "
-                             "resume it with a plain `recforge train --resume`, not under torchrun")  # fmt: skip
-        load_sharded_checkpoint(path / manifest["files"]["sparse_sharded"], sharded)
-    elif tables := module_tables(model):
-        if "sparse" not in manifest["files"]:
-            raise ValueError(f"{path} holds no dynamic-table state; it was saved by a model without one (model.embedding)")
-        load_sparse_checkpoint(path / manifest["files"]["sparse"], tables)
+    files = manifest["files"]
+    sharded, tables = sharded_tables(model), module_tables(model)
+    if (sharded or tables) and not ({"sparse", "sparse_sharded"} & set(files)):
+        raise ValueError(f"{path} holds no dynamic-table state; it was saved by a model without one (model.embedding)")
+    if sharded:  # torchrun: this rank's shards, from a sharded checkpoint of any world size or a single-process one
+        load_sharded_checkpoint(path / files.get("sparse_sharded", files.get("sparse")), sharded)
+    elif tables and "sparse" in files:
+        load_sparse_checkpoint(path / files["sparse"], tables)
+    elif tables:  # one process reading a torchrun checkpoint: every shard's rows merged
+        load_merged(path / files["sparse_sharded"], tables)
     if optimizer is not None:
         if "optimizer" not in manifest["files"]:
             raise ValueError(f"{path} holds no optimizer state; cannot resume training from it")

@@ -7,7 +7,7 @@ group is created even at world size 1, so the collectives really run (NCCL on CU
 
 Example:
     $ torchrun --nproc-per-node 2 -m recforge.cli train configs/ml1m-hstu.yaml
-    >>> ctx = init_distributed(cfg)                   # inside the recipe
+    >>> ctx = init_distributed(cfg, device)           # inside the recipe
     >>> dense = wrap_dense(Objective(model, loss_fn), cfg, ctx, device)
     >>> total, count = ctx.all_reduce_sum([loss_sum, targets])
 """
@@ -135,22 +135,67 @@ class Objective(nn.Module):
         return self.loss_fn(batch)  # (objective, loss to log)
 
 
-def wrap_dense(objective: Objective, cfg: RunConfig, ctx: DistContext, device: torch.device) -> nn.Module:
+def wrap_dense(objective: Objective, cfg: RunConfig, ctx: DistContext, device: torch.device, *,
+               find_unused: bool = True) -> nn.Module:  # fmt: skip
     """DDP (default) or FSDP2 over the objective's dense parameters; the objective itself when single-process.
 
     Buffers are not broadcast: dynamic-table shards live in buffers and differ per rank by design.
+    ``find_unused``: DDP searches the graph for parameters the loss did not use (needed by some
+    configs, e.g. time buckets without timestamps; ``unused_parameters`` tells; it costs a graph pass per step).
     """
     if not ctx.initialized:
         return objective
     if cfg.dist.dense == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        return fully_shard(objective)
+        for block in fsdp_blocks(objective.model):  # each its own group: gathered only around its forward
+            fully_shard(block)
+        return fully_shard(objective)  # the rest (embeddings, heads: used by item_vectors etc.) in the root group
     ids = [device.index if device.index is not None else 0] if device.type == "cuda" else None
-    # find_unused_parameters: some configs leave parameters out of the loss (e.g. time buckets without timestamps)
     return nn.parallel.DistributedDataParallel(
-        objective, device_ids=ids, broadcast_buffers=False, find_unused_parameters=True
+        objective, device_ids=ids, broadcast_buffers=False, find_unused_parameters=find_unused
     )
+
+
+def unused_parameters(objective: Objective, batch: Any, ctx: DistContext, precision: Callable[[], Any]) -> bool:
+    """Whether the loss of ``batch`` leaves a trainable parameter without gradient on any rank (a collective).
+
+    One probe forward + gradient, run as a stand-in (dynamic tables read only, see
+    ``sparse.sharded.standin_lookups``) with the RNG state restored, so training is unchanged.
+    """
+    from recforge.sparse.sharded import standin_lookups
+
+    params = [p for p in objective.parameters() if p.requires_grad]
+    device = params[0].device if params else torch.device("cpu")
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with standin_lookups(objective.model, here=True, anywhere=True), precision():
+            value, _ = objective(batch)
+        grads = torch.autograd.grad(value, params, allow_unused=True)
+    unused = [name for (name, p), g in zip(((n, p) for n, p in objective.named_parameters() if p.requires_grad), grads,
+                                            strict=True) if g is None]  # fmt: skip
+    if unused and ctx.is_main:
+        log.info("parameters without gradient in this config (DDP will search for them each step): %s", unused[:8])
+    return ctx.all_reduce_sum([float(bool(unused))])[0] > 0
+
+
+def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards as groups of their own: each element of the outermost ``nn.ModuleList``s
+    (the encoder's blocks, the towers) that owns parameters and no dynamic table. Only their ``forward``
+    may use their weights (FSDP2 gathers them around it); everything else stays in the root group."""
+    from recforge.sparse.sharded import ShardedDynamicEmbedding
+    from recforge.sparse.table import DynamicEmbedding
+
+    blocks: list[nn.Module] = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or any(name.startswith(t + ".") for t in taken):
+            continue
+        for index, child in enumerate(module):
+            tables = any(isinstance(m, (DynamicEmbedding, ShardedDynamicEmbedding)) for m in child.modules())
+            if not tables and any(True for _ in child.parameters()):
+                blocks.append(child)
+                taken.append(f"{name}.{index}" if name else str(index))
+    return blocks
 
 
 def full_dense_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict | None]:
@@ -203,22 +248,22 @@ def split_budget(cfg: RunConfig, ctx: DistContext) -> tuple[int, int]:
 
 
 def shard_source(source: Any, ctx: DistContext) -> Any:
-    """Make a ``PipelineSource`` read only this rank's share of the unconsumed rows.
+    """This rank's ``PipelineSource``: one over the same rows that reads only this rank's share of the unconsumed ones.
 
     The sample engine splits rows by ``Pipeline.rank``/``world_size`` at every (re)start, from the
     merged state of all ranks, so a resume on a different number of ranks re-splits what is left.
+    The given source is left as it is (a new source wraps its ``build``).
     """
     if not ctx.initialized:
         return source
-    build = source.build
+    from recforge.data.pipeline import PipelineSource
 
-    def build_share(state: dict | None) -> Any:
+    def build_share(state: dict | None, build: Callable[[dict | None], Any] = source.build) -> Any:
         pipeline = build(state)
         pipeline.rank, pipeline.world_size = ctx.rank, ctx.world_size  # read by Pipeline.__iter__'s plan
         return pipeline
 
-    source.build = build_share
-    return source
+    return PipelineSource(build_share, source.num_steps_estimate)
 
 
 def shard_dynamic_tables(model: nn.Module, cfg: RunConfig, ctx: DistContext) -> Any:
@@ -241,9 +286,7 @@ def shard_dynamic_tables(model: nn.Module, cfg: RunConfig, ctx: DistContext) -> 
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         # AheadTable: a ShardedDynamicEmbedding that also takes an input distribution started a step ahead
-        owner = plan.tables[table.cfg.name].owner_rank
-        setattr(parent, attr, AheadTable(table.cfg, table.device, owner_rank=owner) if cfg.dist.pipeline
-                else plan.build(table.cfg, table.device))  # fmt: skip
+        setattr(parent, attr, plan.build(table.cfg, table.device, cls=AheadTable if cfg.dist.pipeline else None))
     if ctx.is_main:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         plan.save(cfg.run_dir / "sharding_plan.json")

@@ -146,7 +146,8 @@ class StepInputs:
         return item
 
     def close(self) -> None:
-        """Stop the prefetch thread; raw inputs it pulled but did not hand out stay unconsumed."""
+        """Stop the prefetch thread (if any) and close the raw inputs (a source's read-ahead thread stops);
+        raw inputs pulled but not handed out stay unconsumed. Safe to call twice."""
         self._stop.set()
         if self._queue is not None:
             while self._thread.is_alive():
@@ -154,5 +155,5 @@ class StepInputs:
                     self._queue.get(timeout=0.05)
                 except queue.Empty:
                     pass
-            if hasattr(self.raw, "close"):
-                self.raw.close()
+        if hasattr(self.raw, "close"):
+            self.raw.close()

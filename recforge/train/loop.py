@@ -21,11 +21,9 @@ time, and the input stages' times (``fetch_s``, ``build_s``, ``h2d_s``; see ``in
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -38,6 +36,9 @@ from recforge.sparse.sharded_checkpoint import save_sharded_checkpoint
 from recforge.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from recforge.train.distributed import DistContext, any_rank, full_dense_state, merged_data_state
 from recforge.train.inputs import StepInputs
+from recforge.train.run_files import append_jsonl, format_metrics, prepare_run_dir, truncate_jsonl
+
+__all__ = ["BatchSource", "lr_at", "prepare_run_dir", "run_loop", "run_lr_scale"]
 
 StepFn = Callable[[list, float], Any]  # (micro-batches, lr scale) -> StepResult, or None when no rank had data
 EvalFn = Callable[[], tuple[str, dict[str, float]]]  # () -> (split name, metrics)
@@ -82,34 +83,6 @@ def run_lr_scale(cfg: RunConfig, optimizer: torch.optim.Optimizer) -> float:
     """This step's learning rate over ``optim.lr`` (what ``optim.schedule`` set): the factor sparse
     tables apply on top of their own schedule, so ``model.embedding=dynamic`` follows the run's."""
     return optimizer.param_groups[0]["lr"] / cfg.optim.lr if cfg.optim.lr else 1.0
-
-
-def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path:
-    """Create the run directory; refuse to overwrite an existing run unless resuming."""
-    run_dir = cfg.run_dir
-    if not resume and find_checkpoint(run_dir) is not None:
-        raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it or choose another name/output_dir")
-    if resume and find_checkpoint(run_dir) is None:
-        raise ValueError(f"--resume: {run_dir} has no checkpoint to resume from")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
-
-
-def append_jsonl(path: Path, row: dict) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
-def _truncate_jsonl(path: Path, max_step: int) -> None:
-    """Drop log rows written after the checkpoint we resume from (they will be replayed)."""
-    if path.is_file():
-        rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= max_step]
-        path.write_text("".join(r + "\n" for r in rows))
-
-
-def format_metrics(metrics: dict, keys: tuple[str, ...] | None = None) -> str:
-    keys = keys or tuple(k for k, v in metrics.items() if isinstance(v, float))
-    return "  ".join(f"{k}={metrics[k]:.4f}" for k in keys if k in metrics)
 
 
 def run_loop(
@@ -163,8 +136,8 @@ def run_loop(
             written, now = ("memory", "pipeline") if data_state is None else ("pipeline", "memory")
             raise ValueError(f"{ckpt} was written with train.loader={written}; resume it with that loader, not {now}")
         if main:
-            _truncate_jsonl(steps_log, state["global_step"])
-            _truncate_jsonl(evals_log, state["global_step"])
+            truncate_jsonl(steps_log, state["global_step"])
+            truncate_jsonl(evals_log, state["global_step"])
     elif main:
         for path in (steps_log, evals_log):
             path.unlink(missing_ok=True)
@@ -246,56 +219,58 @@ def run_loop(
             disable=not progress, leave=False, dynamic_ncols=True,
         )  # fmt: skip
         exhausted = False
-        while True:
-            t0 = time.perf_counter()
-            item = next(inputs)  # a source hands out batches here: from now on their rows count as consumed
-            data_wait_s = time.perf_counter() - t0
-            torch.manual_seed(cfg.train.seed * 1_000_003 + state["global_step"])
-            lr = lr_at(cfg, state["global_step"], total_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            t0 = time.perf_counter()
-            result = step(item.micro, run_lr_scale(cfg, optimizer))
-            step_s = time.perf_counter() - t0
-            if item.data_state is not None:
-                trained_state = item.data_state
-            if result is None:  # no rank had data left
-                exhausted = True
-                break
-            loss = result.loss
-            if not math.isfinite(loss):  # stop before a checkpoint can hold the weights this step corrupted
-                raise FloatingPointError(
-                    f"training loss is {loss} at step {state['global_step'] + 1} (epoch {epoch + 1}, lr {lr:.3g}); "
-                    f"the run stops here and {run_dir}/checkpoints holds only earlier, finite states. Lower optim.lr, "
-                    "set optim.grad_clip, or check the data for empty batches and non-finite features; then "
-                    "restart, or continue from the last checkpoint with --resume"
+        try:
+            while True:
+                t0 = time.perf_counter()
+                item = next(inputs)  # a source hands out batches here: from now on their rows count as consumed
+                data_wait_s = time.perf_counter() - t0
+                torch.manual_seed(cfg.train.seed * 1_000_003 + state["global_step"])
+                lr = lr_at(cfg, state["global_step"], total_steps)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                t0 = time.perf_counter()
+                result = step(item.micro, run_lr_scale(cfg, optimizer))
+                step_s = time.perf_counter() - t0
+                if item.data_state is not None:
+                    trained_state = item.data_state
+                if result is None:  # no rank had data left
+                    exhausted = True
+                    break
+                loss = result.loss
+                if not math.isfinite(loss):  # stop before a checkpoint can hold the weights this step corrupted
+                    raise FloatingPointError(
+                        f"training loss is {loss} at step {state['global_step'] + 1} (epoch {epoch + 1}, lr {lr:.3g}); "
+                        f"the run stops here and {run_dir}/checkpoints holds only earlier, finite states. Lower optim.lr, "
+                        "set optim.grad_clip, or check the data for empty batches and non-finite features; then "
+                        "restart, or continue from the last checkpoint with --resume"
+                    )
+                tokens_per_s = result.tokens / step_s
+                state["global_step"] += 1
+                state["step_in_epoch"] += 1
+                if main:
+                    append_jsonl(steps_log, {"step": state["global_step"], "epoch": epoch, "loss": loss,
+                                             "tokens_per_s": tokens_per_s, "step_s": step_s, "data_wait_s": data_wait_s,
+                                             **item.times})  # fmt: skip
+                if main and state["global_step"] % cfg.train.log_every == 0:
+                    writer.add_scalar("train/loss", loss, state["global_step"])
+                    writer.add_scalar("train/tokens_per_s", tokens_per_s, state["global_step"])
+                    writer.add_scalar("train/data_wait_s", data_wait_s, state["global_step"])
+                    writer.add_scalar("train/lr", lr, state["global_step"])
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+                out_of_budget = (cfg.train.max_steps and state["global_step"] >= cfg.train.max_steps) or (
+                    cfg.train.max_minutes and any_rank(ctx, time.monotonic() - started >= cfg.train.max_minutes * 60)
                 )
-            tokens_per_s = result.tokens / step_s
-            state["global_step"] += 1
-            state["step_in_epoch"] += 1
-            if main:
-                append_jsonl(steps_log, {"step": state["global_step"], "epoch": epoch, "loss": loss,
-                                         "tokens_per_s": tokens_per_s, "step_s": step_s, "data_wait_s": data_wait_s,
-                                         **item.times})  # fmt: skip
-            if main and state["global_step"] % cfg.train.log_every == 0:
-                writer.add_scalar("train/loss", loss, state["global_step"])
-                writer.add_scalar("train/tokens_per_s", tokens_per_s, state["global_step"])
-                writer.add_scalar("train/data_wait_s", data_wait_s, state["global_step"])
-                writer.add_scalar("train/lr", lr, state["global_step"])
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
-            out_of_budget = (cfg.train.max_steps and state["global_step"] >= cfg.train.max_steps) or (
-                cfg.train.max_minutes and any_rank(ctx, time.monotonic() - started >= cfg.train.max_minutes * 60)
-            )
-            if out_of_budget:
-                stop = True
-                break
-            if cfg.train.checkpoint_every and state["global_step"] % cfg.train.checkpoint_every == 0:
-                checkpoint()
-        bar.close()
-        if lookahead is not None:
-            lookahead(None)
-        inputs.close()  # rows prefetched but not trained stay unconsumed in the saved state
+                if out_of_budget:
+                    stop = True
+                    break
+                if cfg.train.checkpoint_every and state["global_step"] % cfg.train.checkpoint_every == 0:
+                    checkpoint()
+        finally:  # also on an exception: no prefetch or read-ahead thread outlives the loop
+            bar.close()
+            if lookahead is not None:
+                lookahead(None)
+            inputs.close()  # rows prefetched but not trained stay unconsumed in the saved state
         # memory: the epoch's step count is known, so a budget stop on its last step also ends the epoch (as before)
         if exhausted or (source is None and state["step_in_epoch"] >= steps_per_epoch):
             state["epoch"] += 1

@@ -96,11 +96,12 @@ def load_ranking_data(cfg: RunConfig) -> RankingData:
     )
 
 
-def setup(cfg: RunConfig, ctx: DistContext | None = None) -> Setup:
+def setup(cfg: RunConfig, ctx: DistContext | None = None, device: torch.device | None = None) -> Setup:
     """Load data, build the model, its step and optimizers (deterministically from ``cfg.train.seed``).
 
-    ``ctx``: the ``torchrun`` job this process is part of (None: one process)."""
-    device = prepare_runtime(cfg)
+    ``ctx``: the ``torchrun`` job this process is part of (None: one process); ``device``: the one
+    ``prepare_runtime`` already resolved (None: resolve it here)."""
+    device = device or prepare_runtime(cfg)
     ctx = ctx or DistContext()
     data = load_ranking_data(cfg)
     torch.manual_seed(cfg.train.seed)
@@ -270,10 +271,11 @@ def _show_keys(s: Setup) -> tuple[str, ...]:
 
 def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict:
     """Train per ``cfg``; export the best checkpoint's slices; return the test evaluation."""
-    ctx = init_distributed(cfg, prepare_runtime(cfg))
+    device = prepare_runtime(cfg)
+    ctx = init_distributed(cfg, device)
     run_dir = prepare_run_dir(cfg, resume)
     ctx.barrier()  # every rank has checked the run directory before any writes to it
-    s = setup(cfg, ctx)
+    s = setup(cfg, ctx, device)
     samples = _training_samples(s)
     if cfg.train.loader == "pipeline":
         inputs = {"source": _pipeline_source(s, samples, resume), "build": lambda batch: batch}
@@ -298,7 +300,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     )
     ctx.barrier()
     if not ctx.is_main:
-        return {"train_minutes": state["train_minutes"]}
+        return {"is_main": False, "train_minutes": state["train_minutes"]}  # rank 0 evaluates and reports
     summary = evaluate_run(run_dir)
     summary["train_minutes"] = state["train_minutes"]
     return summary

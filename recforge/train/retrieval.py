@@ -55,11 +55,12 @@ class Setup:
     runner: StepRunner | None = None  # the training step (dense wrapper + optimizers)
 
 
-def setup(cfg: RunConfig, ctx: DistContext | None = None) -> Setup:
+def setup(cfg: RunConfig, ctx: DistContext | None = None, device: torch.device | None = None) -> Setup:
     """Load data, build the model, its step and optimizers (deterministically from ``cfg.train.seed``).
 
-    ``ctx``: the ``torchrun`` job this process is part of (None: one process)."""
-    device = prepare_runtime(cfg)
+    ``ctx``: the ``torchrun`` job this process is part of (None: one process); ``device``: the one
+    ``prepare_runtime`` already resolved (None: resolve it here)."""
+    device = device or prepare_runtime(cfg)
     ctx = ctx or DistContext()
     seqs = UserSequences.from_dataset(load_dataset(cfg.data.path))
     torch.manual_seed(cfg.train.seed)
@@ -136,10 +137,11 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
         resume: continue from the run directory's latest checkpoint (on any number of ranks).
         progress: show tqdm progress bars.
     """
-    ctx = init_distributed(cfg, prepare_runtime(cfg))
+    device = prepare_runtime(cfg)
+    ctx = init_distributed(cfg, device)
     run_dir = prepare_run_dir(cfg, resume)
     ctx.barrier()  # every rank has checked the run directory before any writes to it
-    s = setup(cfg, ctx)
+    s = setup(cfg, ctx, device)
     samples = s.seqs.training_samples(s.holdout, cfg.data.max_seq_len, cfg.data.train_windows)
     if cfg.train.loader == "pipeline":
         inputs = {"source": _pipeline_source(s, samples, resume), "build": lambda batch: batch}
@@ -163,7 +165,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     )
     ctx.barrier()
     if not ctx.is_main:
-        return {"train_minutes": state["train_minutes"]}
+        return {"is_main": False, "train_minutes": state["train_minutes"]}  # rank 0 evaluates and reports
     summary = evaluate_run(run_dir)
     summary["train_minutes"] = state["train_minutes"]
     return summary

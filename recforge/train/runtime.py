@@ -12,6 +12,9 @@ from recforge.config import RunConfig
 
 def resolve_device(name: str) -> torch.device:
     """``train.device`` as a device; under ``torchrun``, ``auto``/``cuda`` mean this process's GPU (``cuda:LOCAL_RANK``)."""
+    if "LOCAL_RANK" in os.environ and name.startswith("cuda:"):
+        raise ValueError(f"train.device={name!r} under torchrun would put every rank on that one GPU; use "
+                         "train.device=cuda (each rank takes cuda:LOCAL_RANK) and pick the GPUs with CUDA_VISIBLE_DEVICES")  # fmt: skip
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():

@@ -14,7 +14,11 @@ runner
    then the sparse one (the dynamic tables' row gradients of all K micro-batches, applied once).
 
 A rank without data for a micro-batch repeats its last batch with weight 0, so the collectives of
-DDP and of sharded tables still match across ranks.
+DDP and of sharded tables still match across ranks; its table lookups are marked as a stand-in
+(``standin_lookups``), so they change no sparse state (admission, counters, optimizer). A rank that
+has had no batch at all yet borrows one from a rank with data. One process skips missing micro-batches.
+DDP wraps the objective at the first step, after a probe of its batch tells whether some parameter
+is outside the loss (then, and only then, DDP searches for unused parameters every step).
 
 Example:
     >>> runner = StepRunner(cfg, model, device, ctx, loss_fn=lambda b: _loss(s, b), units_fn=lambda b: b.num_targets)
@@ -34,7 +38,8 @@ from torch import nn
 
 from recforge.config import RunConfig
 from recforge.sparse import SparseOptimizer
-from recforge.train.distributed import DistContext, Objective, wrap_dense
+from recforge.sparse.sharded import standin_lookups
+from recforge.train.distributed import DistContext, Objective, unused_parameters, wrap_dense
 from recforge.train.pipeline_step import AheadTable, LookAhead
 from recforge.train.runtime import autocast, make_optimizer
 
@@ -66,8 +71,12 @@ class StepRunner:
     def __init__(self, cfg: RunConfig, model: nn.Module, device: torch.device, ctx: DistContext, *, loss_fn: LossFn,
                  units_fn: UnitsFn, summed: bool = False, sparse_optimizer: SparseOptimizer | None = None) -> None:  # fmt: skip
         self.cfg, self.model, self.device, self.ctx = cfg, model, device, ctx
-        self.objective = wrap_dense(Objective(model, loss_fn), cfg, ctx, device)
-        # created after wrapping (FSDP2 replaces the parameters); same order as model.parameters()
+        self.objective: nn.Module = Objective(model, loss_fn)
+        # DDP waits for the first batch: it tells whether DDP must search for unused parameters each step
+        self._wrap_later = ctx.initialized and cfg.dist.dense == "ddp"
+        if not self._wrap_later:
+            self.objective = wrap_dense(self.objective, cfg, ctx, device)
+        # created after FSDP2 wrapping (it replaces the parameters; DDP keeps them); order of model.parameters()
         self.optimizer = make_optimizer(cfg, self.objective)
         self.units_fn, self.summed, self.sparse_optimizer = units_fn, summed, sparse_optimizer
         self._last: Any = None  # this rank's last real batch: the stand-in when it has none
@@ -91,7 +100,8 @@ class StepRunner:
         last = next((b for b in reversed(upcoming) if b is not None), self._last)
         first = upcoming[0] if upcoming[0] is not None else last
         if first is not None:
-            self.ahead.start(first)
+            with standin_lookups(self.model, here=upcoming[0] is None, anywhere=False):  # stand-in IDs: 0 occurrences
+                self.ahead.start(first)
 
     @contextlib.contextmanager
     def full_weights(self):
@@ -116,39 +126,33 @@ class StepRunner:
     def __call__(self, micro: list[Any | None], lr_scale: float = 1.0) -> StepResult | None:
         """Train one step on this rank's micro-batches (device batches or None); None when no rank had any."""
         units = [self.units_fn(b) if b is not None else 0.0 for b in micro]
-        real = sum(b is not None for b in micro)
-        global_real, global_units = self.ctx.all_reduce_sum([real, sum(units)])
+        has = [float(b is not None) for b in micro]
+        # one collective: real micro-batches, loss units, ranks with data per micro-batch, ranks without any batch yet
+        needy = float(not any(has) and self._last is None)
+        totals = self.ctx.all_reduce_sum([sum(has), sum(units), needy, *has])
+        global_real, global_units, global_needy, ranks_with = totals[0], totals[1], totals[2], totals[3:]
         if global_real == 0:
             if self.ahead is not None:
                 self.ahead.drop()  # started for a step that no rank has data for
             return None
-        if real:
+        if global_needy:
+            self._borrow_standin(micro)
+        if any(has):
             self._last = next(b for b in reversed(micro) if b is not None)
-        elif self._last is None:
-            raise RuntimeError(
-                f"rank {self.ctx.rank} got no training batch while other ranks did: the training data has fewer "
-                "rows than ranks x dist.grad_accum; use fewer ranks or a smaller dist.grad_accum"
-            )
-        world = self.ctx.world_size
+        if self._wrap_later:  # the first step: every rank probes its first (or stand-in) batch
+            probe = next((b for b in micro if b is not None), self._last)
+            find = unused_parameters(self.objective, probe, self.ctx, lambda: autocast(self.cfg, self.device))
+            self.objective, self._wrap_later = wrap_dense(self.objective, self.cfg, self.ctx, self.device, find_unused=find), False
+        if not self.ctx.initialized:  # one process: no collective to match, a missing micro-batch is just skipped
+            units = [n for b, n in zip(micro, units, strict=True) if b is not None]
+            micro = [b for b in micro if b is not None]
+            ranks_with = [1.0] * len(micro)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = 0
         for i, (batch, n) in enumerate(zip(micro, units, strict=True)):
-            weight = 0.0 if batch is None else (world if self.summed else world * n / max(global_units, 1e-12))
-            inputs = batch if batch is not None else self._last
-            learn = i == 0 and self.ahead is not None and self.ahead.learning()
-            with self._no_sync(last=i == len(micro) - 1):
-                if learn:
-                    self.ahead.begin()
-                with autocast(self.cfg, self.device):
-                    objective, loss = self.objective(inputs)
-                if learn:
-                    self.ahead.end(inputs)
-                if i == 0 and self.ahead is not None:
-                    self.ahead.drop()  # what this step's forward did not use
-                if i == len(micro) - 1 and self.upcoming is not None:
-                    self._start_next()  # the next step's ID all-to-all overlaps this backward
-                (objective * weight).backward()
+            with standin_lookups(self.model, here=batch is None, anywhere=ranks_with[i] < self.ctx.world_size):
+                loss = self._micro_step(i, batch, n, global_units, last=i == len(micro) - 1)
             if batch is not None:
                 loss_sum += loss.detach().double() * n
                 tokens += batch.num_tokens
@@ -159,6 +163,34 @@ class StepRunner:
             self.sparse_optimizer.step(lr_scale=lr_scale)
         total_loss, total_tokens = self.ctx.all_reduce_sum([float(loss_sum), tokens])
         return StepResult(total_loss / max(global_units, 1e-12), int(total_tokens))
+
+    def _micro_step(self, i: int, batch: Any | None, units: float, global_units: float, last: bool) -> torch.Tensor:
+        """Forward + backward of micro-batch ``i`` (the stand-in, weight 0, where ``batch`` is None); its loss."""
+        world = self.ctx.world_size
+        weight = 0.0 if batch is None else (world if self.summed else world * units / max(global_units, 1e-12))
+        inputs = batch if batch is not None else self._last
+        learn = i == 0 and self.ahead is not None and self.ahead.learning()
+        with self._no_sync(last=last):
+            if learn:
+                self.ahead.begin()
+            with autocast(self.cfg, self.device):
+                objective, loss = self.objective(inputs)
+            if learn:
+                self.ahead.end(inputs)
+            if i == 0 and self.ahead is not None:
+                self.ahead.drop()  # what this step's forward did not use
+            if last and self.upcoming is not None:
+                self._start_next()  # the next step's ID all-to-all overlaps this backward
+            (objective * weight).backward()
+        return loss
+
+    def _borrow_standin(self, micro: list[Any | None]) -> None:
+        """A rank that has had no batch yet (e.g. resumed at the end of its share of an epoch) borrows a
+        stand-in from a rank with data (a collective, only on the steps where some rank needs one)."""
+        mine = next((b for b in micro if b is not None), None)
+        offers = self.ctx.all_gather_objects(None if mine is None else mine.to("cpu"))
+        if self._last is None and mine is None:
+            self._last = next(b for b in offers if b is not None).to(self.device)
 
 
 @contextlib.contextmanager

@@ -255,3 +255,15 @@ def test_input_distribution_one_step_ahead_changes_no_result(tmp_path: Path, dat
     used = re.findall(r"started a step ahead, so far: \{'prefix.item_embedding': (\d+)\}", runs["true"].stderr)
     assert len(used) == 3 and int(used[-1]) >= 3 * (4 - 1)  # each epoch: every step but the first
     np.testing.assert_allclose(_losses(tmp_path / "true" / "run"), _losses(tmp_path / "false" / "run"), rtol=1e-6, atol=1e-7)
+
+
+def test_single_process_run_resumes_on_two_ranks(tmp_path: Path, data_dir: Path) -> None:
+    """A plain ``recforge train`` run with dynamic tables continues under torchrun on 2 ranks (its
+    single-process sparse state re-routed to the owners), and ``recforge eval`` reads the result."""
+    config = _config_file(tmp_path, _raw(data_dir, tmp_path, epochs=1, eval_every=1))
+    dynamic = ["model.embedding=dynamic", "sparse.optimizer=adam", "sparse.lr=0.01"]
+    single = subprocess.run([sys.executable, "-m", "recforge.cli", "--no-progress", "train", config, *dynamic], env=_env(),
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert single.returncode == 0, single.stderr[-3000:]
+    torchrun(2, ["train", config, *dynamic, "train.epochs=2", "--resume"], worker=False)
+    _assert_gathered_metrics_equal_single_process(tmp_path / "run", 2, step=8)

@@ -180,3 +180,16 @@ def test_load_unsupported_format_version(tmp_path: Path) -> None:
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="format 999 is not supported"):
         load_checkpoint(path, _model())
+
+
+def test_pruning_removes_what_crashed_saves_left(tmp_path: Path) -> None:
+    """A crash between the sharded-sparse save and the checkpoint leaves ``.sparse-<step>`` (and temporary
+    directories); the next completed save deletes them."""
+    root = tmp_path / "checkpoints"
+    leftovers = [root / ".sparse-00000004", root / ".step_00000004.tmp-abc", root / "..sparse-00000006.tmp-x1"]
+    for path in leftovers:
+        (path / "inner").mkdir(parents=True)
+    model = _model()
+    save_checkpoint(tmp_path, step=5, model=model, optimizer=None, manifest={}, keep=2)
+    assert not any(path.exists() for path in leftovers)
+    assert _step_dirs(tmp_path) == ["step_00000005"]
