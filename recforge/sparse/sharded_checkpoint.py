@@ -143,20 +143,28 @@ def table_config(data: dict) -> TableConfig:
     return TableConfig(**{k: nested[k](**v) if k in nested else v for k, v in data.items()})
 
 
-def load_sharded_checkpoint(path: str | Path, tables: dict[str, ShardedDynamicEmbedding]) -> dict:
-    """Restore ``tables`` (on every rank) from a sharded checkpoint saved on any world size, or from a
-    single-process sparse checkpoint (its rows re-routed to their owners); return its manifest."""
-    path = Path(path)
+def _matching_manifest(path: Path, tables: dict) -> dict:
+    """The checkpoint's manifest, after checking it holds every table with the same dim and optimizer."""
     manifest = read_manifest(path)
     missing = sorted(set(tables) - set(manifest["tables"]))
     if missing:
         raise ValueError(f"{path} has no state for tables {missing} (it holds {sorted(manifest['tables'])})")
     for name, table in tables.items():
-        entry = manifest["tables"][name]
-        if entry["config"]["dim"] != table.dim or entry["config"]["optimizer"]["kind"] != table.cfg.optimizer.kind:
-            raise ValueError(f"table {name!r}: checkpoint has dim {entry['config']['dim']} / optimizer "
-                             f"{entry['config']['optimizer']['kind']}, the table {table.dim} / {table.cfg.optimizer.kind}; "
+        saved = manifest["tables"][name]["config"]
+        if saved["dim"] != table.dim or saved["optimizer"]["kind"] != table.cfg.optimizer.kind:
+            raise ValueError(f"table {name!r}: checkpoint has dim {saved['dim']} / optimizer "
+                             f"{saved['optimizer']['kind']}, the table {table.dim} / {table.cfg.optimizer.kind}; "
                              "build the table with the checkpoint's config")  # fmt: skip
+    return manifest
+
+
+def load_sharded_checkpoint(path: str | Path, tables: dict[str, ShardedDynamicEmbedding]) -> dict:
+    """Restore ``tables`` (on every rank) from a sharded checkpoint saved on any world size, or from a
+    single-process sparse checkpoint (its rows re-routed to their owners); return its manifest."""
+    path = Path(path)
+    manifest = _matching_manifest(path, tables)
+    for name, table in tables.items():
+        entry = manifest["tables"][name]
         same_layout = manifest.get("world_size") == table.world_size and entry.get("owner_rank") == table.owner_rank
         if same_layout and manifest["format"] == FORMAT:
             meta = entry["ranks"][table.rank]
@@ -253,16 +261,9 @@ def load_merged(path: str | Path, tables: dict[str, DynamicEmbedding]) -> dict:
     shard's limit is ``max_rows / world size`` rounded up).
     """
     path = Path(path)
-    manifest = read_manifest(path)
-    missing = sorted(set(tables) - set(manifest["tables"]))
-    if missing:
-        raise ValueError(f"{path} has no state for tables {missing} (it holds {sorted(manifest['tables'])})")
+    manifest = _matching_manifest(path, tables)
     for name, table in tables.items():
         entry = manifest["tables"][name]
-        if entry["config"]["dim"] != table.dim or entry["config"]["optimizer"]["kind"] != table.cfg.optimizer.kind:
-            raise ValueError(f"table {name!r}: checkpoint has dim {entry['config']['dim']} / optimizer "
-                             f"{entry['config']['optimizer']['kind']}, the table {table.dim} / {table.cfg.optimizer.kind}; "
-                             "build the table with the checkpoint's config")  # fmt: skip
         reroute(path, _saved_files(manifest, entry), entry["step"], table, lambda k, t: torch.ones_like(k, dtype=torch.bool),
                 limit=0)  # fmt: skip
     return manifest
