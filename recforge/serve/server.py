@@ -43,7 +43,8 @@ from recforge.serve.engine import RankEngine
 from recforge.serve.kv_pool import KVCachePool, PoolConfig
 from recforge.serve.layout import RequestError
 from recforge.serve.limits import LoopLag, RequestLimits, http_protocol
-from recforge.serve.scheduler import BatchRunner, DeadlineExceeded, OverloadedError, SchedulerConfig
+from recforge.serve.runner import BatchRunner
+from recforge.serve.scheduler import DeadlineExceeded, OverloadedError, SchedulerConfig
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
 TIMEOUT_HEADER = "x-request-timeout-ms"

@@ -11,7 +11,8 @@ import torch
 
 from recforge.serve.engine import EngineConfig, RankEngine
 from recforge.serve.kv_pool import KVCachePool, PoolConfig
-from recforge.serve.scheduler import BatchRunner, DeadlineExceeded, OverloadedError, SchedulerConfig
+from recforge.serve.runner import BatchRunner
+from recforge.serve.scheduler import DeadlineExceeded, OverloadedError, SchedulerConfig
 from _serve_helpers import build_model, export, random_history
 
 FEATURES = {"user_id": "u1", "gender": "f"}

@@ -10,7 +10,8 @@ import torch
 
 from recforge.serve.engine import EngineConfig, RankEngine
 from recforge.serve.kv_pool import KVCachePool, PoolConfig
-from recforge.serve.scheduler import BatchRunner, Scheduler, SchedulerConfig, Sequence
+from recforge.serve.runner import BatchRunner
+from recforge.serve.scheduler import Scheduler, SchedulerConfig, Sequence
 from _serve_helpers import build_model, export, random_history
 
 

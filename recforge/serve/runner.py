@@ -1,0 +1,349 @@
+"""The batching worker: one thread that owns the engine, turns queued requests into engine passes
+(``Scheduler``) and resolves each request's future.
+
+It collects requests for at most ``max_wait_ms`` (or until the token budget is full), runs
+``engine.run`` on each plan and answers the requests that finished. The worker is guarded: a
+request that fails fails alone, an unexpected error fails the requests in flight and the loop
+goes on, and a dead thread is restarted. Admission is bounded in time: a request is refused
+(``OverloadedError``, HTTP 503) when the work queued ahead of it would take longer than
+``max_queue_ms`` or than its own deadline. Requests past their deadline or whose future was
+cancelled (the client went away) are dropped before every pass. Reloads drain: requests in
+flight finish on the model they started with.
+
+Example:
+    >>> runner = BatchRunner(engine, SchedulerConfig(token_budget=8192, max_wait_ms=2))
+    >>> future = runner.submit(engine.encode("u1", history, candidates, timestamp=now), deadline=time.monotonic() + 1)
+    >>> future.result().scores
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+
+import torch
+
+from recforge.serve.engine import RankEngine, RankResult
+from recforge.serve.layout import EncodedRequest
+from recforge.serve.scheduler import DeadlineExceeded, OverloadedError, Plan, Scheduler, SchedulerConfig, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class _PassCost:
+    """Seconds per query token over recent passes (exponentially weighted), for admission control."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay, self.seconds, self.tokens = decay, 0.0, 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.seconds = self.decay * self.seconds + seconds
+        self.tokens = self.decay * self.tokens + max(tokens, 1)
+
+    def estimate(self, tokens: float) -> float:
+        """Seconds to compute ``tokens`` query tokens; 0 before any pass was measured."""
+        return tokens * self.seconds / self.tokens if self.tokens else 0.0
+
+
+class BatchRunner:
+    """The worker thread that batches requests into engine passes (see the module docstring).
+
+    ``on_pass(requests, tokens, seconds)`` is called after every pass (for metrics).
+    """
+
+    def __init__(self, engine: RankEngine, config: SchedulerConfig | None = None,
+                 on_pass: Callable[[int, int, float], None] | None = None) -> None:  # fmt: skip
+        self.engine = engine
+        self.config = config or SchedulerConfig()
+        self.scheduler = Scheduler(engine, self.config)
+        self.on_pass = on_pass
+        self.restarts = 0  # unexpected worker errors survived (each failed the requests in flight)
+        self.dropped = {"deadline": 0, "cancelled": 0}  # requests dropped before they were answered
+        self.last_beat = time.monotonic()  # the worker's last sign of life
+        self._incoming: deque[Sequence] = deque()
+        self._incoming_tokens = 0
+        self._backlog_tokens = 0  # the scheduler's remaining tokens, published by the worker after each pass
+        self._cost = _PassCost()
+        self._queue_delay = 0.0  # seconds from arrival to first pass, averaged over recent requests
+        self._cond = threading.Condition()
+        self._closing = False
+        self._drain_until = math.inf
+        self._reload: tuple[RankEngine, Future] | None = None
+        self._thread: threading.Thread | None = None
+        self._start_worker()
+
+    # ------------------------------------------------------------------------------- callers' side
+
+    def submit(self, req: EncodedRequest, deadline: float | None = None) -> Future:
+        """Queue a validated request; the future resolves to a ``RankResult`` or raises (``DeadlineExceeded``,
+        the engine's error). ``deadline``: ``time.monotonic()`` after which the answer is useless.
+        Cancelling the future drops the request. Raises ``OverloadedError`` when refused."""
+        now = time.monotonic()
+        deadline = math.inf if deadline is None else deadline
+        with self._cond:
+            if self._closing:
+                raise OverloadedError("the server is shutting down", retry_after=1.0)
+            self._start_worker()
+            if len(self._incoming) + len(self.scheduler) >= self.config.max_queue:
+                raise OverloadedError(f"{self.config.max_queue} requests already queued; retry later", 1.0)
+            own = self._tokens_estimate(req)
+            ahead = self.queued_seconds()
+            limit = min(self.config.max_queue_ms / 1e3, deadline - now - self._cost.estimate(own))
+            if ahead > 0 and ahead > limit:
+                raise OverloadedError(
+                    f"about {ahead * 1e3:.0f} ms of work is queued ahead of this request, over its limit of "
+                    f"{max(limit, 0) * 1e3:.0f} ms (max_queue_ms, or what its deadline leaves); retry later",
+                    retry_after=max(1.0, math.ceil(ahead - self.config.max_queue_ms / 1e3)),
+                )  # fmt: skip
+            seq = Sequence(req, Future(), now, deadline)
+            self._incoming.append(seq)
+            self._incoming_tokens += own
+            self._cond.notify()
+        return seq.future
+
+    def _tokens_estimate(self, req: EncodedRequest) -> float:
+        pool = self.engine.pool
+        miss = 1.0 - (pool.report()["token_hit_rate"] if pool is not None else 0.0)
+        return req.items.numel() * miss + req.num_candidates
+
+    def queued_seconds(self) -> float:
+        """How long a new request would wait before its first pass: the larger of the queued work's estimated
+        time (tokens x measured seconds per token) and the wait recent requests actually had (which also
+        sees what the cost model misses: per-request overheads, a busy host). 0 when nothing is queued."""
+        if not (self._backlog_tokens or self._incoming_tokens):
+            return 0.0
+        return max(self._cost.estimate(self._backlog_tokens + self._incoming_tokens), self._queue_delay)
+
+    def pending(self) -> int:
+        return len(self._incoming) + len(self.scheduler)
+
+    def health(self) -> dict:
+        """Worker liveness: alive, restarts, seconds since its last sign of life, the oldest waiting request's age."""
+        now = time.monotonic()
+        waiting = [*list(self._incoming), *list(self.scheduler.running)]
+        oldest = max((now - s.arrival for s in waiting), default=0.0)
+        beat_age = now - self.last_beat
+        alive = self._thread is not None and self._thread.is_alive()
+        stuck = bool(waiting) and beat_age > self.config.stall_seconds
+        return {"worker_alive": alive, "worker_stuck": stuck, "worker_restarts": self.restarts,
+                "last_pass_age_s": round(beat_age, 3), "queue_depth": self.pending(),
+                "oldest_request_age_ms": round(oldest * 1e3, 1), "dropped": dict(self.dropped),
+                "healthy": (alive or self._closing) and not stuck}  # fmt: skip
+
+    def reload(self, run_dir, timeout: float | None = None) -> str:
+        """Load ``run_dir``'s model and swap it in once the requests in flight have finished on the old one
+        (new requests wait meanwhile). Loading and checking happen first, on the calling thread, so a
+        failure (``ValueError``) changes nothing. Returns the new model version."""
+        staged = self.engine.stage_reload(run_dir)
+        done: Future = Future()
+        with self._cond:
+            if self._reload is not None:
+                raise RuntimeError("another reload is in progress; retry when it has finished")
+            self._reload = (staged, done)
+            self._cond.notify()
+        return done.result(timeout=timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop taking requests, let those in flight finish for at most ``timeout`` seconds (default
+        ``drain_timeout_s``), then fail what is left and stop the worker."""
+        timeout = self.config.drain_timeout_s if timeout is None else timeout
+        with self._cond:
+            self._closing = True
+            self._drain_until = time.monotonic() + timeout
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout + 5)
+        self._fail_all(RuntimeError("the server shut down before this request was answered"))
+
+    # ------------------------------------------------------------------------------- worker
+
+    def _start_worker(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        if self._thread is not None:  # it died (should not happen: the loop is guarded)
+            log.error("batch worker thread had died; restarting it")
+            self.restarts += 1
+            self._fail_scheduled(RuntimeError("the batch worker died while this request was in flight"))
+        self._thread = threading.Thread(target=self._loop, name="recforge-batch-runner", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self.last_beat = time.monotonic()
+            try:
+                if not self._iteration():
+                    break
+            except Exception as err:  # noqa: BLE001 - the worker survives anything a request causes
+                log.exception("batch worker: unexpected error; failing the requests in flight and going on")
+                self.restarts += 1
+                self._fail_scheduled(RuntimeError(f"internal error while serving this request: {err!r}"))
+        self._fail_all(RuntimeError("the server shut down before this request was answered"))
+
+    def _iteration(self) -> bool:
+        """One round: wait for work, admit arrivals, run one pass. False when the worker should exit."""
+        sched, wait_s = self.scheduler, self.config.max_wait_ms / 1e3
+        with self._cond:
+            while not self._incoming and not len(sched) and self._reload is None and not self._closing:
+                self._cond.wait(timeout=1.0)
+                self.last_beat = time.monotonic()
+            if self._closing and (time.monotonic() > self._drain_until or not (self._incoming or len(sched))):
+                return False
+            if not len(sched) and self._reload is None:  # a fresh batch: let others join for max_wait
+                deadline = time.monotonic() + wait_s
+                while self._incoming_tokens < self.config.token_budget and not self._closing:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+            arrivals = [] if self._reload is not None else list(self._incoming)
+            if arrivals:
+                self._incoming.clear()
+                self._backlog_tokens += self._incoming_tokens  # still queued work, until the scheduler recounts it
+                self._incoming_tokens = 0
+        now = time.monotonic()
+        if self._reload is not None and not len(sched):
+            self._apply_reload()
+            return True
+        arrivals = [seq for seq in arrivals if self._live(seq, now)]
+        if not self.engine.cached:  # no prefix cache to share: the full forward pass per request
+            for i, seq in enumerate(arrivals):
+                self._backlog_tokens = sum(s.req.items.numel() + s.req.num_candidates for s in arrivals[i:])
+                if self._live(seq, time.monotonic()):
+                    self._run_alone(seq)
+            self._backlog_tokens = 0
+            return True
+        for seq in arrivals:
+            try:
+                sched.add(seq)
+            except Exception as err:  # noqa: BLE001 - reported on this request only
+                _resolve(seq.future, error=err)
+        for seq, err in sched.expire(time.monotonic()):
+            self._dropped(seq, err)
+        self._resolve_failed()
+        if sched.running:
+            self._step()
+        self._backlog_tokens = sched.remaining_tokens()
+        return True
+
+    def _live(self, seq: Sequence, now: float) -> bool:
+        """False (and the request answered) when it was cancelled or its deadline passed while queued."""
+        if seq.future.cancelled():
+            self._dropped(seq, None)
+            return False
+        if now > seq.deadline:
+            self._dropped(seq, DeadlineExceeded(f"deadline passed after {(now - seq.arrival) * 1e3:.0f} ms in the queue"))
+            return False
+        return True
+
+    def _dropped(self, seq: Sequence, err: Exception | None) -> None:
+        self.dropped["cancelled" if err is None else "deadline"] += 1
+        if err is not None:
+            _resolve(seq.future, error=err)
+
+    def _resolve_failed(self) -> None:
+        failed, self.scheduler.failed = self.scheduler.failed, []
+        for seq, err in failed:
+            _resolve(seq.future, error=err)
+
+    def _run_alone(self, seq: Sequence) -> None:
+        seq.first_pass = time.monotonic()
+        self._queue_delay = 0.8 * self._queue_delay + 0.2 * (seq.first_pass - seq.arrival)
+        t0 = time.perf_counter()
+        try:
+            result = self.engine.rank_encoded(seq.req)
+        except Exception as err:  # noqa: BLE001
+            _resolve(seq.future, error=err)
+            return
+        seconds = time.perf_counter() - t0
+        tokens = seq.req.items.numel() + seq.req.num_candidates
+        self._cost.observe(tokens, seconds)
+        result.timings_ms["queue_and_compute"] = (time.monotonic() - seq.arrival) * 1e3
+        _resolve(seq.future, result)
+        if self.on_pass is not None:
+            self.on_pass(1, tokens, seconds)
+
+    def _step(self) -> None:
+        sched = self.scheduler
+        plan = sched.schedule()
+        t0 = time.perf_counter()
+        try:
+            outputs = self.engine.run([item for _, item in plan.work])
+        except Exception:  # noqa: BLE001 - isolate: rerun each request's item alone, fail only those that raise
+            outputs = []
+            for seq, item in plan.work:
+                try:
+                    outputs.append(self.engine.run([item])[0])
+                except Exception as err:  # noqa: BLE001
+                    outputs.append(err)
+        seconds = time.perf_counter() - t0
+        self.last_beat = now = time.monotonic()
+        self._cost.observe(plan.num_tokens, seconds)
+        for seq, _ in plan.work:
+            if not seq.first_pass:
+                seq.first_pass = now
+                self._queue_delay = 0.8 * self._queue_delay + 0.2 * (now - seq.arrival)
+        ok = [(pair, out) for pair, out in zip(plan.work, outputs) if not isinstance(out, Exception)]
+        for (seq, _), out in zip(plan.work, outputs):
+            if isinstance(out, Exception):
+                sched.remove(seq)
+                _resolve(seq.future, error=out)
+        done = sched.update(Plan([pair for pair, _ in ok]), [out for _, out in ok])
+        self._resolve_failed()
+        if self.on_pass is not None:
+            self.on_pass(len({id(seq) for seq, _ in plan.work}), plan.num_tokens, seconds)
+        for seq in done:
+            result = RankResult(torch.cat(seq.scores), self.engine.tasks, seq.reused, seq.state.length - seq.reused,
+                                seq.req.truncated, {"queue_and_compute": (time.monotonic() - seq.arrival) * 1e3},
+                                seq.state.version)  # fmt: skip
+            _resolve(seq.future, result)
+
+    def _apply_reload(self) -> None:
+        staged, done = self._reload
+        try:
+            self.engine.apply_reload(staged)
+        except Exception as err:  # noqa: BLE001 - reported to the caller of reload()
+            _resolve(done, error=err)
+        else:
+            _resolve(done, self.engine.version)
+        finally:
+            with self._cond:
+                self._reload = None
+            self.scheduler = Scheduler(self.engine, self.config)
+
+    def _fail_scheduled(self, err: Exception) -> None:
+        """Fail every admitted request (after an unexpected error their states cannot be trusted)."""
+        sched = self.scheduler
+        for seq in [*sched.running, *(s for q in sched.blocked.values() for s in q)]:
+            _resolve(seq.future, error=err)
+        self.scheduler = Scheduler(self.engine, self.config)
+
+    def _fail_all(self, err: Exception) -> None:
+        with self._cond:
+            waiting = list(self._incoming)
+            self._incoming.clear()
+            self._incoming_tokens = 0
+            reload = self._reload
+        for seq in waiting:
+            _resolve(seq.future, error=err)
+        if reload is not None:
+            _resolve(reload[1], error=err)
+        self._fail_scheduled(err)
+
+
+def _resolve(future: Future, result: object = None, error: Exception | None = None) -> None:
+    """Set a future's outcome unless it is already done or cancelled (the client went away)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+__all__ = ["BatchRunner"]
