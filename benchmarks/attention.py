@@ -48,9 +48,9 @@ from types import SimpleNamespace
 import torch
 import triton
 
+from recforge.jagged.index import offsets_from_lengths
+from recforge.jagged.mask import AttentionMask
 from recforge.ops.hstu_attention import hstu_attention, hstu_attention_reference
-from recforge.ops.jagged import offsets_from_lengths
-from recforge.ops.mask import AttentionMask
 from recforge.ops.softmax_attention import softmax_attention
 
 HEADS = 4

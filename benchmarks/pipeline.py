@@ -47,11 +47,11 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from recforge.data.batch import JaggedBatch
 from recforge.data.collate import JaggedCollate
 from recforge.data.pipeline import Pipeline
 from recforge.data.transforms import truncate_lists
-from recforge.ops.jagged import offsets_from_lengths
+from recforge.jagged.batch import JaggedBatch
+from recforge.jagged.index import offsets_from_lengths
 from _machine import cpu_model
 
 COLUMNS = ["user_id", "item_ids", "timestamps", "label"]

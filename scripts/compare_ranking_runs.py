@@ -16,14 +16,14 @@ import argparse
 
 import torch
 
+from recforge.checkpoint import find_checkpoint, load_checkpoint
 from recforge.config import load_config
-from recforge.ops.jagged import (
+from recforge.jagged.index import (
     offsets_from_lengths,
     positions_in_sequence,
     sequence_ids,
 )
 from recforge.train import ranking
-from recforge.train.checkpoint import find_checkpoint, load_checkpoint
 from recforge.train.metrics import auc, gauc
 
 

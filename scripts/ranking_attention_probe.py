@@ -18,12 +18,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from recforge.checkpoint import find_checkpoint, load_checkpoint
 from recforge.config import load_config
+from recforge.jagged.index import positions_in_sequence
 from recforge.models.ranking import visible_history
 from recforge.ops.hstu_attention import hstu_attention
-from recforge.ops.jagged import positions_in_sequence
 from recforge.train import ranking
-from recforge.train.checkpoint import find_checkpoint, load_checkpoint
 
 
 def main() -> None:

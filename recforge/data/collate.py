@@ -14,8 +14,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from recforge.data.batch import JaggedBatch, readonly_tensor
 from recforge.data.parquet_source import ROW_ID
+from recforge.jagged.batch import JaggedBatch, readonly_tensor
 
 
 def _tensor(col: pa.Array) -> torch.Tensor:

@@ -35,12 +35,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from recforge.data.batch import JaggedBatch
 from recforge.data.collate import _tensor
 from recforge.data.parquet_source import ROW_ID
 from recforge.data.ranking import SPLITS, fraction_check
 from recforge.io import atomic_file
-from recforge.ops.mask import AttentionMask
+from recforge.jagged.batch import JaggedBatch
+from recforge.jagged.mask import AttentionMask
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from recforge.data.batch import JaggedBatch
 from recforge.data.dataset import Dataset
-from recforge.ops.jagged import offsets_from_lengths, range_index
-from recforge.ops.mask import AttentionMask
+from recforge.jagged.batch import JaggedBatch
+from recforge.jagged.index import offsets_from_lengths, range_index
+from recforge.jagged.mask import AttentionMask
 
 SPLITS = {"train": 0, "valid": 1, "test": 2}
 ACTION_ENCODINGS = ("sum", "interleave")

@@ -33,13 +33,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from recforge.data.batch import JaggedBatch
 from recforge.data.collate import _tensor
 from recforge.data.parquet_source import ROW_ID
 from recforge.data.pipeline import Pipeline, PipelineSource
 from recforge.data.ranking import ACTION_ENCODINGS, RankingData, RankingSamples
 from recforge.io import atomic_directory
-from recforge.ops.jagged import sequence_ids
+from recforge.jagged.batch import JaggedBatch
+from recforge.jagged.index import sequence_ids
 
 SAMPLES_FILE = "train-00000.parquet"
 

@@ -32,7 +32,7 @@ from recforge.data.pipeline import Pipeline, PipelineSource
 from recforge.data.sequences import UserSequences
 from recforge.data.transforms import next_item_targets
 from recforge.io import atomic_file
-from recforge.ops.jagged import range_index
+from recforge.jagged.index import range_index
 
 
 def write_retrieval_samples(

@@ -18,9 +18,9 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
-from recforge.data.batch import JaggedBatch
 from recforge.data.dataset import Dataset
-from recforge.ops.jagged import (
+from recforge.jagged.batch import JaggedBatch
+from recforge.jagged.index import (
     gather_sequences,
     lengths_from_offsets,
     offsets_from_lengths,

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from recforge.generate.beam_search import beam_search, resolve_items
+from recforge.generate.sid_run import load_sid_run
 from recforge.generate.trie import SidTrie
 from recforge.models.sid_hstu import SIDHSTU
 from recforge.models.sid_seq2seq import SIDSeq2Seq
@@ -46,19 +47,17 @@ class Retriever:
     def from_run(run_dir: str | Path, *, checkpoint: str = "auto", device: str = "auto", dtype: str = "float32") -> Retriever:
         """Load a generative run's checkpoint (``auto``: best for clean runs, else latest); its catalogue is
         every item in ``RUN_DIR/sids``."""
-        from recforge.data.sids import read_sids
-        from recforge.train.generative import load_run  # the recipe owns the run layout
-
-        s, _, _ = load_run(run_dir, checkpoint, [f"train.device={device}"])
+        target = _resolve_device(device)
+        run = load_sid_run(run_dir, checkpoint, device=target)
         if dtype != "float32":
-            s.model.to(getattr(torch, dtype))
+            run.model.to(getattr(torch, dtype))
         # the catalogue is every item of RUN_DIR/sids, so items coded after training (`recforge sid add
         # RUN_DIR/sids DATA_DIR`) can be retrieved and read in histories without retraining
-        sids = read_sids(Path(run_dir) / "sids")
+        sids = run.sids
         vocab = np.r_[-1, sids.item_ids].astype(np.int64)
         codes = torch.cat([torch.zeros(1, sids.num_levels, dtype=torch.long), sids.codes])
-        trie = SidTrie.build(sids.codes, sids.vocab_size, s.trie.layout).to(s.device)
-        return Retriever(s.model, vocab, codes, trie, s.cfg.data.max_seq_len)
+        trie = SidTrie.build(sids.codes, sids.vocab_size, run.cfg.generative.trie).to(target)
+        return Retriever(run.model, vocab, codes, trie, run.cfg.data.max_seq_len)
 
     def dense_ids(self, raw: Sequence[int], what: str = "history") -> np.ndarray:
         raw = np.asarray(raw, dtype=np.int64)
@@ -121,3 +120,12 @@ class Retriever:
             keep = row_items >= 0
             results.append((self.item_vocab[row_items[keep] + 1].tolist(), row_scores[keep].tolist()))
         return results
+
+
+def _resolve_device(name: str) -> torch.device:
+    """``auto``: the GPU when there is one, else the CPU; any other name as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available; use device=cpu (or auto)")
+    return torch.device(name)

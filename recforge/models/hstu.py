@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from recforge.jagged.index import padding_index
+from recforge.jagged.mask import AttentionMask
 from recforge.ops.hstu_attention import hstu_attention
-from recforge.ops.jagged import padding_index
-from recforge.ops.mask import AttentionMask
 
 
 @dataclass

@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from recforge.data.batch import JaggedBatch
 from recforge.io import atomic_directory, atomic_write_json
+from recforge.jagged.batch import JaggedBatch
+from recforge.jagged.index import range_index, sequence_ids
 from recforge.models.ranking_encoders import (
     ContextCross,
     ContextPool,
@@ -46,7 +47,6 @@ from recforge.models.ranking_encoders import (
 )
 from recforge.models.ranking_heads import HEADS, PLE, CandidateTower, MMoE, MultiTaskMLP
 from recforge.models.slices import build_slice, slice_spec
-from recforge.ops.jagged import range_index, sequence_ids
 
 SLICES = ("prefix", "encoder", "postfix")
 SLICE_FORMAT = 1

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from recforge.jagged.index import range_index, sequence_ids
+from recforge.jagged.mask import AttentionMask
 from recforge.models.slices import build_slice, slice_spec
-from recforge.ops.jagged import range_index, sequence_ids
-from recforge.ops.mask import AttentionMask
 
 
 class ContextPool(nn.Module):

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from recforge.data.batch import JaggedBatch
-from recforge.ops.jagged import positions_in_sequence
+from recforge.jagged.batch import JaggedBatch
+from recforge.jagged.index import positions_in_sequence
 
 
 class ItemPrefix(nn.Module):

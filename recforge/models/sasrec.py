@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from recforge.ops.mask import AttentionMask
+from recforge.jagged.mask import AttentionMask
 from recforge.ops.softmax_attention import softmax_attention
 
 

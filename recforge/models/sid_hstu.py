@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from recforge.jagged.index import jagged_to_padded, offsets_from_lengths
+from recforge.jagged.mask import AttentionMask
 from recforge.models.hstu import HSTUConfig, HSTUEncoder
 from recforge.ops.hstu_attention import hstu_attention
-from recforge.ops.jagged import jagged_to_padded, offsets_from_lengths
-from recforge.ops.mask import AttentionMask
 
 
 @dataclass

@@ -1,25 +1,10 @@
-"""Jagged utilities and attention ops: a PyTorch reference behind one dispatch function per op."""
+"""Attention kernels: a PyTorch reference and a Triton kernel behind one dispatch function per op.
+
+The vocabulary these ops speak (jagged offsets, ``AttentionMask``) lives in ``recforge.jagged``.
+"""
 
 from recforge.ops.cached_attention import cached_hstu_attention
 from recforge.ops.hstu_attention import hstu_attention
-from recforge.ops.jagged import (
-    gather_sequences,
-    jagged_to_padded,
-    padded_to_jagged,
-    positions_in_sequence,
-    trim_sequences,
-)
-from recforge.ops.mask import AttentionMask
 from recforge.ops.softmax_attention import softmax_attention
 
-__all__ = [
-    "AttentionMask",
-    "cached_hstu_attention",
-    "gather_sequences",
-    "hstu_attention",
-    "jagged_to_padded",
-    "padded_to_jagged",
-    "positions_in_sequence",
-    "softmax_attention",
-    "trim_sequences",
-]
+__all__ = ["cached_hstu_attention", "hstu_attention", "softmax_attention"]

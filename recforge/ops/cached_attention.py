@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from recforge.jagged.index import jagged_rows, lengths_from_offsets
+from recforge.jagged.mask import AttentionMask
 from recforge.ops.dispatch import resolve_kernel, unsupported_by_triton
 from recforge.ops.hstu_attention import apply_bias_index, relative_bias_index_rows
-from recforge.ops.jagged import jagged_rows, lengths_from_offsets
-from recforge.ops.mask import AttentionMask
 
 
 @dataclass

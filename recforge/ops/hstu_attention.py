@@ -16,18 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from recforge.jagged.index import jagged_rows, jagged_to_padded, lengths_from_offsets, padded_to_jagged
+from recforge.jagged.mask import AttentionMask
 from recforge.ops.dispatch import resolve_kernel, unsupported_by_triton
-from recforge.ops.jagged import jagged_rows, jagged_to_padded, lengths_from_offsets, padded_to_jagged
-from recforge.ops.mask import AttentionMask
-
-TIME_BUCKET_LOG_BASE = 0.301  # bucket width in log-seconds: each bucket spans x1.35 in time
-
-
-def time_buckets(delta_seconds: Tensor, num_buckets: int) -> Tensor:
-    """Map time differences (seconds) to log-spaced bucket indices in [0, num_buckets]."""
-    d = delta_seconds.abs().clamp(min=1).to(torch.float32)
-    return (torch.log(d) / TIME_BUCKET_LOG_BASE).floor().long().clamp(0, num_buckets)
-
+from recforge.ops.time_bias import time_buckets
 
 @functools.lru_cache(maxsize=16)
 def _distance_index(max_len: int, num_weights: int, device: torch.device) -> Tensor:
@@ -221,4 +213,4 @@ def hstu_attention(
 
 
 __all__ = ["hstu_attention", "hstu_attention_reference", "apply_bias_index", "relative_bias", "relative_bias_index_rows",
-           "relative_bias_rows", "time_buckets"]
+           "relative_bias_rows"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
+from recforge.jagged.index import jagged_to_padded, padded_to_jagged
+from recforge.jagged.mask import AttentionMask
 from recforge.ops.dispatch import resolve_kernel, unsupported_by_triton
-from recforge.ops.jagged import jagged_to_padded, padded_to_jagged
-from recforge.ops.mask import AttentionMask
 
 
 def softmax_attention(

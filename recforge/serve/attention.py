@@ -5,7 +5,7 @@ tokens (contextual + history so far), then the item's new tokens. A prefill chun
 are the next history tokens (causal among themselves, appended to the cache); candidates are
 the sequence's targets (``num_targets = m``: each sees the contextual tokens, the history events
 strictly before its time, and itself). Visibility and biases are the op's, i.e. the training
-rules of ``recforge.ops.mask`` and ``recforge.ops.hstu_attention``: nothing is re-derived here.
+rules of ``recforge.jagged.mask`` and ``recforge.ops.hstu_attention``: nothing is re-derived here.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from recforge.ops import AttentionMask, cached_hstu_attention
+from recforge.jagged.mask import AttentionMask
+from recforge.ops import cached_hstu_attention
 from recforge.serve.state import WorkItem
 
 

@@ -27,9 +27,9 @@ import torch
 from torch import Tensor, nn
 
 from recforge.io import atomic_write_json
+from recforge.jagged.mask import AttentionMask
 from recforge.models.hstu import HSTUEncoder
 from recforge.models.ranking import RankingModel, load_slices
-from recforge.ops import AttentionMask
 from recforge.serve.attention import attend_cached
 from recforge.serve.model_dir import model_dir_of
 

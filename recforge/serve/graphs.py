@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from recforge.ops import AttentionMask
+from recforge.jagged.mask import AttentionMask
 from recforge.serve.attention import attend_cached
 from recforge.serve.state import WorkItem, token_identity
 

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from recforge.data.batch import JaggedBatch
-from recforge.ops.jagged import offsets_from_lengths
-from recforge.ops.mask import AttentionMask
+from recforge.jagged.batch import JaggedBatch
+from recforge.jagged.index import offsets_from_lengths
+from recforge.jagged.mask import AttentionMask
 
 if TYPE_CHECKING:
     from recforge.serve.engine import EngineConfig

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from recforge.ops.jagged import sequence_ids
+from recforge.jagged.index import sequence_ids
 from recforge.sparse.ids import check_ids
 from recforge.sparse.table import DynamicEmbedding, TableConfig
 

@@ -274,7 +274,7 @@ def export_sharded_checkpoint(path: str | Path, out: str | Path, num_shards: int
 
     The tables come back as ``DynamicEmbedding``s with their full configs, loadable by
     ``load_sparse_checkpoint``. (Training checkpoints need no export: ``recforge eval`` and
-    ``train.checkpoint.load_checkpoint`` read ``sparse_sharded/`` directly, see ``load_merged``.)
+    ``recforge.checkpoint.load_checkpoint`` read ``sparse_sharded/`` directly, see ``load_merged``.)
     """
     path = Path(path)
     manifest = read_manifest(path)

@@ -13,11 +13,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from recforge.checkpoint import find_checkpoint, load_checkpoint
 from recforge.config import RunConfig, config_from_dict
 from recforge.data.dataset import load_dataset
 from recforge.data.sequences import UserSequences
 from recforge.data.synthetic import SyntheticConfig, write_synthetic
-from recforge.train.checkpoint import find_checkpoint, load_checkpoint
 from recforge.train.evaluate import evaluate_ranking, popularity_scorer
 from recforge.train.retrieval import setup, train
 

@@ -28,15 +28,16 @@ from pathlib import Path
 
 import torch
 
-from recforge.config import RunConfig, load_config
+from recforge.checkpoint import load_checkpoint
+from recforge.config import RunConfig
 from recforge.data.dataset import load_dataset
 from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences
 from recforge.data.sid_sequences import eval_samples, history_windows, seen_mask, transition_samples
-from recforge.data.sids import META_FILE, SIDS_FILE, read_sids
+from recforge.data.sids import SIDS_FILE, read_sids
 from recforge.generate import SidTrie, beam_search, resolve_items
-from recforge.models.sid_hstu import SIDHSTU, SIDHSTUConfig
-from recforge.models.sid_seq2seq import Seq2SeqConfig, SIDSeq2Seq
-from recforge.train.checkpoint import find_checkpoint, load_checkpoint
+from recforge.generate.sid_run import build_sid_model, read_run, sid_dir_of
+from recforge.models.sid_hstu import SIDHSTU
+from recforge.models.sid_seq2seq import SIDSeq2Seq
 from recforge.train.distributed import DistContext, init_distributed
 from recforge.train.loop import prepare_run_dir, run_loop
 from recforge.train.metrics import retrieval_metrics
@@ -72,26 +73,6 @@ class SidBatch:
         return SidBatch(move(self.history), move(self.mask), move(self.targets), self.num_tokens)
 
 
-def sid_dir_of(cfg: RunConfig) -> Path:
-    """The SID directory the config names (``generative.sids``; default ``DATA/sids``)."""
-    return Path(cfg.generative.sids or Path(cfg.data.path) / "sids")
-
-
-def build_model(cfg: RunConfig, num_levels: int, vocab_size: int) -> SIDSeq2Seq | SIDHSTU:
-    """``model.kind``: tiger (encoder-decoder) or sid_hstu (decoder-only HSTU); same decoding interface."""
-    m = cfg.model
-    if m.kind == "sid_hstu":
-        return SIDHSTU(SIDHSTUConfig(
-            num_levels=num_levels, vocab_size=vocab_size, dim=m.dim, num_blocks=m.num_blocks, num_heads=m.num_heads,
-            dropout=m.dropout, max_items=cfg.data.max_seq_len, kernel=m.kernel,
-        ))  # fmt: skip
-    return SIDSeq2Seq(Seq2SeqConfig(
-        num_levels=num_levels, vocab_size=vocab_size, dim=m.dim, encoder_layers=m.num_blocks,
-        decoder_layers=cfg.generative.decoder_blocks, num_heads=m.num_heads, ffn_dim=m.ffn_dim, dropout=m.dropout,
-        max_items=cfg.data.max_seq_len,
-    ))  # fmt: skip
-
-
 def setup(cfg: RunConfig, sid_dir: Path | None = None, ctx: DistContext | None = None) -> Setup:
     """Load data and SIDs, build the model and its training step (deterministically from ``cfg.train.seed``).
     ``ctx``: the ``torchrun`` job this process is part of (None: one process)."""
@@ -103,7 +84,7 @@ def setup(cfg: RunConfig, sid_dir: Path | None = None, ctx: DistContext | None =
     item_codes = torch.cat([torch.zeros(1, codes.shape[1], dtype=torch.long), codes])
     trie = SidTrie.build(codes, sids.vocab_size, cfg.generative.trie).to(device)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg, sids.num_levels, sids.vocab_size).to(device)
+    model = build_sid_model(cfg, sids.num_levels, sids.vocab_size).to(device)
     s = Setup(cfg, seqs, item_codes, trie, model, None, device, PROTOCOL_HOLDOUT[cfg.data.protocol], ctx)
     s.runner = StepRunner(cfg, model, device, ctx, loss_fn=lambda b: _loss(s, b), units_fn=lambda b: b.targets.shape[0])
     s.optimizer = s.runner.optimizer
@@ -207,18 +188,8 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
 
 def load_run(run_dir: str | Path, checkpoint: str = "auto", overrides: list[str] | None = None) -> tuple[Setup, Path, dict]:
     """(setup with the checkpoint's weights, checkpoint path, manifest) of a generative run."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise ValueError(f"{run_dir} is not a recforge run directory (no config.yaml)")
-    cfg = load_config(run_dir / "config.yaml", overrides)
-    if checkpoint == "auto":
-        checkpoint = "best" if cfg.data.protocol == "clean" else "latest"
-    ckpt = find_checkpoint(run_dir, checkpoint) if checkpoint in ("best", "latest") else Path(checkpoint)
-    if ckpt is None:
-        raise ValueError(f"{run_dir} has no {checkpoint} checkpoint; train it first")
-    if not (run_dir / "sids" / META_FILE).is_file():
-        raise ValueError(f"{run_dir}/sids is missing: the run's semantic IDs are needed to decode its model")
-    s = setup(cfg, run_dir / "sids")
+    cfg, ckpt = read_run(run_dir, checkpoint, overrides)
+    s = setup(cfg, Path(run_dir) / "sids")
     manifest = load_checkpoint(ckpt, s.model, device=s.device)
     s.model.eval()
     return s, ckpt, manifest

@@ -30,10 +30,10 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
+from recforge.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from recforge.config import RunConfig, save_config
 from recforge.sparse.sharded import sharded_tables
 from recforge.sparse.sharded_checkpoint import save_sharded_checkpoint
-from recforge.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from recforge.train.distributed import DistContext, any_rank, full_dense_state, merged_data_state
 from recforge.train.inputs import StepInputs
 from recforge.train.run_files import append_jsonl, format_metrics, prepare_run_dir, truncate_jsonl

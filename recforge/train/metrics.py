@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from recforge.ops.jagged import sequence_ids
+from recforge.jagged.index import sequence_ids
 
 
 def target_ranks(scores: Tensor, targets: Tensor, seen_index: Tensor | None = None, seen_offsets: Tensor | None = None) -> Tensor:

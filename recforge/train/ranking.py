@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from recforge.checkpoint import find_checkpoint, load_checkpoint
 from recforge.config import RunConfig, load_config
-from recforge.data.batch import JaggedBatch
 from recforge.data.dataset import load_dataset
 from recforge.data.pipeline import PipelineSource
 from recforge.data.ranking import RankingData, RankingSamples
@@ -46,6 +46,8 @@ from recforge.data.ranking_samples import (
     write_ranking_samples,
 )
 from recforge.data.token_batching import steps_per_epoch, token_loss_scale
+from recforge.jagged.batch import JaggedBatch
+from recforge.jagged.index import offsets_from_lengths, sequence_ids
 from recforge.models.builders import build_ranking_model
 from recforge.models.ranking import (
     CandidateTower,
@@ -55,13 +57,11 @@ from recforge.models.ranking import (
     pointwise_loss,
     save_slices,
 )
-from recforge.ops.jagged import offsets_from_lengths, sequence_ids
 from recforge.sparse import SparseOptimizer
-from recforge.train.checkpoint import find_checkpoint, load_checkpoint
 from recforge.train.distributed import DistContext, even_batches, init_distributed, shard_dynamic_tables, shard_source, split_budget
 from recforge.train.loop import prepare_run_dir, run_loop, run_lr_scale
-from recforge.train.runtime import prepare_runtime
 from recforge.train.metrics import auc, gauc
+from recforge.train.runtime import prepare_runtime
 from recforge.train.step import StepResult, StepRunner
 
 

@@ -23,22 +23,22 @@ from pathlib import Path
 
 import torch
 
+from recforge.checkpoint import find_checkpoint, load_checkpoint
 from recforge.config import RunConfig, load_config
-from recforge.data.batch import JaggedBatch
 from recforge.data.dataset import load_dataset
 from recforge.data.pipeline import PipelineSource
 from recforge.data.retrieval_samples import retrieval_source, sample_tokens, write_retrieval_samples
 from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences
 from recforge.data.token_batching import steps_per_epoch, token_loss_scale
+from recforge.jagged.batch import JaggedBatch
 from recforge.models.builders import build_retrieval_model
 from recforge.models.retrieval import RetrievalModel
 from recforge.sparse import SparseOptimizer
-from recforge.train.checkpoint import find_checkpoint, load_checkpoint
-from recforge.train.evaluate import evaluate_ranking, model_scorer
 from recforge.train.distributed import DistContext, init_distributed, shard_dynamic_tables, shard_source, split_budget
+from recforge.train.evaluate import evaluate_ranking, model_scorer
 from recforge.train.loop import prepare_run_dir, run_loop, run_lr_scale
-from recforge.train.runtime import prepare_runtime
 from recforge.train.losses import sampled_softmax_loss
+from recforge.train.runtime import prepare_runtime
 from recforge.train.step import StepResult, StepRunner
 
 

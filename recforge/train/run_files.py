@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from recforge.checkpoint import find_checkpoint
 from recforge.config import RunConfig
-from recforge.train.checkpoint import find_checkpoint
 
 
 def prepare_run_dir(cfg: RunConfig, resume: bool) -> Path:

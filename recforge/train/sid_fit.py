@@ -38,7 +38,7 @@ def run_item_embeddings(run_dir: str | Path) -> tuple[np.ndarray, np.ndarray]:
     """(raw item IDs, (N, d) item vectors) of a trained retrieval run's best (else latest) checkpoint."""
     from recforge.config import load_config
     from recforge.train import retrieval
-    from recforge.train.checkpoint import find_checkpoint, load_checkpoint
+    from recforge.checkpoint import find_checkpoint, load_checkpoint
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():

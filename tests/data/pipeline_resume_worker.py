@@ -5,7 +5,7 @@ the pipeline states of every checkpoint left by earlier generations and ranks, b
 rank's pipeline over the remaining rows, and for each batch: updates its "model" (a
 per-row hit counter, a buffer of an nn.Module), appends the batch's row ids to an fsync'd
 log, and every few steps saves the model with the pipeline state in the checkpoint
-manifest through ``recforge.train.checkpoint.save_checkpoint`` (atomic). Each process's
+manifest through ``recforge.checkpoint.save_checkpoint`` (atomic). Each process's
 model starts at zero, so the sum of all checkpointed models counts how often each row was
 trained on.
 
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
+from recforge.checkpoint import find_checkpoint, save_checkpoint
 from recforge.data.collate import JaggedCollate
 from recforge.data.pipeline import Pipeline
 from recforge.data.resume import PipelineState
-from recforge.train.checkpoint import find_checkpoint, save_checkpoint
 
 CHECKPOINT_EVERY = 3
 

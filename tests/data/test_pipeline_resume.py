@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from recforge.checkpoint import find_checkpoint
 from recforge.data.parquet_source import ParquetSource, decode_row_ids
 from recforge.data.pipeline import Pipeline
 from recforge.data.resume import PipelineState
-from recforge.train.checkpoint import find_checkpoint
 from tests.data.test_pipeline import write_samples
 
 WORKER = Path(__file__).with_name("pipeline_resume_worker.py")

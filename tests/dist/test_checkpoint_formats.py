@@ -12,9 +12,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sparse"))
 from _dist import assert_same_rows, spawn  # noqa: E402
 
+from recforge.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from recforge.sparse import DynamicEmbedding, SparseOptimConfig, TableConfig  # noqa: E402
 from recforge.sparse.sharded import ShardedDynamicEmbedding  # noqa: E402
-from recforge.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 
 
 def _cfg() -> TableConfig:

@@ -21,12 +21,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from recforge.checkpoint import find_checkpoint
 from recforge.config import config_from_dict
 from recforge.data.dataset import load_dataset
 from recforge.data.sequences import UserSequences
 from recforge.data.synthetic import SyntheticConfig, write_synthetic
 from recforge.train import retrieval
-from recforge.train.checkpoint import find_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_worker.py")

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from recforge.config import ModelConfig
-from recforge.data.batch import JaggedBatch
+from recforge.jagged.batch import JaggedBatch
+from recforge.jagged.index import offsets_from_lengths
 from recforge.models.builders import build_retrieval_model
-from recforge.ops.jagged import offsets_from_lengths
 
 pytestmark = pytest.mark.gpu
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recforge.data.batch import JaggedBatch
+from recforge.jagged import AttentionMask
+from recforge.jagged.batch import JaggedBatch
 from recforge.models import HSTUConfig, HSTUEncoder, ItemPrefix, L2NormPostfix, RetrievalModel
-from recforge.ops import AttentionMask
 
 NUM_ITEMS = 40
 MAX_LEN = 10

@@ -317,7 +317,7 @@ def test_visible_history_matches_the_dense_mask(data: RankingData, encoding: str
 
 def test_visible_mean_divides_by_visible_keys() -> None:
     """attn_norm=visible_mean: a query seeing n keys with equal values gets their mean, whatever max_seq_len is."""
-    from recforge.ops.mask import AttentionMask
+    from recforge.jagged.mask import AttentionMask
 
     for max_len in (8, 64):
         cfg = HSTUConfig(dim=4, num_blocks=1, num_heads=1, dqk=2, dv=4, dropout=0.0, max_seq_len=max_len, attn_norm="visible_mean")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from recforge.config import ModelConfig
-from recforge.data.batch import JaggedBatch
+from recforge.jagged.batch import JaggedBatch
 from recforge.models import HSTUEncoder, SASRecEncoder
 from recforge.models.builders import build_retrieval_model, hstu_large, hstu_small
 

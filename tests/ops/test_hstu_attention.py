@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from _oracles import offsets_of, random_lengths, random_split, time_bucket_ref, visible_ref
 
-from recforge.ops import AttentionMask, hstu_attention
-from recforge.ops.hstu_attention import time_buckets
+from recforge.jagged import AttentionMask
+from recforge.ops import hstu_attention
+from recforge.ops.time_bias import time_buckets
 
 NUM_POS = 4  # small, so clamping at P - 1 is exercised
 NUM_BUCKETS = 20  # small, so clamping at the top bucket is exercised

@@ -8,7 +8,8 @@ import pytest
 import torch
 from _oracles import offsets_of, random_lengths, random_split, visible_ref
 
-from recforge.ops import AttentionMask, softmax_attention
+from recforge.jagged import AttentionMask
+from recforge.ops import softmax_attention
 
 
 def softmax_loop(q, k, v, lengths, contextual=None, targets=None, window=None, causal=True):

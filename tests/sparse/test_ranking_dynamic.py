@@ -10,13 +10,13 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from recforge.checkpoint import find_checkpoint, load_checkpoint
 from recforge.cli import main
 from recforge.config import RunConfig, load_config
 from recforge.data.synthetic import SyntheticConfig, write_synthetic
 from recforge.models.ranking import RankingPrefix, load_slices, save_slices
 from recforge.sparse import AdmissionConfig, DynamicEmbedding, SparseOptimConfig, TableConfig
 from recforge.train import ranking
-from recforge.train.checkpoint import find_checkpoint, load_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "ranking-synthetic-hstu.yaml"

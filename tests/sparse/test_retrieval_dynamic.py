@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from recforge.checkpoint import find_checkpoint
 from recforge.config import RunConfig, config_from_dict
 from recforge.data.synthetic import SyntheticConfig, write_synthetic
 from recforge.sparse import DynamicEmbedding
-from recforge.train.checkpoint import find_checkpoint
 from recforge.train.retrieval import evaluate_run, setup, train
 
 

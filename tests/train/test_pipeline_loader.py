@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
+from recforge.checkpoint import find_checkpoint
 from recforge.cli import main
 from recforge.config import ConfigError
 from recforge.data.dataset import load_dataset
 from recforge.data.parquet_source import decode_row_ids
 from recforge.data.sequences import UserSequences
 from recforge.train import retrieval
-from recforge.train.checkpoint import find_checkpoint
 from recforge.train.retrieval import train
 from tests.train.test_retrieval import _cfg, _steps_log, data_dir  # noqa: F401 - data_dir is a fixture
 

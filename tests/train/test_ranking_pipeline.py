@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from recforge.checkpoint import find_checkpoint
 from recforge.config import RunConfig, load_config
 from recforge.data.ranking_samples import (
     ranking_pipeline,
@@ -20,7 +21,6 @@ from recforge.data.ranking_samples import (
 )
 from recforge.data.token_batching import steps_per_epoch
 from recforge.train import ranking
-from recforge.train.checkpoint import find_checkpoint
 from tests.train.test_ranking_recipe import CONFIG, SMALL, data_dir  # noqa: F401 - data_dir is a fixture
 
 PIPELINE = ("train.loader=pipeline", "train.loader_workers=1")

@@ -48,7 +48,7 @@ def test_train_eval_and_export(tmp_path: Path, data_dir: Path, capsys: pytest.Ca
     # the exported slices reproduce the checkpoint's predictions
     cfg = load_config(run_dir / "config.yaml")
     s = ranking.setup(cfg)
-    from recforge.train.checkpoint import find_checkpoint, load_checkpoint
+    from recforge.checkpoint import find_checkpoint, load_checkpoint
 
     load_checkpoint(find_checkpoint(run_dir, "best"), s.model)
     s.model.eval()
@@ -93,7 +93,7 @@ def test_refit_trains_on_train_and_valid_and_evaluates_the_last_checkpoint(tmp_p
     summary = ranking.train(refit_cfg, progress=False)
     run_dir = tmp_path / "refit"
     assert summary["checkpoint"] == json.loads((run_dir / "eval.json").read_text())["checkpoint"]
-    from recforge.train.checkpoint import find_checkpoint
+    from recforge.checkpoint import find_checkpoint
 
     assert summary["checkpoint"] == find_checkpoint(run_dir, "latest").name
 

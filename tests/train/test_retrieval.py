@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from recforge.checkpoint import find_checkpoint
 from recforge.config import RunConfig, config_from_dict
 from recforge.data.dataset import load_dataset
 from recforge.data.sequences import UserSequences
 from recforge.data.synthetic import SyntheticConfig, write_synthetic
 from recforge.train import retrieval
-from recforge.train.checkpoint import find_checkpoint
 from recforge.train.evaluate import evaluate_ranking, popularity_scorer
 from recforge.train.retrieval import evaluate_run, train
 from recforge.train.step import StepResult

@@ -1,7 +1,7 @@
 """Mask description -> kernel arguments, and the Triton helpers both attention kernels share.
 
 Visibility is computed per tile from per-sequence scalars (length n, contextual c, first
-target position he = n - t, segment ends, window) exactly as ``recforge.ops.mask`` defines
+target position he = n - t, segment ends, window) exactly as ``recforge.jagged.mask`` defines
 it. Each program walks only the key (or query) tiles its rows can see:
 
     query block rows [i0, i1) of one sequence
@@ -22,8 +22,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from recforge.ops.jagged import lengths_from_offsets
-from recforge.ops.mask import AttentionMask
+from recforge.jagged.index import lengths_from_offsets
+from recforge.jagged.mask import AttentionMask
+from recforge.ops.time_bias import TIME_BUCKET_LOG_BASE, time_buckets
+
+assert TIME_BUCKET_LOG_BASE == 0.301, "time_bucket() below hard-codes the log base: change both"
 
 INT64_MAX = 2**63 - 1
 
@@ -100,8 +103,6 @@ def _time_thresholds_cpu(num_buckets: int) -> Tensor:
     Found by binary search over the reference ``time_buckets`` itself, so the kernel's
     bucket (a float log, then corrected against these integers) is bit-identical to it.
     """
-    from recforge.ops.hstu_attention import time_buckets
-
     k = torch.arange(1, num_buckets + 1, dtype=torch.int64)
     lo = torch.ones_like(k)
     hi = torch.full_like(k, 2**62)
@@ -187,7 +188,7 @@ def segment_of(p, ends_ptr, c, he, S: tl.constexpr, FULL_BITS: tl.constexpr):
 @triton.jit
 def visible(i, j, n, c, he, ends_ptr, ts_i, ts_j, window,
             S: tl.constexpr, FULL_BITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr):
-    """Query positions i see key positions j (broadcast tiles): the rule of recforge.ops.mask."""
+    """Query positions i see key positions j (broadcast tiles): the rule of recforge.jagged.mask."""
     q = tl.minimum(i, he - 1)  # a target sees what the last history token sees
     if S > 0:
         seg_q = tl.zeros_like(q)
@@ -306,6 +307,7 @@ def query_tile(t, n_masked, m_lo, m_hi, lo, BLOCK: tl.constexpr):
 def time_bucket(delta, thr_ptr, NB):
     """Reference ``time_buckets`` of int64 deltas: a float log, corrected against exact thresholds."""
     d = tl.maximum(tl.abs(delta), 1)
+    # 0.301 is TIME_BUCKET_LOG_BASE, written as a literal: jit code reads no Python globals
     b = tl.floor(tl.log(d.to(tl.float32)) / 0.301).to(tl.int32)
     b = tl.minimum(tl.maximum(b, 0), NB)
     lo = tl.load(thr_ptr + b)

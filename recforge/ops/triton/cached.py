@@ -3,7 +3,7 @@
 One program per (block of a request's new tokens, request, head). The rows are the positions
 n_b .. n_b + m_b - 1 of the request's whole sequence, so the training kernels' helpers
 (``_common.query_block_ranges``, ``key_tile``, ``visible``, ``hstu._scores``) walk and mask
-the keys with the one rule set of ``recforge.ops.mask``; a key tile reads positions < n_b from
+the keys with the one rule set of ``recforge.jagged.mask``; a key tile reads positions < n_b from
 the cache and the others from the new tokens. A block of targets walks the history only and
 adds each target's attention to itself directly (targets see no other target), so C
 candidates cost C x history, not C x (history + C).
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from recforge.ops.mask import AttentionMask
+from recforge.jagged.mask import AttentionMask
 from recforge.ops.triton._common import (
     block_of_program,
     free_tile_span,

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from recforge.ops.mask import AttentionMask
+from recforge.jagged.mask import AttentionMask
 from recforge.ops.triton._common import (
     MaskArgs,
     block_of_program,

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from recforge.ops.mask import AttentionMask
+from recforge.jagged.mask import AttentionMask
 from recforge.ops.triton._common import (
     block_of_program,
     free_tile_span,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from recforge.ops.jagged import jagged_rows, lengths_from_offsets
+from recforge.jagged.index import jagged_rows, lengths_from_offsets
 
 
 @dataclass

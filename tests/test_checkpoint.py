@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from recforge import checkpoint as ckpt_mod
+from recforge.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from recforge.config import ModelConfig
 from recforge.models.builders import build_retrieval_model
-from recforge.train import checkpoint as ckpt_mod
-from recforge.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 
 
 def _model() -> nn.Module:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from _oracles import dense_ref, offsets_of, random_lengths, random_segments, random_split
 
-from recforge.ops import AttentionMask
+from recforge.jagged import AttentionMask
 
 
 def _case(seed: int, batch: int = 8, max_len: int = 7):

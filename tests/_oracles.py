@@ -138,7 +138,7 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 def random_mask(kind: str, gen: torch.Generator, lengths: list[int], timestamps: torch.Tensor | None = None):
     """An AttentionMask of one kind over ``lengths``: causal, full, contextual, targets, window,
     segments, timestamps, or all (everything at once)."""
-    from recforge.ops.mask import AttentionMask
+    from recforge.jagged.mask import AttentionMask
 
     contextual, targets = random_split(gen, lengths)
     c = torch.tensor(contextual) if kind in ("contextual", "all") else None

@@ -7,8 +7,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from recforge.data.batch import JaggedBatch
-from recforge.ops.mask import AttentionMask
+from recforge.jagged.batch import JaggedBatch
+from recforge.jagged.mask import AttentionMask
 
 
 def _random_lists(rng: np.random.Generator, batch: int, max_len: int) -> list[list[int]]:

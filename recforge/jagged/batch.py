@@ -24,8 +24,8 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
-from recforge.ops.jagged import lengths_from_offsets
-from recforge.ops.mask import AttentionMask
+from recforge.jagged.index import lengths_from_offsets
+from recforge.jagged.mask import AttentionMask
 
 
 _silenced = False

@@ -6,8 +6,8 @@ import pytest
 import torch
 from _oracles import offsets_of, random_lengths
 
-from recforge.ops import gather_sequences, jagged_to_padded, padded_to_jagged, positions_in_sequence, trim_sequences
-from recforge.ops.jagged import lengths_from_offsets, offsets_from_lengths, padding_index, sequence_ids
+from recforge.jagged import gather_sequences, jagged_to_padded, padded_to_jagged, positions_in_sequence, trim_sequences
+from recforge.jagged.index import lengths_from_offsets, offsets_from_lengths, padding_index, sequence_ids
 
 SEEDS = [0, 1, 2, 3]
 
