@@ -20,6 +20,7 @@ in that list. A target outside the list is a miss; MRR is therefore a lower boun
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
@@ -30,6 +31,7 @@ import torch
 
 from recforge.checkpoint import load_checkpoint
 from recforge.config import RunConfig
+from recforge.io import atomic_directory
 from recforge.data.dataset import load_dataset
 from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences
 from recforge.data.sid_sequences import eval_samples, history_windows, seen_mask, transition_samples
@@ -122,10 +124,16 @@ def generated_ranks(s: Setup, samples: torch.Tensor, k: int) -> torch.Tensor:
     allowed = s.trie.allowed_nodes(allowed_items) if s.cfg.generative.exclude_seen_in_search else None
     out = beam_search(lambda c: s.model.next_token_logprobs(memory, c), s.trie, batch_size=targets.numel(),
                       beam=s.cfg.generative.beam, allowed=allowed)  # fmt: skip
-    items, _ = resolve_items(out, s.trie, k, item_mask=allowed_items)
+    items, scores = resolve_items(out, s.trie, k, item_mask=allowed_items)
     s.model.train(was_training)
-    hit = (items + 1).cpu() == targets[:, None]  # (B, k); empty slots (-1 + 1 = 0) never match an item
-    return torch.where(hit.any(1), hit.int().argmax(1), s.seqs.num_items)
+    items, scores = items.cpu(), scores.cpu()
+    hit = (items + 1) == targets[:, None]  # (B, k); empty slots (-1 + 1 = 0) never match an item
+    first = hit.int().argmax(1)
+    # items sharing the target's SID (no collision level) tie with it: ties count against the target,
+    # as in the ID models' target_ranks, so its rank is the last slot holding its score
+    tied = scores == scores.gather(1, first[:, None])
+    last_tie = torch.where(tied, torch.arange(k), -1).amax(1)
+    return torch.where(hit.any(1), last_tie, s.seqs.num_items)
 
 
 def _evaluate(s: Setup, target_from_end: int) -> dict[str, float]:
@@ -146,16 +154,28 @@ def _eval_during_training(s: Setup) -> tuple[str, dict[str, float]]:
     return split, _evaluate(s, target_from_end=1 if split == "test" else 2)
 
 
-def _copy_sids(cfg: RunConfig, run_dir: Path) -> Path:
-    target = run_dir / "sids"
-    if not (target / SIDS_FILE).is_file():
-        source = sid_dir_of(cfg)
-        read_sids(source)  # fails with a clear message when the SIDs are missing
-        target.mkdir(parents=True, exist_ok=True)
+def _copy_sids(cfg: RunConfig, run_dir: Path, resume: bool) -> Path:
+    """The run's own copy of its SIDs (``RUN_DIR/sids``). A new run replaces it atomically from
+    ``generative.sids`` (a copy left by an attempt that never checkpointed must not survive a changed
+    setting); a resumed run keeps it and refuses a ``generative.sids`` that now holds other codes."""
+    target, source = run_dir / "sids", sid_dir_of(cfg)
+    if resume and (target / SIDS_FILE).is_file():
+        if (source / SIDS_FILE).is_file() and _digest(source / SIDS_FILE) != _digest(target / SIDS_FILE):
+            raise ValueError(
+                f"generative.sids={source} holds other SIDs than the ones {run_dir} was trained on; resume with "
+                f"generative.sids={target}, or start a new run (another train.output_dir or name)"
+            )
+        return target
+    read_sids(source)  # fails with a clear message when the SIDs are missing
+    with atomic_directory(target) as tmp:
         for path in source.iterdir():
             if path.is_file():
-                shutil.copy2(path, target / path.name)
+                shutil.copy2(path, tmp / path.name)
     return target
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict:
@@ -168,7 +188,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     ctx = init_distributed(cfg, prepare_runtime(cfg))
     run_dir = prepare_run_dir(cfg, resume)
     ctx.barrier()  # every rank has checked the run directory before any writes to it
-    sid_dir = _copy_sids(cfg, run_dir) if ctx.is_main else run_dir / "sids"
+    sid_dir = _copy_sids(cfg, run_dir, resume) if ctx.is_main else run_dir / "sids"
     ctx.barrier()  # rank 0 copied the SIDs every rank reads
     s = setup(cfg, sid_dir, ctx)
     samples = transition_samples(s.seqs, s.holdout)

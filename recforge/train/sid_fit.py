@@ -77,6 +77,8 @@ def fit_sids(
 ) -> dict:  # fmt: skip
     """Fit a tokenizer on the catalogue's item vectors and write the SID directory; return its report."""
     config.validate()
+    if Path(out).exists() and not overwrite:  # checked before the fit (minutes), not only when writing
+        raise ValueError(f"{out} already exists; pass --overwrite to replace it")
     ids, vectors, featurizer = item_vectors(data_dir, source, text_dim=text_dim, seed=config.seed)
     tok = SIDTokenizer.fit(torch.from_numpy(vectors), config)
     codes = tok.encode(torch.from_numpy(vectors))

@@ -87,6 +87,40 @@ def test_evaluation_equals_exhaustive_item_ranking(tmp_path: Path, sid_data: Pat
         assert int(ranks[b]) == int((total[b][others] > total[b, t]).sum())
 
 
+def test_items_sharing_the_targets_sid_rank_ahead_of_it(tmp_path: Path, sid_data: Path) -> None:
+    """Without the collision level several items share a SID (equal scores): ties count against the target,
+    as the ID models' protocol counts them, so a collision never inflates a hit."""
+    sids = sid_data / "sids-shared"
+    assert main(["sid", "fit", str(sid_data), "--out", str(sids), "--codebook-size", "4", "--levels", "2",
+                 "--no-collision-level", "--overwrite"]) == 0  # fmt: skip
+    cfg = load_config(_config(tmp_path, sid_data), _args(tmp_path, sid_data, f"generative.sids={sids}",
+                                                         "generative.beam=16", "eval.ks=[1,5,10]"))  # fmt: skip
+    s = generative.setup(cfg, sids)
+    assert s.trie.max_items_per_leaf > 1
+    s.model.eval()
+    samples = eval_samples(s.seqs, s.seqs.evaluable_users(1)[:16], 1)
+    ranks = generative.generated_ranks(s, samples, k=40)
+    history, mask, targets = generative._inputs(s, samples)
+    with torch.no_grad():
+        memory = s.model.start(history, mask)
+        codes = s.item_codes[1:]
+        total = torch.zeros(targets.numel(), codes.shape[0])
+        for t in range(codes.shape[1]):
+            prefix = codes[None, :, :t].expand(targets.numel(), -1, -1)
+            total += s.model.next_token_logprobs(memory, prefix).gather(2, codes[None, :, t, None].expand(targets.numel(), -1, 1))[..., 0]
+    seen = seen_mask(s.seqs, samples)[:, 1:]
+    checked = 0
+    for b in range(targets.numel()):
+        t = int(targets[b]) - 1
+        others = ~seen[b]
+        others[t] = False
+        expected = int((total[b][others] >= total[b, t]).sum())  # an equal score (the same SID) ranks ahead
+        if expected < 40 and int(ranks[b]) < 40:
+            assert int(ranks[b]) == expected
+            checked += 1
+    assert checked > 0
+
+
 def test_train_resume_eval_and_retrieve(tmp_path: Path, sid_data: Path, capsys: pytest.CaptureFixture) -> None:
     config = _config(tmp_path, sid_data)
     args = _args(tmp_path, sid_data, "train.epochs=2", "train.eval_every=1", "generative.beam=10", "eval.ks=[1,5,10]",
@@ -225,3 +259,18 @@ def test_sid_fit_from_an_embedding_column(tmp_path: Path, sid_data: Path, capsys
     assert sids.meta["embedding_dim"] == 6 and torch.unique(sids.codes, dim=0).shape[0] == len(ids)
     assert main(["sid", "fit", str(sid_data), "--out", str(tmp_path / "t"), "--source", "embedding"]) == 2
     assert "has no 'embedding' column" in capsys.readouterr().err
+
+
+def test_a_new_run_takes_the_configured_sids_and_a_resume_refuses_other_ones(tmp_path: Path, sid_data: Path) -> None:
+    other = sid_data / "sids-other"
+    assert main(["sid", "fit", str(sid_data), "--out", str(other), "--codebook-size", "4", "--levels", "2",
+                 "--overwrite"]) == 0  # fmt: skip
+    run_dir = tmp_path / "run"
+    first = load_config(_config(tmp_path, sid_data), _args(tmp_path, sid_data))
+    generative._copy_sids(first, run_dir, resume=False)  # an attempt that died before its first checkpoint
+    changed = load_config(_config(tmp_path, sid_data), _args(tmp_path, sid_data, f"generative.sids={other}"))
+    generative._copy_sids(changed, run_dir, resume=False)
+    assert torch.equal(read_sids(run_dir / "sids").codes, read_sids(other).codes)
+    with pytest.raises(ValueError, match="other SIDs than the ones"):
+        generative._copy_sids(first, run_dir, resume=True)
+    assert generative._copy_sids(changed, run_dir, resume=True) == run_dir / "sids"
