@@ -57,7 +57,7 @@ class Pipeline:
 
     def __init__(self, source: ParquetSource, *, num_workers: int, rules: RowRules | None, seed: int,
                  rank: int, world_size: int, stages: tuple[Stage, ...] = (), state: PipelineState | None = None,
-                 worker_mode: str = "auto"):  # fmt: skip
+                 worker_mode: str = "thread"):  # fmt: skip
         self.source = source
         self.num_workers = num_workers
         resolve_mode(worker_mode)  # checks the name now; "auto" is resolved where the pipeline is iterated
@@ -81,7 +81,7 @@ class Pipeline:
         rank: int = 0,
         world_size: int = 1,
         state: dict | PipelineState | None = None,
-        worker_mode: str = "auto",
+        worker_mode: str = "thread",
     ) -> Pipeline:
         """Start a pipeline over Parquet files.
 
@@ -90,10 +90,13 @@ class Pipeline:
             columns: column projection (None = all).
             num_workers: reader workers: row groups are read, transformed, shuffled and cut into
                 batches in parallel (see ``recforge.data.read_tasks``).
-            worker_mode: ``"process"`` (forked worker processes: scales with cores; map/filter functions
-                run there, so changes to their own state stay there), ``"thread"`` (threads in this
-                process), or ``"auto"`` (the default): processes where fork and memfd exist (Linux) and
-                this is not a daemonic process, else threads (logged once). Output is the same.
+            worker_mode: ``"thread"`` (the default: threads in this process), ``"process"`` (forked
+                worker processes: scales with cores; map/filter functions run there, so changes to
+                their own state stay there), or ``"auto"``: processes where fork and memfd exist
+                (Linux) and this is not a daemonic process, else threads (logged once). Output is
+                the same. Processes are opt-in: they are forked from this process every epoch, so
+                in a trainer holding large host tables every page written during the epoch is
+                copied (copy-on-write), and map functions with random state repeat their draws.
             rules: malformed-row checks and policy (see ``recforge.data.bad_rows``).
             seed: shuffle seed.
             rank, world_size: this rank's even share of the (unconsumed) rows: by rows, or by tokens

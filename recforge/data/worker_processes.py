@@ -20,6 +20,7 @@ import select
 import signal
 import socket
 import struct
+import sys
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
@@ -152,7 +153,9 @@ def _receive(sock: socket.socket, worker: int) -> TaskResult:
         )
     key, hlen, start, size = _MESSAGE.unpack(msg)
     try:
-        mm = mmap.mmap(fds[0], start + size, prot=mmap.PROT_READ)
+        # a private copy-on-write mapping: a caller writing into a batch tensor in place (as it may in thread
+        # mode) gets its own pages instead of a SIGSEGV, and never touches the memfd the worker reuses
+        mm = mmap.mmap(fds[0], start + size, access=mmap.ACCESS_COPY)
     finally:
         os.close(fds[0])
     weakref.finalize(mm, _release, sock, key)  # runs when the last batch viewing this memory is freed
@@ -168,6 +171,9 @@ def _receive(sock: socket.socket, worker: int) -> TaskResult:
 def _worker_main(run: Callable[[Task], TaskResult], tasks: list[Task], socks: list[tuple[socket.socket, socket.socket]],
                  k: int, parent_pid: int, depth: int) -> None:  # fmt: skip
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the consumer, which closes our socket
+    torch_module = sys.modules.get("torch")
+    if torch_module is not None:  # a fork inherits torch's thread pool in a broken state: a parallel op in a map
+        torch_module.set_num_threads(1)  # would hang forever (as torch's DataLoader workers, use one thread)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # never run the parent's handlers (e.g. save on preemption)
     for j, (parent_end, child_end) in enumerate(socks):  # keep only our end: EOF must reach whoever waits
         parent_end.close()

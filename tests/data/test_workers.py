@@ -201,3 +201,33 @@ def test_reused_shared_memory_never_changes_a_batch_still_held(tmp_path, monkeyp
     assert len(released) > 10 and len(set(released)) < len(released)  # memory was released, and reused
     for i, b in held.items():
         assert torch.equal(b.item_ids, reference[i].item_ids) and torch.equal(b.dense["row_ids"], reference[i].dense["row_ids"])
+
+
+def test_process_batches_can_be_written_in_place_and_maps_may_use_torch(tmp_path):
+    """A caller writing into a batch tensor gets private pages (no SIGSEGV on the shared mapping), and a map
+    that runs a parallel torch op in a forked worker does not hang on the inherited thread pool."""
+    write_samples(tmp_path, files=2, rows=600, row_group=100)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _ = torch.randn(256, 256) @ torch.randn(256, 256)  # the parent's thread pool is now running
+        _read_writing_in_place(tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _read_writing_in_place(tmp_path) -> None:
+
+    def torch_map(rb):
+        _ = torch.randn(128, 128) @ torch.randn(128, 128)  # parallel by default: hung a forked worker before
+        return rb
+
+    pipe = Pipeline.from_parquet(tmp_path, num_workers=2, worker_mode="process").map(torch_map).batch(64).collate(COLLATE)
+    seen = 0
+    for batch in pipe:
+        ids = batch.features["item_ids"]
+        before = ids.clone()
+        ids.add_(1)  # in place, as a CPU training step may do
+        assert torch.equal(ids, before + 1)
+        seen += batch.batch_size
+    assert seen == 1200
