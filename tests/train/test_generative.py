@@ -64,13 +64,8 @@ def test_windows_cover_every_training_transition(sid_data: Path) -> None:
     assert seen[0, full[:-1]].all() and int(seen[0, 1:].sum()) == len(set(full[:-1].tolist()))
 
 
-def test_evaluation_equals_exhaustive_item_ranking(tmp_path: Path, sid_data: Path) -> None:
-    """With a beam over every SID, the generated list ranks all unseen items by SID log-probability."""
-    cfg = load_config(_config(tmp_path, sid_data), _args(tmp_path, sid_data, "generative.beam=40", "eval.ks=[1,5,10]"))
-    s = generative.setup(cfg)
-    s.model.eval()
-    samples = eval_samples(s.seqs, s.seqs.evaluable_users(1)[:16], 1)
-    ranks = generative.generated_ranks(s, samples, k=40)
+def _exhaustive_scores(s, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(targets, (B, N) total SID log-probability of every item), one digit at a time, no search."""
     history, mask, targets = generative._inputs(s, samples)
     with torch.no_grad():
         memory = s.model.start(history, mask)
@@ -79,6 +74,17 @@ def test_evaluation_equals_exhaustive_item_ranking(tmp_path: Path, sid_data: Pat
         for t in range(codes.shape[1]):
             prefix = codes[None, :, :t].expand(targets.numel(), -1, -1)
             total += s.model.next_token_logprobs(memory, prefix).gather(2, codes[None, :, t, None].expand(targets.numel(), -1, 1))[..., 0]
+    return targets, total
+
+
+def test_evaluation_equals_exhaustive_item_ranking(tmp_path: Path, sid_data: Path) -> None:
+    """With a beam over every SID, the generated list ranks all unseen items by SID log-probability."""
+    cfg = load_config(_config(tmp_path, sid_data), _args(tmp_path, sid_data, "generative.beam=40", "eval.ks=[1,5,10]"))
+    s = generative.setup(cfg)
+    s.model.eval()
+    samples = eval_samples(s.seqs, s.seqs.evaluable_users(1)[:16], 1)
+    ranks = generative.generated_ranks(s, samples, k=40)
+    targets, total = _exhaustive_scores(s, samples)
     seen = seen_mask(s.seqs, samples)[:, 1:]
     for b in range(targets.numel()):
         t = int(targets[b]) - 1
@@ -100,14 +106,7 @@ def test_items_sharing_the_targets_sid_rank_ahead_of_it(tmp_path: Path, sid_data
     s.model.eval()
     samples = eval_samples(s.seqs, s.seqs.evaluable_users(1)[:16], 1)
     ranks = generative.generated_ranks(s, samples, k=40)
-    history, mask, targets = generative._inputs(s, samples)
-    with torch.no_grad():
-        memory = s.model.start(history, mask)
-        codes = s.item_codes[1:]
-        total = torch.zeros(targets.numel(), codes.shape[0])
-        for t in range(codes.shape[1]):
-            prefix = codes[None, :, :t].expand(targets.numel(), -1, -1)
-            total += s.model.next_token_logprobs(memory, prefix).gather(2, codes[None, :, t, None].expand(targets.numel(), -1, 1))[..., 0]
+    targets, total = _exhaustive_scores(s, samples)
     seen = seen_mask(s.seqs, samples)[:, 1:]
     checked = 0
     for b in range(targets.numel()):
