@@ -138,6 +138,17 @@ def engine_latency(run: Path, bodies: list[dict], config) -> dict:
     return out
 
 
+def wait_until_up(url: str, log_path: Path, tries: int = 600) -> None:
+    """Poll ``url``/health until it answers 200 (~60 s); exit with the server log's tail if it never does."""
+    for _ in range(tries):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    sys.exit(f"server did not start: {log_path.read_text()[-2000:]}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -187,14 +198,7 @@ def main() -> None:
         server = subprocess.Popen(cmd, stdout=server_log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            for _ in range(600):
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
-            else:
-                sys.exit(f"server did not start: {log_path.read_text()[-2000:]}")
+            wait_until_up(url, log_path)
             rng = np.random.default_rng(0)
             asyncio.run(drive(url, [make_body(10**6 + i, args.history, args.candidates, rng) for i in range(20)], 20, 8))
             rows, next_user = [], 0

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from _machine import cpu_model
-from serve_load import ACTIONS, NUM_ITEMS, export_model, free_port
+from serve_load import ACTIONS, NUM_ITEMS, export_model, free_port, wait_until_up
 
 
 def rss_mb(pid: int) -> float:
@@ -236,14 +236,7 @@ def main() -> None:
         samples: list[tuple[float, float]] = []
         stop = threading.Event()
         try:
-            for _ in range(600):
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
-            else:
-                sys.exit(f"server did not start: {log_path.read_text()[-2000:]}")
+            wait_until_up(url, log_path)
 
             def sample() -> None:
                 while not stop.is_set():

@@ -23,6 +23,7 @@ from recforge.generate.sid_run import load_sid_run
 from recforge.generate.trie import SidTrie
 from recforge.models.sid_hstu import SIDHSTU
 from recforge.models.sid_seq2seq import SIDSeq2Seq
+from recforge.ops.dispatch import resolve_device
 
 
 class Retriever:
@@ -47,7 +48,7 @@ class Retriever:
     def from_run(run_dir: str | Path, *, checkpoint: str = "auto", device: str = "auto", dtype: str = "float32") -> Retriever:
         """Load a generative run's checkpoint (``auto``: best for clean runs, else latest); its catalogue is
         every item in ``RUN_DIR/sids``."""
-        target = _resolve_device(device)
+        target = resolve_device(device)
         run = load_sid_run(run_dir, checkpoint, device=target)
         if dtype != "float32":
             run.model.to(getattr(torch, dtype))
@@ -121,11 +122,3 @@ class Retriever:
             results.append((self.item_vocab[row_items[keep] + 1].tolist(), row_scores[keep].tolist()))
         return results
 
-
-def _resolve_device(name: str) -> torch.device:
-    """``auto``: the GPU when there is one, else the CPU; any other name as given."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but CUDA is not available; use device=cpu (or auto)")
-    return torch.device(name)

@@ -29,6 +29,17 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def resolve_device(name: str, setting: str = "device") -> torch.device:
+    """``auto`` -> the GPU when CUDA is available, else the CPU; any other name as given, refused (naming
+    ``setting``) when it asks for CUDA on a machine without it. Training, serving and retrieval all use it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{setting}={name!r} but CUDA is not available here; use {setting}=cpu (or auto)")
+    return device
+
+
 def triton_interpreting() -> bool:
     """TRITON_INTERPRET=1: Triton kernels run on CPU tensors in Triton's interpreter."""
     return triton_interpret()

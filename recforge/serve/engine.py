@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from recforge.models.hstu import HSTUEncoder
+from recforge.ops.dispatch import resolve_device
 from recforge.models.ranking import RankingModel, load_slices
 from recforge.serve.attention import CachedPass
 from recforge.serve.graphs import GraphCaptureError, GraphRunner
@@ -105,7 +106,7 @@ class RankEngine:
                  config: EngineConfig | None = None, version: str = "0") -> None:  # fmt: skip
         self.config = config or EngineConfig()
         self.config.validate()
-        self.device = _resolve_device(self.config.device)
+        self.device = resolve_device(self.config.device)
         self.dtype = DTYPES[self.config.dtype]
         self.pool = None  # a KVCachePool (set by the server or the caller); kept across reload()
         self._configure(model.eval().to(self.device, self.dtype), manifest, vocab, version)
@@ -366,15 +367,6 @@ class RankEngine:
     def reload(self, run_dir: str | Path) -> None:
         """``apply_reload(stage_reload(run_dir))``: a failure leaves the live model untouched."""
         self.apply_reload(self.stage_reload(run_dir))
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but CUDA is not available here; use device=cpu")
-    return device
 
 
 __all__ = ["EngineConfig", "PrefixState", "RankEngine", "RankResult", "WorkItem", "model_version", "token_identity"]

@@ -200,8 +200,9 @@ class Scheduler:
     def schedule(self) -> Plan:
         budget, chunk_cap = self.config.token_budget, self.config.prefill_chunk
         work: list[tuple[Sequence, WorkItem]] = []
+        used = 0
         for seq in self.running:
-            left = budget - sum(item.size for _, item in work)
+            left = budget - used
             if left <= 0:
                 break
             st = seq.state
@@ -212,11 +213,13 @@ class Scheduler:
                     end = max(end, min(st.num_contextual, seq.prefix_total))
                 feats = {k: v[start:end] for k, v in seq.tokens.items()}
                 work.append((seq, WorkItem(st, feats, "prefix", start)))
+                used += end - start
             else:
                 cands = candidate_tokens(seq.req)
                 lo = seq.scored
                 hi = min(seq.req.num_candidates, lo + max(left, 1))
                 work.append((seq, WorkItem(st, {k: v[lo:hi] for k, v in cands.items()}, "targets")))
+                used += hi - lo
         return Plan(work)
 
     def update(self, plan: Plan, outputs: list[torch.Tensor | None]) -> list[Sequence]:

@@ -8,6 +8,7 @@ import os
 import torch
 
 from recforge.config import RunConfig
+from recforge.ops.dispatch import resolve_device as resolve_any_device
 
 
 def resolve_device(name: str) -> torch.device:
@@ -15,17 +16,13 @@ def resolve_device(name: str) -> torch.device:
     if "LOCAL_RANK" in os.environ and name.startswith("cuda:"):
         raise ValueError(f"train.device={name!r} under torchrun would put every rank on that one GPU; use "
                          "train.device=cuda (each rank takes cuda:LOCAL_RANK) and pick the GPUs with CUDA_VISIBLE_DEVICES")  # fmt: skip
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"train.device={name!r} but CUDA is not available; use train.device=cpu")
-    if name == "cuda" and "LOCAL_RANK" in os.environ:
+    device = resolve_any_device(name, "train.device")
+    if device == torch.device("cuda") and "LOCAL_RANK" in os.environ:
         local = int(os.environ["LOCAL_RANK"])
         if local >= torch.cuda.device_count():
             raise ValueError(f"LOCAL_RANK={local} but this host has {torch.cuda.device_count()} GPU(s); "
                              "start at most that many processes per node (torchrun --nproc-per-node)")  # fmt: skip
         return torch.device("cuda", local)
-    device = torch.device(name)
     if device.type == "cuda" and device.index is None:  # an explicit index: set_device and side threads need one
         device = torch.device("cuda", torch.cuda.current_device())
     return device

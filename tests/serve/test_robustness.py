@@ -188,11 +188,12 @@ def test_an_unexpected_worker_error_fails_only_the_requests_in_flight(run) -> No
             runner.submit(_request(engine, "a", random_history(10, seed=1))).result(timeout=30)
         assert runner.restarts == 1 and calls["n"] == 1
         assert runner.scheduler.schedule != broken_schedule  # a fresh scheduler
+        assert runner.scheduler.schedule.__func__ is type(runner.scheduler).schedule  # the real one, bound to it
         ok = runner.submit(_request(engine, "b", random_history(10, seed=2))).result(timeout=30)
         assert ok.scores.shape == (5, 2) and runner.health()["healthy"]
     finally:
         runner.close()
-    assert original is not None
+    assert original is not None and original.__self__ is not runner.scheduler  # the broken one was replaced
 
 
 def test_a_dead_worker_thread_is_restarted_and_a_stuck_one_is_reported(run) -> None:

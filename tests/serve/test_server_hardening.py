@@ -135,6 +135,8 @@ def test_deadline_header_is_checked_and_enforced(run) -> None:
         gate.set()
         assert health["worker"]["dropped"] == {"deadline": 0, "cancelled": 0}  # dropped once the pass returns
         assert client.post("/v1/rank", json=_body(seed=3)).status_code == 200
+        # the timed-out request was dropped after its blocked pass, its candidates never computed
+        assert sum(client.app.state.runner.dropped.values()) == 1
 
 
 def test_overload_gets_503_with_retry_after(run) -> None:
