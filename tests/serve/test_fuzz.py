@@ -8,8 +8,9 @@ import random
 import threading
 
 import pytest
-import schemathesis
-from schemathesis import GenerationMode
+
+schemathesis = pytest.importorskip("schemathesis", reason="the test extra (pip install -e '.[test]') brings schemathesis")
+from schemathesis import GenerationMode  # noqa: E402
 import torch
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
