@@ -30,3 +30,13 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def restore_matmul_precision():
+    """Training runs switch TF32 matmuls on process-wide (``prepare_runtime``); put the flags back so a
+    later float32 parity test does not compare against TF32 products."""
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before[:2]
+    torch.set_float32_matmul_precision(before[2])
