@@ -43,9 +43,15 @@ class PoolConfig:
     host_mb: float = 1024.0  # host tier bound; 0 disables the tier (evicted users are dropped)
     block_size: int = 64  # tokens per page
 
+    def problems(self) -> list[str]:
+        """Every invalid field, each message starting with the field's name."""
+        checks = (("device_mb", self.device_mb > 0, "> 0"), ("host_mb", self.host_mb >= 0, ">= 0"),
+                  ("block_size", self.block_size >= 1, ">= 1"))  # fmt: skip
+        return [f"{name}: must be {bound}, got {getattr(self, name)}" for name, ok, bound in checks if not ok]
+
     def validate(self) -> None:
-        if self.device_mb <= 0 or self.host_mb < 0 or self.block_size < 1:
-            raise ValueError(f"PoolConfig: need device_mb > 0, host_mb >= 0, block_size >= 1; got {self}")
+        if problems := self.problems():
+            raise ValueError("PoolConfig: " + "; ".join(problems))
 
 
 @dataclass
