@@ -45,20 +45,25 @@ def _print_ranking_metrics(metrics: dict) -> None:
         print(f"{task:<12}" + "".join(f"{c:>11.4f}" if c is not None else f"{'-':>11}" for c in cells))
 
 
-def _recipe_module(recipe: str):
-    if recipe == "ranking":
-        from recforge.train import ranking
+def _run_recipe(run_dir: str | Path) -> str:
+    """The recipe a run directory was trained with (from its config.yaml); "" for a bare model directory."""
+    import yaml
 
-        return ranking
-    if recipe == "generative":
-        from recforge.train import generative
+    config_path = Path(run_dir) / "config.yaml"
+    if not config_path.is_file():
+        return ""
+    raw = yaml.safe_load(config_path.read_text()) or {}
+    return str(raw.get("recipe", "retrieval")) if isinstance(raw, dict) else ""
 
-        return generative
-    if recipe == "retrieval":
-        from recforge.train import retrieval
 
-        return retrieval
-    raise ValueError(f"recipe {recipe!r} is not known; use retrieval, ranking or generative")
+def _check_serving_run(run_dir: str, command: str) -> None:
+    """``recforge serve/export`` read a ranking run's serving model: say so for another recipe's run."""
+    from recforge.train.recipes import get_recipe
+
+    name = _run_recipe(run_dir)
+    if name and not get_recipe(name).serving_model:
+        raise ValueError(f"{run_dir} is a {name} run; `recforge {command}` takes a ranking run "
+                         "(recipe: ranking), whose training exports RUN_DIR/model")  # fmt: skip
 
 
 def cmd_sid_fit(args: argparse.Namespace) -> None:
@@ -101,11 +106,14 @@ def cmd_synthetic(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     from recforge.config import load_config
 
+    from recforge.train.recipes import get_recipe
+
     cfg = load_config(args.config, args.overrides)
-    summary = _recipe_module(cfg.recipe).train(cfg, resume=args.resume, progress=not args.no_progress)
+    recipe = get_recipe(cfg.recipe)
+    summary = recipe.train(cfg, resume=args.resume, progress=not args.no_progress)
     if not summary.get("is_main", True):  # a torchrun rank other than 0: rank 0 evaluates and prints
         return
-    if cfg.recipe == "ranking":
+    if recipe.metrics == "ranking":
         print(f"run {cfg.run_dir}: {summary['split']} split, {int(summary['impressions']):,} impressions, "
               f"checkpoint {summary['checkpoint']}; model slices in {cfg.run_dir / 'model'}")  # fmt: skip
         _print_ranking_metrics(summary)
@@ -116,14 +124,15 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from recforge.config import load_config
+    from recforge.train.recipes import get_recipe
 
     config_path = Path(args.run_dir) / "config.yaml"
     if not config_path.is_file():
         raise ValueError(f"{args.run_dir} is not a recforge run directory (no config.yaml)")
-    recipe = load_config(config_path).recipe
+    recipe = get_recipe(load_config(config_path).recipe)
     command = "recforge " + " ".join(args.argv)
-    result = _recipe_module(recipe).evaluate_run(args.run_dir, checkpoint=args.checkpoint, split=args.split, command=command)
-    if recipe == "ranking":
+    result = recipe.evaluate(args.run_dir, checkpoint=args.checkpoint, split=args.split, command=command)
+    if recipe.metrics == "ranking":
         print(f"{args.run_dir}: {result['split']} split, {int(result['impressions']):,} impressions, "
               f"checkpoint {result['checkpoint']}")  # fmt: skip
         _print_ranking_metrics(result)
@@ -142,6 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     flags = {key: value for key, value in vars(args).items() if key in SERVE_FLAG_KEYS}
     cfg = load_serve_config(args.config, args.overrides, flags)
+    _check_serving_run(args.run_dir, "serve")
     if cfg.threads:
         import torch
 
@@ -189,6 +199,7 @@ SERVE_FLAG_KEYS = {key for _, key, _, _ in SERVE_FLAGS}
 def cmd_export(args: argparse.Namespace) -> None:
     from recforge.serve.export import export_run
 
+    _check_serving_run(args.run_dir, "export")
     out = export_run(args.run_dir, args.out, formats=tuple(args.formats.split(",")), check=not args.no_check)
     print(f"wrote {out}")
 
