@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. scheduler.token_budget=4096 engine.dtype=bfloat16")
     p.add_argument("--config", help="serve config YAML, e.g. configs/serve-default.yaml (default: built-in defaults)")
     for flag, key, kind, help_text in SERVE_FLAGS:
-        options = {"action": "store_true"} if kind is bool else {"type": kind}
+        options = {"action": "store_true"} if kind is bool else {"type": kind, "metavar": key.rsplit(".", 1)[-1].upper()}
         p.add_argument(flag, dest=key, default=argparse.SUPPRESS, help=f"{help_text} [{key}]", **options)
     p.set_defaults(func=cmd_serve)
 

@@ -10,9 +10,9 @@ fixed-size pages of ``block_size`` tokens::
 
 A device entry evicted for room goes to the host tier (copied on a side CUDA stream; the copy
 is waited for only when the entry is read back), or is dropped when there is no host tier. A
-request looks its user up (``get``), the engine checks that the cached tokens are a prefix of
-the request's and were computed under the same context (``RankEngine.reusable``), computes
-only the new tokens, and ``put`` writes back just those. ``invalidate`` drops everything when
+request looks its user up (``get``), the scheduler's ``CacheManager`` checks that the cached
+tokens are a prefix of the request's and were computed under the same context
+(``PrefixState.is_prefix_of``), only the new tokens are computed, and ``put`` writes back just those. ``invalidate`` drops everything when
 the model version changes; entries also carry their version.
 
 Writers never mix: every entry has a *generation*, new on each write. A state read from the
@@ -104,7 +104,7 @@ class KVCachePool:
 
     Example:
         >>> pool = KVCachePool.for_engine(engine, PoolConfig(device_mb=512, host_mb=4096))
-        >>> engine.pool = pool                    # RankEngine.rank_encoded now reuses and extends caches
+        >>> engine.pool = pool                    # its schedulers (and rank_encoded) now reuse and extend caches
     """
 
     def __init__(self, num_layers: int, heads: int, dqk: int, dv: int, dtype: torch.dtype, device: torch.device,

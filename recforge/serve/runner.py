@@ -331,8 +331,8 @@ class BatchRunner:
         """The swap, on the worker with nothing in flight: nothing here can fail halfway."""
         engine, pool, done = self._reload
         old = self.engine
-        if pool is not None and pool is old.pool:
-            pool.invalidate(engine.version)  # every entry is the old model's
+        if pool is not None and pool.version != engine.version:  # the live pool reused: every entry is the old model's
+            pool.invalidate(engine.version)
         engine.pool, old.pool = pool, None  # the retired engine keeps no cache (its pages may be the new one's)
         self.engine = engine
         self.scheduler = Scheduler(engine, self.config)

@@ -138,3 +138,43 @@ def test_a_reload_that_fails_its_probe_leaves_the_engine_in_place(tmp_path) -> N
         runner.close()
     assert runner.engine is engine and engine.pool is pool and pool.version == engine.version
     assert after.cached_tokens == 22 and torch.equal(after.scores, before.scores)
+
+
+@pytest.mark.gpu
+def test_reload_under_load_on_cuda_with_graphs(tmp_path, cuda_device) -> None:
+    """On CUDA (CUDA graphs on): the new engine is built and probed beside the live one while requests stream
+    in; every answer equals the CPU answer of the model version it names, across a same-shape reload (pool
+    reused) and a deeper model (new pool)."""
+    run = export(build_model(max_len=512), tmp_path / "run")
+    other = export(build_model(seed=6, max_len=512), tmp_path / "other", step=2)
+    deeper = export(build_model(seed=7, max_len=512, num_blocks=3), tmp_path / "deeper", step=3)
+    engine = RankEngine.from_run(run, EngineConfig(device="cuda", cuda_graphs=16))
+    engine.pool = KVCachePool.for_engine(engine, PoolConfig(device_mb=4, block_size=16))
+    runner = BatchRunner(engine, SchedulerConfig(token_budget=64, prefill_chunk=32, max_wait_ms=1, max_queue_ms=QUEUE_MS))
+    answers, stop = [], threading.Event()
+
+    def caller(k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            live = runner.engine
+            req = _request(live, f"u{(k + i) % 5}", 20 + (11 * i + 5 * k) % 60, seed=(k + i) % 5)
+            answers.append((req, runner.submit(req).result(timeout=60)))  # one vocabulary: never refused
+            i += 1
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    versions = {engine.version: run}
+    try:
+        for source in (other, deeper, run):
+            time.sleep(0.5)
+            versions[runner.reload(source, timeout=120)] = source
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        runner.close()
+    assert len({r.model_version for _, r in answers}) >= 2 and runner.engine.pool.keys.shape[1] == 2
+    cold = {v: RankEngine.from_run(src, EngineConfig()) for v, src in versions.items()}
+    for req, result in answers:
+        torch.testing.assert_close(result.scores, cold[result.model_version].rank_encoded(req).scores, rtol=1e-4, atol=1e-4)
