@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from recforge.serve.layout import candidate_tokens, prefix_tokens
+from recforge.serve.layout import candidate_tokens
 from _machine import cpu_model
 from serve_prefix_cache import build_engine, make_request
 
@@ -67,8 +67,7 @@ def measure(device: str, dtype: str, kernel: str, shapes: list[tuple[int, int]],
     rows = {}
     for events, cands in shapes:
         req = make_request(events, cands, seed=events + cands)
-        tokens = prefix_tokens(req, engine.action_encoding)
-        state = engine.prefix_state(req, tokens)
+        state = engine.prefix_state(req)
         cand = candidate_tokens(req)
         rows[(events, cands)] = {
             "request_ms": _time(lambda: engine.rank_encoded(req), device, repeats),

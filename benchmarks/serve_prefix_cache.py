@@ -43,7 +43,7 @@ from torch import nn
 from recforge.models import HSTUConfig, HSTUEncoder
 from recforge.models.ranking import MultiTaskMLP, RankingModel, RankingPrefix
 from recforge.serve.engine import EngineConfig, RankEngine
-from recforge.serve.layout import EncodedRequest, candidate_tokens, prefix_tokens
+from recforge.serve.layout import EncodedRequest, candidate_tokens
 from _machine import cpu_model
 
 NUM_ITEMS, NUM_CONTEXT, DIM, BLOCKS, HEADS, DQK, DV, MAX_LEN = 100_000, 4, 64, 2, 2, 32, 32, 4096
@@ -123,7 +123,7 @@ def main() -> None:
         for count in [int(x) for x in args.candidates.split(",")]:
             req = make_request(events, count, seed=events + count)
             cached_s, cached = timed(lambda: engine.rank_encoded(req).scores, args.repeats, sync)
-            state = engine.prefix_state(req, prefix_tokens(req, "sum"))
+            state = engine.prefix_state(req)
             cands = candidate_tokens(req)
             warm_s, warm = timed(lambda: engine.score(state, cands), args.repeats, sync)
             graph_row = {}
@@ -140,8 +140,8 @@ def main() -> None:
             naive_s *= count / measured
 
             def recompute(part=part):
-                tokens, cands = prefix_tokens(part, "sum"), candidate_tokens(part)
-                return torch.cat([engine.score(engine.prefix_state(part, tokens), {k: v[i : i + 1] for k, v in cands.items()})
+                cands = candidate_tokens(part)
+                return torch.cat([engine.score(engine.prefix_state(part), {k: v[i : i + 1] for k, v in cands.items()})
                                   for i in range(part.num_candidates)])  # fmt: skip
 
             recompute_s, recomputed = timed(recompute, 1, sync)

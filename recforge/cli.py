@@ -45,20 +45,25 @@ def _print_ranking_metrics(metrics: dict) -> None:
         print(f"{task:<12}" + "".join(f"{c:>11.4f}" if c is not None else f"{'-':>11}" for c in cells))
 
 
-def _recipe_module(recipe: str):
-    if recipe == "ranking":
-        from recforge.train import ranking
+def _run_recipe(run_dir: str | Path) -> str:
+    """The recipe a run directory was trained with (from its config.yaml); "" for a bare model directory."""
+    import yaml
 
-        return ranking
-    if recipe == "generative":
-        from recforge.train import generative
+    config_path = Path(run_dir) / "config.yaml"
+    if not config_path.is_file():
+        return ""
+    raw = yaml.safe_load(config_path.read_text()) or {}
+    return str(raw.get("recipe", "retrieval")) if isinstance(raw, dict) else ""
 
-        return generative
-    if recipe == "retrieval":
-        from recforge.train import retrieval
 
-        return retrieval
-    raise ValueError(f"recipe {recipe!r} is not known; use retrieval, ranking or generative")
+def _check_serving_run(run_dir: str, command: str) -> None:
+    """``recforge serve/export`` read a ranking run's serving model: say so for another recipe's run."""
+    from recforge.train.recipes import get_recipe
+
+    name = _run_recipe(run_dir)
+    if name and not get_recipe(name).serving_model:
+        raise ValueError(f"{run_dir} is a {name} run; `recforge {command}` takes a ranking run "
+                         "(recipe: ranking), whose training exports RUN_DIR/model")  # fmt: skip
 
 
 def cmd_sid_fit(args: argparse.Namespace) -> None:
@@ -101,11 +106,14 @@ def cmd_synthetic(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     from recforge.config import load_config
 
+    from recforge.train.recipes import get_recipe
+
     cfg = load_config(args.config, args.overrides)
-    summary = _recipe_module(cfg.recipe).train(cfg, resume=args.resume, progress=not args.no_progress)
+    recipe = get_recipe(cfg.recipe)
+    summary = recipe.train(cfg, resume=args.resume, progress=not args.no_progress)
     if not summary.get("is_main", True):  # a torchrun rank other than 0: rank 0 evaluates and prints
         return
-    if cfg.recipe == "ranking":
+    if recipe.metrics == "ranking":
         print(f"run {cfg.run_dir}: {summary['split']} split, {int(summary['impressions']):,} impressions, "
               f"checkpoint {summary['checkpoint']}; model slices in {cfg.run_dir / 'model'}")  # fmt: skip
         _print_ranking_metrics(summary)
@@ -116,14 +124,15 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from recforge.config import load_config
+    from recforge.train.recipes import get_recipe
 
     config_path = Path(args.run_dir) / "config.yaml"
     if not config_path.is_file():
         raise ValueError(f"{args.run_dir} is not a recforge run directory (no config.yaml)")
-    recipe = load_config(config_path).recipe
+    recipe = get_recipe(load_config(config_path).recipe)
     command = "recforge " + " ".join(args.argv)
-    result = _recipe_module(recipe).evaluate_run(args.run_dir, checkpoint=args.checkpoint, split=args.split, command=command)
-    if recipe == "ranking":
+    result = recipe.evaluate(args.run_dir, checkpoint=args.checkpoint, split=args.split, command=command)
+    if recipe.metrics == "ranking":
         print(f"{args.run_dir}: {result['split']} split, {int(result['impressions']):,} impressions, "
               f"checkpoint {result['checkpoint']}")  # fmt: skip
         _print_ranking_metrics(result)
@@ -136,35 +145,61 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from recforge.serve.engine import EngineConfig, RankEngine
-    from recforge.serve.kv_pool import PoolConfig
-    from recforge.serve.scheduler import SchedulerConfig
-    from recforge.serve.server import ServerConfig, create_app, serve
+    from recforge.serve.config import load_serve_config
+    from recforge.serve.engine import RankEngine
+    from recforge.serve.server import create_app, serve
 
-    if args.threads:
+    flags = {key: value for key, value in vars(args).items() if key in SERVE_FLAG_KEYS}
+    cfg = load_serve_config(args.config, args.overrides, flags)
+    _check_serving_run(args.run_dir, "serve")
+    if cfg.threads:
         import torch
 
-        torch.set_num_threads(args.threads)
-    engine = RankEngine.from_run(args.run_dir, EngineConfig(
-        device=args.device, dtype=args.dtype, prefill_chunk=args.prefill_chunk, max_candidates=args.max_candidates,
-        max_history_events=args.max_history, unknown_ids=args.unknown_ids,
-        unknown_feature_values=args.unknown_feature_values, cuda_graphs=args.cuda_graphs))  # fmt: skip
-    config = ServerConfig(
-        scheduler=SchedulerConfig(token_budget=args.token_budget, max_wait_ms=args.max_wait_ms,
-                                  prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
-                                  max_queue_ms=args.max_queue_ms),
-        pool=PoolConfig(device_mb=args.cache_mb, host_mb=args.host_cache_mb) if args.cache_mb > 0 else None,
-        request_timeout_ms=args.request_timeout_ms, allow_reload=args.allow_reload, run_dir=args.run_dir,
-        gil_switch_interval_ms=args.gil_switch_ms,
-    )  # fmt: skip
-    app = create_app(engine, config)
-    print(f"serving {args.run_dir} (model {engine.version}) on http://{args.host}:{args.port}  docs: /docs")
-    serve(app, config, host=args.host, port=args.port, log_level=args.log_level)
+        torch.set_num_threads(cfg.threads)
+    engine = RankEngine.from_run(args.run_dir, cfg.engine_config())
+    server_config = cfg.server_config(args.run_dir)
+    app = create_app(engine, server_config)
+    print(f"serving {args.run_dir} (model {engine.version}) on http://{cfg.host}:{cfg.port}  docs: /docs")
+    serve(app, server_config, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+
+
+# `recforge serve` flags: (flag, config key, type, help); a flag given overrides the key (recforge.serve.config)
+SERVE_FLAGS = (
+    ("--host", "host", str, "address to listen on (default 127.0.0.1)"),
+    ("--port", "port", int, "default 8000"),
+    ("--device", "engine.device", str, "cpu | cuda[:N] | auto (default)"),
+    ("--dtype", "engine.dtype", str, "float32 (default) | bfloat16 | float16"),
+    ("--threads", "threads", int, "torch intra-op threads (0: torch default)"),
+    ("--token-budget", "scheduler.token_budget", int, "query tokens per batched engine pass"),
+    ("--max-wait-ms", "scheduler.max_wait_ms", float, "how long a pass waits for more requests"),
+    ("--prefill-chunk", "scheduler.prefill_chunk", int, "most history tokens of one request per pass"),
+    ("--max-queue", "scheduler.max_queue", int, "requests in flight before 503"),
+    ("--max-queue-ms", "scheduler.max_queue_ms", float,
+     "refuse (503 + Retry-After) a request when the work queued ahead of it would take longer"),
+    ("--request-timeout-ms", "server.request_timeout_ms", float,
+     "default request deadline (504 after it); clients may set X-Request-Timeout-Ms"),
+    ("--max-candidates", "engine.max_candidates", int, "candidates per request before 422"),
+    ("--max-history", "engine.max_history_events", int, "events per request before 422"),
+    ("--unknown-ids", "engine.unknown_ids", str,
+     "unknown item IDs / actions: 422 (error, default) or the 'none' embedding (zero)"),
+    ("--unknown-feature-values", "engine.unknown_feature_values", str,
+     "user feature values not seen in training (e.g. a new user_id): 'none' (zero, default) or 422 (error)"),
+    ("--cache-mb", "cache.device_mb", float, "KV-cache device tier (0: no cache)"),
+    ("--host-cache-mb", "cache.host_mb", float, "KV-cache host tier (0: none)"),
+    ("--cuda-graphs", "engine.cuda_graphs", int,
+     "on CUDA: replay engine passes as CUDA graphs, keeping this many shape buckets (0: off)"),
+    ("--gil-switch-ms", "server.gil_switch_interval_ms", float,
+     "sys.setswitchinterval for the server process (the HTTP loop and the batching worker share the GIL)"),
+    ("--allow-reload", "server.allow_reload", bool, "expose POST /v1/reload"),
+    ("--log-level", "log_level", str, "uvicorn log level (default warning)"),
+)  # fmt: skip
+SERVE_FLAG_KEYS = {key for _, key, _, _ in SERVE_FLAGS}
 
 
 def cmd_export(args: argparse.Namespace) -> None:
     from recforge.serve.export import export_run
 
+    _check_serving_run(args.run_dir, "export")
     out = export_run(args.run_dir, args.out, formats=tuple(args.formats.split(",")), check=not args.no_check)
     print(f"wrote {out}")
 
@@ -232,35 +267,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test", choices=("test", "valid"))
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("serve", help="serve a trained ranking run over HTTP (POST /v1/rank; docs at /docs)")
+    p = sub.add_parser("serve", help="serve a trained ranking run over HTTP (POST /v1/rank; docs at /docs)",
+                       description="Settings come from --config (see configs/serve-default.yaml), then key=value "
+                       "overrides and the flags below (each flag sets the config key in brackets).")  # fmt: skip
     p.add_argument("run_dir", help="a ranking run directory (or its model/ directory)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--device", default="auto", help="cpu | cuda | auto (default)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
-    p.add_argument("--token-budget", type=int, default=8192, help="query tokens per batched engine pass")
-    p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a pass waits for more requests")
-    p.add_argument("--prefill-chunk", type=int, default=1024, help="most history tokens of one request per pass")
-    p.add_argument("--max-queue", type=int, default=1024, help="requests in flight before 503")
-    p.add_argument("--max-queue-ms", type=float, default=500.0,
-                   help="refuse (503 + Retry-After) a request when the work queued ahead of it would take longer")
-    p.add_argument("--request-timeout-ms", type=float, default=2000.0,
-                   help="default request deadline (504 after it); clients may set X-Request-Timeout-Ms")
-    p.add_argument("--max-candidates", type=int, default=2000)
-    p.add_argument("--max-history", type=int, default=100_000, help="events per request before 422")
-    p.add_argument("--unknown-ids", default="error", choices=("error", "zero"),
-                   help="unknown item IDs / actions: 422 (error, default) or the 'none' embedding (zero)")
-    p.add_argument("--unknown-feature-values", default="zero", choices=("error", "zero"),
-                   help="user feature values not seen in training (e.g. a new user_id): 'none' (default) or 422")
-    p.add_argument("--cache-mb", type=float, default=256.0, help="KV-cache device tier (0: no cache)")
-    p.add_argument("--host-cache-mb", type=float, default=1024.0, help="KV-cache host tier (0: none)")
-    p.add_argument("--cuda-graphs", type=int, default=32,
-                   help="on CUDA: replay engine passes as CUDA graphs, keeping this many shape buckets (0: off)")
-    p.add_argument("--gil-switch-ms", type=float, default=0.5,
-                   help="sys.setswitchinterval for the server process (the HTTP loop and the batching worker share the GIL)")
-    p.add_argument("--allow-reload", action="store_true", help="expose POST /v1/reload")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. scheduler.token_budget=4096 engine.dtype=bfloat16")
+    p.add_argument("--config", help="serve config YAML, e.g. configs/serve-default.yaml (default: built-in defaults)")
+    for flag, key, kind, help_text in SERVE_FLAGS:
+        options = {"action": "store_true"} if kind is bool else {"type": kind, "metavar": key.rsplit(".", 1)[-1].upper()}
+        p.add_argument(flag, dest=key, default=argparse.SUPPRESS, help=f"{help_text} [{key}]", **options)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("export", help="export a ranking run's slices to torch.export and ONNX")

@@ -5,8 +5,12 @@ The history (contextual + history tokens, the *prefix*) runs through the HSTU bl
 block's keys and values of the prefix are kept in a ``PrefixState``. Candidates then run
 through the blocks on their own: at each block a candidate attends to the cached keys/values it
 may see (contextual tokens, history events strictly before its time) and to itself, never to
-other candidates, exactly as the training mask says. A long prefix is computed in chunks of
-``prefill_chunk`` tokens; a cached prefix is extended with only its new tokens.
+other candidates, exactly as the training mask says.
+
+The engine executes passes (``run``: the work items of a ``scheduler.Plan``); which tokens go in a
+pass, chunked prefill and the KV-cache bookkeeping are the scheduler's (``scheduler.py`` with its
+``cache_manager.py``). ``rank`` drives a private scheduler for one request. An engine is built
+once per model version and never changed: a reload builds a new engine (``BatchRunner.reload``).
 
 Example:
     >>> engine = RankEngine.from_run("runs/ranking-taobao-hstu")
@@ -17,9 +21,11 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +34,9 @@ from torch import Tensor
 
 from recforge.models.hstu import HSTUEncoder
 from recforge.ops.dispatch import resolve_device
-from recforge.models.ranking import RankingModel, load_slices
+from recforge.models.ranking import RankingModel
 from recforge.serve.attention import CachedPass
+from recforge.serve.cache_manager import CacheManager
 from recforge.serve.graphs import GraphCaptureError, GraphRunner
 from recforge.serve.layout import (
     EncodedRequest,
@@ -37,11 +44,11 @@ from recforge.serve.layout import (
     Vocab,
     candidate_tokens,
     encode_request,
-    prefix_tokens,
     training_batch,
 )
-from recforge.serve.model_dir import model_dir_of, model_version, read_vocab, stage_model, swap_slices
-from recforge.serve.state import PrefixState, WorkItem, copy_state, token_identity
+from recforge.serve.model_dir import stage_model
+from recforge.serve.scheduler import prefill_alone
+from recforge.serve.state import PrefixState, WorkItem, token_identity
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,28 +60,32 @@ class EngineConfig:
 
     device: str = "cpu"  # cpu | cuda | auto (cuda when available)
     dtype: str = "float32"  # float32 | bfloat16 | float16 (weights and activations; scores come back float32)
-    prefill_chunk: int = 1024  # prefix tokens computed per step; bounds attention memory to chunk x prefix
+    prefill_chunk: int = 1024  # rank()'s prefix tokens per pass (the server's batching uses SchedulerConfig's)
     max_candidates: int = 2000  # a request with more candidates is rejected
     max_history_events: int = 100_000  # a request with more events is rejected; the model sees the latest that fit
     unknown_ids: str = "error"  # items and actions outside the vocabulary: error (422) | zero (the "none" embedding)
     unknown_feature_values: str = "zero"  # user feature values never seen in training (a new user_id): zero | error
     cuda_graphs: int = 32  # on CUDA: replay passes as CUDA graphs, keeping this many shape buckets (0 = eager)
 
-    def validate(self) -> None:
+    def problems(self) -> list[str]:
+        """Every invalid field, each message starting with the field's name."""
         problems = []
         if self.dtype not in DTYPES:
-            problems.append(f"dtype={self.dtype!r}: expected one of {tuple(DTYPES)}")
+            problems.append(f"dtype: {self.dtype!r} is not one of {tuple(DTYPES)}")
         if self.device not in ("cpu", "auto") and not self.device.startswith("cuda"):
-            problems.append(f"device={self.device!r}: expected cpu, cuda[:N] or auto")
+            problems.append(f"device: {self.device!r} is not cpu, cuda[:N] or auto")
         for name in ("unknown_ids", "unknown_feature_values"):
             if getattr(self, name) not in ("error", "zero"):
-                problems.append(f"{name}={getattr(self, name)!r}: expected error or zero")
+                problems.append(f"{name}: {getattr(self, name)!r} is not error or zero")
         for name in ("prefill_chunk", "max_candidates", "max_history_events"):
             if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+                problems.append(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.cuda_graphs < 0:
-            problems.append(f"cuda_graphs must be >= 0 (0 turns them off), got {self.cuda_graphs}")
-        if problems:
+            problems.append(f"cuda_graphs: must be >= 0 (0 turns them off), got {self.cuda_graphs}")
+        return problems
+
+    def validate(self) -> None:
+        if problems := self.problems():
             raise ValueError("EngineConfig: " + "; ".join(problems))
 
 
@@ -108,12 +119,8 @@ class RankEngine:
         self.config.validate()
         self.device = resolve_device(self.config.device)
         self.dtype = DTYPES[self.config.dtype]
-        self.pool = None  # a KVCachePool (set by the server or the caller); kept across reload()
-        self._configure(model.eval().to(self.device, self.dtype), manifest, vocab, version)
-
-    def _configure(self, model: RankingModel, manifest: dict, vocab: dict | None, version: str) -> None:
-        """Everything derived from the model and its manifest (run at start and by ``apply_reload``)."""
-        self.model = model
+        self.pool = None  # the KVCachePool its schedulers reuse and fill (set before serving; see cache_manager)
+        self.model = model = model.eval().to(self.device, self.dtype)
         self.manifest = manifest
         self.vocab_json = vocab
         self.tasks = list(manifest.get("tasks") or [])
@@ -146,24 +153,41 @@ class RankEngine:
         per_event = 2 if self.action_encoding == "interleave" else 1
         # a prefix of at most max_seq_len - 1 tokens leaves the candidates' position (the history end) in range
         self.max_events = max(0, (self.max_seq_len - 1 - self.num_contextual) // per_event)
+        self.encoding = _encoding_key(vocab, manifest, self.max_events, self.config)
 
     @classmethod
     def from_run(cls, run_dir: str | Path, config: EngineConfig | None = None) -> RankEngine:
-        """Load ``RUN_DIR/model`` (or a model directory itself) written by ``save_slices``."""
-        model_dir = model_dir_of(run_dir)
-        model, manifest = load_slices(model_dir)
-        vocab = read_vocab(model_dir)
+        """Load ``RUN_DIR/model`` (or a model directory itself) written by ``save_slices``; ``ValueError``
+        naming what is wrong with the directory."""
+        config = config or EngineConfig()
+        config.validate()
+        model, manifest, vocab, version = stage_model(run_dir, DTYPES[config.dtype])
         if vocab is None:
-            log.warning("%s has no vocab.json: requests must carry model codes, not raw IDs", model_dir)
-        return cls(model, manifest, vocab, config, version=model_version(model_dir))
+            log.warning("%s has no vocab.json: requests must carry model codes, not raw IDs", run_dir)
+        return cls(model, manifest, vocab, config, version)
+
+    @classmethod
+    def load_checked(cls, run_dir: str | Path, config: EngineConfig) -> RankEngine:
+        """``from_run`` then ``probe``: a complete engine that has scored a request, or ``ValueError`` saying
+        why ``run_dir`` cannot be served. Nothing outside the new engine is touched (what a reload builds)."""
+        try:
+            engine = cls.from_run(run_dir, config)
+        except ValueError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a manifest that does not fit its slices, a device error...
+            raise ValueError(f"cannot serve the model in {run_dir}: {type(err).__name__}: {err}") from err
+        engine.probe()
+        return engine
 
     # ------------------------------------------------------------------------------- requests
 
     def encode(self, user: Any, history: History | dict, candidates: list[Any], *,
                user_features: dict[str, Any] | None = None, timestamp: int | None = None) -> EncodedRequest:  # fmt: skip
         """Validate a request and map it to model codes; raises ``RequestError`` saying what is wrong."""
-        return encode_request(self.vocab, self.config, self.max_events, user, history, candidates,
-                              user_features=user_features, timestamp=timestamp)  # fmt: skip
+        req = encode_request(self.vocab, self.config, self.max_events, user, history, candidates,
+                             user_features=user_features, timestamp=timestamp)  # fmt: skip
+        req.encoding = self.encoding
+        return req
 
     def rank(self, user: Any, history: History | dict, candidates: list[Any], *,
              user_features: dict[str, Any] | None = None, timestamp: int | None = None,
@@ -174,95 +198,28 @@ class RankEngine:
 
     @torch.no_grad()
     def rank_encoded(self, req: EncodedRequest, state: PrefixState | None = None) -> RankResult:
+        """``rank`` for an encoded request. The prefix starts from ``state`` when given (extended, not cached),
+        else from the user's entry in ``self.pool`` (written back once complete)."""
         t0 = time.perf_counter()
         if not self.cached:
             batch = training_batch(req, self.action_encoding, self.max_seq_len).to(self.device)
             scores = self.model(batch).float().cpu()
             return RankResult(scores, self.tasks, 0, batch.num_tokens - req.num_candidates, req.truncated,
                               model_version=self.version)  # fmt: skip
-        tokens = prefix_tokens(req, self.action_encoding)
-        pooled = state is None and self.pool is not None
-        if state is None:
-            state = self.acquire(req, tokens)
-        reused = state.length
-        state = self.prefix_state(req, tokens, state)
-        if pooled:
-            self.release(req, state, reused)
+        seq = prefill_alone(self, req, state)
         t1 = time.perf_counter()
-        scores = self.score(state, candidate_tokens(req))
+        scores = self.score(seq.state, candidate_tokens(req))
         t2 = time.perf_counter()
         timings = {"prefill": (t1 - t0) * 1e3, "candidates": (t2 - t1) * 1e3}
-        return RankResult(scores, self.tasks, reused, state.length - reused, req.truncated, timings, self.version)
+        return RankResult(scores, self.tasks, seq.reused, seq.state.length - seq.reused, req.truncated, timings,
+                          self.version)  # fmt: skip
 
-    def acquire(self, req: EncodedRequest, tokens: dict[str, Tensor]) -> PrefixState:
-        """A working state for ``req``'s prefix with room for all of it: the pool's cached prefix of
-        ``req.user`` when it is a prefix of this request (``length`` tokens already computed), else
-        an empty one. It records the model version and the pool entry's generation it started from."""
-        total = tokens["item_ids"].numel()
-        state = self.pool.get(req.user, total) if self.pool is not None else None
-        if state is not None and not self.reusable(state, req, tokens):
-            self.pool.mark_stale(req.user)
-            state = None
-        if state is None or state.capacity < total:
-            fresh = self.new_state(req, total)
-            if state is not None:
-                copy_state(state, fresh)
-            state = fresh
-        state.version = self.version
-        state.generation = self.pool.generation_of(req.user) if self.pool is not None else 0
-        return state
-
-    def release(self, req: EncodedRequest, state: PrefixState, reused: int) -> bool:
-        """Write the request's prefix back to the pool (only the tokens computed after ``reused``); False
-        when the pool refused it (a newer entry for the user, or another model version)."""
-        self.pool.record(reused, state.length - reused)
-        return self.pool.put(req.user, state, reused)
+    @torch.no_grad()
+    def prefix_state(self, req: EncodedRequest, state: PrefixState | None = None) -> PrefixState:
+        """``req``'s prefix keys/values (computed, or ``state`` extended), without scoring; see ``rank_encoded``."""
+        return prefill_alone(self, req, state).state
 
     # ------------------------------------------------------------------------------- compute
-
-    def new_state(self, req: EncodedRequest, capacity: int) -> PrefixState:
-        cfg = self.model.encoder.cfg
-        state = PrefixState(cfg.num_blocks, capacity, cfg.num_heads, cfg.dqk, cfg.dv, req.context_ids.numel(),
-                            self.dtype, self.device)  # fmt: skip
-        state.version = self.version
-        return state
-
-    def reusable(self, state: PrefixState, req: EncodedRequest, tokens: dict[str, Tensor]) -> bool:
-        """True when ``state`` is a prefix of this request's tokens (same contextual features and events).
-
-        The request time does not matter: contextual tokens carry no time bias, so the history's
-        keys and values are the same whenever the user returns."""
-        n = state.length
-        if n > tokens["item_ids"].numel() or state.num_contextual != req.context_ids.numel():
-            return False
-        return bool((state.tokens[:n] == token_identity(tokens)[:n]).all())
-
-    def prefix_state(self, req: EncodedRequest, tokens: dict[str, Tensor], state: PrefixState | None = None) -> PrefixState:
-        """Compute (or extend ``state`` to) the prefix of ``req``, in chunks of ``prefill_chunk`` tokens."""
-        total = tokens["item_ids"].numel()
-        if state is not None and not self.reusable(state, req, tokens):
-            raise ValueError("prefix_state: the given state is not a prefix of this request (use reusable() first)")
-        if state is None or state.capacity < total:
-            fresh = self.new_state(req, total)
-            if state is not None:
-                copy_state(state, fresh)
-            state = fresh
-        for item in self.prefill_items(state, tokens):
-            self.run([item])
-        return state
-
-    def prefill_items(self, state: PrefixState, tokens: dict[str, Tensor]) -> list[WorkItem]:
-        """The chunks still to compute for ``state`` to cover ``tokens``."""
-        total, chunk = tokens["item_ids"].numel(), self.config.prefill_chunk
-        # contextual tokens attend to each other in both directions: they always share the first chunk
-        bounds = [state.length] if state.length >= state.num_contextual else [0, max(state.num_contextual, chunk)]
-        while bounds[-1] < total:
-            bounds.append(bounds[-1] + chunk)
-        bounds[-1] = min(bounds[-1], total)
-        return [
-            WorkItem(state, {k: v[s:e] for k, v in tokens.items()}, "prefix", s)
-            for s, e in zip(bounds[:-1], bounds[1:]) if e > s
-        ]
 
     def score(self, state: PrefixState, candidates: dict[str, Tensor]) -> Tensor:
         """(C, K) float32 head outputs of the candidates after ``state``."""
@@ -270,19 +227,21 @@ class RankEngine:
 
     @torch.no_grad()
     def run(self, items: list[WorkItem]) -> list[Tensor | None]:
-        """One pass of several requests' work items through prefix -> blocks (-> postfix for targets).
-
-        Prefix items are written into their states; returns (C, K) scores per targets item, None per
-        prefix item. On CUDA each item replays the CUDA graph of its shape bucket (``graphs.py``);
-        otherwise linear layers run on all items' tokens at once and attention is one
-        ``ops.cached_hstu_attention`` call per block over every item's cache (``serve.attention``).
-        """
+        """Execute one scheduled pass (``Plan.items``): prefix items are written into their states (None each),
+        targets items give (C, K) float32 scores. On CUDA each item replays the CUDA graph of its shape
+        bucket (``graphs.py``), else ``forward`` runs them all at once."""
         if self.graphs is not None:
             try:
                 return [self.graphs.run(it) for it in items]
             except GraphCaptureError as err:  # items are idempotent: the eager pass below redoes them all
                 log.warning("%s; serving without CUDA graphs", err)
                 self.graphs = None
+        return self.forward(items)
+
+    @torch.no_grad()
+    def forward(self, items: list[WorkItem]) -> list[Tensor | None]:
+        """The eager pass of ``run``: linear layers on all items' tokens at once, one
+        ``ops.cached_hstu_attention`` call per block over every item's cache (``serve.attention``)."""
         enc: HSTUEncoder = self.model.encoder
         feats = {k: torch.cat([it.features[k] for it in items]).to(self.device) for k in items[0].features}
         x = self.model.prefix(feats)  # (T, d)
@@ -318,55 +277,36 @@ class RankEngine:
             outs.append(self.model(batch).float().cpu())
         return torch.cat(outs)
 
-    # ------------------------------------------------------------------------------- reload
+    # ------------------------------------------------------------------------------- checks
 
-    def stage_reload(self, run_dir: str | Path) -> RankEngine:
-        """Load and check a newly exported run without touching this engine.
-
-        Returns a host-side engine of the new model (CPU, this engine's dtype and limits, no pool,
-        no CUDA graphs) on which a probe request was scored; raises ``ValueError`` saying what is
-        wrong (missing or truncated files, a manifest that does not fit its slices, non-finite
-        scores). ``apply_reload`` then swaps it in."""
-        model, manifest, vocab, version = stage_model(run_dir, self.dtype)
-        staged = RankEngine(model, manifest, vocab, replace(self.config, device="cpu", cuda_graphs=0), version)
-        staged.probe()
-        return staged
-
+    @torch.no_grad()
     def probe(self) -> None:
-        """Score one synthetic request (every code 1, no features); ``ValueError`` unless the scores are finite
-        and have one column per task."""
+        """Score one synthetic request (every code 1, no features) with the eager pass (no pool, no CUDA graph
+        capture); ``ValueError`` unless the scores are finite and have one column per task."""
         one = torch.ones(2, dtype=torch.int64)
         req = EncodedRequest("__probe__", torch.zeros(self.num_contextual, dtype=torch.int64), one, one * 0,
                              torch.arange(2), one[:1], 2)  # fmt: skip
         try:
-            scores = self.rank_encoded(req).scores
+            if self.cached:  # from a state of its own: the probe never touches the pool
+                seq = prefill_alone(self, req, CacheManager.for_engine(self).new_state(self.num_contextual, 0),
+                                    execute=self.forward)  # fmt: skip
+                scores = self.forward([WorkItem(seq.state, candidate_tokens(req), "targets")])[0]
+            else:
+                scores = self.rank_encoded(req).scores
         except Exception as err:  # noqa: BLE001 - any failure means the model cannot serve
             raise ValueError(f"model {self.version} fails on a probe request: {type(err).__name__}: {err}") from err
         if scores.shape != (1, max(len(self.tasks), 1)) or not bool(torch.isfinite(scores).all()):
             raise ValueError(f"model {self.version} gives scores {scores.tolist()} on a probe request "
                              f"(expected {len(self.tasks)} finite values)")  # fmt: skip
 
-    def apply_reload(self, staged: RankEngine) -> None:
-        """Make ``staged`` (from ``stage_reload``) the live model: weights moved slice by slice (the device
-        never holds two whole models), CUDA graphs recaptured, every KV-cache entry invalidated (the
-        pool is rebuilt when the new encoder's shapes differ). The caller makes sure no pass runs."""
-        model = staged.model if self.device.type == "cpu" else swap_slices(self.model, staged.model, self.device)
-        self._configure(model, staged.manifest, staged.vocab_json, staged.version)
-        if self.pool is None:
-            return
-        cfg = self.model.encoder.cfg if self.cached else None
-        shape = (cfg.num_blocks, self.pool.config.block_size, cfg.num_heads, cfg.dqk) if cfg else None
-        if shape is not None and tuple(self.pool.keys.shape[1:]) == shape and self.pool.keys.dtype == self.dtype:
-            self.pool.invalidate(self.version)
-        else:
-            from recforge.serve.kv_pool import KVCachePool
 
-            config, self.pool = self.pool.config, None  # free the old pages before allocating new ones
-            self.pool = KVCachePool.for_engine(self, config) if self.cached else None
-
-    def reload(self, run_dir: str | Path) -> None:
-        """``apply_reload(stage_reload(run_dir))``: a failure leaves the live model untouched."""
-        self.apply_reload(self.stage_reload(run_dir))
+def _encoding_key(vocab: dict | None, manifest: dict, max_events: int, config: EngineConfig) -> str:
+    """A digest of everything ``encode`` depends on: requests encoded by one engine may run on another only
+    when their keys are equal (a reload that changes the vocabulary must not run old requests)."""
+    parts = [vocab, manifest.get("user_features"), manifest.get("num_contextual"), manifest.get("action_encoding"),
+             max_events, config.unknown_ids, config.unknown_feature_values, config.max_candidates,
+             config.max_history_events]  # fmt: skip
+    return hashlib.blake2b(json.dumps(parts, sort_keys=True, default=str).encode(), digest_size=12).hexdigest()
 
 
-__all__ = ["EngineConfig", "PrefixState", "RankEngine", "RankResult", "WorkItem", "model_version", "token_identity"]
+__all__ = ["EngineConfig", "PrefixState", "RankEngine", "RankResult", "WorkItem", "token_identity"]

@@ -10,9 +10,9 @@ fixed-size pages of ``block_size`` tokens::
 
 A device entry evicted for room goes to the host tier (copied on a side CUDA stream; the copy
 is waited for only when the entry is read back), or is dropped when there is no host tier. A
-request looks its user up (``get``), the engine checks that the cached tokens are a prefix of
-the request's and were computed under the same context (``RankEngine.reusable``), computes
-only the new tokens, and ``put`` writes back just those. ``invalidate`` drops everything when
+request looks its user up (``get``), the scheduler's ``CacheManager`` checks that the cached
+tokens are a prefix of the request's and were computed under the same context
+(``PrefixState.is_prefix_of``), only the new tokens are computed, and ``put`` writes back just those. ``invalidate`` drops everything when
 the model version changes; entries also carry their version.
 
 Writers never mix: every entry has a *generation*, new on each write. A state read from the
@@ -43,9 +43,15 @@ class PoolConfig:
     host_mb: float = 1024.0  # host tier bound; 0 disables the tier (evicted users are dropped)
     block_size: int = 64  # tokens per page
 
+    def problems(self) -> list[str]:
+        """Every invalid field, each message starting with the field's name."""
+        checks = (("device_mb", self.device_mb > 0, "> 0"), ("host_mb", self.host_mb >= 0, ">= 0"),
+                  ("block_size", self.block_size >= 1, ">= 1"))  # fmt: skip
+        return [f"{name}: must be {bound}, got {getattr(self, name)}" for name, ok, bound in checks if not ok]
+
     def validate(self) -> None:
-        if self.device_mb <= 0 or self.host_mb < 0 or self.block_size < 1:
-            raise ValueError(f"PoolConfig: need device_mb > 0, host_mb >= 0, block_size >= 1; got {self}")
+        if problems := self.problems():
+            raise ValueError("PoolConfig: " + "; ".join(problems))
 
 
 @dataclass
@@ -98,7 +104,7 @@ class KVCachePool:
 
     Example:
         >>> pool = KVCachePool.for_engine(engine, PoolConfig(device_mb=512, host_mb=4096))
-        >>> engine.pool = pool                    # RankEngine.rank_encoded now reuses and extends caches
+        >>> engine.pool = pool                    # its schedulers (and rank_encoded) now reuse and extend caches
     """
 
     def __init__(self, num_layers: int, heads: int, dqk: int, dv: int, dtype: torch.dtype, device: torch.device,

@@ -60,6 +60,7 @@ class EncodedRequest:
     candidates: Tensor  # (C,) candidate item codes
     request_time: int  # the candidates' timestamp
     truncated: int = 0  # oldest events dropped to fit the model's max_seq_len
+    encoding: str = ""  # RankEngine.encoding of the engine that encoded it ("": built by hand)
 
     @property
     def num_candidates(self) -> int:

@@ -1,5 +1,5 @@
 """An exported model directory (``RUN_DIR/model``, written by ``save_slices``): finding it, its
-version, its vocabulary, and reloading a live model's weights from it slice by slice."""
+version, its vocabulary, and loading it with errors that name the directory."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from pathlib import Path
 
 import torch
 
-from recforge.models.ranking import SLICES, RankingModel, load_slices
-from recforge.models.slices import slice_spec
+from recforge.models.ranking import RankingModel, load_slices
 
 
 def model_dir_of(run_dir: str | Path) -> Path:
@@ -37,7 +36,7 @@ def read_vocab(model_dir: Path) -> dict | None:
 def stage_model(run_dir: str | Path, dtype: torch.dtype) -> tuple[RankingModel, dict, dict | None, str]:
     """Load ``run_dir``'s exported model into host memory: (model in ``dtype``, manifest, vocab, version).
 
-    Nothing live is touched; any problem with the directory (missing or truncated files, an
+    Any problem with the directory (missing or truncated files, an
     untrusted slice class, bad JSON) raises ``ValueError`` naming it."""
     model_dir = model_dir_of(run_dir)
     try:
@@ -50,23 +49,4 @@ def stage_model(run_dir: str | Path, dtype: torch.dtype) -> tuple[RankingModel, 
     return model.eval().to(dtype=dtype), manifest, vocab, model_version(model_dir)
 
 
-def swap_slices(live: RankingModel, staged: RankingModel, device: torch.device) -> RankingModel:
-    """Move ``staged``'s weights into ``live`` on ``device``, one slice at a time, so the device never
-    holds two whole models: a slice with the same class and config is copied in place, another is
-    freed, then replaced by the staged one. Returns ``live``."""
-    for name in SLICES:
-        current, new = getattr(live, name), getattr(staged, name)
-        try:
-            same = slice_spec(current) == slice_spec(new)
-        except TypeError:  # a module without slice_config(): replace it
-            same = False
-        if same:
-            current.load_state_dict(new.state_dict())
-        else:
-            setattr(live, name, None)
-            del current
-            setattr(live, name, new.to(device))
-    return live.eval()
-
-
-__all__ = ["model_dir_of", "model_version", "read_vocab", "stage_model", "swap_slices"]
+__all__ = ["model_dir_of", "model_version", "read_vocab", "stage_model"]

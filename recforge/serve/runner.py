@@ -7,8 +7,14 @@ request that fails fails alone, an unexpected error fails the requests in flight
 goes on, and a dead thread is restarted. Admission is bounded in time: a request is refused
 (``OverloadedError``, HTTP 503) when the work queued ahead of it would take longer than
 ``max_queue_ms`` or than its own deadline. Requests past their deadline or whose future was
-cancelled (the client went away) are dropped before every pass. Reloads drain: requests in
-flight finish on the model they started with.
+cancelled (the client went away) are dropped before every pass.
+
+A reload builds a new engine: ``reload`` loads and probes a complete ``RankEngine`` of the new
+model on the calling thread, beside the live one, which it never touches (so a failure changes
+nothing); the worker then stops admitting requests, lets those in flight finish on the old engine,
+and swaps: the new engine, a new scheduler, the KV-cache pool invalidated for the new version (or
+a new pool when the model's key/value shapes changed). The device holds both models (and both
+pools, when the shapes changed) from the build until the swap.
 
 Example:
     >>> runner = BatchRunner(engine, SchedulerConfig(token_budget=8192, max_wait_ms=2))
@@ -23,12 +29,15 @@ import math
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
 import torch
 
+from recforge.serve.cache_manager import successor_pool
 from recforge.serve.engine import RankEngine, RankResult
+from recforge.serve.kv_pool import KVCachePool
 from recforge.serve.layout import EncodedRequest
 from recforge.serve.scheduler import DeadlineExceeded, OverloadedError, Plan, Scheduler, SchedulerConfig, Sequence
 
@@ -53,7 +62,8 @@ class _PassCost:
 class BatchRunner:
     """The worker thread that batches requests into engine passes (see the module docstring).
 
-    ``on_pass(requests, tokens, seconds)`` is called after every pass (for metrics).
+    ``on_pass(requests, tokens, seconds)`` is called after every pass (for metrics). ``engine`` is the
+    live engine: a reload replaces the object, so read it from here rather than keeping one.
     """
 
     def __init__(self, engine: RankEngine, config: SchedulerConfig | None = None,
@@ -73,7 +83,8 @@ class BatchRunner:
         self._cond = threading.Condition()
         self._closing = False
         self._drain_until = math.inf
-        self._reload: tuple[RankEngine, Future] | None = None
+        self._reload: tuple[RankEngine, KVCachePool | None, Future] | None = None
+        self._reload_lock = threading.Lock()  # one reload at a time, from its build to its swap
         self._thread: threading.Thread | None = None
         self._start_worker()
 
@@ -136,17 +147,26 @@ class BatchRunner:
                 "healthy": (alive or self._closing) and not stuck}  # fmt: skip
 
     def reload(self, run_dir, timeout: float | None = None) -> str:
-        """Load ``run_dir``'s model and swap it in once the requests in flight have finished on the old one
-        (new requests wait meanwhile). Loading and checking happen first, on the calling thread, so a
-        failure (``ValueError``) changes nothing. Returns the new model version."""
-        staged = self.engine.stage_reload(run_dir)
-        done: Future = Future()
-        with self._cond:
-            if self._reload is not None:
-                raise RuntimeError("another reload is in progress; retry when it has finished")
-            self._reload = (staged, done)
-            self._cond.notify()
-        return done.result(timeout=timeout)
+        """Serve ``run_dir``'s model: build and probe a new engine on this thread (a failure, ``ValueError``,
+        changes nothing), then have the worker drain the requests in flight on the old engine (new ones
+        wait) and swap. Returns the new model version; ``RuntimeError`` while another reload runs."""
+        if not self._reload_lock.acquire(blocking=False):
+            raise RuntimeError("another reload is in progress; retry when it has finished")
+        try:
+            live = self.engine
+            engine = RankEngine.load_checked(run_dir, replace(live.config))
+            pool = successor_pool(live.pool, engine)
+            done: Future = Future()
+            with self._cond:
+                if self._closing:
+                    raise RuntimeError("the server is shutting down; reload refused")
+                if self._reload is not None:  # an earlier call timed out waiting; its swap is still to come
+                    raise RuntimeError("another reload is in progress; retry when it has finished")
+                self._reload = (engine, pool, done)
+                self._cond.notify()
+            return done.result(timeout=timeout)
+        finally:
+            self._reload_lock.release()
 
     def close(self, timeout: float | None = None) -> None:
         """Stop taking requests, let those in flight finish for at most ``timeout`` seconds (default
@@ -231,9 +251,14 @@ class BatchRunner:
         return True
 
     def _live(self, seq: Sequence, now: float) -> bool:
-        """False (and the request answered) when it was cancelled or its deadline passed while queued."""
+        """False (and the request answered) when it was cancelled, its deadline passed while queued, or it was
+        encoded for a model whose vocabulary the live one does not share (a reload happened meanwhile)."""
         if seq.future.cancelled():
             self._dropped(seq, None)
+            return False
+        if seq.req.encoding and seq.req.encoding != self.engine.encoding:
+            _resolve(seq.future, error=OverloadedError(
+                "the model was reloaded with another vocabulary or limits while this request waited; retry it"))
             return False
         if now > seq.deadline:
             self._dropped(seq, DeadlineExceeded(f"deadline passed after {(now - seq.arrival) * 1e3:.0f} ms in the queue"))
@@ -272,7 +297,7 @@ class BatchRunner:
         plan = sched.schedule()
         t0 = time.perf_counter()
         try:
-            outputs = self.engine.run([item for _, item in plan.work])
+            outputs = self.engine.run(plan.items)
         except Exception:  # noqa: BLE001 - isolate: rerun each request's item alone, fail only those that raise
             outputs = []
             for seq, item in plan.work:
@@ -303,17 +328,17 @@ class BatchRunner:
             _resolve(seq.future, result)
 
     def _apply_reload(self) -> None:
-        staged, done = self._reload
-        try:
-            self.engine.apply_reload(staged)
-        except Exception as err:  # noqa: BLE001 - reported to the caller of reload()
-            _resolve(done, error=err)
-        else:
-            _resolve(done, self.engine.version)
-        finally:
-            with self._cond:
-                self._reload = None
-            self.scheduler = Scheduler(self.engine, self.config)
+        """The swap, on the worker with nothing in flight: nothing here can fail halfway."""
+        engine, pool, done = self._reload
+        old = self.engine
+        if pool is not None and pool.version != engine.version:  # the live pool reused: every entry is the old model's
+            pool.invalidate(engine.version)
+        engine.pool, old.pool = pool, None  # the retired engine keeps no cache (its pages may be the new one's)
+        self.engine = engine
+        self.scheduler = Scheduler(engine, self.config)
+        with self._cond:
+            self._reload = None
+        _resolve(done, engine.version)
 
     def _fail_scheduled(self, err: Exception) -> None:
         """Fail every admitted request (after an unexpected error their states cannot be trusted)."""
@@ -331,7 +356,7 @@ class BatchRunner:
         for seq in waiting:
             _resolve(seq.future, error=err)
         if reload is not None:
-            _resolve(reload[1], error=err)
+            _resolve(reload[2], error=err)
         self._fail_scheduled(err)
 
 

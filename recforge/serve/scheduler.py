@@ -1,37 +1,47 @@
 """Batching: requests share engine passes under a token budget, long histories are prefilled in chunks.
 
-``Scheduler`` is a pure state machine (no threads; the clock is an argument): ``add`` a request,
-``schedule()`` returns the work of the next engine pass, ``update(outputs)`` advances the
-requests and returns those that finished. Every pass holds at most ``token_budget`` query
-tokens (prefix chunk tokens + candidates). A request's prefix is cut into chunks of at most
-``prefill_chunk`` tokens, so a 10,000-event history takes several passes and short requests
-ride along in each of them instead of queueing behind it (chunked prefill).
+``Scheduler`` is a pure state machine (no threads; the clock is an argument) and the one home of
+chunked prefill and KV-cache bookkeeping: ``add`` a request, ``schedule()`` returns the work of
+the next engine pass (a ``Plan``), the engine executes it (``engine.run(plan.items)``) and
+``update(plan, outputs)`` advances the requests and returns those that finished. Every pass
+holds at most ``token_budget`` query tokens (prefix chunk tokens + candidates). A request's
+prefix is cut into chunks of at most ``prefill_chunk`` tokens, so a 10,000-event history takes
+several passes and short requests ride along in each of them instead of queueing behind it.
 
-Requests for one user are serialised: while one computes the user's prefix, a later request
-for the same user waits (``blocked``) and starts once that prefix is written to the KV-cache
-pool, so it reuses it and computes only its own new events. The pool's generation check is the
-second line: a write-back from a state read before the entry changed is refused.
+The scheduler owns a ``CacheManager`` (``cache_manager.py``): a request starts from its user's
+cached prefix (``acquire``) and writes its new tokens back once its prefix is complete
+(``release``). Requests for one user are serialised: while one computes the user's prefix, a
+later request for the same user waits (``blocked``) and starts once that prefix is written, so
+it reuses it and computes only its own new events. The pool's generation check is the second
+line: a write-back from a state read before the entry changed is refused.
 
-``BatchRunner`` (runner.py) drives it on the worker thread that owns the engine.
+``BatchRunner`` (runner.py) drives it on the worker thread; ``prefill_alone`` drives a private one
+for the engine's synchronous ``rank``.
 
 Example:
     >>> sched = Scheduler(engine, SchedulerConfig(token_budget=8192))
     >>> sched.add(Sequence(engine.encode("u1", history, candidates), Future(), time.monotonic()))
-    >>> plan = sched.schedule(); done = sched.update(plan, engine.run([item for _, item in plan.work]))
+    >>> plan = sched.schedule(); done = sched.update(plan, engine.run(plan.items))
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from recforge.serve.engine import RankEngine
+from recforge.serve.cache_manager import CacheManager
 from recforge.serve.layout import EncodedRequest, candidate_tokens, prefix_tokens
 from recforge.serve.state import PrefixState, WorkItem
+
+if TYPE_CHECKING:
+    from recforge.serve.engine import RankEngine
 
 @dataclass
 class SchedulerConfig:
@@ -45,14 +55,18 @@ class SchedulerConfig:
     drain_timeout_s: float = 10.0  # shutdown: how long requests in flight may take to finish
     stall_seconds: float = 30.0  # /health turns unhealthy when work waits and no pass ran for this long
 
-    def validate(self) -> None:
-        problems = [f"{name} must be >= 1, got {getattr(self, name)}" for name in ("token_budget", "prefill_chunk", "max_queue")
+    def problems(self) -> list[str]:
+        """Every invalid field, each message starting with the field's name."""
+        problems = [f"{name}: must be >= 1, got {getattr(self, name)}" for name in ("token_budget", "prefill_chunk", "max_queue")
                     if getattr(self, name) < 1]  # fmt: skip
-        problems += [f"{name} must be >= 0, got {getattr(self, name)}" for name in ("max_wait_ms", "drain_timeout_s")
+        problems += [f"{name}: must be >= 0, got {getattr(self, name)}" for name in ("max_wait_ms", "drain_timeout_s")
                      if getattr(self, name) < 0]  # fmt: skip
-        problems += [f"{name} must be > 0, got {getattr(self, name)}" for name in ("max_queue_ms", "stall_seconds")
+        problems += [f"{name}: must be > 0, got {getattr(self, name)}" for name in ("max_queue_ms", "stall_seconds")
                      if not getattr(self, name) > 0]  # fmt: skip
-        if problems:
+        return problems
+
+    def validate(self) -> None:
+        if problems := self.problems():
             raise ValueError("SchedulerConfig: " + "; ".join(problems))
 
 
@@ -79,11 +93,12 @@ class Sequence:
     arrival: float  # time.monotonic()
     deadline: float = math.inf  # time.monotonic() after which the answer is useless
     tokens: dict[str, torch.Tensor] | None = None  # prefix tokens
-    state: PrefixState | None = None
+    state: PrefixState | None = None  # given: the caller's own state to extend (never written to the pool)
     reused: int = 0
     scores: list[torch.Tensor] = field(default_factory=list)
     scored: int = 0  # candidates done
     first_pass: float = 0.0  # time.monotonic() of its first engine pass (0: none yet)
+    own_state: bool = False  # started from the caller's state (not the pool's)
 
     @property
     def prefix_total(self) -> int:
@@ -106,6 +121,11 @@ class Plan:
     work: list[tuple[Sequence, WorkItem]]
 
     @property
+    def items(self) -> list[WorkItem]:
+        """What the engine executes (``engine.run(plan.items)``), in order."""
+        return [item for _, item in self.work]
+
+    @property
     def num_tokens(self) -> int:
         return sum(item.size for _, item in self.work)
 
@@ -117,6 +137,8 @@ class Scheduler:
         config.validate()
         self.engine = engine
         self.config = config
+        # an engine without a prefix cache (the full forward pass per request) never has its requests scheduled
+        self.cache = CacheManager.for_engine(engine) if engine.cached else None
         self.running: deque[Sequence] = deque()
         self.writers: dict[str, Sequence] = {}  # user -> the request computing that user's prefix
         self.blocked: dict[str, deque[Sequence]] = {}  # user -> later requests waiting for the writer
@@ -136,7 +158,12 @@ class Scheduler:
 
     def _start(self, seq: Sequence) -> None:
         seq.tokens = prefix_tokens(seq.req, self.engine.action_encoding)
-        seq.state = self.engine.acquire(seq.req, seq.tokens)
+        num_contextual = seq.req.context_ids.numel()
+        if seq.state is None:
+            seq.state = self.cache.acquire(seq.req.user, seq.tokens, num_contextual)
+        else:  # the caller's own state: extended here, never written back (it was not read from the pool)
+            seq.state = self.cache.adopt(seq.state, seq.tokens, num_contextual)
+            seq.own_state = True
         seq.reused = seq.state.length
         self.running.append(seq)
         if seq.prefilled:  # wholly cached: count the reuse, refresh its LRU place
@@ -145,8 +172,8 @@ class Scheduler:
             self.writers[seq.req.user] = seq
 
     def _write_back(self, seq: Sequence) -> None:
-        if self.engine.pool is not None:
-            self.engine.release(seq.req, seq.state, seq.reused)
+        if not seq.own_state:
+            self.cache.release(seq.req.user, seq.state, seq.reused)
 
     def _prefix_done(self, seq: Sequence) -> None:
         """``seq``'s prefix is complete (or abandoned): its user's next request may start."""
@@ -239,4 +266,21 @@ class Scheduler:
         return done
 
 
-__all__ = ["DeadlineExceeded", "OverloadedError", "Plan", "Scheduler", "SchedulerConfig", "Sequence"]
+def prefill_alone(engine: RankEngine, req: EncodedRequest, state: PrefixState | None = None,
+                  execute: Callable[[list[WorkItem]], list] | None = None) -> Sequence:  # fmt: skip
+    """Compute ``req``'s prefix on its own, through a private scheduler: from the user's cached prefix in
+    ``engine.pool`` (written back when complete), or from ``state`` (extended, not written back), in
+    chunks of ``engine.config.prefill_chunk``. ``execute`` runs each pass (default ``engine.run``).
+    Returns the sequence (``state``, ``reused``) ready for its candidates."""
+    chunk = engine.config.prefill_chunk
+    sched = Scheduler(engine, SchedulerConfig(token_budget=chunk, prefill_chunk=chunk))
+    seq = Sequence(req, Future(), time.monotonic(), state=state)
+    sched.add(seq)
+    execute = execute or engine.run
+    while not seq.prefilled:
+        plan = sched.schedule()
+        sched.update(plan, execute(plan.items))
+    return seq
+
+
+__all__ = ["DeadlineExceeded", "OverloadedError", "Plan", "Scheduler", "SchedulerConfig", "Sequence", "prefill_alone"]

@@ -167,7 +167,8 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
         f"{config.request_timeout_ms:g} ms; header `X-Request-Timeout-Ms`): 503 with `Retry-After` when it cannot "
         "be met, 504 when it passes.",
     )  # fmt: skip
-    app.state.engine, app.state.runner, app.state.metrics, app.state.loop_lag = engine, runner, metrics, lag
+    # handlers read the live engine from the runner: a reload replaces the engine object
+    app.state.runner, app.state.metrics, app.state.loop_lag = runner, metrics, lag
     app.add_middleware(RequestLimits, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s,
                        on_status=metrics.on_status, shed=shed)  # fmt: skip
 
@@ -188,7 +189,7 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
         started = request.scope.get("state", {}).get("arrival", time.monotonic())
         timeout_ms = _timeout_ms(request, config)
         body = models.parse(await request.body())
-        req = engine.encode(body.user_id, body.history.model_dump(), body.candidates,
+        req = runner.engine.encode(body.user_id, body.history.model_dump(), body.candidates,
                             user_features=models.user_features(body), timestamp=body.timestamp)  # fmt: skip
         try:
             future = runner.submit(req, deadline=started + timeout_ms / 1e3)
@@ -205,7 +206,7 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
 
     @app.get("/health", responses={503: {"description": "the batching worker is dead or stuck"}})
     def health() -> JSONResponse:
-        worker = runner.health()
+        worker, engine = runner.health(), runner.engine
         report: dict[str, Any] = {
             "status": "ok" if worker["healthy"] else "unhealthy",
             "model_version": engine.version,
@@ -245,18 +246,18 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
             if reload_lock.locked():
                 raise HTTPException(409, "another reload is in progress; retry when it has finished")
             async with reload_lock:
-                old = engine.version
+                old = runner.engine.version
                 try:  # loads and checks the new model first: a failure changes nothing
                     await asyncio.to_thread(runner.reload, source)
                 except ValueError as err:
                     raise HTTPException(422, f"reload refused, still serving {old}: {err}") from err
-                models = RequestModels.for_engine(engine, config.max_string_chars)
+                models = RequestModels.for_engine(runner.engine, config.max_string_chars)
                 app.openapi_schema = None  # the new model's features and example
-            return {"previous_version": old, "model_version": engine.version}
+            return {"previous_version": old, "model_version": runner.engine.version}
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=engine.version, description=app.description, routes=app.routes)
+            schema = get_openapi(title=app.title, version=runner.engine.version, description=app.description, routes=app.routes)
             request_schema = models.rank.model_json_schema(ref_template="#/components/schemas/{model}")
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             components.update(request_schema.pop("$defs", {}))

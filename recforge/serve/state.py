@@ -32,6 +32,15 @@ class PrefixState:
     def capacity(self) -> int:
         return self.keys.shape[1]
 
+    def is_prefix_of(self, tokens: dict[str, Tensor], num_contextual: int) -> bool:
+        """True when this state's tokens are the first tokens of ``tokens`` (same contextual features and
+        events), so its keys/values can be reused. The request time does not matter: contextual tokens
+        carry no time bias, so the history's keys and values are the same whenever the user returns."""
+        n = self.length
+        if n > tokens["item_ids"].numel() or self.num_contextual != num_contextual:
+            return False
+        return bool((self.tokens[:n] == token_identity({k: v[:n] for k, v in tokens.items()})).all())
+
     def nbytes(self) -> int:
         n = self.length
         return (self.keys[:, :n].numel() * self.keys.element_size() + self.values[:, :n].numel() * self.values.element_size()

@@ -20,10 +20,21 @@ def test_serve_rejects_a_directory_without_a_model(tmp_path, capsys) -> None:
 
 
 def test_serve_and_export_parse_their_options() -> None:
+    from recforge.serve.config import load_serve_config
+
     args = build_parser().parse_args(["serve", "runs/x", "--port", "9000", "--dtype", "bfloat16", "--cache-mb", "0"])
-    assert (args.port, args.dtype, args.cache_mb, args.token_budget) == (9000, "bfloat16", 0.0, 8192)
+    flags = {k: v for k, v in vars(args).items() if k in ("port", "engine.dtype", "cache.device_mb")}
+    cfg = load_serve_config(args.config, args.overrides, flags)
+    assert (cfg.port, cfg.engine.dtype, cfg.cache.device_mb, cfg.scheduler.token_budget) == (9000, "bfloat16", 0.0, 8192)
     args = build_parser().parse_args(["export", "runs/x", "--out", "runs/x/export", "--formats", "onnx"])
     assert args.formats == "onnx"
+
+
+def test_serve_refuses_a_bad_config_before_loading_anything(tmp_path, capsys) -> None:
+    (tmp_path / "serve.yaml").write_text("scheduler: {token_budget: 0}\n")
+    assert main(["serve", "--config", str(tmp_path / "serve.yaml"), str(tmp_path), "engine.dtype=fp8"]) == 2
+    err = capsys.readouterr().err
+    assert "scheduler.token_budget: must be >= 1" in err and "engine.dtype: 'fp8'" in err
 
 
 def test_export_rejects_unknown_formats(tmp_path, capsys) -> None:

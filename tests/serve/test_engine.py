@@ -53,9 +53,9 @@ def test_extending_a_state_equals_encoding_from_scratch(tmp_path) -> None:
     now = hist["timestamps"][-1] + 5
     cands = [1001, 1002, 1010, 1033]
     first = engine.encode("u1", {k: v[:35] for k, v in hist.items()}, cands, timestamp=now)
-    state = engine.prefix_state(first, prefix_tokens(first, engine.action_encoding))
+    state = engine.prefix_state(first)
     full = engine.encode("u1", hist, cands, timestamp=now)
-    assert engine.reusable(state, full, prefix_tokens(full, engine.action_encoding))
+    assert state.is_prefix_of(prefix_tokens(full, engine.action_encoding), 2)
     extended = engine.rank_encoded(full, state)
     assert extended.cached_tokens == 2 + 35 and extended.computed_tokens == 25
     scratch = engine.rank_encoded(full)
@@ -67,14 +67,14 @@ def test_state_is_reused_at_a_later_time_but_not_across_histories(tmp_path) -> N
     hist = random_history(20, seed=5)
     now = hist["timestamps"][-1] + 5
     req = engine.encode("u1", hist, [1001], timestamp=now)
-    state = engine.prefix_state(req, prefix_tokens(req, "sum"))
+    state = engine.prefix_state(req)
     later = engine.encode("u1", hist, [1001], timestamp=now + 3600)  # contextual tokens get no time bias
-    assert engine.reusable(state, later, prefix_tokens(later, "sum"))
+    assert state.is_prefix_of(prefix_tokens(later, "sum"), 2)
     cached = engine.rank_encoded(later, state)
     scratch = engine.rank_encoded(later)
     torch.testing.assert_close(cached.scores, scratch.scores, rtol=1e-5, atol=ATOL)
     other = engine.encode("u1", {**hist, "actions": ["buy"] * 20}, [1001], timestamp=now)
-    assert not engine.reusable(state, other, prefix_tokens(other, "sum"))
+    assert not state.is_prefix_of(prefix_tokens(other, "sum"), 2)
     with pytest.raises(ValueError, match="not a prefix"):
         engine.rank_encoded(other, state)
 
@@ -166,7 +166,7 @@ def test_candidate_tower_postfix_is_served(tmp_path) -> None:
     req = _request(engine, n_events=33, n_cands=9)
     cached = engine.rank_encoded(req).scores
     torch.testing.assert_close(cached, engine.rank_naive(req), rtol=1e-5, atol=ATOL)
-    state = engine.prefix_state(req, prefix_tokens(req, engine.action_encoding))
+    state = engine.prefix_state(req)
     padded = GraphRunner(engine, limit=4, capture=False).run(WorkItem(state, candidate_tokens(req), "targets"))
     torch.testing.assert_close(padded, cached, rtol=1e-5, atol=ATOL)
 
@@ -205,10 +205,12 @@ def test_wrapped_encoders_are_served_uncached(tmp_path, wrapper) -> None:
 
 @pytest.mark.parametrize("kernel", ["pytorch", "triton"])
 def test_one_pass_of_several_requests_equals_each_alone(tmp_path, kernel) -> None:
-    """``run`` with prefill chunks and candidates of several requests (one jagged ``cached_hstu_attention``
-    call per block) gives each request's own keys and scores. "triton": the kernel in Triton's interpreter."""
-    from recforge.serve.layout import candidate_tokens
-    from recforge.serve.state import WorkItem
+    """``run`` with prefill chunks and candidates of several requests in one pass (one jagged
+    ``cached_hstu_attention`` call per block) gives each request's own scores. "triton": the kernel in Triton's
+    interpreter."""
+    from concurrent.futures import Future
+
+    from recforge.serve.scheduler import Scheduler, SchedulerConfig, Sequence
 
     if kernel == "triton" and (torch.cuda.is_available() or importlib.util.find_spec("triton") is None):
         pytest.skip("the interpreter check runs on CPU-only machines with triton installed")
@@ -216,13 +218,15 @@ def test_one_pass_of_several_requests_equals_each_alone(tmp_path, kernel) -> Non
     engine.model.encoder.cfg.kernel = kernel
     reqs = [_request(engine, n, c, seed=n, late_events=n % 3) for n, c in ((40, 12), (7, 5), (23, 30))]
     alone = [engine.rank_encoded(r).scores for r in reqs]
-    states, items = [], []
-    for r in reqs:
-        tokens = prefix_tokens(r, engine.action_encoding)
-        states.append(engine.new_state(r, tokens["item_ids"].numel()))
-        items.append(engine.prefill_items(states[-1], tokens))
-    for step in range(max(len(chunks) for chunks in items)):  # the requests' chunks side by side
-        engine.run([chunks[step] for chunks in items if step < len(chunks)])
-    together = engine.run([WorkItem(s, candidate_tokens(r), "targets") for s, r in zip(states, reqs)])
-    for got, want in zip(together, alone):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=ATOL)
+    sched = Scheduler(engine, SchedulerConfig(token_budget=4096, prefill_chunk=16))
+    seqs = [Sequence(r.__class__(**{**r.__dict__, "user": f"u{i}"}), Future(), 0.0) for i, r in enumerate(reqs)]
+    for seq in seqs:
+        sched.add(seq)
+    kinds = []
+    while sched.running:  # the requests' chunks side by side, then candidates beside chunks
+        plan = sched.schedule()
+        kinds.append(sorted(item.kind for item in plan.items))
+        sched.update(plan, engine.run(plan.items))
+    assert kinds[0] == ["prefix"] * 3 and ["prefix", "prefix", "targets"] in kinds
+    for seq, want in zip(seqs, alone):
+        torch.testing.assert_close(torch.cat(seq.scores), want, rtol=1e-5, atol=ATOL)

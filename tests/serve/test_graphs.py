@@ -8,7 +8,8 @@ import torch
 
 from recforge.serve.engine import EngineConfig, RankEngine
 from recforge.serve.graphs import GraphRunner, bucket
-from recforge.serve.layout import candidate_tokens, prefix_tokens
+from recforge.serve.layout import candidate_tokens
+from recforge.serve.scheduler import prefill_alone
 from recforge.serve.state import WorkItem
 from _serve_helpers import build_model, export, random_history
 
@@ -29,11 +30,13 @@ def _request(engine, n_events, n_cands, seed, late_events=0):
 
 
 def _prefill_and_score(engine: RankEngine, run, req) -> tuple[torch.Tensor, object]:
-    """The engine's chunked prefill and candidate scoring with ``run`` doing each work item."""
-    tokens = prefix_tokens(req, engine.action_encoding)
-    state = engine.new_state(req, tokens["item_ids"].numel())
-    for item in engine.prefill_items(state, tokens):
-        assert run(item) is None
+    """The engine's chunked prefill (its scheduler) and candidate scoring with ``run`` doing each work item."""
+
+    def execute(items):
+        assert len(items) == 1 and items[0].kind == "prefix"
+        return [run(items[0])]
+
+    state = prefill_alone(engine, req, execute=execute).state
     return run(WorkItem(state, candidate_tokens(req), "targets")), state
 
 

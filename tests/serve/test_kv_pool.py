@@ -106,19 +106,44 @@ def test_host_tier_is_bounded(tmp_path) -> None:
 
 
 def test_new_model_version_invalidates_every_cache(tmp_path) -> None:
+    from recforge.serve.runner import BatchRunner
+
     engine = _engine(tmp_path, PoolConfig(device_mb=1, block_size=8))
+    pool = engine.pool
     _fill(engine, ["a", "b"])
-    assert engine.pool.report()["users_device"] == 2
-    export(build_model(seed=1), tmp_path / "run", step=2)
-    engine.reload(tmp_path / "run")
-    report = engine.pool.report()
-    assert report["users_device"] == 0 and report["device_bytes_used"] == 0
+    assert pool.report()["users_device"] == 2
+    export(build_model(seed=1), tmp_path / "next", step=2)
+    runner = BatchRunner(engine)
+    try:
+        version = runner.reload(tmp_path / "next")
+        assert runner.engine.pool is pool and engine.pool is None  # same shapes: the pages are reused
+        report = pool.report()
+        assert pool.version == version and report["users_device"] == 0 and report["device_bytes_used"] == 0
+        hist, now = _history(10)
+        req = runner.engine.encode("a", hist, CANDS, timestamp=now)
+        result = runner.submit(req).result(timeout=60)
+    finally:
+        runner.close()
+    assert result.cached_tokens == 0 and result.model_version == version
+    fresh = RankEngine.from_run(tmp_path / "next")
+    torch.testing.assert_close(result.scores, fresh.rank_encoded(req).scores, rtol=1e-5, atol=1e-5)
+
+
+def test_a_retired_engine_never_reads_or_writes_the_new_models_entries(tmp_path) -> None:
+    """Entries are tagged with their model version: an engine whose pool now serves another version (a
+    reload retired it) neither reuses that version's entry for its user nor writes over it."""
+    engine = _engine(tmp_path, PoolConfig(device_mb=1, block_size=8))
+    pool = engine.pool
     hist, now = _history(10)
     req = engine.encode("a", hist, CANDS, timestamp=now)
+    state = engine.prefix_state(req)  # a prefix matching req exactly, filed under the newer model below
+    pool.invalidate("newer")
+    state.version, state.generation = "newer", 0
+    assert pool.put("a", state, 0)
+    generation, lookups = pool.generation_of("a"), pool.report()["lookups"]
     result = engine.rank_encoded(req)
-    assert result.cached_tokens == 0
-    fresh = RankEngine.from_run(tmp_path / "run")
-    torch.testing.assert_close(result.scores, fresh.rank_encoded(req).scores, rtol=1e-5, atol=1e-5)
+    assert result.cached_tokens == 0 and result.computed_tokens == 52
+    assert pool.generation_of("a") == generation and pool.report()["lookups"] == lookups
 
 
 @pytest.mark.gpu

@@ -106,13 +106,16 @@ def test_a_stale_writer_never_overwrites_a_newer_entry(run) -> None:
     hist = random_history(40, seed=4)
     engine.rank_encoded(_request(engine, "u", _prefix(hist, 20)))  # cached: 22 tokens
     a, b = _request(engine, "u", _prefix(hist, 30)), _request(engine, "u", _prefix(hist, 25))
+    from recforge.serve.cache_manager import CacheManager
     from recforge.serve.layout import prefix_tokens
 
-    state_a = engine.acquire(a, prefix_tokens(a, "sum"))
-    state_b = engine.acquire(b, prefix_tokens(b, "sum"))
-    engine.prefix_state(a, prefix_tokens(a, "sum"), state_a)
-    engine.prefix_state(b, prefix_tokens(b, "sum"), state_b)
-    assert engine.release(a, state_a, 22) and not engine.release(b, state_b, 22)
+    cache = CacheManager.for_engine(engine)
+    state_a = cache.acquire("u", prefix_tokens(a, "sum"), 2)
+    state_b = cache.acquire("u", prefix_tokens(b, "sum"), 2)
+    assert state_a.length == state_b.length == 22
+    state_a, state_b = engine.prefix_state(a, state_a), engine.prefix_state(b, state_b)  # extended, not written back
+    assert engine.pool.report()["stale_writes"] == 0 and engine.pool.entries["u"].length == 22
+    assert cache.release("u", state_a, 22) and not cache.release("u", state_b, 22)
     assert engine.pool.report()["stale_writes"] == 1
     cached = engine.rank_encoded(a)
     assert cached.cached_tokens == 32 and cached.computed_tokens == 0
