@@ -141,14 +141,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from recforge.serve.scheduler import SchedulerConfig
     from recforge.serve.server import ServerConfig, create_app, serve
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    engine = RankEngine.from_run(args.run_dir, EngineConfig(
+    engine_config = EngineConfig(
         device=args.device, dtype=args.dtype, prefill_chunk=args.prefill_chunk, max_candidates=args.max_candidates,
         max_history_events=args.max_history, unknown_ids=args.unknown_ids,
-        unknown_feature_values=args.unknown_feature_values, cuda_graphs=args.cuda_graphs))  # fmt: skip
+        unknown_feature_values=args.unknown_feature_values, cuda_graphs=args.cuda_graphs)  # fmt: skip
     config = ServerConfig(
         scheduler=SchedulerConfig(token_budget=args.token_budget, max_wait_ms=args.max_wait_ms,
                                   prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
@@ -157,9 +153,35 @@ def cmd_serve(args: argparse.Namespace) -> None:
         request_timeout_ms=args.request_timeout_ms, allow_reload=args.allow_reload, run_dir=args.run_dir,
         gil_switch_interval_ms=args.gil_switch_ms,
     )  # fmt: skip
+    workers = _http_workers(args.http_workers, args.device)
+    if workers > 0:  # N front-end processes + one engine process (recforge/serve/procs.py)
+        from recforge.serve.procs import serve_processes
+
+        def ready(port: int, version: str) -> None:
+            print(f"serving {args.run_dir} (model {version}) on http://{args.host}:{port} with {workers} HTTP "
+                  "front-end processes and one engine process  docs: /docs", flush=True)  # fmt: skip
+
+        raise SystemExit(serve_processes(args.run_dir, engine_config, config, workers, args.host, args.port,
+                                         args.log_level, args.threads, on_ready=ready))  # fmt: skip
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    engine = RankEngine.from_run(args.run_dir, engine_config)
     app = create_app(engine, config)
     print(f"serving {args.run_dir} (model {engine.version}) on http://{args.host}:{args.port}  docs: /docs")
     serve(app, config, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def _http_workers(value: str, device: str) -> int:
+    from recforge.ops.dispatch import resolve_device
+    from recforge.serve.procs import default_http_workers
+
+    if value == "auto":
+        return default_http_workers(str(resolve_device(device)))
+    if not value.isdigit():
+        raise SystemExit(f"--http-workers {value!r}: expected auto or a number of processes (0: in-process)")
+    return int(value)
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -260,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gil-switch-ms", type=float, default=0.5,
                    help="sys.setswitchinterval for the server process (the HTTP loop and the batching worker share the GIL)")
     p.add_argument("--allow-reload", action="store_true", help="expose POST /v1/reload")
+    p.add_argument("--http-workers", default="auto",
+                   help="HTTP front-end processes in front of one engine process; 0: one process (HTTP and the "
+                        "batching worker share the GIL). auto (default): min(4, cores/4) on CUDA, 0 on CPU")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)
 
