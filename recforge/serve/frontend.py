@@ -63,11 +63,14 @@ def fetch_spec(endpoints: Endpoints, timeout_s: float) -> EngineSpec:
 class RemoteBackend:
     """The engine in another process (see the module docstring); the app-facing members are ``LocalBackend``'s."""
 
-    def __init__(self, endpoints: Endpoints, config: ServerConfig, spec: EngineSpec) -> None:
+    def __init__(self, endpoints: Endpoints, config: ServerConfig, spec: EngineSpec, multiprocess_metrics: bool = True) -> None:
+        """``multiprocess_metrics``: HTTP metrics summed over every front-end process (prometheus_client's
+        multiprocess mode, which ``serve.procs`` turns on); False keeps them in this process (tests)."""
         self.endpoints, self.config = endpoints, config
         self.spec = spec
         self.models = RequestModels.for_engine(spec, config.max_string_chars)
-        self.http_metrics = HttpMetrics(None)  # multiprocess mode: summed over all front ends at /metrics
+        self._registry = None if multiprocess_metrics else CollectorRegistry()
+        self.http_metrics = HttpMetrics(self._registry)
         self.status: dict[str, Any] = {"queued_s": 0.0, "healthy": True, "version": spec.version, "pid": None}
         self._heard = time.monotonic()
         self._connected = True  # fetch_spec just talked to it
@@ -175,8 +178,10 @@ class RemoteBackend:
         raise HTTPException(int(reply.get("status", 500)), str(reply.get("detail", "")))
 
     async def metrics_text(self) -> bytes:
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
+        registry = self._registry
+        if registry is None:
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
         text, up = generate_latest(registry), 0
         engine = b""
         if self.unavailable() is None:

@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -48,11 +49,15 @@ def default_http_workers(device: str, cpus: int | None = None) -> int:
     return min(4, max(1, cpus // 4)) if device.startswith("cuda") else 0
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket every front end accepts on (the kernel hands each connection to one of them)."""
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening). ``reuse_port``: SO_REUSEPORT, so that each front
+    end can bind its own socket to the same port and the kernel spreads new connections evenly over them (a
+    shared accept socket hands most connections to whichever process happens to wake first)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as err:
@@ -60,6 +65,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise RuntimeError(f"cannot listen on {host}:{port}: {err}; pick another --port or stop what uses it") from None
     sock.set_inheritable(True)
     return sock
+
+
+def reuse_port_supported() -> bool:
+    """SO_REUSEPORT with load balancing over the listening sockets: Linux."""
+    return sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")
 
 
 def serve_processes(run_dir: str, engine_config, config, http_workers: int, host: str = "127.0.0.1",
@@ -84,9 +94,13 @@ def serve_processes(run_dir: str, engine_config, config, http_workers: int, host
         version = _wait_ready(engine, ready, stop)
         if version is None:
             return 0 if stop.signum else 1
-        sock = bind_socket(host, port)
+        # Linux: each front end listens on its own SO_REUSEPORT socket (this one only holds the port, never
+        # listens, so it gets no connections); elsewhere they share this socket
+        reuse = reuse_port_supported()
+        sock = bind_socket(host, port, reuse_port=reuse)
+        listen = (host, sock.getsockname()[1]) if reuse else sock
         frontends = [SPAWN.Process(target=_frontend_main, name=f"recforge-http-{i}", daemon=False,
-                                   args=(sock, endpoints, config, str(metrics_dir), log_level))
+                                   args=(listen, endpoints, config, str(metrics_dir), log_level))
                      for i in range(http_workers)]  # fmt: skip
         with _environ(PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)):  # before the child imports prometheus_client
             for proc in frontends:
@@ -209,14 +223,15 @@ def _environ(**values: str):
                 os.environ[k] = v
 
 
-def _frontend_main(sock, endpoints, config, metrics_dir: str, log_level: str) -> None:
+def _frontend_main(listen, endpoints, config, metrics_dir: str, log_level: str) -> None:
     # prometheus_client picks its multiprocess mode when first imported, which unpickling ``config`` already did:
     # the variable came with the spawned interpreter's environment (``_environ``); check it did
     assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") == metrics_dir
     logging.basicConfig(level=log_level.upper())
     from recforge.serve.frontend import run_frontend
 
+    sock = bind_socket(*listen, reuse_port=True) if isinstance(listen, tuple) else listen
     run_frontend(sock, endpoints, config, log_level)
 
 
-__all__ = ["bind_socket", "default_http_workers", "serve_processes"]
+__all__ = ["bind_socket", "default_http_workers", "reuse_port_supported", "serve_processes"]
