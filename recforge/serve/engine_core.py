@@ -106,6 +106,10 @@ class EngineCore:
         for sock in (router, pub):
             sock.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a front end that has gone is dropped
+        # no high-water marks: a ROUTER drops replies past its HWM (the request would wait for its deadline);
+        # memory stays bounded by admission control (max_queue, max_queue_ms) instead
+        router.setsockopt(zmq.SNDHWM, 0)
+        router.setsockopt(zmq.RCVHWM, 0)
         router.bind(self.endpoints.requests)
         pub.bind(self.endpoints.status)
         poller = zmq.Poller()

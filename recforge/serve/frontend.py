@@ -89,6 +89,8 @@ class RemoteBackend:
         self._sub = self._ctx.socket(zmq.SUB)
         for sock in (self._dealer, self._sub):
             sock.setsockopt(zmq.LINGER, 0)
+        self._dealer.setsockopt(zmq.SNDHWM, 0)  # sending never waits: admission bounds what is queued
+        self._dealer.setsockopt(zmq.RCVHWM, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._monitor = self._dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._dealer.connect(self.endpoints.requests)
