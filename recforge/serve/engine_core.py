@@ -153,9 +153,10 @@ class EngineCore:
                 "healthy": healthy, "version": self.spec.version, "pid": os.getpid()}  # fmt: skip
 
     def _handle(self, router: zmq.Socket, ident: bytes, frame: bytes) -> None:
+        rid = -1
         try:
             msg = unpack(frame)
-            op, rid = msg["op"], msg.get("id", 0)
+            op, rid = msg["op"], msg.get("id", -1)
             if op == "rank":
                 self._rank(router, ident, rid, msg)
             elif op == "cancel":
@@ -173,9 +174,9 @@ class EngineCore:
                 self._reload(router, ident, rid, msg.get("run_dir"))
             else:
                 raise WireError(f"unknown op {op!r}")
-        except WireError as err:
-            log.error("engine: bad message from a front end: %s", err)
-            router.send_multipart([ident, pack({"op": "error", "id": -1, "status": 500, "detail": str(err)})])
+        except Exception as err:  # noqa: BLE001 - one bad message (or a bug it hits) must not end the engine
+            log.exception("engine: cannot handle a message from a front end")
+            router.send_multipart([ident, pack({"op": "error", "id": rid, "status": 500, "detail": f"engine: {err}"})])
 
     def _rank(self, router: zmq.Socket, ident: bytes, rid: int, msg: dict) -> None:
         if msg.get("spec") != self.spec.version:

@@ -5,8 +5,8 @@ process (``engine_core.EngineCore``) through ZeroMQ.
 
 The front end never waits on a dead engine: the request socket is monitored (the engine process
 exiting closes its ipc connection, and every request in flight gets 503 at once) and the engine's
-heartbeat must arrive within ``ServerConfig.engine_timeout_s`` (a stopped or wedged process: 503
-and an unhealthy /health). Admission uses the queue delay the engine publishes with its
+heartbeat must arrive within ``ServerConfig.engine_timeout_s`` (else, a stopped or wedged process:
+new requests get 503 and /health is unhealthy; those in flight get 504 at their deadlines). Admission uses the queue delay the engine publishes with its
 heartbeat, checked before a request's body is read. A request whose client leaves or whose
 deadline passes is cancelled in the engine too.
 
@@ -252,15 +252,15 @@ class RemoteBackend:
         while True:
             message = unpack(await self._sub.recv())
             self.status, self._heard = message, time.monotonic()
-            if message.get("closing"):
+            if message.get("closing"):  # new requests are refused; those in flight are drained by the engine
                 self._closing = "the engine process is shutting down"
-                self._fail_pending(EngineUnavailable(self._closing))
             elif message.get("version") != self.spec.version and (self._refreshing is None or self._refreshing.done()):
                 self._refreshing = asyncio.create_task(self._fetch_spec())  # another front end reloaded the model
                 self._refreshing.add_done_callback(_log_failure)
 
     async def _watch(self) -> None:
-        """The engine's connection (its exit fails everything in flight at once), its heartbeat, and our parent."""
+        """The engine's connection (its exit fails everything in flight at once; a silent engine only stops new
+        requests, those in flight keep their deadlines) and our parent."""
         while True:
             try:
                 event = await asyncio.wait_for(recv_monitor_message(self._monitor), 0.1)
@@ -270,8 +270,6 @@ class RemoteBackend:
                 self._connected = event["event"] == zmq.EVENT_CONNECTED
                 if not self._connected:
                     self._fail_pending(EngineUnavailable("the engine process exited while this request was in flight"))
-            elif self.unavailable() is not None:
-                self._fail_pending(EngineUnavailable(self.unavailable()))
             if os.getppid() != self._parent:  # the supervisor is gone: shut down like on SIGTERM
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
@@ -285,6 +283,9 @@ def _log_failure(task: asyncio.Task) -> None:
 
 def run_frontend(sock, endpoints: Endpoints, config: ServerConfig, log_level: str = "warning") -> None:
     """Serve the HTTP API on the shared listening ``sock`` until SIGTERM/SIGINT (uvicorn's graceful shutdown)."""
+    import torch
+
+    torch.set_num_threads(1)  # a front end's tensors are tiny: no intra-op thread pool competing for the cores
     spec = fetch_spec(endpoints, timeout_s=max(config.engine_timeout_s, 30.0))
     app = build_app(RemoteBackend(endpoints, config, spec), config)
     serve(app, config, log_level=log_level, sockets=[sock])

@@ -191,6 +191,8 @@ def _engine_main(run_dir, engine_config, config, endpoints, ready, threads: int,
 
         if threads:
             torch.set_num_threads(threads)
+        # the I/O thread must get the GIL between the worker's torch calls without waiting the default 5 ms
+        sys.setswitchinterval(config.gil_switch_interval_ms / 1e3)
         engine = RankEngine.from_run(run_dir, engine_config)
         core = EngineCore(engine, config, endpoints)
     except Exception as err:  # noqa: BLE001 - reported to the supervisor, which exits non-zero
