@@ -6,9 +6,13 @@ process (``engine_core.EngineCore``) through ZeroMQ.
 The front end never waits on a dead engine: the request socket is monitored (the engine process
 exiting closes its ipc connection, and every request in flight gets 503 at once) and the engine's
 heartbeat must arrive within ``ServerConfig.engine_timeout_s`` (else, a stopped or wedged process:
-new requests get 503 and /health is unhealthy; those in flight get 504 at their deadlines). Admission uses the queue delay the engine publishes with its
-heartbeat, checked before a request's body is read. A request whose client leaves or whose
-deadline passes is cancelled in the engine too.
+new requests get 503 and /health is unhealthy; those in flight get 504 at their deadlines).
+Admission uses the queue delay the engine publishes with its heartbeat, checked before a
+request's body is read. A request whose client leaves or whose deadline passes is cancelled in
+the engine too. After a reload (through any front end) the engine's heartbeat carries the new
+model version and every front end fetches the new ``EngineSpec``; a request encoded with the old
+vocabulary meanwhile is answered ``stale`` by the engine and encoded again (never scored with
+codes of another model).
 
 Example (what ``serve.procs`` runs in each front-end process):
     >>> run_frontend(listening_socket, Endpoints("/tmp/rf"), ServerConfig())
@@ -63,7 +67,8 @@ def fetch_spec(endpoints: Endpoints, timeout_s: float) -> EngineSpec:
 class RemoteBackend:
     """The engine in another process (see the module docstring); the app-facing members are ``LocalBackend``'s."""
 
-    def __init__(self, endpoints: Endpoints, config: ServerConfig, spec: EngineSpec, multiprocess_metrics: bool = True) -> None:
+    def __init__(self, endpoints: Endpoints, config: ServerConfig, spec: EngineSpec,
+                 multiprocess_metrics: bool = True) -> None:  # fmt: skip
         """``multiprocess_metrics``: HTTP metrics summed over every front-end process (prometheus_client's
         multiprocess mode, which ``serve.procs`` turns on); False keeps them in this process (tests)."""
         self.endpoints, self.config = endpoints, config

@@ -1,9 +1,12 @@
 """``recforge serve --http-workers N``: one engine process and N HTTP front-end processes, vLLM-style.
 
-    clients ──► one listening socket (host:port), shared ──► front end 1 … N   (HTTP, JSON, validation, encoding)
-                                                                  │ ZeroMQ ipc, msgpack (transport.py)
-                                                                  ▼
-                                                         engine process            (model, KV pool, BatchRunner)
+    clients ──► host:port ──► front end 1 … N    HTTP, JSON, validation, encoding, shedding (frontend.py)
+                                   │ ZeroMQ ipc, msgpack (transport.py): encoded requests, cancels, heartbeats
+                                   ▼
+                              engine process      model, KV pool, BatchRunner (engine_core.py)
+
+On Linux every front end listens on its own SO_REUSEPORT socket bound to host:port, and the
+kernel spreads new connections evenly over them; elsewhere they share one listening socket.
 
 Why: in one process the HTTP event loop and the batching worker share one GIL, so past saturation
 the loop cannot even read (and refuse) requests while the worker launches passes. Here the front
