@@ -39,7 +39,7 @@ from recforge.serve.layout import EncodedRequest, RequestError
 from recforge.serve.metrics import HttpMetrics
 from recforge.serve.scheduler import DeadlineExceeded, OverloadedError
 from recforge.serve.server import ServerConfig, StaleModel, await_answer, build_app, serve
-from recforge.serve.transport import EngineSpec, Endpoints, pack, request_to_wire, result_from_wire, unpack
+from recforge.serve.transport import EngineSpec, Endpoints, WireError, pack, request_to_wire, result_from_wire, unpack
 
 log = logging.getLogger(__name__)
 
@@ -131,14 +131,14 @@ class RemoteBackend:
     def queued_seconds(self) -> float:
         return float(self.status.get("queued_s", 0.0))
 
-    async def rank(self, req: EncodedRequest, deadline: float, request: Request) -> RankResult:
+    async def rank(self, req: EncodedRequest, version: str, deadline: float, request: Request) -> RankResult:
         down = self.unavailable()
         if down is not None:
             raise HTTPException(503, down, headers={"Retry-After": "1"})
-        spec = self.spec
+        tasks = self.spec.tasks  # the spec that encoded ``req`` (no await since the route read it)
         rid, answer = self._new_request()
         try:
-            await self._dealer.send(pack({"op": "rank", "id": rid, "spec": spec.version, "deadline": float(deadline),
+            await self._dealer.send(pack({"op": "rank", "id": rid, "spec": version, "deadline": float(deadline),
                                           **request_to_wire(req)}))  # fmt: skip
             reply = await await_answer(request, answer, lambda: self._send_nowait({"op": "cancel", "id": rid}), deadline)
         except EngineUnavailable as err:
@@ -146,8 +146,8 @@ class RemoteBackend:
         finally:
             self._pending.pop(rid, None)
         op = reply["op"]
-        if op == "result":
-            return result_from_wire(reply, spec.tasks)
+        if op == "result":  # computed by the model that ``version`` names (else the engine says stale)
+            return result_from_wire(reply, tasks)
         if op == "stale":
             await self.refresh()
             raise StaleModel(reply.get("version"))
@@ -242,7 +242,11 @@ class RemoteBackend:
 
     async def _read_replies(self) -> None:
         while True:
-            message = unpack(await self._dealer.recv())
+            try:
+                message = unpack(await self._dealer.recv())
+            except WireError as err:
+                log.error("front end: a malformed reply from the engine (%s); ignored", err)
+                continue
             if message["op"] == "spec":
                 waiters, self._spec_waiters = self._spec_waiters, []
                 for waiter in waiters:
@@ -255,7 +259,11 @@ class RemoteBackend:
 
     async def _read_status(self) -> None:
         while True:
-            message = unpack(await self._sub.recv())
+            try:
+                message = unpack(await self._sub.recv())
+            except WireError as err:
+                log.error("front end: a malformed heartbeat from the engine (%s); ignored", err)
+                continue
             self.status, self._heard = message, time.monotonic()
             if message.get("closing"):  # new requests are refused; those in flight are drained by the engine
                 self._closing = "the engine process is shutting down"

@@ -109,9 +109,13 @@ class LocalBackend:
     def queued_seconds(self) -> float:
         return self.runner.queued_seconds()
 
-    async def rank(self, req: EncodedRequest, deadline: float, request: Request) -> RankResult:
+    async def rank(self, req: EncodedRequest, version: str, deadline: float, request: Request) -> RankResult:
+        """``req`` was encoded with model ``version``'s vocabulary; ``StaleModel`` if a reload came in between."""
         future = self.runner.submit(req, deadline=deadline)
-        return await await_answer(request, asyncio.wrap_future(future), future.cancel, deadline)
+        result = await await_answer(request, asyncio.wrap_future(future), future.cancel, deadline)
+        if result.model_version != version:
+            raise StaleModel(result.model_version)
+        return result
 
     async def health(self) -> dict[str, Any]:
         return engine_report(self.engine, self.runner, self.config)
@@ -206,11 +210,12 @@ def build_app(backend, config: ServerConfig) -> FastAPI:
         raw = await request.body()
         for attempt in (0, 1):
             spec, models = backend.spec, backend.models
+            version = spec.version  # before encoding: a reload may change the vocabulary meanwhile
             body = models.parse(raw)
             req = encode_request(spec.vocab, spec.config, spec.max_events, body.user_id, body.history.model_dump(),
                                  body.candidates, user_features=models.user_features(body), timestamp=body.timestamp)  # fmt: skip
             try:
-                result = await backend.rank(req, deadline, request)
+                result = await backend.rank(req, version, deadline, request)
                 break
             except StaleModel:
                 if attempt:

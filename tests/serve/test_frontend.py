@@ -5,6 +5,7 @@ The real multi-process server is tested in ``test_procs.py``."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import shutil
 import tempfile
@@ -228,11 +229,20 @@ def test_overload_and_a_gone_engine_are_refused_before_parsing(run) -> None:
             refused = client.post("/v1/rank", content=b"not even json")
             assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
             backend.status = {**backend.status, "queued_s": 0.0}
-            backend._heard -= 100  # the engine has been silent (stopped, wedged)
+
+            async def stop_listening() -> None:
+                backend._tasks[1].cancel()  # the heartbeat reader: the engine now looks silent (stopped, wedged)
+
+            async def listen_again() -> None:
+                backend._tasks[1] = asyncio.create_task(backend._read_status())
+
+            client.portal.call(stop_listening)
+            backend._heard -= 100
             refused = client.post("/v1/rank", content=b"not even json")
             assert refused.status_code == 503 and "not been heard" in refused.json()["detail"]
             assert client.get("/health").status_code == 503
-            time.sleep(0.1)  # a heartbeat arrives: serving again
+            client.portal.call(listen_again)
+            time.sleep(0.2)  # a heartbeat arrives: serving again
             assert client.get("/health").status_code == 200
             c.stop.set()  # the engine shuts down: it says so, and the front end refuses at once
             c.thread.join(20)
