@@ -155,7 +155,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     )  # fmt: skip
     workers = _http_workers(args.http_workers, args.device)
     if workers > 0:  # N front-end processes + one engine process (recforge/serve/procs.py)
+        from recforge.serve.model_dir import model_dir_of
         from recforge.serve.procs import serve_processes
+
+        model_dir_of(args.run_dir)  # a wrong path is reported here (exit 2), not from inside the engine process
 
         def ready(port: int, version: str) -> None:
             print(f"serving {args.run_dir} (model {version}) on http://{args.host}:{port} with {workers} HTTP "
@@ -180,7 +183,7 @@ def _http_workers(value: str, device: str) -> int:
     if value == "auto":
         return default_http_workers(str(resolve_device(device)))
     if not value.isdigit():
-        raise SystemExit(f"--http-workers {value!r}: expected auto or a number of processes (0: in-process)")
+        raise ValueError(f"--http-workers {value!r}: expected auto or a number of processes (0: one process)")
     return int(value)
 
 

@@ -19,6 +19,14 @@ def test_serve_rejects_a_directory_without_a_model(tmp_path, capsys) -> None:
     assert "no exported model" in capsys.readouterr().err
 
 
+def test_serve_with_frontend_processes_checks_its_arguments_first(tmp_path, capsys) -> None:
+    assert main(["serve", str(tmp_path), "--http-workers", "2", "--device", "cpu"]) == 2
+    assert "no exported model" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--http-workers", "many"]) == 2
+    assert "--http-workers 'many'" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve", "runs/x"]).http_workers == "auto"
+
+
 def test_serve_and_export_parse_their_options() -> None:
     args = build_parser().parse_args(["serve", "runs/x", "--port", "9000", "--dtype", "bfloat16", "--cache-mb", "0"])
     assert (args.port, args.dtype, args.cache_mb, args.token_budget) == (9000, "bfloat16", 0.0, 8192)
