@@ -1,4 +1,5 @@
-"""HTTP server: FastAPI app over the batching runner.
+"""HTTP server: one FastAPI app (``build_app``) over a backend: ``LocalBackend`` (the batching runner in this
+process, ``create_app``) or ``frontend.RemoteBackend`` (an engine process, ``recforge serve --http-workers N``).
 
     POST /v1/rank     score candidates for a user (JSON in, per-task scores out)
     POST /v1/reload   load a newly exported model in place (when started with allow_reload)
@@ -8,7 +9,7 @@
 
 Every request is validated before it reaches the worker: bytes, read times and JSON by
 ``limits.RequestLimits`` and ``api.RequestModels`` (strict types, the model's own feature names),
-IDs by ``RankEngine.encode``. A bad request gets a 4xx saying what is wrong and never enters a batch.
+IDs by ``layout.encode_request``. A bad request gets a 4xx saying what is wrong and never enters a batch.
 
 Deadlines: every request has one (``ServerConfig.request_timeout_ms``, or the client's
 ``X-Request-Timeout-Ms`` header, at most ``max_request_timeout_ms``). A request that cannot be
@@ -18,7 +19,7 @@ is computed.
 
 Example:
     >>> app = create_app(RankEngine.from_run("runs/ranking-taobao-hstu"), ServerConfig())
-    >>> serve(app, ServerConfig(), port=8000)          # what `recforge serve RUN_DIR` does
+    >>> serve(app, ServerConfig(), port=8000)          # what `recforge serve RUN_DIR --http-workers 0` does
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def build_app(backend, config: ServerConfig) -> FastAPI:
         started = request.scope.get("state", {}).get("arrival", time.monotonic())
         deadline = started + _timeout_ms(request, config) / 1e3
         raw = await request.body()
-        for attempt in (0, 1):
+        for attempt in range(3):  # a reload that overtakes the request: encode it again for the new model
             spec, models = backend.spec, backend.models
             version = spec.version  # before encoding: a reload may change the vocabulary meanwhile
             body = models.parse(raw)
@@ -218,8 +219,8 @@ def build_app(backend, config: ServerConfig) -> FastAPI:
                 result = await backend.rank(req, version, deadline, request)
                 break
             except StaleModel:
-                if attempt:
-                    raise HTTPException(503, "the model was reloaded twice while this request waited; retry",
+                if attempt == 2:
+                    raise HTTPException(503, "the model was reloaded three times while this request waited; retry",
                                         headers={"Retry-After": "1"}) from None  # fmt: skip
             except OverloadedError as err:
                 raise HTTPException(503, str(err), headers={"Retry-After": str(int(err.retry_after))}) from err
