@@ -253,3 +253,62 @@ def test_overload_and_a_gone_engine_are_refused_before_parsing(run) -> None:
             assert "recforge_engine_up 0.0" in client.get("/metrics").text
     finally:
         c.close()
+
+
+@pytest.mark.integration
+def test_a_client_that_leaves_is_dropped_in_the_engine_uncomputed(core, run) -> None:
+    """A real uvicorn front end on loopback: the client closes its connection while its request is queued."""
+    import json
+    import socket
+
+    import uvicorn
+
+    gate, real_run, computed = threading.Event(), core.engine.run, set()
+
+    def gated(items):
+        gate.wait(10)
+        computed.update(id(item.state) for item in items)
+        return real_run(items)
+
+    core.engine.run = gated
+    config = _config(run)
+    app = build_app(RemoteBackend(core.endpoints, config, fetch_spec(core.endpoints, 10), multiprocess_metrics=False), config)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(300):
+            if server.started:
+                break
+            time.sleep(0.02)
+        rng = random.Random(0)
+
+        def send(body: dict) -> socket.socket:
+            raw = json.dumps(body).encode()
+            conn = socket.create_connection(("127.0.0.1", port))
+            conn.sendall(b"POST /v1/rank HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n" % len(raw) + raw)  # fmt: skip
+            return conn
+
+        first = send(_body("a", random_history(3, 1), rng))
+        time.sleep(0.3)  # its pass waits on the gate
+        gone = send(_body("b", random_history(4, 2), rng))
+        time.sleep(0.3)  # queued in the engine behind the gate
+        gone.close()  # the client leaves: the front end cancels it in the engine
+        time.sleep(0.3)
+        gate.set()
+        first.settimeout(10)
+        assert b"200" in first.recv(100).split(b"\r\n")[0]
+        runner = core.core.runner
+        for _ in range(50):
+            if runner.dropped["cancelled"]:
+                break
+            time.sleep(0.05)
+        assert runner.dropped["cancelled"] == 1 and len(computed) == 1
+        first.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
