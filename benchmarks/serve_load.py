@@ -170,6 +170,8 @@ def main() -> None:
     parser.add_argument("--max-wait-ms", type=float, default=2.0)
     parser.add_argument("--engine-requests", type=int, default=50, help="users timed in-process (0: skip)")
     parser.add_argument("--cuda-graphs", type=int, default=32, help="recforge serve --cuda-graphs (0: eager)")
+    parser.add_argument("--http-workers", type=int, default=0,
+                        help="recforge serve --http-workers: front-end processes before one engine process (0: one process)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     load_at_start = os.getloadavg()[0]
@@ -191,7 +193,7 @@ def main() -> None:
         cmd = [sys.executable, "-m", "recforge.cli", "serve", str(run), "--port", str(port), "--device", args.device,
                "--dtype", args.dtype, "--threads", str(args.server_threads), "--token-budget", str(args.token_budget),
                "--max-wait-ms", str(args.max_wait_ms), "--max-history", str(args.history), "--cache-mb", "1024",
-               "--cuda-graphs", str(args.cuda_graphs)]  # fmt: skip
+               "--cuda-graphs", str(args.cuda_graphs), "--http-workers", str(args.http_workers)]  # fmt: skip
         # the server's output goes to a file: an unread pipe would fill and stall the server
         log_path = Path(tmp) / "server.log"
         server_log = log_path.open("w")
@@ -226,7 +228,8 @@ def main() -> None:
     graphs = f", CUDA graphs {health['cuda_graphs']}" if health.get("cuda_graphs") else ""
     print(f"\nrecforge serve under an open-loop client on loopback, {machine}, {args.dtype}, torch {torch.__version__}{graphs}")
     print(f"request: {args.history}-event history, {args.candidates} candidates; token budget {args.token_budget}, "
-          f"max wait {args.max_wait_ms} ms; at most {args.max_in_flight} requests in flight")  # fmt: skip
+          f"max wait {args.max_wait_ms} ms; at most {args.max_in_flight} requests in flight; "
+          f"{args.http_workers or 'no'} HTTP front-end processes")  # fmt: skip
     print(f"{'cache':<6}{'offered/s':>10}{'achieved/s':>12}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}{'hits':>8}")
     for r in rows:
         print(f"{r['cache']:<6}{r['offered_rps']:>10.1f}{r['achieved_rps']:>12.1f}{r['p50_ms']:>10.1f}{r['p99_ms']:>10.1f}"
@@ -239,7 +242,7 @@ def main() -> None:
     if args.out:
         batch_lines = [line for line in metrics.splitlines() if line.startswith("recforge_batch_requests_")]
         payload = {"benchmark": "serve_load", "command": "python " + " ".join(sys.argv), "machine": machine,
-                   "dtype": args.dtype, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+                   "dtype": args.dtype, "http_workers": args.http_workers, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
                    "load_average_1m_at_start": load_at_start, "in_process": in_process, "rows": rows,
                    "kv_cache": health["kv_cache"], "cuda_graphs": health.get("cuda_graphs"),
                    "batch_requests_histogram": batch_lines}  # fmt: skip

@@ -3,6 +3,12 @@
 Usage:
     python benchmarks/serve_overload.py --out benchmarks/results/serve_overload-cpu.json
     python benchmarks/serve_overload.py --device cuda --client-procs 8 --out benchmarks/results/serve_overload-h200.json
+    python benchmarks/serve_overload.py --device cuda --server-cpus 0-7 --client-procs 8 --concurrency 64 --users 400 \
+        --http-workers 0,4 --out benchmarks/results/serve_overload-h200-frontends.json
+
+``--http-workers 0,4`` runs every phase once per value, each against a fresh server, and prints them side by
+side: 0 is one process (HTTP and the batching worker share the GIL), N >= 1 is N front-end processes and
+one engine process (``recforge serve --http-workers N``). The server's RSS is that of all its processes.
 
 Exports the randomly initialised ranking model of ``serve_load.py`` (d=64, 2 HSTU blocks, 100,000
 items), starts `recforge serve` on loopback in a subprocess and drives POST /v1/rank from
@@ -49,10 +55,27 @@ from serve_load import ACTIONS, NUM_ITEMS, export_model, free_port, wait_until_u
 
 
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    """RSS of ``pid`` and all its descendants (the multi-process server's engine and front ends)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier and child not in tree]
+        tree.update(frontier)
+    total = 0.0
+    for p in tree:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+        except OSError:
+            pass
+    return total if total else float("nan")
 
 
 class Users:
@@ -216,8 +239,29 @@ def main() -> None:
     parser.add_argument("--max-queue-ms", type=float, default=500.0)
     parser.add_argument("--grace-s", type=float, default=1.0)
     parser.add_argument("--gil-switch-ms", type=float, default=0.5, help="recforge serve --gil-switch-ms")
+    parser.add_argument("--http-workers", default="0",
+                        help="comma-separated recforge serve --http-workers values, one full run each (0: one process)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    variants = [int(v) for v in args.http_workers.split(",")]
+    results = [run_variant(args, workers) for workers in variants]
+    if len(results) > 1:
+        print(f"\n{'http workers':<14}{'saturation/s':>13}{'burst goodput/s':>16}{'ratio':>7}{'hung':>6}{'burst p99 ms':>13}"
+              f"{'recovered s':>12}{'max RSS MB':>11}")  # fmt: skip
+        for r in results:
+            print(f"{r['http_workers']:<14}{r['saturation']['answered_rps']:>13.1f}{r['burst']['goodput_rps']:>16.1f}"
+                  f"{r['goodput_ratio']:>7.2f}{r['burst']['hung'] + r['recovery']['hung']:>6}{r['burst']['p99_ms']:>13.0f}"
+                  f"{str(r['recovered_after_s']):>12}{r['rss_mb_max_burst'] or float('nan'):>11.0f}")  # fmt: skip
+    if args.out:
+        payload = {"benchmark": "serve_overload", "command": "python " + " ".join(sys.argv), "machine": results[0]["machine"],
+                   "torch": torch.__version__, "date": datetime.date.today().isoformat(), "args": vars(args),
+                   **(results[0] if len(results) == 1 else {"variants": results})}  # fmt: skip
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def run_variant(args: argparse.Namespace, http_workers: int) -> dict:
+    """Every phase against a fresh server with ``http_workers`` front-end processes; prints and returns the results."""
     deadline_s, timeout = args.deadline_ms / 1e3, args.deadline_ms / 1e3 + args.grace_s
     opts = {"users": args.users, "history": args.history, "candidates": args.candidates}
     with tempfile.TemporaryDirectory() as tmp:
@@ -226,7 +270,8 @@ def main() -> None:
         cmd = [sys.executable, "-m", "recforge.cli", "serve", str(run), "--port", str(port), "--device", args.device,
                "--dtype", args.dtype, "--threads", str(args.server_threads), "--max-history", str(args.history + 10),
                "--cache-mb", "1024", "--request-timeout-ms", str(args.deadline_ms),
-               "--max-queue-ms", str(args.max_queue_ms), "--gil-switch-ms", str(args.gil_switch_ms)]  # fmt: skip
+               "--max-queue-ms", str(args.max_queue_ms), "--gil-switch-ms", str(args.gil_switch_ms),
+               "--http-workers", str(http_workers)]  # fmt: skip
         log_path = Path(tmp) / "server.log"
         server_log = log_path.open("w")
         if args.server_cpus:
@@ -289,7 +334,8 @@ def main() -> None:
     recovered_s = None if back is None else back + 1  # the first window at normal p99 ends this many seconds in
     machine = (f"{cpu_model()}, {os.cpu_count()} cores, server {args.server_threads} torch thread(s), "
                f"{args.client_procs} client process(es)" if args.device == "cpu" else torch.cuda.get_device_name())  # fmt: skip
-    print(f"\nrecforge serve past saturation, {machine}, {args.dtype}, torch {torch.__version__}")
+    layout = "one process" if http_workers == 0 else f"{http_workers} HTTP front-end processes + one engine process"
+    print(f"\nrecforge serve past saturation ({layout}), {machine}, {args.dtype}, torch {torch.__version__}")
     print(f"request: ~{args.history}-event returning histories (+0-2 events each), {args.candidates} candidates, deadline "
           f"{args.deadline_ms:g} ms, max_queue_ms {args.max_queue_ms:g}")  # fmt: skip
     print(f"{'phase':<12}{'offered/s':>10}{'sent/s':>8}{'answered/s':>11}{'goodput/s':>10}{'p50 ms':>8}{'p99 ms':>8}"
@@ -306,16 +352,11 @@ def main() -> None:
           f"{samples[-1][1]:.0f} MB at the end")  # fmt: skip
     print(f"recovery: 1-s window p99 after the burst {[round(p) for p in windows]} ms; back within 1.5x the baseline p99 "
           f"({normal:.0f} ms) after {recovered_s} s (goal <= 5)")  # fmt: skip
-    if args.out:
-        payload = {"benchmark": "serve_overload", "command": "python " + " ".join(sys.argv), "machine": machine,
-                   "torch": torch.__version__, "date": datetime.date.today().isoformat(), "args": vars(args),
-                   "saturation": saturation, "baseline": baseline, "burst": burst, "recovery": recovery,
-                   "goodput_ratio": burst["goodput_rps"] / rate, "recovery_window_p99_ms": windows,
-                   "recovered_after_s": recovered_s, "rss_mb_before": rss_before,
-                   "rss_mb_max_burst": max(burst_rss, default=None), "rss_mb_end": samples[-1][1],
-                   "worker": health["worker"], "kv_cache": health["kv_cache"]}  # fmt: skip
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+    return {"http_workers": http_workers, "machine": machine, "saturation": saturation, "baseline": baseline,
+            "burst": burst, "recovery": recovery, "goodput_ratio": burst["goodput_rps"] / rate,
+            "recovery_window_p99_ms": windows, "recovered_after_s": recovered_s, "rss_mb_before": rss_before,
+            "rss_mb_max_burst": max(burst_rss, default=None), "rss_mb_end": samples[-1][1],
+            "worker": health["worker"], "kv_cache": health["kv_cache"]}  # fmt: skip
 
 
 if __name__ == "__main__":

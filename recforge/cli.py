@@ -156,8 +156,21 @@ def cmd_serve(args: argparse.Namespace) -> None:
         import torch
 
         torch.set_num_threads(cfg.threads)
-    engine = RankEngine.from_run(args.run_dir, cfg.engine_config())
     server_config = cfg.server_config(args.run_dir)
+    workers = _http_workers(cfg.http_workers, cfg.engine.device)
+    if workers > 0:  # N front-end processes + one engine process (recforge/serve/procs.py)
+        from recforge.serve.model_dir import model_dir_of
+        from recforge.serve.procs import serve_processes
+
+        model_dir_of(args.run_dir)  # a wrong path is reported here (exit 2), not from inside the engine process
+
+        def ready(port: int, version: str) -> None:
+            print(f"serving {args.run_dir} (model {version}) on http://{cfg.host}:{port} with {workers} HTTP "
+                  "front-end processes and one engine process  docs: /docs", flush=True)  # fmt: skip
+
+        raise SystemExit(serve_processes(args.run_dir, cfg.engine_config(), server_config, workers, cfg.host, cfg.port,
+                                         cfg.log_level, cfg.threads, on_ready=ready))  # fmt: skip
+    engine = RankEngine.from_run(args.run_dir, cfg.engine_config())
     app = create_app(engine, server_config)
     print(f"serving {args.run_dir} (model {engine.version}) on http://{cfg.host}:{cfg.port}  docs: /docs")
     serve(app, server_config, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
@@ -191,9 +204,21 @@ SERVE_FLAGS = (
     ("--gil-switch-ms", "server.gil_switch_interval_ms", float,
      "sys.setswitchinterval for the server process (the HTTP loop and the batching worker share the GIL)"),
     ("--allow-reload", "server.allow_reload", bool, "expose POST /v1/reload"),
+    ("--http-workers", "http_workers", str,
+     "HTTP front-end processes in front of one engine process; 0: one process (HTTP and the batching worker "
+     "share the GIL); auto (default): min(4, cores/4) on CUDA, 0 on CPU"),
     ("--log-level", "log_level", str, "uvicorn log level (default warning)"),
 )  # fmt: skip
 SERVE_FLAG_KEYS = {key for _, key, _, _ in SERVE_FLAGS}
+
+
+def _http_workers(value: str, device: str) -> int:
+    from recforge.ops.dispatch import resolve_device
+    from recforge.serve.procs import default_http_workers
+
+    if value == "auto":
+        return default_http_workers(str(resolve_device(device)))
+    return int(value)  # a number, checked by ServeConfig.problems
 
 
 def cmd_export(args: argparse.Namespace) -> None:

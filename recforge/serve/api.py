@@ -19,12 +19,15 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, create_model
 
-from recforge.serve.engine import RankEngine
 from recforge.serve.layout import RequestError
+
+if TYPE_CHECKING:
+    from recforge.serve.engine import RankEngine
+    from recforge.serve.transport import EngineSpec
 
 INT64 = 2**63
 TIME_LIMIT = 2**53  # seconds; keeps every time difference inside int64
@@ -60,7 +63,7 @@ class RequestModels:
     feature_names: list[str]
 
     @classmethod
-    def for_engine(cls, engine: RankEngine, max_string_chars: int = 256) -> RequestModels:
+    def for_engine(cls, engine: RankEngine | EngineSpec, max_string_chars: int = 256) -> RequestModels:
         text = Annotated[StrictStr, Field(max_length=max_string_chars)]
         raw_id = Annotated[StrictInt, Field(ge=-INT64, lt=INT64)] | text
         stamp = Annotated[StrictInt, Field(ge=-TIME_LIMIT, le=TIME_LIMIT)]
@@ -120,7 +123,7 @@ def describe(err: ValidationError, messages: dict[tuple[str, str], str] | None =
     return "; ".join(lines) + (f"; and {more} more" if more > 0 else "")
 
 
-def _example(engine: RankEngine) -> dict:
+def _example(engine: RankEngine | EngineSpec) -> dict:
     """A request this model accepts: its own item IDs, actions and feature values."""
     vocab = engine.vocab
     items = list(vocab.item_ids[:5]) if vocab.item_ids else list(range(1, min(vocab.num_items, 5) + 1))

@@ -54,6 +54,8 @@ class ServeConfig:
     port: int = 8000
     threads: int = 0  # torch intra-op threads (0: torch's default)
     log_level: str = "warning"  # uvicorn's: critical | error | warning | info | debug | trace
+    # HTTP front-end processes before one engine process (serve/procs.py); "0": one process; "auto": a few on CUDA
+    http_workers: str | int = "auto"
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(device="auto"))
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: PoolConfig = field(default_factory=PoolConfig)  # device_mb: 0 serves without a KV cache
@@ -74,6 +76,8 @@ class ServeConfig:
             problems.append(f"port: must be in [0, 65535], got {self.port}")
         if self.threads < 0:
             problems.append(f"threads: must be >= 0 (0: torch's default), got {self.threads}")
+        if not (self.http_workers == "auto" or str(self.http_workers).isdigit()):
+            problems.append(f"http_workers: expected auto or a number of processes (0: one process), got {self.http_workers!r}")
         if self.log_level not in LOG_LEVELS:
             problems.append(f"log_level: {self.log_level!r} is not one of {LOG_LEVELS}")
         problems += [f"engine.{p}" for p in replace(self.engine, prefill_chunk=1).problems()]

@@ -1,4 +1,5 @@
-"""HTTP server: FastAPI app over the batching runner.
+"""HTTP server: one FastAPI app (``build_app``) over a backend: ``LocalBackend`` (the batching runner in this
+process, ``create_app``) or ``frontend.RemoteBackend`` (an engine process, ``recforge serve --http-workers N``).
 
     POST /v1/rank     score candidates for a user (JSON in, per-task scores out)
     POST /v1/reload   load a newly exported model in place (when started with allow_reload)
@@ -8,7 +9,7 @@
 
 Every request is validated before it reaches the worker: bytes, read times and JSON by
 ``limits.RequestLimits`` and ``api.RequestModels`` (strict types, the model's own feature names),
-IDs by ``RankEngine.encode``. A bad request gets a 4xx saying what is wrong and never enters a batch.
+IDs by ``layout.encode_request``. A bad request gets a 4xx saying what is wrong and never enters a batch.
 
 Deadlines: every request has one (``ServerConfig.request_timeout_ms``, or the client's
 ``X-Request-Timeout-Ms`` header, at most ``max_request_timeout_ms``). A request that cannot be
@@ -18,7 +19,7 @@ is computed.
 
 Example:
     >>> app = create_app(RankEngine.from_run("runs/ranking-taobao-hstu"), ServerConfig())
-    >>> serve(app, ServerConfig(), port=8000)          # what `recforge serve RUN_DIR` does
+    >>> serve(app, ServerConfig(), port=8000)          # what `recforge serve RUN_DIR --http-workers 0` does
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,18 +37,19 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi_offline import FastAPIOffline
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
 from recforge.serve.api import ErrorOut, RankResponseOut, ReloadIn, RequestModels, describe
-from recforge.serve.engine import RankEngine
-from recforge.serve.kv_pool import KVCachePool, PoolConfig
-from recforge.serve.layout import RequestError
+from recforge.serve.engine import RankEngine, RankResult
+from recforge.serve.engine_core import attach_pool, engine_report
+from recforge.serve.kv_pool import PoolConfig
+from recforge.serve.layout import EncodedRequest, RequestError, encode_request
 from recforge.serve.limits import LoopLag, RequestLimits, http_protocol
+from recforge.serve.metrics import EngineMetrics, HttpMetrics
 from recforge.serve.runner import BatchRunner
 from recforge.serve.scheduler import DeadlineExceeded, OverloadedError, SchedulerConfig
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
 TIMEOUT_HEADER = "x-request-timeout-ms"
 
 
@@ -65,91 +68,116 @@ class ServerConfig:
     max_connections: int = 4096  # open connections beyond this get 503 from uvicorn
     max_loop_lag_ms: float = 250.0  # refuse new rank requests (503) while the event loop runs this late
     gil_switch_interval_ms: float = 0.5  # serve(): sys.setswitchinterval, so the event loop gets the GIL in time
+    engine_timeout_s: float = 2.0  # front-end processes: the engine process is down when silent this long (503)
     allow_reload: bool = False  # expose POST /v1/reload
     run_dir: str | None = None  # default reload source
 
     def validate(self) -> None:
         problems = [f"{name} must be > 0, got {getattr(self, name)}" for name in
                     ("max_body_bytes", "max_string_chars", "request_timeout_ms", "max_request_timeout_ms",
-                     "header_timeout_s", "body_timeout_s", "max_connections", "max_loop_lag_ms", "gil_switch_interval_ms")
+                     "header_timeout_s", "body_timeout_s", "max_connections", "max_loop_lag_ms", "gil_switch_interval_ms",
+                     "engine_timeout_s")
                     if not getattr(self, name) > 0]  # fmt: skip
         if problems:
             raise ValueError("ServerConfig: " + "; ".join(problems))
         self.scheduler.validate()
 
 
-class Metrics:
-    """Prometheus metrics of one app (own registry, so several apps can live in one process)."""
-
-    def __init__(self, runner: BatchRunner) -> None:
-        self.registry = registry = CollectorRegistry()
-        self.latency = Histogram("recforge_rank_latency_seconds", "POST /v1/rank latency (answered requests)",
-                                 buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
-        self.responses = Counter("recforge_http_responses", "HTTP responses by path and status (every response, "
-                                 "the framework's own too)", ["path", "status"], registry=registry)  # fmt: skip
-        self.requests = Counter("recforge_rank_requests", "POST /v1/rank responses by HTTP status", ["status"],
-                                registry=registry)  # fmt: skip
-        self.batch_requests = Histogram("recforge_batch_requests", "requests per engine pass",
-                                        buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)  # fmt: skip
-        self.batch_tokens = Histogram("recforge_batch_tokens", "query tokens per engine pass",
-                                      buckets=(16, 64, 256, 1024, 4096, 16384, 65536), registry=registry)  # fmt: skip
-        self.pass_seconds = Histogram("recforge_pass_seconds", "engine pass time", buckets=LATENCY_BUCKETS,
-                                      registry=registry)  # fmt: skip
-        pool_value = lambda key: lambda: float(runner.engine.pool.report()[key]) if runner.engine.pool else 0.0  # noqa: E731
-        for key, doc in (("hit_rate", "share of lookups whose cached prefix was reused"),
-                         ("token_hit_rate", "share of prefix tokens reused from the cache"),
-                         ("device_bytes_used", "KV-cache device tier bytes in use"),
-                         ("host_bytes_used", "KV-cache host tier bytes in use"),
-                         ("metadata_bytes", "KV-cache per-user metadata in host memory (tokens, keys)"),
-                         ("users_device", "users cached on the device tier"),
-                         ("users_host", "users cached on the host tier")):  # fmt: skip
-            Gauge(f"recforge_kv_cache_{key}", doc, registry=registry).set_function(pool_value(key))
-        Gauge("recforge_queue_depth", "requests waiting or running", registry=registry).set_function(runner.pending)
-        for reason in ("deadline", "cancelled"):
-            Gauge(f"recforge_rank_dropped_{reason}", f"requests dropped unanswered ({reason})",
-                  registry=registry).set_function(lambda r=reason: runner.dropped[r])  # fmt: skip
-        Gauge("recforge_worker_restarts", "unexpected batch-worker errors survived",
-              registry=registry).set_function(lambda: runner.restarts)  # fmt: skip
-
-    def on_status(self, path: str, status: int) -> None:
-        self.responses.labels(path if path in KNOWN_PATHS else "other", str(status)).inc()
-        if path == "/v1/rank":
-            self.requests.labels(str(status)).inc()
-
-    def on_pass(self, requests: int, tokens: int, seconds: float) -> None:
-        self.batch_requests.observe(requests)
-        self.batch_tokens.observe(tokens)
-        self.pass_seconds.observe(seconds)
+class StaleModel(Exception):
+    """The model was reloaded after this request was encoded (its codes may mean other items): encode it again."""
 
 
-KNOWN_PATHS = ("/v1/rank", "/v1/reload", "/health", "/metrics", "/docs", "/openapi.json")
+class LocalBackend:
+    """The engine in this process: requests go straight to a ``BatchRunner`` thread (``--http-workers 0``).
+
+    The app talks to every backend through the same few members: ``spec`` and ``models`` (what validates and
+    encodes requests), ``unavailable()``, ``queued_seconds()``, ``rank()``, ``health()``, ``reload()``,
+    ``metrics_text()``, ``start()`` and ``close()``; ``frontend.RemoteBackend`` is the other one."""
+
+    def __init__(self, engine: RankEngine, config: ServerConfig) -> None:
+        attach_pool(engine, config)
+        self.config = config
+        self.runner = BatchRunner(engine, config.scheduler)
+        self.registry = CollectorRegistry()
+        self.http_metrics = HttpMetrics(self.registry)
+        self.engine_metrics = EngineMetrics(self.runner, self.registry)
+        self.models = RequestModels.for_engine(engine, config.max_string_chars)
+
+    @property
+    def engine(self) -> RankEngine:
+        """The live engine: a reload swaps in a new engine object (``BatchRunner.reload``)."""
+        return self.runner.engine
+
+    @property
+    def spec(self) -> RankEngine:
+        return self.runner.engine
+
+    def unavailable(self) -> str | None:
+        return None
+
+    def queued_seconds(self) -> float:
+        return self.runner.queued_seconds()
+
+    async def rank(self, req: EncodedRequest, version: str, deadline: float, request: Request) -> RankResult:
+        """``req`` was encoded with model ``version``'s vocabulary; ``StaleModel`` if a reload came in between."""
+        future = self.runner.submit(req, deadline=deadline)
+        result = await await_answer(request, asyncio.wrap_future(future), future.cancel, deadline)
+        if result.model_version != version:
+            raise StaleModel(result.model_version)
+        return result
+
+    async def health(self) -> dict[str, Any]:
+        return engine_report(self.engine, self.runner, self.config)
+
+    async def reload(self, source: str) -> str:
+        await asyncio.to_thread(self.runner.reload, source)  # loads and checks first: a failure changes nothing
+        self.models = RequestModels.for_engine(self.engine, self.config.max_string_chars)
+        return self.engine.version
+
+    async def metrics_text(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.runner.close)  # in-flight requests finish within drain_timeout_s
 
 
 def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine``; the batching worker starts with the app and stops with it."""
+    """The FastAPI app serving ``engine`` in this process; the batching worker starts with the app and stops with it."""
     config = config or ServerConfig()
     config.validate()
-    if config.pool is not None and engine.cached and engine.pool is None:
-        engine.pool = KVCachePool.for_engine(engine, config.pool)
-    runner = BatchRunner(engine, config.scheduler)
-    metrics = Metrics(runner)
-    runner.on_pass = metrics.on_pass
-    models = RequestModels.for_engine(engine, config.max_string_chars)
+    backend = LocalBackend(engine, config)
+    app = build_app(backend, config)
+    app.state.runner, app.state.metrics = backend.runner, backend.http_metrics  # the live engine: runner.engine
+    return app
+
+
+def build_app(backend, config: ServerConfig) -> FastAPI:
+    """The HTTP API over ``backend`` (``LocalBackend`` or ``frontend.RemoteBackend``): limits, validation,
+    encoding, load shedding, deadlines, cancellation, /health, /metrics, /docs."""
+    metrics: HttpMetrics = backend.http_metrics
     reload_lock = asyncio.Lock()
     lag = LoopLag()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         lag.start()
+        await backend.start()
         yield
         lag.stop()
-        await asyncio.to_thread(runner.close)  # in-flight requests finish within drain_timeout_s
+        await backend.close()
 
     def shed(path: str) -> tuple[float, str] | None:
-        """Refuse a rank request before reading it when the queue or the event loop is already too late."""
+        """Refuse a rank request before reading it when the engine is down, or the queue or the event loop is
+        already too late."""
         if path != "/v1/rank":
             return None
-        queued = runner.queued_seconds()
+        down = backend.unavailable()
+        if down is not None:
+            return 1.0, down
+        queued = backend.queued_seconds()
         if queued * 1e3 > config.scheduler.max_queue_ms:
             return max(1.0, math.ceil(queued - config.scheduler.max_queue_ms / 1e3)), (
                 f"overloaded: about {queued * 1e3:.0f} ms of work is queued (max_queue_ms "
@@ -161,14 +189,13 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
     app = FastAPIOffline(
         lifespan=lifespan,
         title="recforge ranking server",
-        version=engine.version,
+        version=backend.spec.version,
         description="Prefix-cached multi-task ranking with a recforge HSTU model. Scores come back per task, "
         "in candidate order. Every request has a deadline (default "
         f"{config.request_timeout_ms:g} ms; header `X-Request-Timeout-Ms`): 503 with `Retry-After` when it cannot "
         "be met, 504 when it passes.",
     )  # fmt: skip
-    # handlers read the live engine from the runner: a reload replaces the engine object
-    app.state.runner, app.state.metrics, app.state.loop_lag = runner, metrics, lag
+    app.state.backend, app.state.loop_lag = backend, lag
     app.add_middleware(RequestLimits, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s,
                        on_status=metrics.on_status, shed=shed)  # fmt: skip
 
@@ -179,7 +206,8 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
     errors = {408: {"model": ErrorOut, "description": "the body did not arrive within body_timeout_s"},
               413: {"model": ErrorOut, "description": "the body is larger than max_body_bytes"},
               422: {"model": ErrorOut, "description": "invalid request (the message says what to fix)"},
-              503: {"model": ErrorOut, "description": "overloaded or shutting down; retry after `Retry-After` s"},
+              503: {"model": ErrorOut, "description": "overloaded, shutting down or the engine is down; retry after "
+                                                       "`Retry-After` s"},
               504: {"model": ErrorOut, "description": "the request's deadline passed before the answer was ready"}}  # fmt: skip
 
     @app.post("/v1/rank", response_model=RankResponseOut, responses=errors,
@@ -187,15 +215,29 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
                   "schema": {"$ref": "#/components/schemas/RankRequestIn"}}}}})  # fmt: skip
     async def rank(request: Request) -> RankResponseOut:
         started = request.scope.get("state", {}).get("arrival", time.monotonic())
-        timeout_ms = _timeout_ms(request, config)
-        body = models.parse(await request.body())
-        req = runner.engine.encode(body.user_id, body.history.model_dump(), body.candidates,
-                            user_features=models.user_features(body), timestamp=body.timestamp)  # fmt: skip
-        try:
-            future = runner.submit(req, deadline=started + timeout_ms / 1e3)
-        except OverloadedError as err:
-            raise HTTPException(503, str(err), headers={"Retry-After": str(int(err.retry_after))}) from err
-        result = await _answer(request, future, timeout_ms / 1e3 - (time.monotonic() - started))
+        deadline = started + _timeout_ms(request, config) / 1e3
+        raw = await request.body()
+        for attempt in range(3):  # a reload that overtakes the request: encode it again for the new model
+            spec, models = backend.spec, backend.models
+            version = spec.version  # before encoding: a reload may change the vocabulary meanwhile
+            body = models.parse(raw)
+            req = encode_request(spec.vocab, spec.config, spec.max_events, body.user_id, body.history.model_dump(),
+                                 body.candidates, user_features=models.user_features(body), timestamp=body.timestamp)  # fmt: skip
+            try:
+                result = await backend.rank(req, version, deadline, request)
+                break
+            except StaleModel:
+                if attempt == 2:
+                    raise HTTPException(503, "the model was reloaded three times while this request waited; retry",
+                                        headers={"Retry-After": "1"}) from None  # fmt: skip
+            except OverloadedError as err:
+                raise HTTPException(503, str(err), headers={"Retry-After": str(int(err.retry_after))}) from err
+            except DeadlineExceeded as err:
+                raise HTTPException(504, str(err)) from err
+            except (RequestError, HTTPException):
+                raise
+            except Exception as err:  # noqa: BLE001 - an engine failure on this request only
+                raise HTTPException(500, f"ranking failed: {err}") from err
         seconds = time.monotonic() - started
         metrics.latency.observe(seconds)
         return RankResponseOut(
@@ -204,30 +246,14 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
             truncated_events=result.truncated_events, latency_ms=seconds * 1e3,
         )  # fmt: skip
 
-    @app.get("/health", responses={503: {"description": "the batching worker is dead or stuck"}})
-    def health() -> JSONResponse:
-        worker, engine = runner.health(), runner.engine
-        report: dict[str, Any] = {
-            "status": "ok" if worker["healthy"] else "unhealthy",
-            "model_version": engine.version,
-            "tasks": [t.get("name") for t in engine.tasks],
-            "device": str(engine.device),
-            "dtype": engine.config.dtype,
-            "queue_depth": worker["queue_depth"],
-            "worker": worker,
-            "limits": {"max_candidates": engine.config.max_candidates,
-                       "max_history_events": engine.config.max_history_events,
-                       "model_history_events": engine.max_events,
-                       "request_timeout_ms": config.request_timeout_ms,
-                       "max_queue_ms": config.scheduler.max_queue_ms},  # fmt: skip
-            "kv_cache": engine.pool.report() if engine.pool is not None else None,
-            "cuda_graphs": engine.graphs.report() if engine.graphs is not None else None,
-        }
-        return JSONResponse(report, status_code=200 if worker["healthy"] else 503)
+    @app.get("/health", responses={503: {"description": "the batching worker or the engine process is dead or stuck"}})
+    async def health() -> JSONResponse:
+        report = await backend.health()
+        return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
-    def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(await backend.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     if config.allow_reload:
 
@@ -235,7 +261,6 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
                   openapi_extra={"requestBody": {"content": {"application/json": {
                       "schema": {"$ref": "#/components/schemas/ReloadIn"}}}}})  # fmt: skip
         async def reload(request: Request) -> dict[str, str]:
-            nonlocal models
             try:
                 body = ReloadIn.model_validate_json(await request.body() or b"{}")
             except ValidationError as err:
@@ -246,29 +271,30 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
             if reload_lock.locked():
                 raise HTTPException(409, "another reload is in progress; retry when it has finished")
             async with reload_lock:
-                old = runner.engine.version
-                try:  # loads and checks the new model first: a failure changes nothing
-                    await asyncio.to_thread(runner.reload, source)
+                old = backend.spec.version
+                try:  # the engine loads and checks the new model first: a failure changes nothing
+                    new = await backend.reload(source)
                 except ValueError as err:
                     raise HTTPException(422, f"reload refused, still serving {old}: {err}") from err
-                models = RequestModels.for_engine(runner.engine, config.max_string_chars)
-                app.openapi_schema = None  # the new model's features and example
-            return {"previous_version": old, "model_version": runner.engine.version}
+            return {"previous_version": old, "model_version": new}
+
+    schemas: dict[str, dict] = {}  # model version -> OpenAPI schema (the request model is the model's own)
 
     def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=runner.engine.version, description=app.description, routes=app.routes)
-            request_schema = models.rank.model_json_schema(ref_template="#/components/schemas/{model}")
+        version = backend.spec.version
+        if version not in schemas:
+            schema = get_openapi(title=app.title, version=version, description=app.description, routes=app.routes)
+            request_schema = backend.models.rank.model_json_schema(ref_template="#/components/schemas/{model}")
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             components.update(request_schema.pop("$defs", {}))
             components["RankRequestIn"] = request_schema
             components["ReloadIn"] = ReloadIn.model_json_schema()
-            app.openapi_schema = schema
-        return app.openapi_schema
+            schemas.clear()
+            schemas[version] = schema
+        return schemas[version]
 
     app.openapi = openapi
     return app
-
 
 def _timeout_ms(request: Request, config: ServerConfig) -> float:
     raw = request.headers.get(TIMEOUT_HEADER)
@@ -284,29 +310,22 @@ def _timeout_ms(request: Request, config: ServerConfig) -> float:
     return value
 
 
-async def _answer(request: Request, future, timeout_s: float):
-    """The runner's result, or: 504 when the deadline passes, nothing computed when the client leaves."""
-    answer = asyncio.wrap_future(future)
+async def await_answer(request: Request, answer: asyncio.Future, cancel: Callable[[], object], deadline: float):
+    """``answer``'s outcome, or: 504 when ``deadline`` (``time.monotonic()``) passes, 499 when the client leaves;
+    either way ``cancel()`` tells the engine, which drops the request uncomputed if it has not started."""
     gone = asyncio.ensure_future(_disconnected(request))
     try:
-        done, _ = await asyncio.wait({answer, gone}, timeout=max(timeout_s, 0) + 0.05,
+        done, _ = await asyncio.wait({answer, gone}, timeout=max(deadline - time.monotonic(), 0) + 0.05,
                                      return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
     finally:
         gone.cancel()
     if answer not in done:
-        future.cancel()  # the worker drops it (or ignores its result)
+        cancel()
         answer.cancel()
         if gone in done:
             raise HTTPException(499, "client closed the request")
         raise HTTPException(504, "the request's deadline passed before the answer was ready")
-    try:
-        return answer.result()
-    except DeadlineExceeded as err:
-        raise HTTPException(504, str(err)) from err
-    except RequestError:
-        raise
-    except Exception as err:  # noqa: BLE001 - an engine failure on this request only
-        raise HTTPException(500, f"ranking failed: {err}") from err
+    return answer.result()
 
 
 async def _disconnected(request: Request) -> None:
@@ -315,9 +334,10 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def serve(app: FastAPI, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> None:
+def serve(app: FastAPI, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+          sockets: list | None = None) -> None:
     """Run ``app`` with uvicorn under ``config``'s transport limits (header/keep-alive timeouts, connection cap,
-    a bounded graceful shutdown)."""
+    a bounded graceful shutdown); on ``sockets`` (already bound, shared by several front ends) when given."""
     import sys
 
     import uvicorn
@@ -325,9 +345,11 @@ def serve(app: FastAPI, config: ServerConfig, host: str = "127.0.0.1", port: int
     # the batching worker thread holds the GIL between torch calls; with the default 5 ms switch interval the
     # event loop waits that long for each turn and cannot even read (and refuse) requests at high rates
     sys.setswitchinterval(config.gil_switch_interval_ms / 1e3)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, http=http_protocol(config.header_timeout_s),
-                limit_concurrency=config.max_connections, timeout_keep_alive=5,
-                timeout_graceful_shutdown=math.ceil(config.scheduler.drain_timeout_s) + 1)  # fmt: skip
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, http=http_protocol(config.header_timeout_s),
+        limit_concurrency=config.max_connections, timeout_keep_alive=5,
+        timeout_graceful_shutdown=math.ceil(config.scheduler.drain_timeout_s) + 1))  # fmt: skip
+    server.run(sockets=sockets)
 
 
-__all__ = ["RankResponseOut", "ServerConfig", "create_app", "serve"]
+__all__ = ["LocalBackend", "RankResponseOut", "ServerConfig", "StaleModel", "await_answer", "build_app", "create_app", "serve"]

@@ -19,6 +19,13 @@ def test_serve_rejects_a_directory_without_a_model(tmp_path, capsys) -> None:
     assert "no exported model" in capsys.readouterr().err
 
 
+def test_serve_with_frontend_processes_checks_its_arguments_first(tmp_path, capsys) -> None:
+    assert main(["serve", str(tmp_path), "--http-workers", "2", "--device", "cpu"]) == 2
+    assert "no exported model" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--http-workers", "many"]) == 2
+    assert "http_workers: expected auto or a number" in capsys.readouterr().err
+
+
 def test_serve_and_export_parse_their_options() -> None:
     from recforge.serve.config import load_serve_config
 
