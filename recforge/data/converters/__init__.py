@@ -18,7 +18,9 @@ from pathlib import Path
 
 from recforge.env import data_dir
 
-from ..dataset import write_dataset
+from recforge.io import check_replaceable
+
+from ..dataset import DATASET_FILES, write_dataset
 from ._common import Converted, DataFormatError
 from .amazon import convert_amazon_s3rec
 from .movielens import convert_grouplens, convert_ml1m
@@ -99,6 +101,7 @@ def prepare(fmt: str, source: str | Path, out: str | Path, *, overwrite: bool = 
         raise DataFormatError(src, "path does not exist", hint=f"point to the {fmt} file or its directory")
     if out.exists() and not overwrite:
         raise ValueError(f"{out} already exists; pass --overwrite to replace it")
+    check_replaceable(out, DATASET_FILES, "recforge dataset")  # before the conversion (minutes), not only when writing
     converted = spec.convert(src)
     return write_dataset(out, converted.events, converted.items, name=converted.name,
                          source=f"{fmt}:{converted.path.resolve()}", overwrite=overwrite, users=converted.users)
