@@ -167,7 +167,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     if not ctx.is_main:
         return {"is_main": False, "train_minutes": state["train_minutes"]}  # rank 0 evaluates and reports
     summary = evaluate_run(run_dir)
-    summary["train_minutes"] = state["train_minutes"]
+    summary.update(train_minutes=state["train_minutes"], stop_reason=state["stop_reason"], stop_message=state["stop_message"])
     return summary
 
 
