@@ -331,10 +331,16 @@ def _global_flags_everywhere(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     command_line = None if argv is None else shlex.join(["recforge", *argv])  # None: this process's own sys.argv
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # key=value overrides after an option (`train CFG --resume train.epochs=5`): argparse leaves them over
+        if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     args.argv, args.command_line = argv, command_line
     args.no_progress = args.no_progress or args.quiet
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("recforge").setLevel(logging.WARNING if args.quiet else logging.NOTSET)
     try:
         args.func(args)
     except ValueError as err:  # user-facing problems: config, data, paths

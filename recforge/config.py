@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from recforge.io import atomic_file
+
 
 class ConfigError(ValueError):
     """One or more configuration problems, all listed in the message."""
@@ -507,4 +509,5 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
 
 
 def save_config(cfg: RunConfig, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    with atomic_file(path) as tmp:
+        tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

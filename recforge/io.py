@@ -1,8 +1,9 @@
 """Atomic file-system writes: every artefact recforge writes appears whole or not at all.
 
-Temporary files and directories are created with the process umask (``tempfile`` would make them
-0600/0700, and the rename would keep that: a serving process under another user, or a container
-running as non-root, could not read a dataset, checkpoint or exported model). Their names carry
+Everything written is given the permissions the process umask allows before it is renamed into
+place (``tempfile`` makes files 0600 and directories 0700, and so do some writers, e.g.
+safetensors: a serving process under another user, or a container running as non-root, could
+not read a dataset, checkpoint or exported model). Temporary names carry
 the host and process id (``.NAME.tmp-HOST-PID-RANDOM``), so the next write to the same target
 removes what a killed writer on this host left behind.
 """
@@ -17,6 +18,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -97,10 +99,40 @@ def _make_temp_file(final: Path) -> Path:
             continue
 
 
-def _fsync_tree(root: Path) -> None:
+def _umask() -> int:
+    try:  # Linux: read it without changing it (os.umask can only be read by setting it, racing other threads)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _allow_umask(path: str | Path, mask: int) -> None:
+    """Give ``path`` the mode a plain ``open``/``mkdir`` would have: 0666 (0777 for directories and
+    executables) minus the umask."""
+    mode = os.stat(path, follow_symlinks=False).st_mode
+    if stat.S_ISLNK(mode):
+        return
+    full = 0o777 if stat.S_ISDIR(mode) or mode & 0o111 else 0o666
+    os.chmod(path, full & ~mask)
+
+
+def _finish_tree(root: Path) -> None:
+    """fsync every file under ``root`` and give everything the umask's permissions."""
+    mask = _umask()
     for dirpath, _, files in os.walk(root):
+        _allow_umask(dirpath, mask)
         for name in files:
-            with open(os.path.join(dirpath, name), "rb") as f:
+            path = os.path.join(dirpath, name)
+            _allow_umask(path, mask)
+            if os.path.islink(path):
+                continue
+            with open(path, "rb") as f:
                 os.fsync(f.fileno())
 
 
@@ -138,7 +170,7 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     tmp = make_temp_dir(final)
     try:
         yield tmp
-        _fsync_tree(tmp)
+        _finish_tree(tmp)
         if final.exists():
             old = _temp_name(final, "old")
             os.replace(final, old)
@@ -166,6 +198,7 @@ def atomic_file(path: Path) -> Iterator[Path]:
     tmp = _make_temp_file(path)
     try:
         yield tmp
+        _allow_umask(tmp, _umask())  # a writer may have replaced the file with a private one
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -53,6 +53,10 @@ def test_every_atomic_write_follows_the_umask(tmp_path: Path, umask_022) -> None
     atomic_write_json(tmp_path / "a.json", {"x": 1})
     with atomic_directory(tmp_path / "d") as tmp:
         (tmp / "inner.bin").write_bytes(b"y")
+        os.close(os.open(tmp / "private.bin", os.O_CREAT | os.O_WRONLY, 0o600))  # as safetensors' save_file does
+        (tmp / "sub").mkdir(mode=0o700)
+    assert stat.S_IMODE((tmp_path / "d" / "private.bin").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "d" / "sub").stat().st_mode) == 0o755
     assert stat.S_IMODE((tmp_path / "f.bin").stat().st_mode) == 0o644
     assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == 0o644
     assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o755

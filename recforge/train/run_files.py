@@ -15,7 +15,7 @@ import torch
 from recforge.checkpoint import (CheckpointMismatchError, CorruptCheckpointError, checkpoint_dirs, load_checkpoint,
                                  resume_candidates)  # fmt: skip
 from recforge.config import RunConfig
-from recforge.io import atomic_write_json
+from recforge.io import atomic_file, atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,8 @@ def truncate_jsonl(path: Path, max_step: int) -> None:
     """Drop log rows written after the checkpoint we resume from (they will be replayed)."""
     if path.is_file():
         rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= max_step]
-        path.write_text("".join(r + "\n" for r in rows))
+        with atomic_file(path) as tmp:
+            tmp.write_text("".join(r + "\n" for r in rows))
 
 
 def format_metrics(metrics: dict, keys: tuple[str, ...] | None = None) -> str:
