@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import time
 
@@ -23,7 +24,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 log = logging.getLogger("recforge.train")
 
 STOP_MESSAGES = {
-    "epochs": "all {epochs} epochs done",
+    "epochs": "all {epochs} epoch(s) done",
     "max_steps": "step budget reached (train.max_steps={max_steps})",
     "max_minutes": "time budget reached (train.max_minutes={max_minutes:g}) during epoch {epoch}/{epochs}",
 }
@@ -35,7 +36,12 @@ def progress_mode(progress: bool, is_main: bool = True) -> str:
         return "off"
     if not progress:
         return "summary"
-    return "bar" if sys.stderr.isatty() else "lines"
+    if not sys.stderr.isatty():
+        return "lines"
+    try:  # a terminal of no width (a pty nobody sized) shows no bar: lines instead
+        return "bar" if os.get_terminal_size(sys.stderr.fileno()).columns > 0 else "lines"
+    except OSError:
+        return "lines"
 
 
 def _duration(seconds: float) -> str:

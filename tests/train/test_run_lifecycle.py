@@ -57,8 +57,8 @@ def test_log_without_a_terminal_has_lines_not_a_bar(tmp_path: Path, data_dir: Pa
     assert "\r" not in proc.stderr
     assert "epoch 1/2  step 1/" in proc.stderr and "tok/s  eta " in proc.stderr
     assert "epoch 1/2 done: step" in proc.stderr and "epoch 2/2 step" in proc.stderr
-    assert "training stopped: all 2 epochs done" in proc.stderr
-    assert "training stopped: all 2 epochs done" in proc.stdout
+    assert "training stopped: all 2 epoch(s) done" in proc.stderr
+    assert "training stopped: all 2 epoch(s) done" in proc.stdout
     record = json.loads((tmp_path / "runs" / "life" / "run.json").read_text())
     assert record["stop_reason"] == "epochs" and record["epochs_completed"] == 2
     assert record["command"].endswith(f"-m recforge.cli train {config}")
