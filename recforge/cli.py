@@ -130,7 +130,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def _failed_run(run_dir: Path, existed: bool, err: BaseException) -> None:
     """After a failed `recforge train`: remove the run directory it created if nothing was written
-    there, else record the failure in ``RUN_DIR/run.json`` (rank 0 only)."""
+    there; if training had started (``run.json`` says ``running``), record the failure there (rank 0)."""
     if int(os.environ.get("RANK", "0")) != 0 or not run_dir.is_dir():
         return
     if not existed and not any(p.is_file() for p in run_dir.rglob("*")):
@@ -138,11 +138,13 @@ def _failed_run(run_dir: Path, existed: bool, err: BaseException) -> None:
         return
     from recforge.train.loop import write_run_record
 
-    reason = "interrupted" if isinstance(err, KeyboardInterrupt) else "error"
     try:
-        write_run_record(run_dir, stop_reason=reason, stop_message=f"{type(err).__name__}: {err}")
-    except OSError:
-        pass  # the disk may be why it failed; the error itself is what the user needs to see
+        record = json.loads((run_dir / "run.json").read_text())
+        if record.get("stop_reason") == "running":  # not a refusal before training (e.g. a run already there)
+            reason = "interrupted" if isinstance(err, KeyboardInterrupt) else "error"
+            write_run_record(run_dir, stop_reason=reason, stop_message=f"{type(err).__name__}: {err}")
+    except (OSError, ValueError):
+        pass  # no record, or the disk is why it failed: the error itself is what the user needs to see
 
 
 def cmd_eval(args: argparse.Namespace) -> None:

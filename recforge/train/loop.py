@@ -143,6 +143,7 @@ def run_loop(
             path.unlink(missing_ok=True)
     if main:
         save_config(cfg, run_dir / "config.yaml")
+        write_run_record(run_dir, stop_reason="running", stop_message="training (or killed while training)", state=state)
     if num_samples == 0:
         raise ValueError("the training split has no samples; check the dataset and the data/ranking settings")
     batch_size, accum = cfg.train.batch_size, cfg.dist.grad_accum
@@ -296,7 +297,8 @@ def run_loop(
 
 
 def write_run_record(run_dir, *, stop_reason: str, stop_message: str, state: dict | None = None) -> None:
-    """``RUN_DIR/run.json``: why the last training session ended, where it got to, and the command that ran it."""
+    """``RUN_DIR/run.json``: why the last training session ended (``running`` while it runs, and after a
+    kill), where it got to, and the command that ran it."""
     record = {"stop_reason": stop_reason, "stop_message": stop_message, "command": invoked_command(),
               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
     if state is not None:

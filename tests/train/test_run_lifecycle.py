@@ -101,6 +101,17 @@ def test_resume_after_changing_the_model_names_the_keys(tmp_path: Path, data_dir
     err = capsys.readouterr().err
     assert "does not fit the model built from the current config" in err and "model.dim=16 (now 32)" in err
     assert yaml.safe_load((tmp_path / "runs" / "life" / "config.yaml").read_text())["model"]["dim"] == 16
+    assert main(["--no-progress", "train", str(config)]) == 2  # refused before training: the record stays
+    assert "already holds a run" in capsys.readouterr().err
+    assert json.loads((tmp_path / "runs" / "life" / "run.json").read_text())["stop_reason"] == "max_steps"
+
+
+def test_a_run_that_fails_while_training_records_the_error(tmp_path: Path, data_dir: Path) -> None:
+    config = _config(tmp_path, data_dir, max_steps=2)
+    with pytest.raises(FloatingPointError):  # a loss that overflows: the loop stops before a checkpoint holds it
+        main(["--no-progress", "train", str(config), "optim.lr=1e30", "loss.temperature=1e-30"])
+    record = json.loads((tmp_path / "runs" / "life" / "run.json").read_text())
+    assert record["stop_reason"] == "error" and "FloatingPointError" in record["stop_message"]
 
 
 def test_resume_skips_a_truncated_checkpoint_and_a_corrupt_pointer(
