@@ -36,9 +36,10 @@ def cmd_prepare(args: argparse.Namespace) -> None:
             raise ValueError(f"format {args.format!r} has no default source; give SOURCE explicitly")
         source = Path(default_data_root()) / DEFAULT_SOURCES[args.format]
         if not source.exists():
+            folder = DEFAULT_SOURCES[args.format]
             raise ValueError(f"no SOURCE given and the default {source} does not exist (the default is "
-                             f"$RECFORGE_DATA/{DEFAULT_SOURCES[args.format]}, else ../shared/data/"
-                             f"{DEFAULT_SOURCES[args.format]} beside the recforge checkout); pass SOURCE or set RECFORGE_DATA")  # fmt: skip
+                             f"$RECFORGE_DATA/{folder}, else shared/data/{folder} beside the recforge checkout); "
+                             "pass SOURCE or set RECFORGE_DATA")  # fmt: skip
     out = prepare(args.format, source, args.out, overwrite=args.overwrite, merge_users=args.merge_users)
     meta = json.loads((Path(out) / "dataset.json").read_text())
     print(f"wrote {out}: {meta['num_users']:,} users, {meta['num_items']:,} items, {meta['num_events']:,} events")
@@ -219,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     p = data.add_parser("prepare", help="convert a public dataset into recforge's Parquet layout")
     p.add_argument("format", help="ml-1m | grouplens | amazon-s3rec | recbole | taobao")
-    p.add_argument("source", nargs="?", help="file or directory (default: $RECFORGE_DATA or ../shared/data, per format)")
+    p.add_argument("source", nargs="?", help="file or directory (default, per format: under $RECFORGE_DATA, else under "
+                   "shared/data beside the recforge checkout)")
     p.add_argument("--out", required=True, help="output dataset directory")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing output directory (refused if it holds files other than a dataset's)")

@@ -202,7 +202,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     if not ctx.is_main:
         return {"train_minutes": state["train_minutes"]}
     summary = evaluate_run(run_dir)
-    summary.update(train_minutes=state["train_minutes"], stop_reason=state["stop_reason"], stop_message=state["stop_message"])
+    summary.update({k: state[k] for k in ("train_minutes", "stop_reason", "stop_message")})
     return summary
 
 
@@ -219,7 +219,8 @@ def evaluate_run(
     run_dir: str | Path, *, checkpoint: str = "auto", split: str = "test", command: str | None = None,
     overrides: list[str] | None = None,
 ) -> dict:  # fmt: skip
-    """Evaluate a trained generative run on the test (or validation) target and write ``eval.json`` (``eval-valid.json`` for the validation split).
+    """Evaluate a trained generative run on the test (or validation) target and write ``eval.json``
+    (``eval-valid.json`` for the validation split).
 
     ``overrides`` change the run's config for this evaluation only, e.g. ``["generative.beam=100",
     "eval.ks=[10,50,100]"]`` (what `recforge eval` runs uses the run's own settings).

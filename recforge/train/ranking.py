@@ -302,7 +302,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     if not ctx.is_main:
         return {"is_main": False, "train_minutes": state["train_minutes"]}  # rank 0 evaluates and reports
     summary = evaluate_run(run_dir)
-    summary.update(train_minutes=state["train_minutes"], stop_reason=state["stop_reason"], stop_message=state["stop_message"])
+    summary.update({k: state[k] for k in ("train_minutes", "stop_reason", "stop_message")})
     return summary
 
 
@@ -351,7 +351,8 @@ def export_model(s: Setup, out_dir: Path, manifest: dict) -> Path:
 
 
 def evaluate_run(run_dir: str | Path, *, checkpoint: str = "auto", split: str = "test", command: str | None = None) -> dict:
-    """Evaluate a trained ranking run, write ``eval.json`` (``eval-valid.json`` for the validation split) and (re)export ``RUN_DIR/model``.
+    """Evaluate a trained ranking run, write ``eval.json`` (``eval-valid.json`` for the validation split)
+    and (re)export ``RUN_DIR/model``.
 
     Args:
         run_dir: directory of a run made by ``train``.

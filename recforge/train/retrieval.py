@@ -167,7 +167,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     if not ctx.is_main:
         return {"is_main": False, "train_minutes": state["train_minutes"]}  # rank 0 evaluates and reports
     summary = evaluate_run(run_dir)
-    summary.update(train_minutes=state["train_minutes"], stop_reason=state["stop_reason"], stop_message=state["stop_message"])
+    summary.update({k: state[k] for k in ("train_minutes", "stop_reason", "stop_message")})
     return summary
 
 
@@ -201,7 +201,8 @@ def _eval_during_training(s: Setup) -> tuple[str, dict[str, float]]:
 def evaluate_run(
     run_dir: str | Path, *, checkpoint: str = "auto", split: str = "test", command: str | None = None
 ) -> dict:
-    """Evaluate a trained run on the test (or validation) target and write ``eval.json`` (``eval-valid.json`` for the validation split).
+    """Evaluate a trained run on the test (or validation) target and write ``eval.json``
+    (``eval-valid.json`` for the validation split).
 
     Args:
         run_dir: directory of a run made by ``train``.

@@ -113,7 +113,8 @@ def prepare(fmt: str, source: str | Path, out: str | Path, *, overwrite: bool = 
         raise ValueError(f"{out} already exists; pass --overwrite to replace it")
     check_replaceable(out, DATASET_FILES, "recforge dataset")  # before the conversion (minutes), not only when writing
     if merge_users and not spec.sequences:
-        raise ValueError(f"--merge-users applies to the sequence formats ({', '.join(f for f, s in FORMATS.items() if s.sequences)}); "
+        sequence_formats = ", ".join(f for f, s in FORMATS.items() if s.sequences)
+        raise ValueError(f"--merge-users applies to the sequence formats ({sequence_formats}); "
                          f"{fmt} orders each user's events by timestamp wherever they are in the file")  # fmt: skip
     converted = spec.convert(src, merge_users=merge_users) if spec.sequences else spec.convert(src)
     return write_dataset(out, converted.events, converted.items, name=converted.name,
