@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -33,6 +35,14 @@ from recforge.sparse.sharded import sharded_tables
 from recforge.sparse.sharded_checkpoint import load_merged, load_sharded_checkpoint
 
 FORMAT_VERSION = 1
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file cannot be read (truncated, overwritten, not JSON): the message names it."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's tensors do not fit the model built from the current config."""
 
 
 def _optimizer_tensors(state: dict) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -99,9 +109,52 @@ def save_checkpoint(
     return ckpt_root / name
 
 
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        payload = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CorruptCheckpointError(f"{path}: cannot read the {what} ({err}); it was damaged after it was written "
+                                     "(recforge replaces it atomically)") from err  # fmt: skip
+    if not isinstance(payload, dict):
+        raise CorruptCheckpointError(f"{path}: the {what} is not a JSON object")
+    return payload
+
+
 def _pointer(ckpt_root: Path, which: str) -> str | None:
     path = ckpt_root / f"{which}.json"
-    return json.loads(path.read_text())["step_dir"] if path.is_file() else None
+    if not path.is_file():
+        return None
+    name = _read_json(path, f"{which}-checkpoint pointer").get("step_dir")
+    if not isinstance(name, str) or not re.fullmatch(r"step_\d+", name):
+        raise CorruptCheckpointError(f"{path}: expected {{\"step_dir\": \"step_NNNNNNNN\"}}, got step_dir={name!r}")
+    return name
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoint directories, newest step first."""
+    ckpt_root = Path(run_dir) / "checkpoints"
+    return sorted((p for p in ckpt_root.glob("step_*") if p.is_dir() and re.fullmatch(r"step_\d+", p.name)), reverse=True)
+
+
+def resume_candidates(run_dir: Path) -> tuple[list[Path], list[str]]:
+    """Checkpoints to resume from, in order of preference: the ``latest`` one, then older ones.
+
+    Returns (candidates, warnings): a damaged or dangling ``latest.json`` is a warning, and the
+    newest checkpoint directory is used instead.
+    """
+    ckpt_root, warnings = Path(run_dir) / "checkpoints", []
+    found = checkpoint_dirs(run_dir)
+    try:
+        latest = _pointer(ckpt_root, "latest")
+    except CorruptCheckpointError as err:
+        warnings.append(f"{err}; using the newest checkpoint directory instead")
+        latest = None
+    if latest is not None and not (ckpt_root / latest).is_dir():
+        warnings.append(f"{ckpt_root / 'latest.json'} points at {latest}, which does not exist; using the newest "
+                        "checkpoint directory instead")  # fmt: skip
+        latest = None
+    first = [ckpt_root / latest] if latest else []
+    return first + [p for p in found if p.name != latest], warnings
 
 
 def _prune(ckpt_root: Path, keep: int) -> None:
@@ -111,7 +164,12 @@ def _prune(ckpt_root: Path, keep: int) -> None:
     for leftover in [*ckpt_root.glob(".sparse-*"), *ckpt_root.glob(".*.tmp-*"), *ckpt_root.glob(".*.old-*")]:
         if leftover.is_dir():
             shutil.rmtree(leftover, ignore_errors=True)
-    protected = {_pointer(ckpt_root, "best"), _pointer(ckpt_root, "latest")}
+    protected = set()
+    for which in ("best", "latest"):
+        try:
+            protected.add(_pointer(ckpt_root, which))
+        except CorruptCheckpointError:  # prune nothing on a damaged pointer: it may have named any of them
+            return
     steps = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
     for old in steps[:-keep]:
         if old.name not in protected:
@@ -130,14 +188,26 @@ def load_checkpoint(
 ) -> dict:
     """Load weights (and optimizer state) from a checkpoint directory; return its manifest."""
     path = Path(path)
+    try:
+        return _load(path, model, optimizer, device)
+    except CorruptCheckpointError as err:
+        others = [p.name for p in checkpoint_dirs(path.parent.parent) if p != path]
+        hint = (f"; this run has other checkpoints ({', '.join(others)}): `recforge eval --checkpoint "
+                f"{path.parent / others[0]}` reads one, and `recforge train ... --resume` falls back to them"
+                if others else "; the run has no other checkpoint to fall back to")  # fmt: skip
+        raise CorruptCheckpointError(f"{err}{hint}") from err
+
+
+def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: str | torch.device) -> dict:
     manifest_path = path / "manifest.json"
     if not manifest_path.is_file():
         raise ValueError(f"{path} is not a recforge checkpoint (no manifest.json)")
-    manifest = json.loads(manifest_path.read_text())
+    manifest = _read_json(manifest_path, "checkpoint manifest")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: checkpoint format {manifest.get('format_version')} is not supported")
-    weights = load_file(path / manifest["files"]["model"], device=str(device))
+    weights = _load_tensors(path / manifest["files"]["model"], device)
     current = model.state_dict()
+    _check_shapes(path, weights, current)
     model.load_state_dict({k: _like(v, current.get(k)) for k, v in weights.items()})
     files = manifest["files"]
     sharded, tables = sharded_tables(model), module_tables(model)
@@ -152,7 +222,7 @@ def load_checkpoint(
     if optimizer is not None:
         if "optimizer" not in manifest["files"]:
             raise ValueError(f"{path} holds no optimizer state; cannot resume training from it")
-        flat = load_file(path / manifest["files"]["optimizer"], device=str(device))
+        flat = _load_tensors(path / manifest["files"]["optimizer"], device)
         state: dict[int, dict] = {}
         for key, value in flat.items():
             _, index, name = key.split(".", 2)
@@ -163,6 +233,25 @@ def load_checkpoint(
         state = {i: {k: v if k == "step" else _like(v, params[i]) for k, v in s.items()} for i, s in state.items()}
         optimizer.load_state_dict({"state": state, "param_groups": manifest["optimizer_param_groups"]})
     return manifest
+
+
+def _load_tensors(path: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path, device=str(device))
+    except (SafetensorError, OSError) as err:
+        raise CorruptCheckpointError(f"{path}: cannot read the checkpoint's tensors ({err}); the file is truncated "
+                                     "or damaged") from err  # fmt: skip
+
+
+def _check_shapes(path: Path, saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor]) -> None:
+    """Raise ``CheckpointMismatchError`` naming the tensors that do not fit (instead of PyTorch's traceback)."""
+    problems = [f"{k}: saved {tuple(v.shape)}, model {tuple(current[k].shape)}"
+                for k, v in saved.items() if k in current and tuple(v.shape) != tuple(current[k].shape)]  # fmt: skip
+    missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
+    problems += [f"{k}: not in the checkpoint" for k in missing[:5]] + [f"{k}: not in the model" for k in unexpected[:5]]
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise CheckpointMismatchError(f"{path} does not fit the model built from the current config ({shown})")
 
 
 def _like(full: torch.Tensor, reference: torch.Tensor | None) -> torch.Tensor:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,7 +35,12 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         if args.format not in DEFAULT_SOURCES:
             raise ValueError(f"format {args.format!r} has no default source; give SOURCE explicitly")
         source = Path(default_data_root()) / DEFAULT_SOURCES[args.format]
-    out = prepare(args.format, source, args.out, overwrite=args.overwrite)
+        if not source.exists():
+            folder = DEFAULT_SOURCES[args.format]
+            raise ValueError(f"no SOURCE given and the default {source} does not exist (the default is "
+                             f"$RECFORGE_DATA/{folder}, else shared/data/{folder} beside the recforge checkout); "
+                             "pass SOURCE or set RECFORGE_DATA")  # fmt: skip
+    out = prepare(args.format, source, args.out, overwrite=args.overwrite, merge_users=args.merge_users)
     meta = json.loads((Path(out) / "dataset.json").read_text())
     print(f"wrote {out}: {meta['num_users']:,} users, {meta['num_items']:,} items, {meta['num_events']:,} events")
 
@@ -110,9 +118,16 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     cfg = load_config(args.config, args.overrides)
     recipe = get_recipe(cfg.recipe)
-    summary = recipe.train(cfg, resume=args.resume, progress=not args.no_progress)
+    existed = cfg.run_dir.exists()
+    try:
+        summary = recipe.train(cfg, resume=args.resume, progress=not args.no_progress)
+    except BaseException as err:
+        _failed_run(cfg.run_dir, existed, err)
+        raise
     if not summary.get("is_main", True):  # a torchrun rank other than 0: rank 0 evaluates and prints
         return
+    if "stop_message" in summary:
+        print(f"training stopped: {summary['stop_message']} ({summary['train_minutes']:.1f} min)")
     if recipe.metrics == "ranking":
         print(f"run {cfg.run_dir}: {summary['split']} split, {int(summary['impressions']):,} impressions, "
               f"checkpoint {summary['checkpoint']}; model slices in {cfg.run_dir / 'model'}")  # fmt: skip
@@ -120,6 +135,25 @@ def cmd_train(args: argparse.Namespace) -> None:
         return
     print(f"run {cfg.run_dir}: {summary['split']} metrics ({summary['protocol']} protocol, checkpoint {summary['checkpoint']})")
     _print_metrics(summary)
+
+
+def _failed_run(run_dir: Path, existed: bool, err: BaseException) -> None:
+    """After a failed `recforge train`: remove the run directory it created if nothing was written
+    there; if training had started (``run.json`` says ``running``), record the failure there (rank 0)."""
+    if int(os.environ.get("RANK", "0")) != 0 or not run_dir.is_dir():
+        return
+    if not existed and not any(p.is_file() for p in run_dir.rglob("*")):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    from recforge.train.loop import write_run_record
+
+    try:
+        record = json.loads((run_dir / "run.json").read_text())
+        if record.get("stop_reason") == "running":  # not a refusal before training (e.g. a run already there)
+            reason = "interrupted" if isinstance(err, KeyboardInterrupt) else "error"
+            write_run_record(run_dir, stop_reason=reason, stop_message=f"{type(err).__name__}: {err}")
+    except (OSError, ValueError):
+        pass  # no record, or the disk is why it failed: the error itself is what the user needs to see
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -130,18 +164,20 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if not config_path.is_file():
         raise ValueError(f"{args.run_dir} is not a recforge run directory (no config.yaml)")
     recipe = get_recipe(load_config(config_path).recipe)
-    command = "recforge " + " ".join(args.argv)
-    result = recipe.evaluate(args.run_dir, checkpoint=args.checkpoint, split=args.split, command=command)
+    from recforge.train.run_files import eval_file
+
+    result = recipe.evaluate(args.run_dir, checkpoint=args.checkpoint, split=args.split, command=args.command_line)
+    written = eval_file(Path(args.run_dir), args.split)
     if recipe.metrics == "ranking":
         print(f"{args.run_dir}: {result['split']} split, {int(result['impressions']):,} impressions, "
               f"checkpoint {result['checkpoint']}")  # fmt: skip
         _print_ranking_metrics(result)
-        print(f"wrote {Path(args.run_dir) / 'eval.json'}")
+        print(f"wrote {written}")
         return
     print(f"{args.run_dir}: {result['split']} split, {result['protocol']} protocol, {result['num_users']:,} users, "
           f"checkpoint {result['checkpoint']}")  # fmt: skip
     _print_metrics(result)
-    print(f"wrote {Path(args.run_dir) / 'eval.json'}")
+    print(f"wrote {written}")
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -231,7 +267,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recforge", description="Train and evaluate generative recommenders.")
-    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    _global_flags(parser, False)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="train a small HSTU on built-in synthetic data and show results")
@@ -243,9 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     p = data.add_parser("prepare", help="convert a public dataset into recforge's Parquet layout")
     p.add_argument("format", help="ml-1m | grouplens | amazon-s3rec | recbole | taobao")
-    p.add_argument("source", nargs="?", help="file or directory (default: $RECFORGE_DATA or ../shared/data, per format)")
+    p.add_argument("source", nargs="?", help="file or directory (default, per format: under $RECFORGE_DATA, else under "
+                   "shared/data beside the recforge checkout)")
     p.add_argument("--out", required=True, help="output dataset directory")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output directory (refused if it holds files other than a dataset's)")
+    p.add_argument("--merge-users", action="store_true",
+                   help="sequence files (ml-1m, amazon-s3rec): join the lines of a user listed more than once, in "
+                        "file order (default: refuse, naming the lines)")
     p.set_defaults(func=cmd_prepare)
 
     p = data.add_parser("synthetic", help="generate the built-in synthetic dataset")
@@ -289,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="evaluate a trained run and write RUN_DIR/eval.json")
     p.add_argument("run_dir")
     p.add_argument("--checkpoint", default="auto", help="auto | best | latest | a checkpoint directory")
-    p.add_argument("--split", default="test", choices=("test", "valid"))
+    p.add_argument("--split", default="test", choices=("test", "valid"),
+                   help="test (writes eval.json) or valid (writes eval-valid.json; refused where the run trained on it)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("serve", help="serve a trained ranking run over HTTP (POST /v1/rank; docs at /docs)",
@@ -309,14 +351,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--formats", default="torch,onnx", help="comma-separated: torch, onnx")
     p.add_argument("--no-check", action="store_true", help="skip running the exported programs against PyTorch")
     p.set_defaults(func=cmd_export)
+    _global_flags_everywhere(parser)
     return parser
 
 
+def _global_flags(parser: argparse.ArgumentParser, default) -> None:
+    parser.add_argument("--no-progress", action="store_true", default=default,
+                        help="no progress bar or progress lines; epoch summaries and evaluations still print")
+    parser.add_argument("--quiet", action="store_true", default=default, help="print warnings, errors and results only")
+
+
+def _global_flags_everywhere(parser: argparse.ArgumentParser) -> None:
+    """Accept the global flags after any (sub)command too: ``recforge train CFG --no-progress``. The
+    subcommands' copies default to SUPPRESS, so they never reset a flag given before the subcommand."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _global_flags(sub, argparse.SUPPRESS)
+                _global_flags_everywhere(sub)
+
+
 def main(argv: list[str] | None = None) -> int:
+    command_line = None if argv is None else shlex.join(["recforge", *argv])  # None: this process's own sys.argv
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
-    args.argv = argv
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # key=value overrides after an option (`train CFG --resume train.epochs=5`): argparse leaves them over
+        if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
+    args.argv, args.command_line = argv, command_line
+    args.no_progress = args.no_progress or args.quiet
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("recforge").setLevel(logging.WARNING if args.quiet else logging.NOTSET)
     try:
         args.func(args)
     except ValueError as err:  # user-facing problems: config, data, paths

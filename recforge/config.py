@@ -10,15 +10,19 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
 import typing
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from recforge.io import atomic_file
 
 
 class ConfigError(ValueError):
@@ -124,6 +128,7 @@ class TrainConfig:
     max_steps: int = 0  # stop after this many steps (0: no limit)
     max_minutes: float = 0.0  # stop after this much wall time (0: no limit)
     log_every: int = 20  # steps between TensorBoard scalars
+    log_seconds: float = 30.0  # without a terminal (CI, nohup, a cluster job's log): seconds between progress lines
     output_dir: str = "runs/{name}"
     threads: int = 0  # torch CPU threads (0: PyTorch's default)
     loader: str = "memory"  # memory: batches built in memory each step | pipeline: streamed from Parquet by the sample engine
@@ -220,10 +225,25 @@ CHOICES = {
 }
 POSITIVE = (
     "data.max_seq_len", "model.dim", "model.num_blocks", "model.num_heads", "model.dqk", "model.dv",
-    "model.ffn_dim", "model.head_hidden", "model.num_experts", "ranking.period_seconds", "ranking.max_targets",
-    "train.epochs", "train.batch_size", "eval.batch_size", "train.keep_checkpoints", "train.log_every",
-    "dist.grad_accum", "dist.timeout_minutes",
+    "model.ffn_dim", "model.head_hidden", "model.num_experts", "model.num_time_buckets", "ranking.period_seconds",
+    "ranking.max_targets", "train.epochs", "train.batch_size", "eval.batch_size", "train.keep_checkpoints",
+    "train.log_every", "train.log_seconds", "dist.grad_accum", "dist.timeout_minutes", "optim.lr", "sparse.lr",
+    "loss.temperature", "generative.decoder_blocks", "generative.beam",
 )  # fmt: skip
+# Keys that may be 0 (the comment says what 0 means), never negative.
+NON_NEGATIVE = {
+    "optim.weight_decay": "", "optim.grad_clip": " (0 turns clipping off)", "optim.warmup_steps": " (0: no warm-up)",
+    "train.seed": "", "train.eval_every": " (0: evaluate only at the end)",
+    "train.checkpoint_every": " (0: a checkpoint at each epoch's end)", "train.max_steps": " (0: no limit)",
+    "train.max_minutes": " (0: no limit)", "train.threads": " (0: PyTorch's default)",
+    "train.token_budget": " (0: train.batch_size rows per batch)", "ranking.listwise_weight": " (0: off)",
+    "sparse.capacity": " (0: catalogue size + 1)", "sparse.max_rows": " (0: no limit)", "sparse.cache_rows": " (0: no cache)",
+    "sparse.eviction_every": " (0: only on capacity pressure)", "sparse.ttl_steps": "",
+}  # fmt: skip
+# Keys bounded on both sides: (low, high, high included).
+INTERVALS = {
+    "optim.min_lr_fraction": (0.0, 1.0, True), "model.dropout": (0.0, 1.0, False), "model.item_tower": (0.0, 1.0, False),
+}  # fmt: skip
 
 
 _INVALID = object()  # marks a value that failed its type check: the field keeps its default
@@ -288,22 +308,27 @@ def validate(cfg: RunConfig) -> list[str]:
     for key, allowed in CHOICES.items():
         if _lookup(cfg, key) not in allowed:
             problems.append(f"{key}: {_lookup(cfg, key)!r} is not one of {allowed}")
-    for key in POSITIVE:
-        if _lookup(cfg, key) <= 0:
-            problems.append(f"{key}: must be > 0, got {_lookup(cfg, key)}")
+    problems += _validate_ranges(cfg)
     if cfg.loss.negatives != "full" and cfg.loss.num_negatives <= 0:
         problems.append("loss.num_negatives: must be > 0 unless loss.negatives=full")
-    if cfg.loss.temperature <= 0:
-        problems.append(f"loss.temperature: must be > 0, got {cfg.loss.temperature}")
-    if cfg.optim.warmup_steps < 0 or not 0.0 <= cfg.optim.min_lr_fraction <= 1.0:
-        problems.append(
-            f"optim.warmup_steps must be >= 0 and optim.min_lr_fraction in [0, 1]; got {cfg.optim.warmup_steps}, "
-            f"{cfg.optim.min_lr_fraction}"
-        )
     if len(cfg.optim.betas) != 2:
         problems.append(f"optim.betas: expected two numbers, got {cfg.optim.betas}")
-    if not 0.0 <= cfg.model.dropout < 1.0:
-        problems.append(f"model.dropout: must be in [0, 1), got {cfg.model.dropout}")
+    elif not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
+        problems.append(f"optim.betas: each must be in [0, 1) (AdamW's moment decay rates), got {cfg.optim.betas}")
+    if cfg.ranking.task_weights and (any(w < 0 for w in cfg.ranking.task_weights) or not any(cfg.ranking.task_weights)):
+        problems.append(f"ranking.task_weights: must be >= 0 and not all 0, got {cfg.ranking.task_weights}")
+    if cfg.sparse.admission == "probability" and not 0.0 < cfg.sparse.admission_threshold <= 1.0:
+        problems.append(f"sparse.admission_threshold: a probability (sparse.admission=probability) must be in (0, 1], "
+                        f"got {cfg.sparse.admission_threshold}")  # fmt: skip
+    elif cfg.sparse.admission == "count" and cfg.sparse.admission_threshold < 1:
+        problems.append(f"sparse.admission_threshold: an occurrence count (sparse.admission=count) must be >= 1, "
+                        f"got {cfg.sparse.admission_threshold}")  # fmt: skip
+    if 0 < cfg.sparse.max_rows < cfg.sparse.capacity:
+        problems.append(f"sparse.max_rows ({cfg.sparse.max_rows}) must be >= sparse.capacity ({cfg.sparse.capacity}) "
+                        "or 0 (no limit)")  # fmt: skip
+    if cfg.optim.schedule != "constant" and cfg.train.max_steps and cfg.optim.warmup_steps >= cfg.train.max_steps:
+        problems.append(f"optim.warmup_steps ({cfg.optim.warmup_steps}) must be < train.max_steps "
+                        f"({cfg.train.max_steps}) for the {cfg.optim.schedule} schedule to decay")  # fmt: skip
     if cfg.model.kind == "sasrec" and cfg.model.dim % cfg.model.num_heads:
         problems.append(f"model.dim {cfg.model.dim} must be divisible by model.num_heads {cfg.model.num_heads} for SASRec")
     if cfg.recipe == "ranking":
@@ -318,13 +343,44 @@ def validate(cfg: RunConfig) -> list[str]:
         problems.append(f"model.kind: {cfg.model.kind} is a ranking baseline; use recipe: ranking (or model.kind hstu/sasrec)")
     if any(k <= 0 for k in cfg.eval.ks):
         problems.append(f"eval.ks: cut-offs must be > 0, got {cfg.eval.ks}")
-    if cfg.train.checkpoint_every < 0 or cfg.train.eval_every < 0 or cfg.train.max_steps < 0:
-        problems.append("train.checkpoint_every, train.eval_every and train.max_steps must be >= 0")
-    if cfg.train.loader_workers < 1 or cfg.train.token_budget < 0 or (cfg.train.loader == "memory" and cfg.train.token_budget):
-        problems.append("train.loader_workers must be >= 1 and train.token_budget >= 0 (> 0 needs train.loader=pipeline)")
+    if cfg.train.loader_workers < 1:
+        problems.append(f"train.loader_workers: must be >= 1, got {cfg.train.loader_workers}")
+    if cfg.train.loader == "memory" and cfg.train.token_budget:
+        problems.append(f"train.token_budget={cfg.train.token_budget} needs train.loader=pipeline (or set it to 0)")
     if not cfg.data.path:
         problems.append("data.path: required (a directory written by `recforge data prepare`)")
     return problems + _validate_dist(cfg)
+
+
+def _numeric_fields(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every int/float field and float list under ``obj``, dataclasses walked."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _numeric_fields(value, f"{prefix}{f.name}.")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield f"{prefix}{f.name}", value
+
+
+def _validate_ranges(cfg: RunConfig) -> list[str]:
+    """Every numeric key finite and in its range (``POSITIVE``, ``NON_NEGATIVE``, ``INTERVALS``)."""
+    problems = []
+    values = dict(_numeric_fields(cfg))
+    for key, value in values.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{key}: must be a finite number, got {value}")
+        elif key in POSITIVE and value <= 0:
+            problems.append(f"{key}: must be > 0, got {value}")
+        elif key in NON_NEGATIVE and value < 0:
+            problems.append(f"{key}: must be >= 0{NON_NEGATIVE[key]}, got {value}")
+        elif key in INTERVALS:
+            low, high, closed = INTERVALS[key]
+            if not (low <= value <= high if closed else low <= value < high):
+                problems.append(f"{key}: must be in [{low:g}, {high:g}{']' if closed else ')'}, got {value}")
+    for key, value in (("optim.betas", cfg.optim.betas), ("ranking.task_weights", cfg.ranking.task_weights)):
+        if any(isinstance(v, float) and not math.isfinite(v) for v in value):
+            problems.append(f"{key}: must be finite numbers, got {value}")
+    return problems
 
 
 def _validate_dist(cfg: RunConfig) -> list[str]:
@@ -361,7 +417,7 @@ def _validate_ranking(cfg: RunConfig) -> list[str]:
     try:
         fraction_check(r.valid_fraction, r.test_fraction)
     except ValueError as err:
-        problems.append(f"ranking.valid_fraction / test_fraction: {err}")
+        problems.append(f"ranking.valid_fraction, ranking.test_fraction: {err}")
     if cfg.model.kind == "sasrec":
         problems.append("model.kind: the ranking recipe supports hstu, dlrm and item")
     binary = [t.name for t in names if t.kind == "binary"]
@@ -391,8 +447,6 @@ def _validate_generative(cfg: RunConfig) -> list[str]:
                         f"(decoder-only HSTU), got {cfg.model.kind!r}")
     if cfg.model.dim % cfg.model.num_heads:
         problems.append(f"model.dim {cfg.model.dim} must be divisible by model.num_heads {cfg.model.num_heads}")
-    if g.decoder_blocks <= 0 or g.beam <= 0:
-        problems.append(f"generative.decoder_blocks and generative.beam must be > 0, got {g.decoder_blocks}, {g.beam}")
     if cfg.eval_ks and max(cfg.eval_ks) > g.beam:
         problems.append(f"eval.ks / eval.select_metric go up to {max(cfg.eval_ks)} but generative.beam is {g.beam}: "
                         "a beam yields one SID each, so larger cut-offs mostly count misses; raise generative.beam "
@@ -455,4 +509,5 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
 
 
 def save_config(cfg: RunConfig, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    with atomic_file(path) as tmp:
+        tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,6 +1,7 @@
 """Every environment variable recforge reads, in one place.
 
-    RECFORGE_DATA                   where real datasets live (default: ``<repo>/../shared/data``)
+    RECFORGE_DATA                   where real datasets live (default: ``shared/data`` beside the recforge checkout,
+                                    i.e. ``<checkout>/../shared/data`` whatever the working directory)
     RECFORGE_TRUSTED_SLICE_MODULES  comma-separated modules whose classes saved models may name
                                     (``recforge.models.slices``)
     RECFORGE_TRITON_LAUNCH_PLANS    0 (or false/off/no): launch every Triton kernel through Triton's own launch path

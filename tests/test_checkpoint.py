@@ -193,3 +193,59 @@ def test_pruning_removes_what_crashed_saves_left(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, step=5, model=model, optimizer=None, manifest={}, keep=2)
     assert not any(path.exists() for path in leftovers)
     assert _step_dirs(tmp_path) == ["step_00000005"]
+
+
+def _two_checkpoints(tmp_path: Path) -> tuple[nn.Module, Path, Path]:
+    model = _model()
+    first = save_checkpoint(tmp_path, step=1, model=model, optimizer=None, manifest={"train_state": {}})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    second = save_checkpoint(tmp_path, step=2, model=model, optimizer=None, manifest={"train_state": {}})
+    return model, first, second
+
+
+def test_checkpoints_follow_the_umask(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        path = save_checkpoint(tmp_path, step=1, model=_model(), optimizer=_optimizer(_model()), manifest={})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+    for name in ("model.safetensors", "optimizer.safetensors", "manifest.json"):
+        assert stat.S_IMODE((path / name).stat().st_mode) == 0o644, name
+    assert stat.S_IMODE((tmp_path / "checkpoints" / "latest.json").stat().st_mode) == 0o644
+
+
+def test_a_truncated_checkpoint_names_the_file_and_the_others(tmp_path: Path) -> None:
+    _, first, second = _two_checkpoints(tmp_path)
+    weights = second / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ckpt_mod.CorruptCheckpointError) as err:
+        load_checkpoint(second, _model())
+    assert str(weights) in str(err.value) and first.name in str(err.value)
+    candidates, warnings = ckpt_mod.resume_candidates(tmp_path)
+    assert candidates == [second, first] and warnings == []
+
+
+def test_a_corrupt_latest_pointer_is_named_and_resume_falls_back(tmp_path: Path) -> None:
+    _, first, second = _two_checkpoints(tmp_path)
+    pointer = tmp_path / "checkpoints" / "latest.json"
+    pointer.write_text('{"step_dir": "step_000')
+    with pytest.raises(ckpt_mod.CorruptCheckpointError, match=str(pointer)):
+        find_checkpoint(tmp_path)
+    candidates, warnings = ckpt_mod.resume_candidates(tmp_path)
+    assert candidates == [second, first] and len(warnings) == 1 and str(pointer) in warnings[0]
+    pointer.write_text('{"step_dir": "step_00000099"}')  # dangling
+    candidates, warnings = ckpt_mod.resume_candidates(tmp_path)
+    assert candidates == [second, first] and "does not exist" in warnings[0]
+
+
+def test_a_checkpoint_of_another_shape_names_the_tensors(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, step=1, model=_model(), optimizer=None, manifest={})
+    wider = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    with pytest.raises(ckpt_mod.CheckpointMismatchError, match=r"0\.weight: saved \(8, 6\), model \(16, 6\)"):
+        load_checkpoint(path, wider)

@@ -115,7 +115,7 @@ def test_train_then_eval(tmp_path: Path, synthetic_dir: Path, capsys: pytest.Cap
     capsys.readouterr()
 
     # `recforge eval RUN_DIR`, as the console script runs it (sys.argv holds the command line)
-    monkeypatch.setattr(sys, "argv", ["recforge", "eval", str(run_dir), "--split", "valid"])
+    monkeypatch.setattr(sys, "argv", ["recforge", "eval", str(run_dir), "--checkpoint", "latest"])
     assert main() == 0
     stdout = capsys.readouterr().out
     assert f"wrote {run_dir / 'eval.json'}" in stdout
@@ -123,8 +123,8 @@ def test_train_then_eval(tmp_path: Path, synthetic_dir: Path, capsys: pytest.Cap
     for key in ("hr@10", "ndcg@10", "mrr", "command", "split", "protocol", "model", "dataset", "checkpoint", "num_users"):
         assert key in result, key
     assert 0.0 <= result["hr@10"] <= 1.0 and 0.0 <= result["ndcg@10"] <= result["hr@10"]
-    assert result["split"] == "valid" and result["protocol"] == "paper" and result["model"] == "hstu"
-    assert result["command"] == f"recforge eval {run_dir} --split valid"
+    assert result["split"] == "test" and result["protocol"] == "paper" and result["model"] == "hstu"
+    assert result["command"] == f"recforge eval {run_dir} --checkpoint latest"
 
 
 def test_train_and_eval_errors(tmp_path: Path, synthetic_dir: Path, capsys: pytest.CaptureFixture) -> None:
@@ -139,6 +139,7 @@ def test_train_and_eval_errors(tmp_path: Path, synthetic_dir: Path, capsys: pyte
     missing_data = _config_file(tmp_path, tmp_path / "no-data")
     assert main(["train", str(missing_data)]) == 2
     assert "recforge data prepare" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "cli-tiny").exists()  # a failed run leaves no empty run directory
 
 
 def test_eval_records_the_argv_given_to_main(tmp_path: Path, synthetic_dir: Path, capsys: pytest.CaptureFixture) -> None:

@@ -241,3 +241,64 @@ def test_every_shipped_config_loads() -> None:
 def test_shipped_config_accepts_overrides(path: Path) -> None:
     cfg = load_config(path, ["train.epochs=1", "data.path=elsewhere"])
     assert cfg.train.epochs == 1 and cfg.data.path == "elsewhere"
+
+
+# --------------------------------------------------------------------------- ranges of every numeric key
+
+# One nonsensical value per numeric key of the training sections, and the words the refusal must contain.
+BAD_VALUES = {
+    "data.max_seq_len": (0, "> 0"), "model.dim": (-8, "> 0"), "model.num_blocks": (0, "> 0"),
+    "model.num_heads": (0, "> 0"), "model.dqk": (0, "> 0"), "model.dv": (0, "> 0"), "model.ffn_dim": (0, "> 0"),
+    "model.dropout": (1.5, "[0, 1)"), "model.num_time_buckets": (0, "> 0"), "model.head_hidden": (0, "> 0"),
+    "model.num_experts": (0, "> 0"), "model.item_tower": (-0.5, "[0, 1)"),
+    "ranking.period_seconds": (0, "> 0"), "ranking.max_targets": (0, "> 0"), "ranking.valid_fraction": (-0.1, "valid"),
+    "ranking.test_fraction": (0.0, "test"), "ranking.listwise_weight": (-1.0, ">= 0"),
+    "sparse.lr": (0.0, "> 0"), "sparse.capacity": (-1, ">= 0"), "sparse.max_rows": (-1, ">= 0"),
+    "sparse.cache_rows": (-5, ">= 0"), "sparse.admission_threshold": (0.5, ">= 1"), "sparse.eviction_every": (-1, ">= 0"),
+    "sparse.ttl_steps": (-1, ">= 0"),
+    "loss.num_negatives": (0, "> 0"), "loss.temperature": (0.0, "> 0"),
+    "optim.lr": (0.0, "> 0"), "optim.weight_decay": (-0.1, ">= 0"), "optim.grad_clip": (-5.0, "clipping off"),
+    "optim.warmup_steps": (-1, ">= 0"), "optim.min_lr_fraction": (1.5, "[0, 1]"),
+    "train.epochs": (0, "> 0"), "train.batch_size": (0, "> 0"), "train.seed": (-1, ">= 0"),
+    "train.eval_every": (-1, ">= 0"), "train.checkpoint_every": (-1, ">= 0"), "train.keep_checkpoints": (0, "> 0"),
+    "train.max_steps": (-1, ">= 0"), "train.max_minutes": (-1.0, "no limit"), "train.log_every": (0, "> 0"),
+    "train.log_seconds": (0.0, "> 0"), "train.threads": (-2, ">= 0"), "train.loader_workers": (0, ">= 1"),
+    "train.token_budget": (-1, ">= 0"), "dist.grad_accum": (0, "> 0"), "dist.timeout_minutes": (0.0, "> 0"),
+    "eval.batch_size": (0, "> 0"), "generative.decoder_blocks": (0, "> 0"), "generative.beam": (0, "> 0"),
+}  # fmt: skip
+TRAINING_SECTIONS = ("data", "ranking", "model", "sparse", "loss", "optim", "train", "dist", "eval", "generative")
+
+
+def test_every_numeric_training_key_has_a_range_check() -> None:
+    from recforge.config import _numeric_fields
+
+    keys = {k for k, _ in _numeric_fields(RunConfig()) if k.split(".")[0] in TRAINING_SECTIONS}
+    assert keys == set(BAD_VALUES), f"give these keys a range in config.py and a bad value here: {keys ^ set(BAD_VALUES)}"
+
+
+@pytest.mark.parametrize("key", sorted(BAD_VALUES))
+def test_nonsensical_values_are_refused_naming_the_key_and_range(key: str) -> None:
+    value, words = BAD_VALUES[key]
+    extra = {"recipe": "ranking", "ranking": {"tasks": ["like:rating>=4"]}, "eval": {"select_metric": "like/auc"}} \
+        if key.startswith("ranking.") else {}  # fmt: skip
+    if key == "sparse.admission_threshold":
+        extra = {"sparse": {"admission": "count"}}
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"data": {"path": "d"}, **extra}, [f"{key}={value}"])
+    problems = [p for p in _problems(err) if key in p]
+    assert problems and words in problems[0], _problems(err)
+
+
+@pytest.mark.parametrize("override", ["optim.lr=.nan", "optim.grad_clip=.inf", "train.max_minutes=-.inf", "optim.betas=[0.9, .nan]"])
+def test_non_finite_numbers_are_refused(override: str) -> None:
+    with pytest.raises(ConfigError, match=override.split("=")[0] + ": must be"):
+        config_from_dict({"data": {"path": "d"}}, [override])
+
+
+def test_cross_field_rules() -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"data": {"path": "d"}}, ["sparse.capacity=100", "sparse.max_rows=10", "optim.betas=[0.9, 1.2]",
+                                                   "optim.schedule=cosine", "optim.warmup_steps=50", "train.max_steps=20"])
+    text = str(err.value)
+    assert "sparse.max_rows (10) must be >= sparse.capacity (100)" in text
+    assert "optim.betas: each must be in [0, 1)" in text and "optim.warmup_steps (50) must be < train.max_steps (20)" in text

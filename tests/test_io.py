@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from recforge.io import atomic_directory, atomic_file, atomic_write_json
+from recforge.io import _host, atomic_directory, atomic_file, atomic_write_json, check_replaceable, clean_stale_temporaries
 
 
 def test_atomic_file_replaces_on_success_and_keeps_the_old_file_on_failure(tmp_path: Path) -> None:
@@ -33,3 +37,72 @@ def test_atomic_write_json_and_directory(tmp_path: Path) -> None:
     with atomic_directory(tmp_path / "d") as tmp:
         (tmp / "f").write_text("whole")
     assert (tmp_path / "d" / "f").read_text() == "whole"
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_every_atomic_write_follows_the_umask(tmp_path: Path, umask_022) -> None:
+    """tempfile makes 0600 files and 0700 directories; the renamed artefact must be readable by others."""
+    with atomic_file(tmp_path / "f.bin") as tmp:
+        tmp.write_bytes(b"x")
+    atomic_write_json(tmp_path / "a.json", {"x": 1})
+    with atomic_directory(tmp_path / "d") as tmp:
+        (tmp / "inner.bin").write_bytes(b"y")
+        os.close(os.open(tmp / "private.bin", os.O_CREAT | os.O_WRONLY, 0o600))  # as safetensors' save_file does
+        (tmp / "sub").mkdir(mode=0o700)
+    assert stat.S_IMODE((tmp_path / "d" / "private.bin").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "d" / "sub").stat().st_mode) == 0o755
+    assert stat.S_IMODE((tmp_path / "f.bin").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o755
+    assert stat.S_IMODE((tmp_path / "d" / "inner.bin").stat().st_mode) == 0o644
+    os.umask(0o077)
+    atomic_write_json(tmp_path / "private.json", {"x": 1})
+    assert stat.S_IMODE((tmp_path / "private.json").stat().st_mode) == 0o600
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_temporaries_of_a_killed_writer_are_cleaned(tmp_path: Path) -> None:
+    host, pid = _host(), _dead_pid()
+    stale = tmp_path / f".d.tmp-{host}-{pid}-0abc1234"
+    stale.mkdir()
+    (stale / "half.parquet").write_bytes(b"partial")
+    alive = tmp_path / f".d.tmp-{host}-{os.getppid()}-0abc1234"  # a live writer's: kept
+    alive.mkdir()
+    other_host = tmp_path / f".d.tmp-elsewhere-{pid}-0abc1234"  # another host's (shared file system): kept
+    other_host.mkdir()
+    with atomic_directory(tmp_path / "d") as tmp:
+        (tmp / "f").write_text("whole")
+    assert not stale.exists() and alive.exists() and other_host.exists()
+    file_left = tmp_path / f".x.json.tmp-{host}-{pid}-0abc1234"
+    file_left.write_text("{")
+    atomic_write_json(tmp_path / "x.json", {"a": 1})
+    assert not file_left.exists()
+
+
+def test_an_old_copy_aside_is_restored_when_the_writer_died_between_renames(tmp_path: Path) -> None:
+    old = tmp_path / f".d.old-{_host()}-{_dead_pid()}-0abc1234"
+    old.mkdir()
+    (old / "f").write_text("previous")
+    clean_stale_temporaries(tmp_path / "d")
+    assert (tmp_path / "d" / "f").read_text() == "previous" and not old.exists()
+
+
+def test_check_replaceable_refuses_foreign_files(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "events.parquet").write_bytes(b"")
+    check_replaceable(out, ["events.parquet"], "dataset")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"notes\.txt.*move them"):
+        check_replaceable(out, ["events.parquet"], "dataset")

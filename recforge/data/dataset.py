@@ -38,13 +38,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from recforge.io import atomic_directory, atomic_write_json
+from recforge.io import atomic_directory, atomic_write_json, check_replaceable
 
 FORMAT_VERSION = 1
 EVENTS_FILE = "events.parquet"
 ITEMS_FILE = "items.parquet"
 USERS_FILE = "users.parquet"
 META_FILE = "dataset.json"
+DATASET_FILES = (EVENTS_FILE, ITEMS_FILE, USERS_FILE, META_FILE)  # what write_dataset puts in a dataset directory
 REQUIRED_EVENT_COLUMNS = {"user_id": pa.int64(), "item_id": pa.int64(), "timestamp": pa.int64()}
 
 
@@ -108,7 +109,8 @@ def write_dataset(
         items: optional items table with an int64 ``item_id`` column.
         name: short dataset name recorded in ``dataset.json``.
         source: where the data came from (path or generator description).
-        overwrite: replace an existing dataset directory.
+        overwrite: replace an existing dataset directory (refused when it holds other files than a
+            dataset's: they would be deleted with it).
         users: optional users table with an int64 ``user_id`` column.
 
     Returns:
@@ -117,6 +119,7 @@ def write_dataset(
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise ValueError(f"{out} already exists; pass --overwrite to replace it")
+    check_replaceable(out, DATASET_FILES, "recforge dataset")
     validate_events(events)
     if items is not None and ("item_id" not in items.column_names or items.schema.field("item_id").type != pa.int64()):
         raise ValueError("items table needs an int64 'item_id' column")

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from recforge.io import atomic_directory
+from recforge.io import atomic_directory, check_replaceable
 
 SIDS_FILE, TOKENIZER_FILE, FEATURIZER_FILE, META_FILE = "sids.parquet", "tokenizer.safetensors", "featurizer.safetensors", "sid.json"
 
@@ -69,6 +69,7 @@ def write_sid_dir(
     out = Path(out)
     if out.exists() and not overwrite:
         raise ValueError(f"{out} already exists; pass --overwrite to replace it")
+    check_replaceable(out, (SIDS_FILE, TOKENIZER_FILE, FEATURIZER_FILE, META_FILE), "SID directory")
     with atomic_directory(out) as tmp:
         sid = pa.FixedSizeListArray.from_arrays(pa.array(codes.to(torch.int32).flatten().numpy()), codes.shape[1])
         pq.write_table(pa.table({"item_id": pa.array(item_ids, pa.int64()), "sid": sid}), tmp / SIDS_FILE)

@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -41,7 +40,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from recforge.io import atomic_file, atomic_write_json
+from recforge.io import atomic_file, atomic_write_json, make_temp_dir
 from recforge.sparse.checkpoint import FORMAT_VERSION as SINGLE_FORMAT_VERSION
 from recforge.sparse.checkpoint import load_table_state, save_sparse_checkpoint, table_state
 from recforge.sparse.optim import SparseOptimConfig
@@ -80,7 +79,7 @@ def save_sharded_checkpoint(path: str | Path, tables: dict[str, ShardedDynamicEm
     tmp_box = [None]
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp_box[0] = tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+        tmp_box[0] = str(make_temp_dir(path))  # the umask applies (tempfile.mkdtemp would make it owner-only)
     if collective:
         dist.broadcast_object_list(tmp_box, src=dist.get_global_rank(group, 0), group=group)
     tmp = Path(tmp_box[0])

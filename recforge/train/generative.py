@@ -21,7 +21,6 @@ in that list. A target outside the list is a miss; MRR is therefore a lower boun
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from recforge.models.sid_seq2seq import SIDSeq2Seq
 from recforge.train.distributed import DistContext, init_distributed
 from recforge.train.loop import prepare_run_dir, run_loop
 from recforge.train.metrics import retrieval_metrics
+from recforge.train.run_files import check_eval_split, invoked_command, write_eval
 from recforge.train.runtime import prepare_runtime
 from recforge.train.step import StepRunner
 
@@ -202,7 +202,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     if not ctx.is_main:
         return {"train_minutes": state["train_minutes"]}
     summary = evaluate_run(run_dir)
-    summary["train_minutes"] = state["train_minutes"]
+    summary.update({k: state[k] for k in ("train_minutes", "stop_reason", "stop_message")})
     return summary
 
 
@@ -219,14 +219,14 @@ def evaluate_run(
     run_dir: str | Path, *, checkpoint: str = "auto", split: str = "test", command: str | None = None,
     overrides: list[str] | None = None,
 ) -> dict:  # fmt: skip
-    """Evaluate a trained generative run on the test (or validation) target and write ``eval.json``.
+    """Evaluate a trained generative run on the test (or validation) target and write ``eval.json``
+    (``eval-valid.json`` for the validation split).
 
     ``overrides`` change the run's config for this evaluation only, e.g. ``["generative.beam=100",
     "eval.ks=[10,50,100]"]`` (what `recforge eval` runs uses the run's own settings).
     """
-    if split not in ("test", "valid"):
-        raise ValueError(f"split={split!r}: expected test or valid")
     s, ckpt, manifest = load_run(run_dir, checkpoint, overrides)
+    check_eval_split(s.cfg, split)
     started = time.perf_counter()
     metrics = _evaluate(s, target_from_end=1 if split == "test" else 2)
     result = {
@@ -234,7 +234,7 @@ def evaluate_run(
         "dataset": Path(s.cfg.data.path).name, "checkpoint": ckpt.name, "step": manifest["step"],
         "beam": s.cfg.generative.beam, "sids": read_sids(Path(run_dir) / "sids").meta["source"],
         "eval_seconds": time.perf_counter() - started,
-        "command": command or f"recforge.train.generative.evaluate_run({str(run_dir)!r})",
+        "command": command or invoked_command(),
     }  # fmt: skip
-    (Path(run_dir) / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_eval(run_dir, split, result)
     return result

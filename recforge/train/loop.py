@@ -28,15 +28,17 @@ from typing import Any, Protocol
 
 import torch
 from torch.utils.tensorboard import SummaryWriter
-from tqdm import tqdm
 
-from recforge.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from recforge.checkpoint import save_checkpoint
 from recforge.config import RunConfig, save_config
+from recforge.io import atomic_write_json
 from recforge.sparse.sharded import sharded_tables
 from recforge.sparse.sharded_checkpoint import save_sharded_checkpoint
 from recforge.train.distributed import DistContext, any_rank, full_dense_state, merged_data_state
 from recforge.train.inputs import StepInputs
-from recforge.train.run_files import append_jsonl, format_metrics, prepare_run_dir, truncate_jsonl
+from recforge.train.progress import STOP_MESSAGES, Progress, progress_mode
+from recforge.train.run_files import (append_jsonl, format_metrics, invoked_command, load_for_resume, prepare_run_dir,
+                                      truncate_jsonl)  # fmt: skip
 
 __all__ = ["BatchSource", "lr_at", "prepare_run_dir", "run_loop", "run_lr_scale"]
 
@@ -122,14 +124,12 @@ def run_loop(
         raise ValueError("run_loop needs exactly one of num_samples (memory loader) or source (a BatchSource)")
     ctx = ctx or DistContext()
     main = ctx.is_main
-    progress = progress and main
     run_dir = cfg.run_dir
     steps_log, evals_log = run_dir / "train_log.jsonl", run_dir / "evals.jsonl"
     state = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "best_value": None}
     data_state = None  # the source's state to resume from (used by the first epoch that runs)
     if resume:
-        ckpt = find_checkpoint(run_dir)
-        saved = load_checkpoint(ckpt, model, optimizer, device)
+        ckpt, saved = load_for_resume(cfg, model, optimizer, device)
         state.update(saved["train_state"])
         data_state = saved.get("data_state")
         if (data_state is None) != (source is None):
@@ -143,6 +143,7 @@ def run_loop(
             path.unlink(missing_ok=True)
     if main:
         save_config(cfg, run_dir / "config.yaml")
+        write_run_record(run_dir, stop_reason="running", stop_message="training (or killed while training)", state=state)
     if num_samples == 0:
         raise ValueError("the training split has no samples; check the dataset and the data/ranking settings")
     batch_size, accum = cfg.train.batch_size, cfg.dist.grad_accum
@@ -153,6 +154,9 @@ def run_loop(
     writer = SummaryWriter(str(run_dir / "tb")) if main else None
     started = time.monotonic()
     stop = False
+    stop_reason = "epochs"
+    report = Progress(progress_mode(progress, main), epochs=cfg.train.epochs, total_steps=total_steps,
+                      log_seconds=cfg.train.log_seconds, max_minutes=cfg.train.max_minutes)  # fmt: skip
     trained_state: dict | None = None  # the source's state after the last step trained (prefetch runs ahead)
 
     def checkpoint(best: bool = False) -> None:
@@ -199,8 +203,7 @@ def run_loop(
                 if isinstance(value, float):
                     writer.add_scalar(f"{split}/{key}", value, state["global_step"])
             append_jsonl(evals_log, {"step": state["global_step"], "epoch": state["epoch"], "split": split, **metrics})
-        if progress:
-            tqdm.write(f"epoch {state['epoch']} step {state['global_step']} {split}: " + format_metrics(metrics, show_keys))
+        report.evaluation(state["global_step"], state["epoch"], split, format_metrics(metrics, show_keys))
         value = metrics[cfg.eval.select_metric]
         is_best = state["best_value"] is None or value > state["best_value"]
         if is_best:
@@ -214,10 +217,7 @@ def run_loop(
         inputs = StepInputs(raw_steps(epoch), build=build, device=device, snapshot=snapshot, prefetch=cfg.dist.pipeline)
         if lookahead is not None and cfg.dist.pipeline:
             lookahead(inputs.peek)  # the step may start the next step's input distribution early
-        bar = tqdm(
-            total=steps_per_epoch, initial=state["step_in_epoch"], desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
-            disable=not progress, leave=False, dynamic_ncols=True,
-        )  # fmt: skip
+        report.start_epoch(epoch, steps_per_epoch, state["step_in_epoch"], state["global_step"])
         exhausted = False
         try:
             while True:
@@ -256,18 +256,17 @@ def run_loop(
                     writer.add_scalar("train/tokens_per_s", tokens_per_s, state["global_step"])
                     writer.add_scalar("train/data_wait_s", data_wait_s, state["global_step"])
                     writer.add_scalar("train/lr", lr, state["global_step"])
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
-                out_of_budget = (cfg.train.max_steps and state["global_step"] >= cfg.train.max_steps) or (
-                    cfg.train.max_minutes and any_rank(ctx, time.monotonic() - started >= cfg.train.max_minutes * 60)
-                )
-                if out_of_budget:
-                    stop = True
+                report.step(state["global_step"], state["step_in_epoch"], loss, result.tokens, tokens_per_s)
+                if cfg.train.max_steps and state["global_step"] >= cfg.train.max_steps:
+                    stop, stop_reason = True, "max_steps"
+                elif cfg.train.max_minutes and any_rank(ctx, time.monotonic() - started >= cfg.train.max_minutes * 60):
+                    stop, stop_reason = True, "max_minutes"
+                if stop:
                     break
                 if cfg.train.checkpoint_every and state["global_step"] % cfg.train.checkpoint_every == 0:
                     checkpoint()
         finally:  # also on an exception: no prefetch or read-ahead thread outlives the loop
-            bar.close()
+            report.close()
             if lookahead is not None:
                 lookahead(None)
             inputs.close()  # rows prefetched but not trained stay unconsumed in the saved state
@@ -275,6 +274,7 @@ def run_loop(
         if exhausted or (source is None and state["step_in_epoch"] >= steps_per_epoch):
             state["epoch"] += 1
             state["step_in_epoch"] = 0
+        report.end_epoch(state["global_step"], completed=state["step_in_epoch"] == 0)
         finished = stop or state["epoch"] >= cfg.train.epochs
         due = cfg.train.eval_every and state["epoch"] % cfg.train.eval_every == 0
         best = False
@@ -285,6 +285,24 @@ def run_loop(
         checkpoint(best=best)
     if writer is not None:
         writer.close()
+    if stop and state["epoch"] >= cfg.train.epochs:  # the budget ran out on the very last step
+        stop_reason = "epochs"
+    message = STOP_MESSAGES[stop_reason].format(epochs=cfg.train.epochs, max_steps=cfg.train.max_steps,
+                                                max_minutes=cfg.train.max_minutes, epoch=state["epoch"] + 1)  # fmt: skip
+    report.stopped(stop_reason, message)
     state["train_minutes"] = (time.monotonic() - started) / 60
-    return state
+    if main:
+        write_run_record(run_dir, stop_reason=stop_reason, stop_message=message, state=state)
+    return {**state, "stop_reason": stop_reason, "stop_message": message}
+
+
+def write_run_record(run_dir, *, stop_reason: str, stop_message: str, state: dict | None = None) -> None:
+    """``RUN_DIR/run.json``: why the last training session ended (``running`` while it runs, and after a
+    kill), where it got to, and the command that ran it."""
+    record = {"stop_reason": stop_reason, "stop_message": stop_message, "command": invoked_command(),
+              "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
+    if state is not None:
+        record.update({"epochs_completed": state["epoch"], "global_step": state["global_step"],
+                       "train_minutes": round(state.get("train_minutes", 0.0), 4)})  # fmt: skip
+    atomic_write_json(run_dir / "run.json", record)
 

@@ -24,7 +24,6 @@ and ``train.token_budget`` > 0 cuts batches by tokens with a label-weighted loss
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +60,7 @@ from recforge.sparse import SparseOptimizer
 from recforge.train.distributed import DistContext, even_batches, init_distributed, shard_dynamic_tables, shard_source, split_budget
 from recforge.train.loop import prepare_run_dir, run_loop, run_lr_scale
 from recforge.train.metrics import auc, gauc
+from recforge.train.run_files import check_eval_split, invoked_command, write_eval
 from recforge.train.runtime import prepare_runtime
 from recforge.train.step import StepResult, StepRunner
 
@@ -302,7 +302,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     if not ctx.is_main:
         return {"is_main": False, "train_minutes": state["train_minutes"]}  # rank 0 evaluates and reports
     summary = evaluate_run(run_dir)
-    summary["train_minutes"] = state["train_minutes"]
+    summary.update({k: state[k] for k in ("train_minutes", "stop_reason", "stop_message")})
     return summary
 
 
@@ -351,7 +351,8 @@ def export_model(s: Setup, out_dir: Path, manifest: dict) -> Path:
 
 
 def evaluate_run(run_dir: str | Path, *, checkpoint: str = "auto", split: str = "test", command: str | None = None) -> dict:
-    """Evaluate a trained ranking run, write ``eval.json`` and (re)export ``RUN_DIR/model``.
+    """Evaluate a trained ranking run, write ``eval.json`` (``eval-valid.json`` for the validation split)
+    and (re)export ``RUN_DIR/model``.
 
     Args:
         run_dir: directory of a run made by ``train``.
@@ -364,8 +365,7 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str = "auto", split: str = 
     if not (run_dir / "config.yaml").is_file():
         raise ValueError(f"{run_dir} is not a recforge run directory (no config.yaml)")
     cfg = load_config(run_dir / "config.yaml")
-    if split not in ("test", "valid"):
-        raise ValueError(f"split={split!r}: expected test or valid")
+    check_eval_split(cfg, split)
     which = ("latest" if cfg.ranking.refit else "best") if checkpoint == "auto" else checkpoint
     ckpt = find_checkpoint(run_dir, which) if which in ("best", "latest") else Path(checkpoint)
     if ckpt is None:
@@ -385,9 +385,9 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str = "auto", split: str = 
         "checkpoint": ckpt.name,
         "step": manifest["step"],
         "eval_seconds": time.perf_counter() - started,
-        "command": command or f"recforge.train.ranking.evaluate_run({str(run_dir)!r})",
+        "command": command or invoked_command(),
     }
     if checkpoint in ("auto", "best"):
         export_model(s, run_dir / "model", manifest)
-    (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_eval(run_dir, split, result)
     return result

@@ -16,7 +16,6 @@ resumed run then trains each sample exactly once per epoch (in a new order), and
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from recforge.train.distributed import DistContext, init_distributed, shard_dyna
 from recforge.train.evaluate import evaluate_ranking, model_scorer
 from recforge.train.loop import prepare_run_dir, run_loop, run_lr_scale
 from recforge.train.losses import sampled_softmax_loss
+from recforge.train.run_files import check_eval_split, invoked_command, write_eval
 from recforge.train.runtime import prepare_runtime
 from recforge.train.step import StepResult, StepRunner
 
@@ -167,7 +167,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     if not ctx.is_main:
         return {"is_main": False, "train_minutes": state["train_minutes"]}  # rank 0 evaluates and reports
     summary = evaluate_run(run_dir)
-    summary["train_minutes"] = state["train_minutes"]
+    summary.update({k: state[k] for k in ("train_minutes", "stop_reason", "stop_message")})
     return summary
 
 
@@ -201,7 +201,8 @@ def _eval_during_training(s: Setup) -> tuple[str, dict[str, float]]:
 def evaluate_run(
     run_dir: str | Path, *, checkpoint: str = "auto", split: str = "test", command: str | None = None
 ) -> dict:
-    """Evaluate a trained run on the test (or validation) target and write ``eval.json``.
+    """Evaluate a trained run on the test (or validation) target and write ``eval.json``
+    (``eval-valid.json`` for the validation split).
 
     Args:
         run_dir: directory of a run made by ``train``.
@@ -214,8 +215,7 @@ def evaluate_run(
     if not (run_dir / "config.yaml").is_file():
         raise ValueError(f"{run_dir} is not a recforge run directory (no config.yaml)")
     cfg = load_config(run_dir / "config.yaml")
-    if split not in ("test", "valid"):
-        raise ValueError(f"split={split!r}: expected test or valid")
+    check_eval_split(cfg, split)
     if checkpoint == "auto":
         checkpoint = "best" if cfg.data.protocol == "clean" else "latest"
     ckpt = find_checkpoint(run_dir, checkpoint) if checkpoint in ("best", "latest") else Path(checkpoint)
@@ -234,7 +234,7 @@ def evaluate_run(
         "checkpoint": ckpt.name,
         "step": manifest["step"],
         "eval_seconds": time.perf_counter() - started,
-        "command": command or f"recforge.train.retrieval.evaluate_run({str(run_dir)!r})",
+        "command": command or invoked_command(),
     }
-    (run_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_eval(run_dir, split, result)
     return result

@@ -282,6 +282,35 @@ BAD_INPUTS = {
                                            "d/x.item": "item_id:token\ttitle:token\n2\tA\n\n3\tB\n2\tC\n"},
                                "d", ["x.item", "line 5", "item 2 is listed twice"]),
     "taobao-tabs": ("taobao", {"u.csv": "1\t2\t3\tpv\t4\n"}, "u.csv", ["u.csv", "line 1", "tabs"]),
+    # the same user on two lines of a sequence file (no timestamps to order them): refused by default
+    "ml1m-user-twice": ("ml-1m", {"s.txt": "1 2 3\n2 4\n1 5 6\n"}, "s.txt",
+                        ["s.txt", "line 3", "user 1 is listed twice (lines 1 and 3)", "--merge-users"]),
+    "amazon-user-twice": ("amazon-s3rec", {"d/A.txt": "7 2\n7 3\n"}, "d", ["A.txt", "line 2", "user 7 is listed twice"]),
+    # another dataset's attributes file in the folder is not joined
+    "amazon-foreign-attributes": ("amazon-s3rec", {"d/Beauty.txt": "1 2\n", "d/Sports_item2attributes.json": '{"2": [1]}'},
+                                  "d", ["Sports_item2attributes.json", "another dataset than Beauty.txt",
+                                        "Beauty_item2attributes.json"]),
+    # negative IDs are reported as negative, with the line
+    "ml1m-negative-user": ("ml-1m", {"s.txt": "1 2 3\n-4 5 6\n"}, "s.txt", ["s.txt", "line 2", "user ID -4 is negative"]),
+    "ml1m-negative-item": ("ml-1m", {"s.txt": "1 2 -3\n"}, "s.txt", ["line 1", "item ID -3 is negative"]),
+    "movies-negative": ("ml-1m", {"d/ml-1m_user_sequences.txt": "1 2\n", "d/movies.dat": "2::A::Drama\n-3::B::Drama\n"},
+                        "d", ["movies.dat", "line 2", "movie ID -3 is negative"]),
+    "grouplens-negative": ("grouplens", {"d/ratings.dat": "1::2::3::4\n\n1::-3::4::5\n"}, "d",
+                           ["ratings.dat", "line 3", "item_id -3 is negative"]),
+    "taobao-negative": ("taobao", {"u.csv": "1,2,3,pv,4\n-1,2,3,pv,4\n"}, "u.csv", ["u.csv", "line 2", "user_id -1 is negative"]),
+    "recbole-negative": ("recbole", {"d/x.inter": "user_id:token\titem_id:token\n1\t2\n1\t-2\n"}, "d",
+                         ["x.inter", "line 3", "item_id -2 is negative"]),
+    "recbole-item-negative": ("recbole", {"d/x.inter": "user_id:token\titem_id:token\n1\t2\n",
+                                          "d/x.item": "item_id:token\ttitle:token\n2\tA\n-3\tB\n"},
+                              "d", ["x.item", "line 3", "item_id -3 is negative"]),
+    "amazon-negative-item-key": ("amazon-s3rec", {"d/A.txt": "1 2\n", "d/A_item2attributes.json": '{"-2": [1]}'},
+                                 "d", ["A_item2attributes.json", "item ID -2 is negative"]),
+    # an out-of-range timestamp names the file and line
+    "recbole-timestamp-range": ("recbole", {"d/x.inter": "user_id:token\titem_id:token\ttimestamp:float\n1\t2\t5\n"
+                                                         "1\t3\t1e300\n"}, "d",
+                                ["x.inter", "line 3", "timestamp 1e+300 is out of range"]),
+    "grouplens-timestamp-range": ("grouplens", {"d/ratings.dat": "1::2::3::4\n1::3::4::99999999999999999999\n"}, "d",
+                                  ["ratings.dat", "line 2", "timestamp 99999999999999999999 does not fit"]),
 }
 
 
@@ -334,3 +363,22 @@ def test_real_data(tmp_path, case):
         assert {k.as_py(): v.as_py() for k, v in counts.items()} == {"pv": 3926, "cart": 190, "fav": 128, "buy": 77}
     if fmt == "amazon-s3rec":
         assert len(pc.unique(pc.list_flatten(ds.items["attributes"]))) == 637
+
+
+def test_merge_users_joins_a_users_lines_in_file_order(tmp_path):
+    path = write(tmp_path / "s.txt", "1 2 3\n2 4\n1 5 6\n")
+    ds = load_dataset(prepare("ml-1m", path, tmp_path / "out", merge_users=True))
+    assert rows(ds.events, "user_id", "item_id") == [(1, 2), (1, 3), (1, 5), (1, 6), (2, 4)]
+    with pytest.raises(ValueError, match="--merge-users applies to the sequence formats"):
+        prepare("taobao", FIXTURES / "taobao", tmp_path / "out2", merge_users=True)
+
+
+def test_overwrite_refuses_a_folder_with_other_files(tmp_path):
+    out = prepare("taobao", FIXTURES / "taobao", tmp_path / "out")
+    (out / "notes.txt").write_text("my notes")
+    with pytest.raises(ValueError, match=r"notes\.txt.*would delete them"):
+        prepare("taobao", FIXTURES / "taobao", out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "my notes" and load_dataset(out).meta["name"] == "UserBehavior"
+    (out / "notes.txt").unlink()
+    prepare("ml-1m", FIXTURES / "ml-1m", out, overwrite=True)
+    assert load_dataset(out).meta["name"] == "ml-1m"

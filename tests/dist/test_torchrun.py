@@ -174,7 +174,7 @@ def test_ranking_on_two_ranks_metrics_equal_one_process_eval(tmp_path: Path) -> 
     done = subprocess.run([sys.executable, "-m", "recforge.cli", "eval", str(run_dir), "--checkpoint", "latest",
                            "--split", "valid"], env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    single = json.loads((run_dir / "eval.json").read_text())
+    single = json.loads((run_dir / "eval-valid.json").read_text())
     keys = [k for k in last if k.endswith(("/auc", "/gauc"))]
     assert keys
     for key in keys:

@@ -61,9 +61,10 @@ def test_train_eval_and_export(tmp_path: Path, data_dir: Path, capsys: pytest.Ca
     with torch.no_grad():
         torch.testing.assert_close(model(batch), s.model(batch))
 
-    # `recforge eval` on the validation split rewrites eval.json
+    # `recforge eval` on the validation split writes eval-valid.json beside the test split's eval.json
     assert main(["--no-progress", "eval", str(run_dir), "--split", "valid"]) == 0
-    assert json.loads((run_dir / "eval.json").read_text())["split"] == "valid"
+    assert json.loads((run_dir / "eval-valid.json").read_text())["split"] == "valid"
+    assert json.loads((run_dir / "eval.json").read_text())["split"] == "test"
 
 
 @pytest.mark.integration

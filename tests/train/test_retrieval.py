@@ -157,10 +157,12 @@ def test_resume_without_checkpoint_raises(tmp_path: Path, data_dir: Path) -> Non
 
 
 def test_evaluate_run_writes_eval_json(reference_run: Path, data_dir: Path) -> None:
-    result = evaluate_run(reference_run, split="valid", checkpoint="latest")
+    result = evaluate_run(reference_run, split="test", checkpoint="latest")
     written = json.loads((reference_run / "eval.json").read_text())
     assert written == result
-    assert result["split"] == "valid"
+    assert result["split"] == "test"
+    with pytest.raises(ValueError, match="data.protocol=paper"):  # the paper protocol trained on the valid item
+        evaluate_run(reference_run, split="valid")
     assert result["protocol"] == "paper"
     assert result["model"] == "hstu"
     assert result["dataset"] == data_dir.name

@@ -18,7 +18,9 @@ from pathlib import Path
 
 from recforge.env import data_dir
 
-from ..dataset import write_dataset
+from recforge.io import check_replaceable
+
+from ..dataset import DATASET_FILES, write_dataset
 from ._common import Converted, DataFormatError
 from .amazon import convert_amazon_s3rec
 from .movielens import convert_grouplens, convert_ml1m
@@ -40,17 +42,19 @@ class Format:
 
     name: str
     description: str
-    convert: Callable[[Path], Converted]
+    convert: Callable[..., Converted]
+    sequences: bool = False  # one line per user and no timestamps: takes ``merge_users``
 
 
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
-        Format("ml-1m", "MovieLens-1M ml-1m_user_sequences.txt (+ movies.dat); no timestamps", convert_ml1m),
+        Format("ml-1m", "MovieLens-1M ml-1m_user_sequences.txt (+ movies.dat); no timestamps", convert_ml1m,
+               sequences=True),
         Format("grouplens", "GroupLens ratings.dat (UserID::MovieID::Rating::Timestamp) + movies.dat",
                convert_grouplens),
         Format("amazon-s3rec", "S3-Rec/P5 Amazon NAME.txt sequences (+ NAME_item2attributes.json)",
-               convert_amazon_s3rec),
+               convert_amazon_s3rec, sequences=True),
         Format("recbole", "RecBole atomic files NAME.inter (+ NAME.item), tab-separated typed headers",
                convert_recbole),
         Format("taobao", "Alibaba UserBehavior CSV: user,item,category,behavior,timestamp", convert_taobao),
@@ -64,25 +68,33 @@ def format_names() -> list[str]:
 
 
 def default_data_root() -> Path:
-    """Return where real data sets live: ``$RECFORGE_DATA``, else ``<repo>/../shared/data``.
+    """Return where real data sets live: ``$RECFORGE_DATA``, else ``shared/data`` beside the recforge
+    checkout (``<checkout>/../shared/data``, whatever the working directory).
 
-    The path is returned whether or not it exists; callers decide what absence means.
+    The path is returned whether or not it exists; callers decide what absence means. An installed
+    (not checked-out) recforge has no checkout to be beside: then ``$RECFORGE_DATA`` is required.
     """
     env = data_dir()
     if env:
-        return Path(env).expanduser()
+        return Path(env).expanduser().resolve()
     repo = Path(__file__).resolve().parents[3]
+    if not (repo / "pyproject.toml").is_file():
+        raise ValueError("no data directory: set RECFORGE_DATA to the folder holding the datasets, or pass SOURCE")
     return (repo.parent / "shared" / "data").resolve()
 
 
-def prepare(fmt: str, source: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
+def prepare(fmt: str, source: str | Path, out: str | Path, *, overwrite: bool = False, merge_users: bool = False) -> Path:
     """Convert ``source`` in format ``fmt`` and write a canonical dataset directory at ``out``.
 
     Args:
         fmt: a name from ``format_names()``.
         source: the source file or directory (what each format accepts is in its description).
         out: the dataset directory to create.
-        overwrite: replace ``out`` if it exists (only once the conversion has succeeded).
+        overwrite: replace ``out`` if it exists (only once the conversion has succeeded; refused
+            when ``out`` holds files a dataset does not, which replacing it would delete).
+        merge_users: sequence formats (ml-1m, amazon-s3rec): join the lines of a user listed more
+            than once, in file order (default: refuse, naming both lines). Formats with timestamps
+            order every user's events by time, wherever they are in the file.
 
     Returns:
         The output directory.
@@ -99,6 +111,11 @@ def prepare(fmt: str, source: str | Path, out: str | Path, *, overwrite: bool = 
         raise DataFormatError(src, "path does not exist", hint=f"point to the {fmt} file or its directory")
     if out.exists() and not overwrite:
         raise ValueError(f"{out} already exists; pass --overwrite to replace it")
-    converted = spec.convert(src)
+    check_replaceable(out, DATASET_FILES, "recforge dataset")  # before the conversion (minutes), not only when writing
+    if merge_users and not spec.sequences:
+        sequence_formats = ", ".join(f for f, s in FORMATS.items() if s.sequences)
+        raise ValueError(f"--merge-users applies to the sequence formats ({sequence_formats}); "
+                         f"{fmt} orders each user's events by timestamp wherever they are in the file")  # fmt: skip
+    converted = spec.convert(src, merge_users=merge_users) if spec.sequences else spec.convert(src)
     return write_dataset(out, converted.events, converted.items, name=converted.name,
                          source=f"{fmt}:{converted.path.resolve()}", overwrite=overwrite, users=converted.users)

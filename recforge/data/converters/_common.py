@@ -165,10 +165,12 @@ def read_delimited(path: Path, data: bytes, sep: str, fields: list[tuple[str, st
     return table
 
 
-def read_sequences(path: Path) -> tuple[np.ndarray, np.ndarray]:
+def read_sequences(path: Path, merge_users: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Read a ``user_id item_id item_id ...`` per-line file into flat (users, items) arrays.
 
-    Items keep the file order; blank lines are skipped.
+    Items keep the file order; blank lines are skipped. Such a file has no timestamps, so a user
+    on two lines has no defined order between them: refused (naming both lines) unless
+    ``merge_users``, which joins the lines in file order.
     """
     data = read_nonempty(path)
     bad = re.search(rb"[^0-9 \t\r\n]", data)
@@ -178,15 +180,23 @@ def read_sequences(path: Path) -> tuple[np.ndarray, np.ndarray]:
         line = data[start:end if end >= 0 else len(data)].decode("utf-8", "replace")
         token = next((t for t in line.split() if not re.fullmatch("[0-9]+", t)), line.strip())
         what = "user ID" if line.split()[:1] == [token] else "item ID"
+        if re.fullmatch("-[0-9]+", token):
+            raise DataFormatError(path, f"{what} {token} is negative", lineno, "IDs must be integers >= 0")
         hint = _separator_hint(token, " ") or "each line must be 'user_id item_id item_id ...' with integer IDs"
         raise DataFormatError(path, f"{what} {token!r} is not an integer", lineno, hint)
-    users, counts, tokens = [], [], []
+    users, counts, tokens, first_line = [], [], [], {}
     for lineno, line in enumerate(data.split(b"\n"), start=1):
         parts = line.split()
         if len(parts) == 1:
             raise DataFormatError(path, f"user {parts[0].decode()} has no items", lineno,
                                   "each line must be 'user_id item_id item_id ...'")
         if parts:
+            user = int(parts[0])
+            if user in first_line and not merge_users:
+                raise DataFormatError(path, f"user {parts[0].decode()} is listed twice (lines {first_line[user]} and "
+                                      f"{lineno})", lineno, "each user's items belong on one line; pass --merge-users "
+                                      "(merge_users=True) to join the lines in file order")  # fmt: skip
+            first_line.setdefault(user, lineno)
             users.append(parts[0])
             counts.append(len(parts) - 1)
             tokens.extend(parts[1:])
@@ -196,6 +206,16 @@ def read_sequences(path: Path) -> tuple[np.ndarray, np.ndarray]:
     except OverflowError as err:
         raise DataFormatError(path, "an ID does not fit in a 64-bit integer") from err
     return np.repeat(user_ids, counts), items
+
+
+def check_ids(path: Path, table: pa.Table, columns: tuple[str, ...], lines: list[int] | None) -> None:
+    """Raise ``DataFormatError`` at the first negative ID of ``columns`` (IDs must be >= 0)."""
+    for name in columns:
+        values = table[name].to_numpy()
+        if len(values) and values.min() < 0:
+            row = int(np.argmax(values < 0))
+            raise DataFormatError(path, f"{name} {values[row]} is negative", lines[row] if lines else None,
+                                  "IDs must be integers >= 0")  # fmt: skip
 
 
 def build_events(user, item, timestamp=None, extra: dict | None = None) -> pa.Table:

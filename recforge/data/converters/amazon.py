@@ -28,7 +28,9 @@ def read_item_attributes(path: Path) -> pa.Table:
         raise DataFormatError(path, f"invalid JSON ({err.msg}, column {err.colno})", err.lineno) from err
     if not isinstance(mapping, dict):
         raise DataFormatError(path, "expected a JSON object mapping item IDs to attribute lists")
-    bad_key = next((k for k in mapping if not k.strip().lstrip("-").isdigit()), None)
+    bad_key = next((k for k in mapping if not k.strip().isdigit()), None)
+    if bad_key is not None and bad_key.strip().startswith("-") and bad_key.strip()[1:].isdigit():
+        raise DataFormatError(path, f"item ID {bad_key.strip()} is negative", hint="IDs must be integers >= 0")
     if bad_key is not None:
         raise DataFormatError(path, f"item ID {bad_key!r} is not an integer")
     try:
@@ -39,20 +41,26 @@ def read_item_attributes(path: Path) -> pa.Table:
 
 
 def _attributes_file(txt: Path) -> Path | None:
+    """``NAME_item2attributes.json`` beside ``NAME.txt``; another dataset's attributes file there is refused,
+    not joined (S3-Rec's data folder holds several datasets whose item IDs all start at 1)."""
     named = txt.with_name(f"{txt.stem}_item2attributes.json")
     if named.is_file():
         return named
-    found = sorted(txt.parent.glob("*_item2attributes.json"))
-    if len(found) > 1:
-        raise DataFormatError(txt.parent, f"several *_item2attributes.json files and none named {named.name}",
-                              hint="keep only the one that belongs to " + txt.name)
-    return found[0] if found else None
+    others = sorted(p.name for p in txt.parent.glob("*_item2attributes.json"))
+    if others:
+        raise DataFormatError(txt.parent, f"{', '.join(others)} belong(s) to another dataset than {txt.name} (its "
+                              f"attributes would be {named.name}); they are not joined",
+                              hint=f"rename the file to {named.name} if it describes these items, else move it "
+                              "away")  # fmt: skip
+    return None
 
 
-def convert_amazon_s3rec(source: Path) -> Converted:
-    """Convert the S3-Rec/P5 Amazon files (the ``.txt`` or its directory); timestamps are all null."""
+def convert_amazon_s3rec(source: Path, merge_users: bool = False) -> Converted:
+    """Convert the S3-Rec/P5 Amazon files (the ``.txt`` or its directory); timestamps are all null.
+
+    A user on several lines is refused unless ``merge_users`` (see ``read_sequences``)."""
     path = pick_file(source, ["*.txt"], "sequence file", exclude=r"readme")
-    users, items = read_sequences(path)
+    users, items = read_sequences(path, merge_users)
     attrs = _attributes_file(path)
     return Converted(build_events(users, items), read_item_attributes(attrs) if attrs else None,
                      path.stem.lower(), path)

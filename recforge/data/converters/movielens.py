@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from ._common import (Converted, DataFormatError, build_events, build_items, decode_text, read_delimited,
-                      read_nonempty, read_sequences)
+from ._common import (Converted, DataFormatError, build_events, build_items, check_ids, decode_text, read_delimited,
+                      read_nonempty, read_sequences, row_lines)
 
 SEQUENCES_FILE = "ml-1m_user_sequences.txt"
 _RATINGS_FIELDS = [("user_id", "int"), ("item_id", "int"), ("rating", "float"), ("timestamp", "int")]
@@ -36,7 +36,9 @@ def read_movies(path: Path) -> pa.Table:
             problem = f"expected 3 fields separated by '::', found {len(parts)}"
             raise DataFormatError(path, problem, lineno, "each line must look like 'MovieID::Title::Genre|Genre'")
         if not parts[0].strip().isdigit():
-            raise DataFormatError(path, f"movie ID {parts[0]!r} is not an integer", lineno)
+            negative = parts[0].strip().startswith("-") and parts[0].strip()[1:].isdigit()
+            raise DataFormatError(path, f"movie ID {parts[0].strip()} is negative" if negative else
+                                  f"movie ID {parts[0]!r} is not an integer", lineno)  # fmt: skip
         ids.append(int(parts[0]))
         titles.append("::".join(parts[1:-1]))
         genres.append([g for g in parts[-1].strip().split("|") if g])
@@ -50,17 +52,18 @@ def _movies_beside(path: Path) -> pa.Table | None:
     return read_movies(movies) if movies.is_file() else None
 
 
-def convert_ml1m(source: Path) -> Converted:
+def convert_ml1m(source: Path, merge_users: bool = False) -> Converted:
     """Convert ``ml-1m_user_sequences.txt`` (file or its directory); timestamps are all null.
 
     Items keep the file order within each user; ``movies.dat`` beside it becomes items.parquet.
+    A user on several lines is refused unless ``merge_users`` (see ``read_sequences``).
     """
     path = source / SEQUENCES_FILE if source.is_dir() else source
     if not path.is_file():
         hint = "use the 'grouplens' format for ratings.dat" if (source / "ratings.dat").is_file() else None
         raise DataFormatError(source, f"no {SEQUENCES_FILE} here",
                               hint=hint or f"pass {SEQUENCES_FILE} or the directory holding it")
-    users, items = read_sequences(path)
+    users, items = read_sequences(path, merge_users)
     return Converted(build_events(users, items), _movies_beside(path), "ml-1m", path)
 
 
@@ -79,6 +82,7 @@ def convert_grouplens(source: Path) -> Converted:
                               "GroupLens ratings.dat lines look like 'UserID::MovieID::Rating::Timestamp'")
     table = read_delimited(path, data, "::", _RATINGS_FIELDS, parse_data=data.replace(b"::", b"\x1f"),
                            parse_sep="\x1f")
+    check_ids(path, table, ("user_id", "item_id"), row_lines(data))
     events = build_events(table["user_id"], table["item_id"], table["timestamp"],
                           {"rating": table["rating"].cast(pa.float32())})
     name = path.parent.name or "grouplens"

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ._common import (Converted, DataFormatError, build_events, build_items, pick_file, read_delimited,
+from ._common import (Converted, DataFormatError, build_events, build_items, check_ids, pick_file, read_delimited,
                       read_nonempty, row_lines)
 
 TYPES = ("token", "token_seq", "float", "float_seq")
@@ -54,10 +54,18 @@ def _read_inter(path: Path) -> pa.Table:
     header = parse_header(path, data, ("user_id", "item_id"))
     fields = [(name, _inter_kind(name, kind)) for name, kind in header]
     table = read_delimited(path, data, "\t", fields, skip_rows=1, int_hint=_ID_HINT)
+    check_ids(path, table, ("user_id", "item_id"), row_lines(data, skip_rows=1))
     timestamp = None
     if "timestamp" in table.column_names:
-        seconds = np.floor(table["timestamp"].to_numpy())
-        timestamp = pa.array(seconds, pa.int64(), mask=~np.isfinite(seconds))
+        seconds = np.floor(table["timestamp"].to_numpy(zero_copy_only=False))
+        finite = np.isfinite(seconds)
+        out_of_range = np.flatnonzero(finite & ((seconds < -(2.0**63)) | (seconds >= 2.0**63)))
+        if len(out_of_range):
+            row = int(out_of_range[0])
+            raise DataFormatError(path, f"timestamp {table['timestamp'][row].as_py()!r} is out of range",
+                                  row_lines(data, skip_rows=1)[row], "timestamps are unix seconds that fit a 64-bit "
+                                  "integer")  # fmt: skip
+        timestamp = pa.array(np.where(finite, seconds, 0), pa.int64(), mask=~finite)
     labels = {name: table[name].cast(pa.float32()) for name in table.column_names
               if name not in ("user_id", "item_id", "timestamp", "action")}
     return build_events(table["user_id"], table["item_id"], timestamp, labels)
@@ -77,6 +85,7 @@ def read_item_file(path: Path, key: str = "item_id") -> pa.Table:
     kinds = {"token": "str?", "token_seq": "str?", "float": "float?", "float_seq": "str?"}
     fields = [(name, "int" if name == key else kinds[kind]) for name, kind in header]
     table = read_delimited(path, data, "\t", fields, skip_rows=1, int_hint=_ID_HINT)
+    check_ids(path, table, (key,), row_lines(data, skip_rows=1))
     columns = {key: table[key]}
     for name, kind in header:
         col = table[name]

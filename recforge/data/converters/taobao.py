@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ._common import Converted, build_events, build_items, pick_file, read_delimited, read_nonempty
+from ._common import Converted, build_events, build_items, check_ids, pick_file, read_delimited, read_nonempty, row_lines
 
 _FIELDS = [("user_id", "int"), ("item_id", "int"), ("category", "int"), ("behavior", "str"), ("timestamp", "int")]
 
@@ -20,8 +20,9 @@ def convert_taobao(source: Path) -> Converted:
     first event in file order.
     """
     path = pick_file(source, ["*.csv"], "UserBehavior CSV file")
-    table = read_delimited(path, read_nonempty(path), ",", _FIELDS,
-                           first_row_hint="the file must have no header row: remove it")
+    data = read_nonempty(path)
+    table = read_delimited(path, data, ",", _FIELDS, first_row_hint="the file must have no header row: remove it")
+    check_ids(path, table, ("user_id", "item_id"), row_lines(data))
     item_ids = table["item_id"].to_numpy()
     _, first = np.unique(item_ids, return_index=True)
     items = build_items(path, {"item_id": pa.array(item_ids[first], pa.int64()),
