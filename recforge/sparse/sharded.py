@@ -190,6 +190,7 @@ class ShardedDynamicEmbedding(nn.Module):
             self.shard.generator.manual_seed((cfg.seed + self.rank * _RANK_SEED) & (2**63 - 1))
         self.standin_here = False  # this rank's lookups are a stand-in: their IDs are sent with 0 occurrences
         self.standin_anywhere = False  # some rank's are: owners look up 0-occurrence IDs read-only
+        self.staged_reads = 0  # lookups that read staged rows with no host sync (for logs, benchmarks and tests)
 
     @property
     def device(self) -> torch.device:
@@ -365,6 +366,7 @@ class ShardedDynamicEmbedding(nn.Module):
         staged, shard = handle.staged, self.shard
         current = staged.epoch == (shard.stage_epoch, shard.store.generation)
         if staged.ready and current and self.training and torch.is_grad_enabled():
+            self.staged_reads += 1
             if staged.rows.numel():  # as DynamicEmbedding._rows, which counts only lookups with keys
                 shard._stats["lookups"] += 1
                 shard._stats["ids"] += staged.n_ids
