@@ -54,6 +54,7 @@ class AheadTable(ShardedDynamicEmbedding):
         self._ahead: list[tuple[Tensor, DistributedIds]] = []
         self._seen: list[Tensor] | None = None  # IDs received while the batch mapping is learned
         self.lookups_ahead = 0  # lookups that used a staged handle (for logs and tests)
+        self.ahead_reads = 0  # ... of them, those that read the staged rows with no host sync
 
     def drop_ahead(self) -> None:
         """Forget handles no lookup used, and the cache slots they held."""
@@ -66,7 +67,10 @@ class AheadTable(ShardedDynamicEmbedding):
             self._seen.append(ids)
         if tags is None and self._ahead and self._ahead[0][0] is ids:
             self.lookups_ahead += 1
-            return self.lookup(self._ahead.pop(0)[1], admit)
+            reads = self.staged_reads
+            out = self.lookup(self._ahead.pop(0)[1], admit)
+            self.ahead_reads += self.staged_reads - reads
+            return out
         return super().forward(ids, tags, admit)
 
 
