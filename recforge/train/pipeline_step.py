@@ -30,7 +30,6 @@ first forward.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -192,7 +191,3 @@ class LookAhead:
         self.drop()
         self._pool.shutdown(wait=True)
 
-
-def in_worker() -> bool:
-    """Whether this thread is the sparse worker (timers in benchmarks count only the main thread)."""
-    return threading.current_thread().name.startswith("recforge-sparse-dist")
