@@ -12,20 +12,28 @@ run in alternating blocks (off, on, off, on ...). Per step:
 
 - ``fetch_s``, ``build_s``, ``h2d_s``: the input stages (sample ids -> JaggedBatch -> device copy,
   on a side CUDA stream when the pipeline is on), measured where they run;
-- ``exposed_input_s``: how long the training loop waited for its input (all of the above when
-  the pipeline is off; what compute did not hide when it is on);
-- ``step_s``: forward + loss + backward + DDP all-reduce + optimizers, including the sharded
-  tables' ID/embedding all-to-alls and host-tier row swaps (synchronised); with the pipeline on,
-  the next step's ID all-to-all is started during this step's backward (``recforge.train.pipeline_step``);
-- with CUDA, a ``torch.profiler`` pass over ``--profile-steps`` steps per mode gives the device
-  time of NCCL kernels (``comm_kernel_s``) and host-to-device copies (``h2d_copy_s``, batch copies
-  and tier swaps) per step.
+- ``exposed_input_s``: how long the training loop waited for its input;
+- ``step_s``/``wall_s``: the step (forward, loss, backward, DDP all-reduce, optimizers, the sparse
+  input still on the main thread) and the step with its input wait;
+- with CUDA, a ``torch.profiler`` pass gives the device time of NCCL kernels (``comm_kernel_s``) and
+  host-to-device copies (``h2d_copy_s``: batch copies and host-tier row swaps) per step.
 
-``hidden_input_fraction`` = 1 - exposed_input_s / (fetch_s + build_s + h2d_s) with the pipeline on.
-``step_breakdown``: one extra sequential block with synchronised timers around the tables'
-``distribute`` (ID all-to-all) and ``lookup`` (owner lookup, tier swaps, embedding all-to-all)
-and the optimizers' ``step``; the rest of ``step_s`` is forward + backward (+ DDP all-reduce and
-the gradients' way back to the row owners).
+The sparse input per step, in an extra block per mode with stream-synchronised timers around the
+main thread's calls (``sparse`` in the JSON): ``main_distribute_s`` (dedup + ID all-to-all),
+``main_stage_s`` (owner dedup, index lookup, host tier -> device cache), ``main_lookup_s`` (reading
+the rows, admission when IDs are new, the embeddings' all-to-all), ``main_read_s`` (the same for the
+lookups the worker staged: with no new IDs only the read), ``main_wait_s`` (the main thread
+waiting for the sparse worker); and the worker's own ``worker_distribute_s``/``worker_stage_s``
+(pipeline on: the next step's staged lookups, history and targets; sampled negatives are made in
+the loss and stay on the main thread). Then
+
+    work    = h2d_s + main_(distribute + stage + lookup + read)_s + worker_(distribute + stage)_s
+    exposed = (h2d_s off, or exposed_input_s on) + main_(distribute + stage + lookup + read + wait)_s
+    hidden  = 1 - exposed / work        (issue 15: >= 80% with the pipeline on)
+
+``--warm-table`` (default) admits the whole catalogue before timing, so lookups find their IDs as
+in a long run; a lookup of new IDs redoes the owner's part at use (``staged_reads`` counts the
+staged lookups that did not).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -84,36 +93,46 @@ def _profile(s, inputs: StepInputs, steps: int) -> dict[str, float]:
 
 
 class StageTimer:
-    """Synchronised wall time of the sharded tables' ``distribute``/``lookup`` and of both optimizers' ``step``.
+    """Stream-synchronised wall time of the main thread's sparse-input calls (the worker's are in ``LookAhead.stats``).
 
-    Used only in an extra sequential block (the synchronisations would defeat the overlap being
-    measured): it splits ``step_s`` into input distribution, lookup, optimizers and the rest."""
+    Used only in extra blocks (the synchronisations cost overlap): it says which part of the sparse input
+    runs on the main thread, where it is exposed. Nested calls (``lookup`` calling ``stage``) count once."""
 
     def __init__(self, s) -> None:
-        self.s, self.totals, self.saved = s, {}, []
+        self.s, self.totals, self.saved, self.stack = s, {}, [], []
 
     def _wrap(self, obj, attr: str, stage: str) -> None:
         real = getattr(obj, attr)
-        sync = torch.cuda.synchronize if self.s.device.type == "cuda" else (lambda: None)
+        cuda = self.s.device.type == "cuda"
+        sync = (lambda: torch.cuda.current_stream().synchronize()) if cuda else (lambda: None)
 
         def timed(*a, **kw):
+            if threading.current_thread() is not threading.main_thread():
+                return real(*a, **kw)
+            bucket = stage
+            if attr == "lookup" and a and getattr(a[0], "staged", None) is not None:
+                bucket = "main_read_s"  # a lookup the worker staged: reading the rows (+ admission if IDs are new)
             sync()
+            self.stack.append(0.0)
             t0 = time.perf_counter()
             out = real(*a, **kw)
             sync()
-            self.totals[stage] = self.totals.get(stage, 0.0) + time.perf_counter() - t0
+            took, inner = time.perf_counter() - t0, self.stack.pop()
+            self.totals[bucket] = self.totals.get(bucket, 0.0) + took - inner
+            if self.stack:
+                self.stack[-1] += took
             return out
 
         self.saved.append((obj, attr, obj.__dict__.get(attr)))
         setattr(obj, attr, timed)
 
     def __enter__(self) -> StageTimer:
-        for table in (self.s.runner.ahead.tables.values() if self.s.runner.ahead else []):
-            self._wrap(table, "distribute", "input_dist_s")
-            self._wrap(table, "lookup", "lookup_s")
-        self._wrap(self.s.runner.optimizer, "step", "dense_optimizer_s")
-        if self.s.sparse_optimizer is not None:
-            self._wrap(self.s.sparse_optimizer, "step", "sparse_optimizer_s")
+        for table in _tables(self.s):
+            self._wrap(table, "distribute", "main_distribute_s")
+            self._wrap(table, "stage", "main_stage_s")
+            self._wrap(table, "lookup", "main_lookup_s")
+        if self.s.runner.ahead is not None:
+            self._wrap(self.s.runner.ahead, "wait", "main_wait_s")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -122,6 +141,32 @@ class StageTimer:
                 delattr(obj, attr)
             else:
                 setattr(obj, attr, before)
+
+
+def _tables(s) -> list:
+    from recforge.sparse.sharded import sharded_tables
+
+    return list(sharded_tables(s.model).values())
+
+
+def sparse_block(s, samples: torch.Tensor, pipeline: bool, steps: int) -> dict[str, float]:
+    """Per-step sparse-input times of one timed block (see the module docstring)."""
+    ahead = s.runner.ahead
+    before = len(ahead.stats) if ahead is not None else 0
+    with StageTimer(s) as timer:
+        rows = run_block(s, samples, pipeline, steps, 0)
+    out = {k: 0.0 for k in ("main_distribute_s", "main_stage_s", "main_lookup_s", "main_read_s", "main_wait_s")}
+    out.update({k: v / steps for k, v in timer.totals.items()})
+    staged = ahead.stats[before:] if ahead is not None and pipeline else []
+    for key in ("distribute_s", "stage_s"):
+        out[f"worker_{key}"] = sum(t[key] for t in staged) / steps
+    out["h2d_s"] = statistics.median(r["h2d_s"] for r in rows)
+    out["exposed_input_s"] = statistics.median(r["exposed_input_s"] for r in rows)
+    main = out["main_distribute_s"] + out["main_stage_s"] + out["main_lookup_s"] + out["main_read_s"]
+    out["work_s"] = out["h2d_s"] + main + out["worker_distribute_s"] + out["worker_stage_s"]
+    out["exposed_s"] = (min(out["h2d_s"], out["exposed_input_s"]) if pipeline else out["h2d_s"]) + main + out["main_wait_s"]
+    out["hidden_fraction"] = 1 - out["exposed_s"] / out["work_s"] if out["work_s"] else float("nan")
+    return out
 
 
 def run_block(s, samples: torch.Tensor, pipeline: bool, steps: int, start: int) -> list[dict[str, float]]:
@@ -169,6 +214,11 @@ def main() -> dict:
     cfg = load_config(REPO / "configs" / "ml1m-hstu.yaml", overrides)
     ctx = init_distributed(cfg, prepare_runtime(cfg))
     s = retrieval.setup(cfg, ctx)
+    if args.warm_table:  # every catalogue item admitted (each rank keeps the rows it owns): a table in steady state
+        gen = torch.Generator().manual_seed(0)
+        for table in _tables(s):
+            ids = torch.arange(1, s.seqs.num_items + 1)
+            table.warm_start(torch.randn(ids.numel(), table.dim, generator=gen) * table.cfg.init_std, ids)
     samples = s.seqs.training_samples(s.holdout, cfg.data.max_seq_len, cfg.data.train_windows)
     samples = samples[torch.randperm(samples.shape[0], generator=torch.Generator().manual_seed(0))]
     for pipeline in (False, True):  # warm-up: kernels, caches, allocator
@@ -177,14 +227,8 @@ def main() -> dict:
     for block in range(args.blocks):
         for mode in ("off", "on"):
             per_mode[mode] += run_block(s, samples, mode == "on", args.steps, block * args.steps)
-    with StageTimer(s) as timer:  # the breakdown of one sequential step (synchronised stage timers)
-        timed = run_block(s, samples, False, args.steps, 0)
-    step_s = sum(r["step_s"] for r in timed) / len(timed)
-    breakdown = {k: v / len(timed) for k, v in sorted(timer.totals.items())}
-    breakdown["forward_backward_rest_s"] = step_s - sum(breakdown.values())
-    breakdown = {"input_stages_s": statistics.median(r["fetch_s"] + r["build_s"] + r["h2d_s"] for r in timed),
-                 **breakdown, "step_s": step_s}  # fmt: skip
-    result = {"modes": {}, "step_breakdown": breakdown}
+    sparse = {mode: sparse_block(s, samples, mode == "on", args.steps) for mode in ("off", "on")}
+    result = {"modes": {}, "sparse": sparse}
     for mode, rows in per_mode.items():
         summary = {k: statistics.median(r[k] for r in rows) for k in STAGES}
         for key in ("comm_kernel_s", "h2d_copy_s"):
@@ -197,6 +241,7 @@ def main() -> dict:
     result["speedup_on_vs_off"] = result["modes"]["off"]["wall_s"] / on["wall_s"]
     # lookups whose ID all-to-all was started during the previous step (pipeline on only)
     result["lookups_ahead"] = {n: t.lookups_ahead for n, t in s.runner.ahead.tables.items()} if s.runner.ahead else {}
+    result["staged_reads"] = {n: t.ahead_reads for n, t in s.runner.ahead.tables.items()} if s.runner.ahead else {}
     if not ctx.is_main:  # under torchrun with several ranks: rank 0 reports
         shutdown_distributed()
         return result
@@ -204,12 +249,19 @@ def main() -> dict:
     for mode, summary in result["modes"].items():
         cells = [summary.get(k) for k in (*STAGES, "comm_kernel_s", "h2d_copy_s")]
         print(f"{mode:<6}" + "".join(f"{c * 1e3:>14.3f}ms" if c is not None else f"{'-':>16}" for c in cells))
-    print("step breakdown (sequential, synchronised): " + "  ".join(f"{k}={v * 1e3:.3f}ms" for k, v in breakdown.items()))
-    print(f"pipeline on hides {result['hidden_input_fraction']:.1%} of the input stages; step wall time off/on = "
-          f"{result['speedup_on_vs_off']:.3f}x; lookups with their IDs distributed a step ahead: {result['lookups_ahead']}")  # fmt: skip
+    keys = ("h2d_s", "main_distribute_s", "main_stage_s", "main_lookup_s", "main_read_s", "main_wait_s", "worker_distribute_s",
+            "worker_stage_s", "work_s", "exposed_s")  # fmt: skip
+    print("sparse input per step (stream-synchronised main-thread timers; worker: its own clock)")
+    print(f"{'mode':<6}" + "".join(f"{k[:-2]:>17}" for k in keys) + f"{'hidden':>9}")
+    for mode, row in sparse.items():
+        print(f"{mode:<6}" + "".join(f"{row[k] * 1e3:>15.3f}ms" for k in keys) + f"{max(row['hidden_fraction'], 0.0):>9.1%}")
+    print(f"pipeline on hides {sparse['on']['hidden_fraction']:.1%} of H2D + ID distribution + lookup "
+          f"(off: {max(sparse['off']['hidden_fraction'], 0.0):.1%}) and {result['hidden_input_fraction']:.1%} of the input stages; "
+          f"step wall time off/on = {result['speedup_on_vs_off']:.3f}x")  # fmt: skip
+    print(f"lookups staged a step ahead: {result['lookups_ahead']}; of them read with no host sync: {result['staged_reads']}")
     result.update(
         config={"users": args.users, "items": args.items, "batch_size": args.batch_size, "cache_rows": cache_rows,
-                "steps_per_block": args.steps, "blocks": args.blocks, "set": args.set, "world_size": ctx.world_size,
+                "steps_per_block": args.steps, "blocks": args.blocks, "warm_table": args.warm_table, "set": args.set, "world_size": ctx.world_size,
                 "backend": torch.distributed.get_backend() if ctx.initialized else None},
         machine={"platform": platform.platform(), "torch": torch.__version__,
                  "device": torch.cuda.get_device_name() if s.device.type == "cuda" else platform.processor()},
@@ -234,6 +286,8 @@ if __name__ == "__main__":
     parser.add_argument("--blocks", type=int, default=3, help="alternating off/on blocks")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile-steps", type=int, default=5, help="CUDA: profiled steps per block (0: none)")
+    parser.add_argument("--warm-table", action=argparse.BooleanOptionalAction, default=True,
+                        help="admit every catalogue item before timing (steady state; --no-warm-table: a cold table)")
     parser.add_argument("--data", default=None, help="directory to keep the synthetic dataset in (default: a temp dir)")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides, e.g. model.num_blocks=4")
     parser.add_argument("--out", default=None, help="JSON output path")

@@ -9,12 +9,21 @@ recorded in sharded checkpoints). A table placed whole on one rank (table-wise, 
 
 One lookup on rank r, ids of any shape (N in all)::
 
-    distribute  ids (N,) --local dedup--> keys (U,) with occurrences, inverse (N,)
-                keys --sort by owner--> split sizes --all_to_all--> receive sizes (one host sync)
+    distribute  ids (N,) --sort, local dedup--> keys (U,) with occurrences, each id's position (N,)
+                keys --by owner--> split sizes --all_to_all--> receive sizes (the sender's one host sync)
                 (key, tag, occurrences) (U, 3) --all_to_all_single (async)--> received (R, 3)
-    lookup      received --dedup across senders--> global keys (G,), occurrences summed
-                --shard: admission / eviction / tiers, as DynamicEmbedding--> rows (G, d)
+    stage       received --dedup across senders--> global keys (G,), occurrences summed
+                --index lookup (read only)--> rows (G,) --host tier: missing rows -> device cache, slots
+                held ("staged")--> (the owner's one host sync; no table state changes)
+    lookup      staged rows, all found: count the lookup, gather the cached rows (G, d) (no sync)
+                otherwise: the shard's full lookup (admission / eviction / tiers, as DynamicEmbedding)
                 --per sender (R, d)--all_to_all_single (autograd)--> (U, d) --inverse--> ids.shape + (d,)
+
+``stage`` only reads the table, so it may run a step early (``recforge.train.pipeline_step``: on a
+side stream, in a worker thread, with its own process group) while the previous step's optimizer is
+still to update the rows: ``lookup`` reads the rows' values when it runs, after that update. An
+eviction between ``stage`` and ``lookup`` (``DynamicEmbedding.stage_epoch``) or an ID that had no row
+makes ``lookup`` redo the owner's part the ordinary way, so a staged lookup equals one made at use.
     backward    (N, d) -> summed per local key (U, d) -all_to_all-> (R, d) -summed per row-> (G, d)
                 -> the owner shard's pending row gradients; ``apply_gradients`` updates only there.
 
@@ -46,7 +55,8 @@ from torch import Tensor, nn
 
 from recforge.sparse.hash_table import mix
 from recforge.sparse.ids import check_ids, raise_negative, unique_keys
-from recforge.sparse.table import DynamicEmbedding, TableConfig
+from recforge.sparse.storage import TieredStore
+from recforge.sparse.table import DynamicEmbedding, TableConfig, _GatherRows
 
 _RANK_SEED = 0x9E3779B97F4A7C15 & (2**62 - 1)  # spreads the row-initialisation seeds of shards > 0
 
@@ -90,6 +100,21 @@ class _AllToAll(torch.autograd.Function):
 
 
 @dataclass
+class StagedRows:
+    """The owner's part of a lookup, prepared by ``ShardedDynamicEmbedding.stage`` without changing the table."""
+
+    keys: Tensor  # (G,) distinct received keys (ascending without tags: torch.unique's order)
+    tags: Tensor | None  # (G,) their tags (tagged lookups)
+    occurrences: Tensor  # (G,) summed over senders
+    inverse: Tensor  # (R,) each received key's index in ``keys``
+    rows: Tensor  # (G,) each key's row when staged, -1 where it had none
+    slots: Tensor  # (G,) the rows' cache slots (held until the lookup), -1 where not cached
+    ready: bool  # every key had a row, was asked for by a real batch and is cached: the lookup needs no sync
+    n_ids: int  # occurrences in all (the lookup's ``ids`` count)
+    epoch: tuple[int, int]  # (table.stage_epoch, store.generation) when staged: a change makes ``rows``/``slots`` stale
+
+
+@dataclass
 class DistributedIds:
     """The first phase of a sharded lookup (``ShardedDynamicEmbedding.distribute``), waiting for ``lookup``.
 
@@ -106,6 +131,15 @@ class DistributedIds:
     recv_splits: list[int] | None = None  # keys received from each rank
     received: Tensor | None = None  # (R, 3) int64: key, tag, occurrences (valid after ``wait``)
     work: dist.Work | None = None
+    staged: StagedRows | None = None  # the owner's part, once ``stage`` ran
+
+    def tensors(self) -> list[Tensor]:
+        """The device tensors this handle holds (a pipeline hands them from a side stream to the compute stream)."""
+        held = [self.ids, self.tags, self.position, self.received]
+        if self.staged is not None:
+            held += [self.staged.keys, self.staged.tags, self.staged.occurrences, self.staged.inverse, self.staged.rows,
+                     self.staged.slots]  # fmt: skip
+        return [t for t in held if t is not None]
 
     def wait(self) -> None:
         """Block until the key all-to-all has landed (on CUDA: order the current stream after it)."""
@@ -156,6 +190,7 @@ class ShardedDynamicEmbedding(nn.Module):
             self.shard.generator.manual_seed((cfg.seed + self.rank * _RANK_SEED) & (2**63 - 1))
         self.standin_here = False  # this rank's lookups are a stand-in: their IDs are sent with 0 occurrences
         self.standin_anywhere = False  # some rank's are: owners look up 0-occurrence IDs read-only
+        self.staged_reads = 0  # lookups that read staged rows with no host sync (for logs, benchmarks and tests)
 
     @property
     def device(self) -> torch.device:
@@ -199,41 +234,124 @@ class ShardedDynamicEmbedding(nn.Module):
         """
         return self.lookup(self.distribute(ids, tags), admit)
 
-    def distribute(self, ids: Tensor, tags: Tensor | None = None) -> DistributedIds:
-        """Phase 1: local dedup and the all-to-all of unique IDs to their owners (started, not awaited)."""
+    def distribute(self, ids: Tensor, tags: Tensor | None = None, *, group: dist.ProcessGroup | None = None,
+                   standin: bool | None = None) -> DistributedIds:  # fmt: skip
+        """Phase 1: local dedup and the all-to-all of unique IDs to their owners (started, not awaited).
+
+        ``group``: the process group of the ID all-to-all (default: the table's; a pipeline passes its own, so
+        the exchange never queues behind the dense all-reduce). ``standin``: this rank's IDs are a stand-in
+        (sent with 0 occurrences; default: ``standin_lookups``' setting). One host synchronisation.
+        """
         ids = check_ids(ids, negatives=False)  # negative IDs are caught at the split sizes' host sync
         flat = ids.reshape(-1).to(self.device)
         flat_tags = None if tags is None else tags.reshape(-1).to(self.device, torch.int64)
         if not self.collective:
             return DistributedIds(ids.shape, ids=flat, tags=flat_tags, has_tags=tags is not None)
-        keys, key_tags, inverse, occurrences = unique_keys(flat, flat_tags)
-        if self.standin_here:
-            occurrences = torch.zeros_like(occurrences)
-        owner = self.owners(keys, key_tags)  # (U,)
-        order = torch.argsort(owner, stable=True)
-        send = torch.stack([keys[order], key_tags[order], occurrences[order]], 1)  # (U, 3)
-        position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))[inverse]  # (N,)
-        send_splits, recv_splits, smallest = self._exchange_splits(owner, keys)
+        group = group or self.group
+        standin = self.standin_here if standin is None else standin
+        if flat_tags is None:
+            send, position, owner_counts, smallest = self._sorted_send(flat)
+        else:
+            keys, key_tags, inverse, occurrences = unique_keys(flat, flat_tags)
+            owner = self.owners(keys, key_tags)  # (U,)
+            order = torch.argsort(owner, stable=True)
+            send = torch.stack([keys[order], key_tags[order], occurrences[order]], 1)  # (U, 3)
+            position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))[inverse]
+            owner_counts = torch.bincount(owner, minlength=self.world_size)
+            smallest = keys.min().view(1) if keys.numel() else keys.new_zeros(1)
+        send_splits, recv_splits, smallest = self._exchange_splits(owner_counts, smallest, group)
         if smallest < 0:
             raise_negative(flat)
+        send = send[: sum(send_splits)]
+        if standin:
+            send = torch.stack([send[:, 0], send[:, 1], torch.zeros_like(send[:, 2])], 1)
         received = send.new_empty(sum(recv_splits), 3)
-        work = dist.all_to_all_single(received, send, recv_splits, send_splits, group=self.group, async_op=True)
+        work = dist.all_to_all_single(received, send, recv_splits, send_splits, group=group, async_op=True)
         return DistributedIds(ids.shape, has_tags=tags is not None, position=position, send_splits=send_splits,
                               recv_splits=recv_splits, received=received, work=work)  # fmt: skip
 
-    def _exchange_splits(self, owner: Tensor, keys: Tensor) -> tuple[list[int], list[int], int]:
-        """(keys this rank sends to each rank, keys it receives from each, its smallest key or 0):
-        one all-to-all of counts, one host sync."""
+    def _sorted_send(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Local dedup without a host sync: (send (N, 3) whose first U rows are the distinct (key, 0, occurrences)
+        ordered by owner then key, each id's index among them (N,), distinct keys per owner (W,), smallest id (1,))."""
+        n, w = flat.numel(), self.world_size
+        if n == 0:
+            empty = flat.new_zeros(0)
+            return flat.new_zeros(0, 3), empty, flat.new_zeros(w), flat.new_zeros(1)
+        sorted_ids, sort_order = torch.sort(flat)
+        start = torch.ones(n, dtype=torch.bool, device=flat.device)
+        start[1:] = sorted_ids[1:] != sorted_ids[:-1]
+        group = torch.cumsum(start, 0) - 1  # (N,) distinct-key index of each sorted id
+        occurrences = torch.zeros(n, dtype=torch.int64, device=flat.device).index_add_(0, group, torch.ones_like(group))
+        owner = torch.where(start, self.owners(sorted_ids, torch.zeros_like(sorted_ids)), w)  # (N,) repeats: past the ranks
+        order = torch.argsort(owner, stable=True)  # distinct keys by owner (ascending keys within), then the repeats
+        index_of = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=flat.device))  # sorted id -> its row in send
+        first = torch.cummax(torch.where(start, torch.arange(n, device=flat.device), 0), 0).values  # its key's first sorted id
+        position = torch.empty_like(order).index_copy_(0, sort_order, index_of[first])  # (N,) in the ids' order
+        send = torch.stack([sorted_ids, torch.zeros_like(sorted_ids), occurrences[group]], 1)[order]  # (N, 3)
+        return send, position, torch.bincount(owner, minlength=w + 1)[:w], sorted_ids[:1]
+
+    def _exchange_splits(self, send_counts: Tensor, smallest: Tensor, group: dist.ProcessGroup | None = None,
+                         ) -> tuple[list[int], list[int], int]:  # fmt: skip
+        """(keys this rank sends to each rank, keys it receives from each, ``smallest`` (1,)): one all-to-all
+        of counts, one host sync."""
         w = self.world_size
-        send_counts = torch.bincount(owner, minlength=w)  # (W,)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        smallest = keys.min().view(1) if keys.numel() else keys.new_zeros(1)
+        dist.all_to_all_single(recv_counts, send_counts, group=group or self.group)
         facts = torch.cat([send_counts, recv_counts, smallest]).tolist()
         return facts[:w], facts[w : 2 * w], facts[-1]
 
+    def stage(self, handle: DistributedIds) -> None:
+        """Phase 2a, read-only: dedup the received keys, find their rows, bring missing rows of the host tier
+        into the device cache and hold their slots until ``lookup`` (one host sync; changes no table state).
+
+        May run a step ahead, before the previous step's optimizer update: ``lookup`` reads the values.
+        """
+        if handle.ids is not None or handle.staged is not None:
+            return
+        handle.wait()
+        shard, store = self.shard, self.shard.store
+        with torch.no_grad():
+            recv_keys, recv_tags, recv_occ = handle.received.unbind(1)  # (R,) each
+            r = recv_keys.numel()
+            if handle.has_tags or r == 0:  # tagged (a collection's shared table): unique_keys, a sync of its own
+                keys, tags, inverse, _ = unique_keys(recv_keys, recv_tags if handle.has_tags else None)
+                tags = tags if handle.has_tags else None
+                occ = torch.zeros(keys.numel(), dtype=torch.int64, device=keys.device).index_add_(0, inverse, recv_occ)
+                found = shard.index.lookup(keys, tags)  # (G,)
+                distinct, absent = occ.new_full((1,), keys.numel()), (found < 0).sum().view(1)
+                smallest_occ = occ.min().view(1) if occ.numel() else occ.new_ones(1)
+            else:  # sort-based dedup: G is read at the one sync below, with everything else
+                sorted_keys, order = torch.sort(recv_keys)
+                start = torch.ones(r, dtype=torch.bool, device=recv_keys.device)
+                start[1:] = sorted_keys[1:] != sorted_keys[:-1]
+                group = torch.cumsum(start, 0) - 1  # (R,) distinct-key index of each sorted key
+                occ = torch.zeros(r, dtype=torch.int64, device=recv_keys.device).index_add_(0, group, recv_occ[order])
+                found = shard.index.lookup(sorted_keys, None)  # (R,) duplicates find the same row
+                inverse = torch.empty_like(group).index_copy_(0, order, group)
+                distinct, absent = group[-1:] + 1, ((found < 0) & start).sum().view(1)
+                smallest_occ = torch.where(torch.arange(r, device=occ.device) < distinct, occ, 1 << 62).min().view(1)
+            facts = torch.cat([distinct, absent, occ.sum().view(1), smallest_occ])
+            if isinstance(store, TieredStore):  # the rows go to the cache on this (side) stream, in the same sync
+                mark = torch.zeros(shard.num_rows + 1, dtype=torch.bool, device=found.device)  # [R]: scratch for -1
+                mark.index_fill_(0, torch.where(found >= 0, found, shard.num_rows), True)
+                _, facts, cached = store.ensure_marked(mark[:-1], 1, facts, stage=True)
+            else:
+                facts, cached = facts.tolist(), True
+            g, n_absent, n_ids, smallest_occ = facts
+            if not (handle.has_tags or r == 0):
+                keys = sorted_keys.new_empty(g).scatter_(0, group, sorted_keys)  # a group's writes are all equal
+                found = found.new_empty(g).scatter_(0, group, found)
+                occ, tags = occ[:g], None
+            slots = store.row_to_slot[torch.where(found >= 0, found, shard.num_rows)] if isinstance(store, TieredStore) else found
+        ready = n_absent == 0 and smallest_occ > 0 and cached
+        handle.staged = StagedRows(keys, tags, occ, inverse, found, slots, ready, n_ids, (shard.stage_epoch, store.generation))
+
     def lookup(self, handle: DistributedIds, admit: bool = True) -> Tensor:
-        """Phase 2: the owner's lookup (admission in training, as ``DynamicEmbedding``) and the embeddings' way back."""
+        """Phase 2b: the owner's lookup (admission in training, as ``DynamicEmbedding``) and the embeddings' way back.
+
+        A lookup staged earlier (``stage``) whose rows all exist, are cached and are still theirs reads them
+        with no host sync; any other goes through the shard's full lookup.
+        """
         if handle.ids is not None:
             ids, tags = handle.ids.view(handle.shape), None if handle.tags is None else handle.tags.view(handle.shape)
             if self.standin_here and self.training:  # no other rank: a stand-in only reads
@@ -244,16 +362,24 @@ class ShardedDynamicEmbedding(nn.Module):
                     finally:
                         self.shard.train()
             return self.shard(ids, tags, admit)
-        handle.wait()
-        recv_keys, recv_tags, recv_occ = handle.received.unbind(1)  # (R,) each
-        if handle.has_tags:
-            keys, tags, inverse, _ = unique_keys(recv_keys, recv_tags)
-        else:  # the order DynamicEmbedding admits in (sorted keys): world size 1 draws the same rows
-            keys, inverse = torch.unique(recv_keys, return_inverse=True)
-            tags = None
-        occurrences = torch.zeros(keys.numel(), dtype=torch.int64, device=keys.device).index_add_(0, inverse, recv_occ)
-        unique_emb = self._owner_rows(keys, tags, occurrences, admit)  # (G, d)
-        sent_back = F.embedding(inverse, unique_emb)  # (R, d): each sender's keys, in the order it sent them
+        self.stage(handle)
+        staged, shard = handle.staged, self.shard
+        current = staged.epoch == (shard.stage_epoch, shard.store.generation)
+        if staged.ready and current and self.training and torch.is_grad_enabled():
+            self.staged_reads += 1
+            if staged.rows.numel():  # as DynamicEmbedding._rows, which counts only lookups with keys
+                shard._stats["lookups"] += 1
+                shard._stats["ids"] += staged.n_ids
+            shard._touch(staged.rows, staged.occurrences)  # what the full lookup counts for the eviction policy
+            shard.store.claim_staged(staged.slots)  # held until this step's optimizer update, as ensure(pin=True)
+            unique_emb = _GatherRows.apply(shard._anchor, shard, staged.slots, staged.rows)  # (G, d)
+        else:
+            if current:
+                shard.store.unstage(staged.slots)
+            else:  # the slots may hold other rows now: drop every hold (a step stages one batch)
+                shard.store.release_staged()
+            unique_emb = self._owner_rows(staged.keys, staged.tags, staged.occurrences, admit)  # (G, d)
+        sent_back = F.embedding(staged.inverse, unique_emb)  # (R, d): each sender's keys, in the order it sent them
         out = _AllToAll.apply(sent_back, handle.send_splits, handle.recv_splits, self.group)  # (U, d); backward: to the owners
         return F.embedding(handle.position, out).view(*handle.shape, self.dim)
 
@@ -294,7 +420,7 @@ class ShardedDynamicEmbedding(nn.Module):
             flat = torch.unique(check_ids(ids, "prefetch ids").reshape(-1).to(self.device))
             owner = self.owners(flat, torch.zeros_like(flat))
             order = torch.argsort(owner, stable=True)
-            send_splits, recv_splits, _ = self._exchange_splits(owner, flat)
+            send_splits, recv_splits, _ = self._exchange_splits(torch.bincount(owner, minlength=self.world_size), flat.new_zeros(1))
             received = flat.new_empty(sum(recv_splits))
             dist.all_to_all_single(received, flat[order], recv_splits, send_splits, group=self.group)
             batches.append(received)
@@ -315,7 +441,7 @@ class ShardedDynamicEmbedding(nn.Module):
         feedback.index_add_(0, inverse, torch.stack([shows.reshape(-1), clicks.reshape(-1)], 1).to(self.device, torch.float32))
         owner = self.owners(keys, key_tags)
         order = torch.argsort(owner, stable=True)
-        send_splits, recv_splits, _ = self._exchange_splits(owner, keys)
+        send_splits, recv_splits, _ = self._exchange_splits(torch.bincount(owner, minlength=self.world_size), keys.new_zeros(1))
         recv_keys = keys.new_empty(sum(recv_splits), 2)
         dist.all_to_all_single(recv_keys, torch.stack([keys, key_tags], 1)[order], recv_splits, send_splits, group=self.group)
         recv_feedback = feedback.new_empty(sum(recv_splits), 2)

@@ -5,6 +5,7 @@ Both stores expose the same small interface to the table and its optimizer:
     slots = store.ensure(rows, pin=True)   # rows -> indices into store.weight / store.state
     store.weight[slots], store.state[name][slots]   # where lookups read and updates write
     store.unpin_all(); store.flush(); store.host_rows(rows); store.grow(n)
+    store.stage(slots); store.claim_staged(slots); store.unstage(slots); store.release_staged()   # lookups staged a step ahead
 
 ``RowStore`` keeps everything in one tensor per field: slots are rows. ``TieredStore``
 keeps the full table (weights and optimizer state) in host memory (pinned when the
@@ -31,6 +32,11 @@ A prefetch runs on a side stream (``side_stream``): its copies overlap the backw
 queued after it, and the compute stream waits for it at the store's next call. On the CUDA path it
 hands over a bitmap of the rows it wants (``ensure_marked``): the miss count, the free slots and the
 caller's checks are read in one synchronisation, with no sort or list of the rows first.
+
+A lookup staged a step ahead (``ShardedDynamicEmbedding.stage``) keeps its rows' slots in ``staged``:
+like ``pinned`` they are never victims, but ``unpin_all`` (the end of the current step) leaves them,
+so they stay cached until the next step's lookup claims them (``claim_staged``: staged -> pinned).
+``generation`` counts ``write_rows`` calls, which move rows out of the cache under a staged lookup.
 """
 
 from __future__ import annotations
@@ -66,6 +72,20 @@ class RowStore:
 
     def ensure(self, rows: Tensor, pin: bool = True, future: int = 0) -> Tensor:
         return rows
+
+    generation = 0  # slots are rows: nothing moves them
+
+    def stage(self, slots: Tensor) -> None:
+        pass
+
+    def claim_staged(self, slots: Tensor) -> None:
+        pass
+
+    def unstage(self, slots: Tensor) -> None:
+        pass
+
+    def release_staged(self) -> None:
+        pass
 
     def read(self, rows: Tensor) -> Tensor:
         """Weights of ``rows`` without caching them (lookups outside training)."""
@@ -117,6 +137,9 @@ class TieredStore:
         self.stamp = torch.full((cache_rows,), -1, dtype=torch.int64, device=device)  # LRU clock per slot
         self.dirty = torch.zeros(cache_rows, dtype=torch.bool, device=device)
         self.pinned = torch.zeros(cache_rows, dtype=torch.bool, device=device)
+        self._staged = torch.zeros(cache_rows + 1, dtype=torch.bool, device=device)  # [C]: scratch for slot -1
+        self.staged = self._staged[:cache_rows]  # slots held for a lookup staged a step ahead (never victims)
+        self.generation = 0  # write_rows calls: a staged lookup's slots are stale after one
         self.clock = 0
         self.counts = {"cache_hits": 0, "cache_misses": 0, "rows_loaded": 0, "rows_written_back": 0}
         self.uva = self.pin and kernels.available(device)  # GPU reads/writes the pinned host table itself
@@ -218,13 +241,14 @@ class TieredStore:
             self.pinned.index_fill_(0, slots, True)
         return slots
 
-    def ensure_marked(self, marked: Tensor, future: int, extra: Tensor) -> tuple[int, list[int]]:
+    def ensure_marked(self, marked: Tensor, future: int, extra: Tensor, stage: bool = False) -> tuple[int, list[int], bool]:
         """``ensure(rows, pin=False, future)`` (a prefetch) for the rows where ``marked`` (R,) is True, in one sync.
 
         Works on the bitmap, without listing the rows first: the miss count and the cache's free
         slots are read in one synchronisation, together with the caller's ``extra`` (k,) int64 device
-        values. Loads the same rows as ``ensure`` given the marked rows ascending. Returns (rows marked,
-        ``extra`` read back).
+        values. Loads the same rows as ``ensure`` given the marked rows ascending. ``stage``: the marked
+        rows' slots are held for a staged lookup (``stage``). Returns (rows marked, ``extra`` read back,
+        whether every marked row is now cached).
         """
         self._join()
         self.clock += 1
@@ -244,7 +268,9 @@ class TieredStore:
             loaded = self._fill(missing_rows, torch.full_like(missing_rows, -1), torch.arange(n, device=self.device), victims)
             slots = torch.cat([slots, loaded])
         self.stamp.index_fill_(0, slots, self.clock + future)
-        return total, extra_values
+        if stage:
+            self.stage(slots)
+        return total, extra_values, n_miss <= available
 
     def _fill(self, rows: Tensor, slots: Tensor, miss: Tensor, victims: Tensor) -> Tensor:
         """Load ``rows[miss]`` into the ``victims`` slots (writing dirty victims back); ``slots`` with them filled in."""
@@ -277,9 +303,9 @@ class TieredStore:
         return out
 
     def _victim_keys(self, protect: Tensor) -> Tensor:
-        """(C,) each slot's LRU stamp (-1: empty), ``_TOP`` where pinned or in ``protect`` (-1 entries: none)."""
+        """(C,) each slot's LRU stamp (-1: empty), ``_TOP`` where pinned, staged or in ``protect`` (-1 entries: none)."""
         key = torch.empty(self.cache_rows + 1, dtype=torch.int64, device=self.device)  # [C]: scratch for -1
-        key[: self.cache_rows] = self.stamp.masked_fill(self.pinned, _TOP)
+        key[: self.cache_rows] = self.stamp.masked_fill(self.pinned | self.staged, _TOP)
         key.index_fill_(0, torch.where(protect >= 0, protect, self.cache_rows), _TOP)
         return key[: self.cache_rows]
 
@@ -308,8 +334,29 @@ class TieredStore:
         self.dirty.index_fill_(0, slots, True)  # dirty[slots] = True would synchronise (host copy of True)
 
     def unpin_all(self) -> None:
+        """Release the current step's rows (staged ones stay held for the next step)."""
         self._join()
         self.pinned.zero_()
+
+    def stage(self, slots: Tensor) -> None:
+        """Hold ``slots`` (-1 entries: none) for a lookup staged ahead, past this step's ``unpin_all``."""
+        self._staged.index_fill_(0, torch.where(slots >= 0, slots, self.cache_rows), True)
+
+    def claim_staged(self, slots: Tensor) -> None:
+        """The staged lookup runs: its ``slots`` (all cached) become the current step's pinned slots."""
+        self._join()
+        self.staged.index_fill_(0, slots, False)
+        self.pinned.index_fill_(0, slots, True)
+
+    def unstage(self, slots: Tensor) -> None:
+        """Drop the staged hold of ``slots`` (-1 entries: none), e.g. a staged lookup that is redone."""
+        self._join()
+        self._staged.index_fill_(0, torch.where(slots >= 0, slots, self.cache_rows), False)
+
+    def release_staged(self) -> None:
+        """Forget every staged hold (staged lookups that will not run)."""
+        self._join()
+        self._staged.zero_()
 
     def flush(self) -> None:
         """Write every dirty cached row back to the host table."""
@@ -333,6 +380,7 @@ class TieredStore:
     def write_rows(self, rows: Tensor, weight: Tensor, state: dict[str, Tensor]) -> None:
         self.flush()
         self._host_sync()
+        self.generation += 1
         slots = self.row_to_slot[rows]
         cached = slots >= 0  # drop stale cached copies: the next use reloads from host
         self.row_to_slot[rows[cached]] = -1

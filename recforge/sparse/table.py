@@ -137,10 +137,12 @@ class DynamicEmbedding(nn.Module):
         self.cfg, self.device = cfg, torch.device(device)
         self.dim = cfg.dim
         self.clock = time.time  # seconds for TTL; replaceable (tests)
+        self.stage_epoch = 0  # bumped when IDs lose their rows (eviction, rebuild): lookups staged before are stale
         self._build(cfg.capacity)
 
     def _build(self, rows: int) -> None:
         cfg, dev = self.cfg, self.device
+        self.stage_epoch += 1
         self.step = 0
         self.index = make_index(rows, dev, cfg.index)
         spec = state_spec(cfg.optimizer.kind, cfg.dim)
@@ -436,6 +438,7 @@ class DynamicEmbedding(nn.Module):
         """Drop ``rows``' IDs from the table; the rows go back on the free stack (counted in ``stats``)."""
         if rows.numel() == 0:
             return
+        self.stage_epoch += 1
         keys, tags = self.row_key[rows], self.row_tag[rows]
         self.index.delete(keys, tags)
         if self.deleted is not None:
@@ -531,7 +534,7 @@ class DynamicEmbedding(nn.Module):
                     # a bitmap of the rows, no sort (lookup.py); the store's one sync also reads the negative-id flag
                     # and finishes this stream's reads of the index before a later insert could replace it
                     mark = mark_rows(flat, self.index, self.num_rows)  # (R + 2,)
-                    count, (negative,) = self.store.ensure_marked(mark[2:], ahead, mark[:1].long())
+                    count, (negative,), _ = self.store.ensure_marked(mark[2:], ahead, mark[:1].long())
                     if negative:
                         raise_negative(flat, "prefetch ids")
                 else:

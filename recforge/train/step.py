@@ -81,7 +81,7 @@ class StepRunner:
         self.units_fn, self.summed, self.sparse_optimizer = units_fn, summed, sparse_optimizer
         self._last: Any = None  # this rank's last real batch: the stand-in when it has none
         tables = {n: m for n, m in model.named_modules() if isinstance(m, AheadTable)}
-        self.ahead = LookAhead(tables, announce=ctx.is_main) if tables else None
+        self.ahead = LookAhead(tables, device, announce=ctx.is_main) if tables else None
         self.upcoming: Callable[[], list] | None = None  # the next step's micro-batches (StepInputs.peek)
 
     def set_upcoming(self, peek: Callable[[], list] | None) -> None:
@@ -89,19 +89,18 @@ class StepRunner:
         self.upcoming = peek if self.ahead is not None else None
         if peek is None and self.ahead is not None:
             self.ahead.drop()  # e.g. started for a step a step budget (train.max_steps) then skipped
-            if self.ctx.is_main and any((self.ahead.features or {}).values()):
+            if self.ctx.is_main and any((self.ahead.paths or {}).values()):
                 used = {name: t.lookups_ahead for name, t in self.ahead.tables.items()}
-                log.info("lookups that used an input distribution started a step ahead, so far: %s", used)
+                log.info("lookups staged a step ahead, so far: %s", used)
 
     def _start_next(self) -> None:
-        """Distribute the next step's first micro-batch's IDs (its stand-in on a rank without data, as
-        ``__call__`` will pick it), so every rank starts the same collectives."""
+        """Distribute and stage the next step's first micro-batch's lookups in the sparse worker (its stand-in
+        on a rank without data, as ``__call__`` will pick it), so every rank starts the same collectives."""
         upcoming = self.upcoming()
         last = next((b for b in reversed(upcoming) if b is not None), self._last)
         first = upcoming[0] if upcoming[0] is not None else last
         if first is not None:
-            with standin_lookups(self.model, here=upcoming[0] is None, anywhere=False):  # stand-in IDs: 0 occurrences
-                self.ahead.start(first)
+            self.ahead.start(first, standin=upcoming[0] is None)  # stand-in IDs: 0 occurrences
 
     @contextlib.contextmanager
     def full_weights(self):
@@ -159,6 +158,8 @@ class StepRunner:
         if self.cfg.optim.grad_clip > 0:  # gradients are already reduced: this is the norm over all ranks
             torch.nn.utils.clip_grad_norm_(self.objective.parameters(), self.cfg.optim.grad_clip)
         self.optimizer.step()
+        if self.ahead is not None:
+            self.ahead.wait()  # the next step's staging (overlapping backward and the dense update) is done
         if self.sparse_optimizer is not None:
             self.sparse_optimizer.step(lr_scale=lr_scale)
         total_loss, total_tokens = self.ctx.all_reduce_sum([float(loss_sum), tokens])
@@ -180,7 +181,7 @@ class StepRunner:
             if i == 0 and self.ahead is not None:
                 self.ahead.drop()  # what this step's forward did not use
             if last and self.upcoming is not None:
-                self._start_next()  # the next step's ID all-to-all overlaps this backward
+                self._start_next()  # the next step's sparse input overlaps this backward and the dense update
             (objective * weight).backward()
         return loss
 

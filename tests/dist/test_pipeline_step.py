@@ -1,0 +1,145 @@
+"""The sparse pipeline (``recforge.train.pipeline_step``): a step's lookups staged during the previous step train
+exactly as unstaged ones, on 1 and 2 gloo ranks, with heavily overlapping IDs, a host tier, admission and eviction."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sparse"))
+from _dist import spawn  # noqa: E402
+
+from recforge.config import RunConfig  # noqa: E402
+from recforge.sparse import AdmissionConfig, EvictionConfig, SparseOptimConfig, SparseOptimizer, TableConfig  # noqa: E402
+from recforge.train.distributed import DistContext  # noqa: E402
+from recforge.train.inputs import StepInputs  # noqa: E402
+from recforge.train.pipeline_step import AheadTable  # noqa: E402
+from recforge.train.step import StepRunner  # noqa: E402
+
+D, POOL, STEPS, NEG = 8, 40, 24, 6
+
+
+@dataclasses.dataclass
+class Batch:
+    """The tensors a recipe's batch carries: features and labels (the lookups' IDs), a loss weight."""
+
+    features: dict[str, torch.Tensor]
+    labels: dict[str, torch.Tensor]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.features["item_ids"].numel()
+
+    def to(self, device, non_blocking: bool = False) -> Batch:
+        return Batch({k: v.to(device) for k, v in self.features.items()}, {k: v.to(device) for k, v in self.labels.items()})
+
+
+class Tiny(nn.Module):
+    def __init__(self, cfg: TableConfig) -> None:
+        super().__init__()
+        self.table = AheadTable(cfg)
+        self.table.shard.clock = lambda: 0.0  # TTL/last_time: the same in both runs
+        self.proj = nn.Linear(D, D)
+        self.pool = torch.randint(0, 2**62, (POOL,), generator=torch.Generator().manual_seed(3))
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        history = self.table(batch.features["item_ids"])  # (B, L, D): staged a step ahead
+        target = self.table(batch.labels["next_item"])  # (B, D): staged a step ahead
+        negatives = self.table(self.pool[torch.randint(0, POOL, (NEG,))])  # (NEG, D): made here, looked up at use
+        user = self.proj(history.mean(1))  # (B, D)
+        logits = torch.cat([(user * target).sum(-1, keepdim=True), user @ negatives.T], 1)  # (B, 1 + NEG)
+        loss = -torch.log_softmax(logits, 1)[:, 0].mean()
+        return loss, loss
+
+
+def _batches(rank: int, world_size: int) -> list[Batch | None]:
+    """Zipf-like draws from a pool of 40 IDs: most IDs recur within a step, across ranks and in consecutive steps.
+    The last rank's data ends a step early (a stand-in step)."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    pool = torch.randint(0, 2**62, (POOL,), generator=torch.Generator().manual_seed(3))
+    weights = 1.0 / torch.arange(1, POOL + 1).double()
+    out: list[Batch | None] = []
+    for step in range(STEPS):
+        if rank == world_size - 1 and world_size > 1 and step == STEPS - 1:
+            out.append(None)
+            continue
+        history = pool[torch.multinomial(weights, 4 * 5, replacement=True, generator=gen)].view(4, 5)
+        target = pool[torch.multinomial(weights, 4, replacement=True, generator=gen)]
+        out.append(Batch({"item_ids": history}, {"next_item": target}))
+    return out
+
+
+def _train(cfg_table: TableConfig, pipeline: bool, rank: int, world_size: int) -> tuple[list[float], Tiny, StepRunner]:
+    torch.manual_seed(0)
+    model = Tiny(cfg_table)
+    cfg = RunConfig()
+    cfg.optim.lr = 0.01
+    ctx = DistContext(rank, world_size, rank, initialized=True)
+    runner = StepRunner(cfg, model, torch.device("cpu"), ctx, loss_fn=model.loss, units_fn=lambda b: float(b.labels["next_item"].numel()),
+                        sparse_optimizer=SparseOptimizer([model]))  # fmt: skip
+    batches = _batches(rank, world_size)
+    inputs = StepInputs(iter([[b] for b in batches] + [[None]] * 2), build=lambda b: b, device=torch.device("cpu"),
+                        snapshot=None, prefetch=pipeline)  # fmt: skip
+    runner.set_upcoming(inputs.peek if pipeline else None)
+    losses = []
+    torch.manual_seed(1)  # the negatives
+    try:
+        for _ in range(STEPS):
+            result = runner(next(inputs).micro)
+            losses.append(result.loss)
+    finally:
+        runner.set_upcoming(None)
+        inputs.close()
+    return losses, model, runner
+
+
+def _table_state(table: AheadTable) -> dict[int, tuple]:
+    shard = table.shard
+    live = shard.live_rows()
+    weight, state = shard.store.host_rows(live)
+    counters = {k: v[live] for k, v in shard.counters.tensors().items()}
+    return {int(key): (weight[i], *(s[i] for s in state.values()), *(c[i] for c in counters.values()))
+            for i, key in enumerate(shard.row_key[live].tolist())}  # fmt: skip
+
+
+def _equal_worker(rank: int, world_size: int, cfg_table: TableConfig) -> None:
+    off_losses, off, _ = _train(cfg_table, False, rank, world_size)
+    on_losses, on, runner = _train(cfg_table, True, rank, world_size)
+    assert on_losses == off_losses, (on_losses, off_losses)  # bitwise
+    for (name, p_on), p_off in zip(on.named_parameters(), off.parameters(), strict=True):
+        assert torch.equal(p_on, p_off), name
+    state_on, state_off = _table_state(on.table), _table_state(off.table)
+    assert state_on.keys() == state_off.keys()
+    for key, values in state_on.items():
+        for a, b in zip(values, state_off[key], strict=True):
+            assert torch.equal(a, b), key
+    names = ("lookups", "ids", "admitted", "not_admitted", "evicted", "updated_rows")
+    assert {n: on.table.stats[n] for n in names} == {n: off.table.stats[n] for n in names}
+    # the pipeline really ran ahead: history and target lookups of every step but the first used staged handles
+    assert runner.ahead.paths == {"table": [("features", "item_ids"), ("labels", "next_item")]}
+    assert on.table.lookups_ahead == 2 * (STEPS - 1)
+    reads = torch.tensor([on.table.staged_reads])
+    dist.all_reduce(reads)
+    assert int(reads) > 0, "no staged lookup was read without redoing it"
+    stats = runner.ahead.stats
+    assert len(stats) == STEPS and all(s["stage_s"] > 0 for s in stats)
+
+
+TIERED = TableConfig(name="item", dim=D, capacity=16, init_std=0.05, seed=5, cache_rows=48,
+                     optimizer=SparseOptimConfig(kind="adam", lr=0.05))  # fmt: skip
+EVICTING = dataclasses.replace(
+    TIERED, max_rows=24, cache_rows=0, admission=AdmissionConfig(kind="count", threshold=2),
+    eviction=EvictionConfig(kind="lru", every_steps=2, ttl_steps=1, on_pressure=True),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("cfg_table", [TIERED, EVICTING], ids=["host-tier", "count-admission-lru-eviction"])
+def test_pipelined_training_equals_unpipelined(world_size: int, cfg_table: TableConfig) -> None:
+    spawn(_equal_worker, world_size, cfg_table)
