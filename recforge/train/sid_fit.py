@@ -80,8 +80,7 @@ def fit_sids(
     if Path(out).exists() and not overwrite:  # checked before the fit (minutes), not only when writing
         raise ValueError(f"{out} already exists; pass --overwrite to replace it")
     ids, vectors, featurizer = item_vectors(data_dir, source, text_dim=text_dim, seed=config.seed)
-    tok = SIDTokenizer.fit(torch.from_numpy(vectors), config)
-    codes = tok.encode(torch.from_numpy(vectors))
+    tok, codes = SIDTokenizer.fit_encode(torch.from_numpy(vectors), config)
     stats = sid_stats(codes, config.codebook_size)
     sids = add_collision_level(codes) if config.collision_level else codes
     vocab_size = max(config.codebook_size, int(sids.max()) + 1)  # tokens per level: the collision digit may need more
