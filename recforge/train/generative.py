@@ -35,7 +35,7 @@ from recforge.io import atomic_directory
 from recforge.data.dataset import load_dataset
 from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences
 from recforge.data.sid_sequences import eval_samples, history_windows, seen_mask, transition_samples
-from recforge.data.sids import SIDS_FILE, read_sids
+from recforge.data.sids import SIDS_FILE, check_embedding_run, read_sids
 from recforge.generate import SidTrie, beam_search, resolve_items
 from recforge.generate.sid_run import build_sid_model, read_run, sid_dir_of
 from recforge.models.sid_hstu import SIDHSTU
@@ -80,8 +80,10 @@ def setup(cfg: RunConfig, sid_dir: Path | None = None, ctx: DistContext | None =
     ``ctx``: the ``torchrun`` job this process is part of (None: one process)."""
     device = prepare_runtime(cfg)
     ctx = ctx or DistContext()
-    seqs = UserSequences.from_dataset(load_dataset(cfg.data.path))
+    dataset = load_dataset(cfg.data.path)
     sids = read_sids(sid_dir or sid_dir_of(cfg))
+    check_embedding_run(sids.meta, dataset.events, cfg.data.protocol, cfg.data.path)  # no held-out item shaped the SIDs
+    seqs = UserSequences.from_dataset(dataset)
     codes = sids.codes_for(seqs.item_vocab[1:])  # (N, L)
     item_codes = torch.cat([torch.zeros(1, codes.shape[1], dtype=torch.long), codes])
     trie = SidTrie.build(codes, sids.vocab_size, cfg.generative.trie).to(device)
