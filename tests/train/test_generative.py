@@ -155,7 +155,11 @@ def test_train_resume_eval_and_retrieve(tmp_path: Path, sid_data: Path, capsys: 
     # an item coded after training is retrievable without retraining (cold start through its SID)
     assert add_items(straight / "sids", _grown(tmp_path, sid_data))["added"] == 1
     fresh = Retriever.from_run(straight, device="cpu")
-    ((items, _),) = fresh.retrieve([raw[:5] + [5000]], k=5, beam=10, allowed_items=[[5000]])
+    ((items, _),) = fresh.retrieve([raw[:5]], k=5, beam=10, allowed_items=[[5000]])
+    assert items == [5000]
+    ((items, _),) = fresh.retrieve([raw[:5] + [5000]], k=5, beam=10, allowed_items=[[5000]])  # read in a history,
+    assert items == []  # and then excluded from the result, as evaluation excludes history items
+    ((items, _),) = fresh.retrieve([raw[:5] + [5000]], k=5, beam=10, allowed_items=[[5000]], exclude_history=False)
     assert items == [5000]
 
 

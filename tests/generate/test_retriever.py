@@ -1,0 +1,85 @@
+"""The Retriever follows the evaluation protocol: the same generated list as `recforge eval` for the same history."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from recforge.cli import main
+from recforge.config import load_config
+from recforge.data.sid_sequences import eval_samples
+from recforge.data.synthetic import SyntheticConfig, write_synthetic
+from recforge.generate import Retriever, search_items
+from recforge.train import generative
+
+TINY = ["model.dim=16", "model.num_blocks=1", "generative.decoder_blocks=1", "model.num_heads=2", "model.ffn_dim=32",
+        "train.threads=1", "data.max_seq_len=6", "generative.beam=12", "eval.ks=[1,5,10]"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = write_synthetic(tmp_path_factory.mktemp("retr") / "data",
+                           SyntheticConfig(num_users=40, num_items=30, seed=3, mean_seq_len=12, max_seq_len=20))  # fmt: skip
+    assert main(["sid", "fit", str(path), "--out", str(path / "sids"), "--codebook-size", "4", "--levels", "2"]) == 0
+    return path
+
+
+def _setup(data: Path, tmp_path: Path, *extra: str) -> generative.Setup:
+    cfg = load_config("configs/beauty-sid-tiger.yaml", [f"data.path={data}", f"generative.sids={data / 'sids'}",
+                      f"train.output_dir={tmp_path}", *TINY, *extra])  # fmt: skip
+    torch.manual_seed(0)
+    s = generative.setup(cfg)
+    s.model.eval()
+    return s
+
+
+def _histories(s: generative.Setup, samples: torch.Tensor) -> list[list[int]]:
+    out = []
+    for user, end in samples.tolist():
+        start = int(s.seqs.offsets[user])
+        out.append(s.seqs.item_vocab[s.seqs.item_ids[start : start + end - 1].numpy()].tolist())  # every earlier item
+    return out
+
+
+@pytest.mark.parametrize("in_search", [True, False])
+def test_retrieve_returns_the_evaluated_list(tmp_path: Path, data: Path, in_search: bool) -> None:
+    """For a history without its target, Retriever.retrieve and the evaluation generate the same items in
+    the same order: history items (all of them, beyond the model's window too) are excluded either way."""
+    s = _setup(data, tmp_path, f"generative.exclude_seen_in_search={str(in_search).lower()}")
+    samples = eval_samples(s.seqs, s.seqs.evaluable_users(1), 1)
+    items, scores, targets = generative.generated_items(s, samples, k=10)
+    histories = _histories(s, samples)
+    fresh = [i for i, h in enumerate(histories) if s.seqs.item_vocab[int(targets[i])] not in h]  # eval never drops the target
+    assert len(fresh) >= 10 and max(len(histories[i]) for i in fresh) > 6  # some histories exceed data.max_seq_len
+    retriever = Retriever(s.model, s.seqs.item_vocab, s.item_codes, s.trie, s.cfg.data.max_seq_len, in_search)
+    got = retriever.retrieve([histories[i] for i in fresh], k=10, beam=s.cfg.generative.beam)
+    for row, (got_items, got_scores) in zip(fresh, got, strict=True):
+        keep = items[row] > 0
+        assert got_items == s.seqs.item_vocab[items[row][keep].numpy()].tolist()
+        torch.testing.assert_close(torch.tensor(got_scores), scores[row][keep], rtol=1e-5, atol=1e-5)
+        assert not set(got_items) & set(histories[row])
+
+
+def test_history_items_come_back_only_when_asked(tmp_path: Path, data: Path) -> None:
+    s = _setup(data, tmp_path)
+    retriever = Retriever(s.model, s.seqs.item_vocab, s.item_codes, s.trie, s.cfg.data.max_seq_len)
+    histories = _histories(s, eval_samples(s.seqs, s.seqs.evaluable_users(1)[:8], 1))
+    codes, mask = retriever._histories(histories)
+    with torch.no_grad():
+        memory = s.model.start(codes, mask)
+        plain, _ = search_items(lambda c: s.model.next_token_logprobs(memory, c), s.trie, batch_size=8, beam=12, k=10)
+    kept = retriever.retrieve(histories, k=10, beam=12, exclude_history=False)
+    assert [items for items, _ in kept] == [s.seqs.item_vocab[row[row >= 0].numpy() + 1].tolist() for row in plain]
+    assert any(set(items) & set(h) for (items, _), h in zip(kept, histories, strict=True))  # repeats are possible
+    # allowed items and the history exclusion combine; a free beam drops history items from its result
+    allowed = [histories[0][:2] + [int(v) for v in s.seqs.item_vocab[1:6]]] + [None] * 7
+    restricted = retriever.retrieve(histories, k=10, beam=12, allowed_items=allowed)
+    assert set(restricted[0][0]) <= set(allowed[0]) - set(histories[0])
+    free = retriever.retrieve(histories, k=10, beam=12, constrained=False)
+    assert all(not set(items) & set(h) for (items, _), h in zip(free, histories, strict=True))
+    with pytest.raises(ValueError, match="constrained beam"):
+        retriever.retrieve(histories, k=10, beam=12, allowed_items=allowed, constrained=False)
+    assert np.all(np.diff(restricted[1][1]) <= 0)
