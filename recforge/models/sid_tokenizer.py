@@ -48,15 +48,24 @@ class TokenizerConfig:
     rqvae_beta: float = 0.25  # commitment weight
 
     def validate(self) -> None:
+        """Raise ``ValueError`` listing every bad field (with its `recforge sid fit` flag where it has one)."""
         problems = []
         if self.method not in ("rkmeans", "rqvae"):
-            problems.append(f"method={self.method!r}: expected rkmeans or rqvae")
-        if self.levels < 1 or self.codebook_size < 2:
-            problems.append(f"levels ({self.levels}) must be >= 1 and codebook_size ({self.codebook_size}) >= 2")
+            problems.append(f"method={self.method!r} (--method): expected rkmeans or rqvae")
+        if self.levels < 1:
+            problems.append(f"levels={self.levels} (--levels): need at least 1 quantization level (default 3)")
+        if self.codebook_size < 2:
+            problems.append(f"codebook_size={self.codebook_size} (--codebook-size): need at least 2 codes per level (default 256)")
         if self.balanced and self.method != "rkmeans":
-            problems.append("balanced=True is an option of method=rkmeans")
+            problems.append("balanced=True (--balanced) is an option of --method rkmeans; drop it or use rkmeans")
+        for name in ("kmeans_iters", "rqvae_latent_dim", "rqvae_hidden", "rqvae_epochs", "rqvae_batch_size"):
+            if getattr(self, name) < 1:
+                flag = " (--rqvae-epochs)" if name == "rqvae_epochs" else ""
+                problems.append(f"{name}={getattr(self, name)}{flag}: must be >= 1")
+        if not self.rqvae_lr > 0 or self.rqvae_beta < 0:
+            problems.append(f"rqvae_lr={self.rqvae_lr} must be > 0 and rqvae_beta={self.rqvae_beta} >= 0")
         if problems:
-            raise ValueError("SID tokenizer config: " + "; ".join(problems))
+            raise ValueError("SID tokenizer settings: " + "; ".join(problems))
 
 
 def _mlp(sizes: list[int]) -> nn.Sequential:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from recforge.data.dataset import load_dataset
-from recforge.data.sid_features import TextFeaturizer, embedding_column, item_documents
+from recforge.data.sid_features import TextFeaturizer, check_vectors, embedding_column, item_documents
 from recforge.data.sequences import PROTOCOL_HOLDOUT
 from recforge.data.sids import FEATURIZER_FILE, interactions_digest, read_sids, read_tensors, write_sid_dir
 from recforge.models.sid_tokenizer import SIDTokenizer, TokenizerConfig, add_collision_level, config_dict, sid_stats
@@ -32,6 +32,9 @@ from recforge.models.sid_tokenizer import SIDTokenizer, TokenizerConfig, add_col
 def _catalogue(data_dir: str | Path) -> tuple[np.ndarray, object]:
     dataset = load_dataset(data_dir)
     ids = np.unique(dataset.events.column("item_id").to_numpy())
+    if dataset.items is not None and "item_id" not in dataset.items.column_names:
+        raise ValueError(f"{Path(data_dir) / 'items.parquet'} has no item_id column (it has {dataset.items.column_names}); "
+                         "rewrite it with an int64 item_id per row")  # fmt: skip
     if dataset.items is not None:
         ids = np.union1d(ids, dataset.items.column("item_id").to_numpy())
     return ids.astype(np.int64), dataset.items
@@ -77,7 +80,8 @@ def run_item_embeddings(run_dir: str | Path, data_dir: str | Path) -> tuple[np.n
         "protocol": cfg.data.protocol, "holdout": PROTOCOL_HOLDOUT[cfg.data.protocol], "checkpoint": ckpt.name,
         "step": manifest.get("step"),
     }  # fmt: skip
-    return s.seqs.item_vocab[1:], vectors.numpy(), provenance
+    ids = s.seqs.item_vocab[1:]
+    return ids, check_vectors(vectors.numpy(), ids, f"--source run:{run_dir} item embeddings"), provenance
 
 
 def item_vectors(data_dir: str | Path, source: str, *, text_dim: int = 64, seed: int = 0):
@@ -102,9 +106,16 @@ def fit_sids(
 ) -> dict:  # fmt: skip
     """Fit a tokenizer on the catalogue's item vectors and write the SID directory; return its report."""
     config.validate()
+    if text_dim < 1:
+        raise ValueError(f"--text-dim {text_dim}: the text featurizer needs at least 1 dimension (default 64)")
     if Path(out).exists() and not overwrite:  # checked before the fit (minutes), not only when writing
         raise ValueError(f"{out} already exists; pass --overwrite to replace it")
     ids, vectors, featurizer, provenance = item_vectors(data_dir, source, text_dim=text_dim, seed=config.seed)
+    if len(ids) < 2:
+        raise ValueError(f"{data_dir} has {len(ids)} item(s); semantic IDs need a catalogue of at least 2 items")
+    if config.codebook_size > len(ids):
+        raise ValueError(f"--codebook-size {config.codebook_size} for {len(ids)} items: a level cannot use more codes "
+                         f"than there are items; use --codebook-size {len(ids)} or less")  # fmt: skip
     tok, codes = SIDTokenizer.fit_encode(torch.from_numpy(vectors), config)
     stats = sid_stats(codes, config.codebook_size)
     sids = add_collision_level(codes) if config.collision_level else codes
@@ -144,7 +155,8 @@ def add_items(sid_dir: str | Path, data_dir: str | Path) -> dict:
     if new_ids.size == 0:
         return {"added": 0, "num_items": int(sids.item_ids.size)}
     if meta["source"] == "embedding":
-        vectors = embedding_column(items, new_ids)
+        vectors = check_vectors(embedding_column(items, new_ids), new_ids, "items.parquet column 'embedding'",
+                                dim=meta["embedding_dim"])  # fmt: skip
     elif meta["source"] == "text":
         f = read_tensors(sid_dir, FEATURIZER_FILE)
         featurizer = TextFeaturizer(meta["featurizer"]["vocabulary"], f["idf"].numpy(), f["components"].numpy())

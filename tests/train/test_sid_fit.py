@@ -4,6 +4,7 @@ and input errors that say what is wrong and how to fix it."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -93,3 +94,79 @@ def test_balanced_sids_on_disk_respect_the_cap_at_every_level(tmp_path: Path, da
     codes = read_sids(tmp_path / "b").codes  # (40, 2)
     for level in range(2):
         assert int(torch.bincount(codes[:, level]).max()) <= math.ceil(40 / 8)
+
+
+def _with_items(tmp_path: Path, data: Path, name: str, items: pa.Table | None) -> Path:
+    return write_dataset(tmp_path / name, load_dataset(data).events, items, name=name, source="test")
+
+
+def _embedding_items(data: Path, vectors: list, kind: pa.DataType = pa.list_(pa.float32())) -> pa.Table:
+    ids = sorted(set(load_dataset(data).events.column("item_id").to_pylist()))
+    return pa.table({"item_id": pa.array(ids, pa.int64()), "embedding": pa.array(vectors(len(ids)), kind)})
+
+
+def _random(n: int, dim: int = 4) -> list:
+    return torch.randn(n, dim, generator=torch.Generator().manual_seed(n)).tolist()
+
+
+BAD_EMBEDDINGS = {
+    "ragged": (lambda n: [v[: 3 if i == 5 else 4] for i, v in enumerate(_random(n))], None, "same length.*lengths \\[3\\].*re-encode"),
+    "nan": (lambda n: [[float("nan")] * 4 if i == 2 else v for i, v in enumerate(_random(n))], None, "NaN or infinite.*fix or re-encode"),
+    "null": (lambda n: [None if i == 1 else v for i, v in enumerate(_random(n))], None, "null 'embedding'.*give every item"),
+    "scalar": (lambda n: [float(i) for i in range(n)], pa.float32(), "must be a list of floats"),
+    "missing rows": (lambda n: _random(n)[:-2], None, "2 of .* items have no row.*needs an 'embedding'"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_EMBEDDINGS))
+def test_bad_embedding_columns_say_what_is_wrong(tmp_path: Path, data: Path, capsys: pytest.CaptureFixture, case: str) -> None:
+    vectors, kind, message = BAD_EMBEDDINGS[case]
+    if case == "missing rows":
+        full = _embedding_items(data, _random)
+        items = full.slice(0, full.num_rows - 2)
+    else:
+        items = _embedding_items(data, vectors, kind or pa.list_(pa.float32()))
+    bad = _with_items(tmp_path, data, "bad", items)
+    capsys.readouterr()
+    assert _fit(bad, tmp_path / "s", "--source", "embedding") == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+    assert "Traceback" not in err and not (tmp_path / "s").exists()
+
+
+BAD_ARGS = {
+    "levels": (["--levels", "0"], "--levels.*at least 1 quantization level"),
+    "codebook": (["--codebook-size", "1"], "--codebook-size.*at least 2 codes"),
+    "codebook > items": (["--codebook-size", "500"], "--codebook-size 500 for 40 items.*use --codebook-size 40 or less"),
+    "balanced rqvae": (["--method", "rqvae", "--balanced"], "--balanced.*option of --method rkmeans"),
+    "text dim": (["--text-dim", "0"], "--text-dim 0.*at least 1"),
+    "rqvae epochs": (["--method", "rqvae", "--rqvae-epochs", "0"], "--rqvae-epochs.*>= 1"),
+    "source": (["--source", "bert"], "--source 'bert': expected embedding, text or run:RUN_DIR"),
+    "run dir": (["--source", "run:/nonexistent"], "not a recforge run directory"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGS))
+def test_bad_fit_arguments_say_what_is_wrong(tmp_path: Path, data: Path, capsys: pytest.CaptureFixture, case: str) -> None:
+    args, message = BAD_ARGS[case]
+    capsys.readouterr()
+    assert main(["sid", "fit", str(data), "--out", str(tmp_path / "s"), *args]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+def test_items_without_attributes_and_new_items_of_another_width(tmp_path: Path, data: Path, capsys: pytest.CaptureFixture) -> None:
+    empty = _with_items(tmp_path, data, "empty", pa.table({"item_id": pa.array([], pa.int64())}))
+    capsys.readouterr()
+    assert _fit(empty, tmp_path / "s", "--source", "text") == 2
+    assert "no item has text or attribute values" in capsys.readouterr().err
+    assert _fit(empty, tmp_path / "s", "--source", "embedding") == 2
+    assert "has no 'embedding' column" in capsys.readouterr().err
+    good = _with_items(tmp_path, data, "good", _embedding_items(data, _random))
+    assert _fit(good, tmp_path / "s", "--source", "embedding") == 0
+    grown = _embedding_items(data, lambda n: _random(n, dim=6))
+    grown = pa.concat_tables([grown, pa.table({"item_id": pa.array([9999], pa.int64()),
+                                               "embedding": pa.array([[0.0] * 6], pa.list_(pa.float32()))})])  # fmt: skip
+    capsys.readouterr()
+    assert main(["sid", "add", str(tmp_path / "s"), str(_with_items(tmp_path, data, "grown", grown))]) == 2
+    assert "have 6 dimensions but the SIDs were fitted on 4" in capsys.readouterr().err
