@@ -5,7 +5,7 @@
 # (mean ± 95% t-interval) in the log and in benchmarks/results/sid_beauty_ablation.json.
 #
 #   bash benchmarks/sid_beauty_ablation.sh                 # the H200 run (~8 minutes, one command)
-#   STEPS=1500 SEEDS="1 2" bash benchmarks/sid_beauty_ablation.sh   # smaller
+#   STEPS=1000 SEEDS="1 2" bash benchmarks/sid_beauty_ablation.sh   # smaller
 #   python benchmarks/sid_beauty_ablation.py --tiny --work /tmp/sid-abl --data /tmp/sid-abl/data   # CPU check
 #
 # BEAUTY_SRC: amazon-s3rec source directory (default .gpu_data/amazon-beauty, a copy of
@@ -15,6 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=2
-exec "${PYTHON:-python}" benchmarks/sid_beauty_ablation.py \
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
+exec "$PY" benchmarks/sid_beauty_ablation.py \
   --src "${BEAUTY_SRC:-.gpu_data/amazon-beauty}" --data "${DATA:-data/beauty}" --work "${WORK:-runs/sid-ablation}" \
-  --steps "${STEPS:-2000}" --seeds ${SEEDS:-1 2 3} --parallel "${PARALLEL:-6}" --sasrec-epochs "${SASREC_EPOCHS:-40}" "$@"
+  --steps "${STEPS:-1500}" --seeds ${SEEDS:-1 2 3} --parallel "${PARALLEL:-6}" --sasrec-epochs "${SASREC_EPOCHS:-40}" "$@"
