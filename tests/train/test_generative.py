@@ -194,7 +194,7 @@ def test_config_errors_name_the_fix(tmp_path: Path, sid_data: Path) -> None:
 
 @pytest.mark.gpu
 def test_gpu_retrieve_matches_cpu_and_decodes_without_host_sync(tmp_path: Path, sid_data: Path, cuda_device: torch.device) -> None:
-    from recforge.generate import Retriever, beam_search
+    from recforge.generate import RetrieveRequest, Retriever, beam_search
 
     config = _config(tmp_path, sid_data)
     args = _args(tmp_path, sid_data, "train.epochs=1", "generative.beam=10", "eval.ks=[1,5,10]", "train.device=cpu")
@@ -210,7 +210,7 @@ def test_gpu_retrieve_matches_cpu_and_decodes_without_host_sync(tmp_path: Path, 
         assert items_cpu == items_gpu
         # CUDA matmuls run in TF32 (train.runtime): scores agree to ~1e-3, the items exactly
         torch.testing.assert_close(torch.tensor(scores_gpu), torch.tensor(scores_cpu), rtol=2e-3, atol=2e-3)
-    codes, mask = gpu._histories(histories)
+    codes, mask = gpu.history_batch([gpu.encode(RetrieveRequest(h)) for h in histories])
     with torch.no_grad():
         memory = gpu.model.start(codes, mask)
         torch.cuda.synchronize()
