@@ -78,7 +78,10 @@ class Catalogue:
     def dense_ids(self, raw: Sequence[int], what: str, skip_unknown: bool = False) -> tuple[np.ndarray, int]:
         """(dense indices of the known ``raw`` IDs, how many were unknown); unknown ones raise unless skipped."""
         try:
-            raw = np.asarray(raw, dtype=np.int64).reshape(-1)
+            values = np.asarray(raw)
+            if values.size and values.dtype.kind not in "iu":  # no floats (1.5 -> 1), bools or strings
+                raise TypeError(f"got {values.dtype} values")
+            raw = values.astype(np.int64).reshape(-1)
         except (TypeError, ValueError, OverflowError) as err:
             raise ValueError(f"{what}: item IDs must be integers ({err})") from err
         if not len(self._sorted_raw):

@@ -104,20 +104,19 @@ def kmeans(
     if balanced:
         # capped assignments need not settle (the greedy proposals can cycle), and the codes returned
         # are the items' SIDs: end on the means of exactly these codes (empty codes are left as they are)
-        counts = torch.bincount(codes, minlength=k)
-        sums = torch.zeros_like(centroids).index_add_(0, codes, x64)
-        centroids = torch.where((counts > 0)[:, None], sums / counts.clamp_min(1)[:, None], centroids)
+        centroids = _means(x64, codes, centroids, None)
     return centroids.to(x.dtype), codes
 
 
-def _means(x: Tensor, codes: Tensor, centroids: Tensor, generator: torch.Generator) -> Tensor:
-    """Lloyd update: each centroid moves to its points' mean; an empty one restarts on a random point."""
+def _means(x: Tensor, codes: Tensor, centroids: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Lloyd update: each centroid moves to its points' mean; an empty one restarts on a random point
+    (stays where it is when ``generator`` is None)."""
     k = centroids.shape[0]
     counts = torch.bincount(codes, minlength=k)
     sums = torch.zeros_like(centroids).index_add_(0, codes, x)
     empty = counts == 0
     centroids = torch.where(empty[:, None], centroids, sums / counts.clamp_min(1)[:, None])
-    if empty.any():  # re-seed empty clusters on random points so every code stays usable
+    if generator is not None and empty.any():  # re-seed empty clusters on random points so every code stays usable
         picks = torch.randint(x.shape[0], (int(empty.sum()),), generator=generator)
         centroids[empty] = x[picks]
     return centroids

@@ -136,6 +136,7 @@ BAD_REQUESTS = {
     "k float": (RetrieveRequest([1], k=2.5), "k=2.5"),
     "unknown": (RetrieveRequest([1, 10**9]), "history: unknown item IDs \\[1000000000\\]"),
     "not ints": (RetrieveRequest(["a"]), "history: item IDs must be integers"),
+    "float ids": (RetrieveRequest([1, 2.5]), "history: item IDs must be integers"),
     "long history": (RetrieveRequest(list(range(1, 30))), "at most 20"),
     "allowed unknown": (RetrieveRequest([1], allowed_items=[10**9]), "allowed_items: unknown item IDs"),
     "allowed empty": (RetrieveRequest([1], allowed_items=[]), "holds no item of the catalogue"),
