@@ -78,13 +78,25 @@ def plan(args: argparse.Namespace) -> list[Job]:
     return jobs
 
 
-def run_jobs(jobs: list[Job], parallel: int, threads: int, logs: Path) -> bool:
-    """Run ``jobs`` respecting ``needs``, at most ``parallel`` GPU jobs at once; True when all succeeded."""
+def run_jobs(jobs: list[Job], parallel: int, threads: int, logs: Path, budget_s: float) -> bool:
+    """Run ``jobs`` respecting ``needs``, at most ``parallel`` GPU jobs at once; True when all succeeded.
+
+    Past ``budget_s`` the running jobs are stopped and the waiting ones skipped, so the table of what
+    finished still prints inside a bounded command (a stopped run has no eval.json)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip
     by_name = {j.name: j for j in jobs}
     t0 = time.monotonic()
     while any(j.state in ("waiting", "running") for j in jobs):
+        if time.monotonic() - t0 > budget_s:
+            for job in jobs:
+                if job.state == "running":
+                    job.process.terminate()
+                    job.process.wait()
+                if job.state in ("running", "waiting"):
+                    job.state = "failed"
+                    print(f"[{time.monotonic() - t0:6.0f}s] {job.name}: stopped at the {budget_s:.0f}s budget", flush=True)
+            break
         for job in jobs:
             if job.state == "running" and job.process.poll() is not None:
                 job.state = "done" if job.process.returncode == 0 else "failed"
@@ -121,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="benchmarks/results/sid_beauty_ablation.json", help="the table as JSON")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides of every generative run")
     p.add_argument("--overwrite", action="store_true", help="delete --work first (an earlier ablation's runs)")
+    p.add_argument("--budget-minutes", type=float, default=9.0, help="stop what still runs after this long")
     args = p.parse_args(argv)
     work, data = Path(args.work), Path(args.data)
     if work.exists() and any(work.glob("*/checkpoints")):
@@ -137,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             make = [*rf, "data", "prepare", "amazon-s3rec", args.src, "--out", str(data)]
         subprocess.run(make, cwd=ROOT, env=env, check=True)
-    ok = run_jobs(plan(args), args.parallel, args.threads, work / "logs")
+    ok = run_jobs(plan(args), args.parallel, args.threads, work / "logs", args.budget_minutes * 60)
     table = [args.python, str(ROOT / "benchmarks/sid_ablation_table.py"), str(work), "--steps", str(args.steps), "--out", args.out]
     subprocess.run(table, cwd=ROOT, env=env, check=False)
     return 0 if ok else 1

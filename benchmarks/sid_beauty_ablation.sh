@@ -11,11 +11,13 @@
 # BEAUTY_SRC: amazon-s3rec source directory (default .gpu_data/amazon-beauty, a copy of
 # /work/shared/data/amazon-beauty); DATA: prepared dataset (default data/beauty, made if missing);
 # WORK: runs and SID sets (default runs/sid-ablation); PARALLEL processes share the GPU (default 6),
-# each with OMP_NUM_THREADS=2. Details: benchmarks/sid_beauty_ablation.py.
+# each with OMP_NUM_THREADS=2; BUDGET_MINUTES (default 9): what still runs then is stopped and the
+# table shows what finished. Details: benchmarks/sid_beauty_ablation.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=2
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 exec "$PY" benchmarks/sid_beauty_ablation.py \
   --src "${BEAUTY_SRC:-.gpu_data/amazon-beauty}" --data "${DATA:-data/beauty}" --work "${WORK:-runs/sid-ablation}" \
-  --steps "${STEPS:-1500}" --seeds ${SEEDS:-1 2 3} --parallel "${PARALLEL:-6}" --sasrec-epochs "${SASREC_EPOCHS:-40}" "$@"
+  --steps "${STEPS:-1500}" --seeds ${SEEDS:-1 2 3} --parallel "${PARALLEL:-6}" --sasrec-epochs "${SASREC_EPOCHS:-40}" \
+  --budget-minutes "${BUDGET_MINUTES:-9}" "$@"
