@@ -16,7 +16,7 @@ per run puts the whole ablation (12 runs) at about 7 minutes. At the end ``bench
 Usage (the lead's H200, from the repo root; ~8 minutes):
     bash benchmarks/sid_beauty_ablation.sh
 CPU check at a tiny size (synthetic data, a few steps):
-    python benchmarks/sid_beauty_ablation.py --tiny --work /tmp/sid-abl
+    python benchmarks/sid_beauty_ablation.py --tiny --work /tmp/abl/work --data /tmp/abl/data --steps 4 --seeds 1 2 --sasrec-epochs 1
 """
 
 from __future__ import annotations

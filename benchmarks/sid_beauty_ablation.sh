@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/sid_beauty_ablation.sh                 # the H200 run (~8 minutes, one command)
 #   STEPS=1000 SEEDS="1 2" bash benchmarks/sid_beauty_ablation.sh   # smaller
-#   python benchmarks/sid_beauty_ablation.py --tiny --work /tmp/sid-abl --data /tmp/sid-abl/data   # CPU check
+#   python benchmarks/sid_beauty_ablation.py --tiny --work /tmp/abl/work --data /tmp/abl/data --steps 4 --seeds 1 2 --sasrec-epochs 1
 #
 # BEAUTY_SRC: amazon-s3rec source directory (default .gpu_data/amazon-beauty, a copy of
 # /work/shared/data/amazon-beauty); DATA: prepared dataset (default data/beauty, made if missing);
