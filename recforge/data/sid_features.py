@@ -36,20 +36,52 @@ def _row_lookup(items: pa.Table, item_ids: np.ndarray) -> np.ndarray:
 
 
 def embedding_column(items: pa.Table | None, item_ids: np.ndarray, column: str = "embedding") -> np.ndarray:
-    """(N, D) float32 vectors of ``item_ids`` from a fixed-length list column of ``items``."""
-    if items is None or column not in items.column_names:
-        raise ValueError(f"items.parquet has no {column!r} column; add one (list<float>, one row per item) "
-                         "or use --source text / --source run:RUN_DIR")  # fmt: skip
+    """(N, D) float32 vectors of ``item_ids`` from a list<float> column of ``items`` (one per item, equal D)."""
+    if items is None:
+        raise ValueError(f"the dataset has no items.parquet, so no {column!r} column; write one (item_id int64, "
+                         f"{column} list<float32>, one row per item) or use --source text / --source run:RUN_DIR")  # fmt: skip
+    if column not in items.column_names:
+        raise ValueError(f"items.parquet has no {column!r} column (it has {items.column_names}); add one (list<float>, "
+                         "one row per item) or use --source text / --source run:RUN_DIR")  # fmt: skip
+    kind = items.schema.field(column).type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)) or not (
+        pa.types.is_floating(kind.value_type) or pa.types.is_integer(kind.value_type)
+    ):  # fmt: skip
+        raise ValueError(f"items.parquet column {column!r} is {kind}; it must be a list of floats (one vector per item)")
     rows = _row_lookup(items, item_ids)
     if (rows < 0).any():
         missing = item_ids[rows < 0][:5].tolist()
-        raise ValueError(f"{int((rows < 0).sum())} items have no row in items.parquet (e.g. {missing}); "
-                         f"every item needs an {column!r}")  # fmt: skip
+        raise ValueError(f"{int((rows < 0).sum())} of {len(item_ids)} items have no row in items.parquet (e.g. item_id "
+                         f"{missing}); every item in events.parquet needs an {column!r} vector")  # fmt: skip
     values = items.column(column).combine_chunks().take(pa.array(rows))
-    lengths = np.unique(values.value_lengths().to_numpy(zero_copy_only=False))
-    if len(lengths) != 1 or values.null_count:
-        raise ValueError(f"column {column!r} must hold one equally long, non-null vector per item; lengths {lengths[:5]}")
-    return values.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(len(rows), int(lengths[0]))
+    nulls = np.asarray(values.is_null().to_numpy(zero_copy_only=False))
+    if nulls.any():
+        raise ValueError(f"{int(nulls.sum())} items have a null {column!r} (e.g. item_id {item_ids[nulls][:5].tolist()}); "
+                         "give every item a vector")  # fmt: skip
+    lengths = values.value_lengths().to_numpy(zero_copy_only=False)
+    dim = int(np.bincount(lengths).argmax())  # the most common length
+    if (lengths != dim).any() or dim == 0:
+        bad = lengths != dim if dim else np.ones(len(lengths), bool)
+        raise ValueError(f"every {column!r} vector must have the same length; most have {dim}, but "
+                         f"{int(bad.sum())} items differ (e.g. item_id {item_ids[bad][:5].tolist()} with lengths "
+                         f"{lengths[bad][:5].tolist()}); re-encode them with the same model")  # fmt: skip
+    vectors = values.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(len(rows), dim)
+    return check_vectors(vectors, item_ids, f"items.parquet column {column!r}")
+
+
+def check_vectors(vectors: np.ndarray, item_ids: np.ndarray, what: str, dim: int | None = None) -> np.ndarray:
+    """``vectors`` (N, D) if finite (and D == ``dim`` when given); else ``ValueError`` naming the items."""
+    if vectors.ndim != 2 or vectors.shape[0] != len(item_ids):
+        raise ValueError(f"{what}: expected one vector per item ({len(item_ids)}, D); got shape {vectors.shape}")
+    if dim is not None and vectors.shape[1] != dim:
+        raise ValueError(f"{what}: vectors have {vectors.shape[1]} dimensions but the SIDs were fitted on {dim}; "
+                         f"encode the new items with the same model, or refit with `recforge sid fit`")  # fmt: skip
+    bad = ~np.isfinite(vectors).all(1)
+    if bad.any():
+        raise ValueError(f"{what}: {int(bad.sum())} items have NaN or infinite values (e.g. item_id "
+                         f"{item_ids[bad][:5].tolist()}); fix or re-encode them (a run whose training diverged "
+                         "has NaN embeddings: retrain it)")  # fmt: skip
+    return vectors
 
 
 def item_documents(items: pa.Table | None, item_ids: np.ndarray) -> list[list[str]]:
@@ -88,12 +120,15 @@ class TextFeaturizer:
         from sklearn.feature_extraction.text import TfidfVectorizer
 
         if not any(docs):
-            raise ValueError("the items have no text or attribute columns to featurize; use --source embedding or run:RUN_DIR")
+            raise ValueError("--source text: no item has text or attribute values to featurize (items.parquet is "
+                             "missing, empty, or holds only item_id/embedding); add attribute columns to items.parquet, "
+                             "or use --source embedding / --source run:RUN_DIR")  # fmt: skip
         tfidf = TfidfVectorizer(analyzer=lambda tokens: tokens)  # docs are already token lists
         matrix = tfidf.fit_transform(docs)
         dim = min(dim, matrix.shape[1] - 1)
         if dim < 1:
-            raise ValueError(f"only {matrix.shape[1]} distinct attribute tokens: too few for a text featurizer")
+            raise ValueError(f"--source text: the items have only {matrix.shape[1]} distinct attribute tokens, too few "
+                             "to tell them apart; use --source embedding or --source run:RUN_DIR")  # fmt: skip
         svd = TruncatedSVD(n_components=dim, random_state=seed).fit(matrix)
         vocab = [""] * len(tfidf.vocabulary_)
         for token, index in tfidf.vocabulary_.items():

@@ -11,6 +11,7 @@ Written atomically as a whole (``recforge.io.atomic_directory``); nothing is pic
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from recforge.data.sequences import PROTOCOL_HOLDOUT
 from recforge.io import atomic_directory, check_replaceable
 
 SIDS_FILE, TOKENIZER_FILE, FEATURIZER_FILE, META_FILE = "sids.parquet", "tokenizer.safetensors", "featurizer.safetensors", "sid.json"
@@ -97,3 +99,44 @@ def read_tensors(sid_dir: str | Path, name: str = TOKENIZER_FILE) -> dict[str, T
     if not path.is_file():
         raise ValueError(f"{path} is missing; refit the SIDs with `recforge sid fit`")
     return load_file(path)
+
+
+def interactions_digest(events: pa.Table) -> str:
+    """SHA-256 of the (user_id, item_id) sequence of an events table: equal digests, equal splits."""
+    digest = hashlib.sha256()
+    for name in ("user_id", "item_id"):
+        digest.update(np.ascontiguousarray(events.column(name).to_numpy(), dtype=np.int64).tobytes())
+    return digest.hexdigest()
+
+
+def check_embedding_run(meta: dict, events: pa.Table, protocol: str, data_path: str | Path) -> None:
+    """Refuse SIDs whose collaborative embeddings saw what a model trained on them is evaluated on.
+
+    SIDs from ``--source run:RUN_DIR`` carry the run's provenance (``meta["embedding_run"]``). They are
+    safe for ``protocol`` on this data only when the run was trained on the same interactions with at
+    least as many items held out per user (clean: 2, paper: 1) and its checkpoint was not chosen on an
+    evaluation target. SIDs from other sources pass; run-based SIDs fitted before the provenance was
+    recorded are refused (their leakage cannot be checked).
+    """
+    source = str(meta.get("source", ""))
+    if not source.startswith("run:"):
+        return
+    run = meta.get("embedding_run")
+    refit = f"refit them: `recforge sid fit {data_path} --out SID_DIR --source {source} --overwrite`"
+    if run is None:
+        raise ValueError(f"these SIDs come from {source} but do not record which data and protocol that run was "
+                         f"trained on, so held-out items may have shaped them; {refit}")  # fmt: skip
+    if run["interactions"] != interactions_digest(events):
+        raise ValueError(
+            f"these SIDs come from {source}, trained on {run['data_path']}, whose interactions differ from "
+            f"{data_path}'s: that run may have trained on this dataset's validation/test items. Train the "
+            f"retrieval run on {data_path} (data.path={data_path}) and refit the SIDs from it"
+        )
+    need = PROTOCOL_HOLDOUT[protocol]
+    if run["holdout"] < need:
+        raise ValueError(
+            f"these SIDs come from {source}, trained with data.protocol={run['protocol']} (last {run['holdout']} item(s) "
+            f"per user held out), but this run evaluates with data.protocol={protocol}, whose last {need} items per "
+            f"user must stay unseen: the embeddings saw the validation target. Retrain the retrieval run with "
+            f"data.protocol={protocol} and refit the SIDs from it"
+        )

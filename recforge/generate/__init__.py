@@ -1,7 +1,11 @@
-"""Semantic-ID decoding: the valid-SID trie, constrained beam search, and the retrieval entry point."""
+"""Semantic-ID decoding: the valid-SID trie, constrained beam search, and the retrieve engine."""
 
-from recforge.generate.beam_search import BeamOutput, beam_search, resolve_items
+from recforge.generate.beam_search import BeamOutput, beam_search, resolve_items, search_items
+from recforge.generate.requests import EncodedRetrieve, RetrieveConfig, RetrieveRequest, RetrieveResult
 from recforge.generate.retriever import Retriever
 from recforge.generate.trie import SidTrie
 
-__all__ = ["BeamOutput", "Retriever", "SidTrie", "beam_search", "resolve_items"]
+__all__ = [
+    "BeamOutput", "EncodedRetrieve", "RetrieveConfig", "RetrieveRequest", "RetrieveResult", "Retriever", "SidTrie",
+    "beam_search", "resolve_items", "search_items",
+]  # fmt: skip

@@ -131,3 +131,26 @@ def resolve_items(
         item = torch.cat([item, item.new_full((batch, pad), -1)], 1)
         score = torch.cat([score, score.new_full((batch, pad), float("-inf"))], 1)
     return item, score
+
+
+def search_items(
+    step: StepFn, trie: SidTrie, *, batch_size: int, beam: int, k: int, item_mask: Tensor | None = None,
+    search_mask: Tensor | None = None, constrained: bool = True,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Beam search, then the top-``k`` items: the one generate-to-items path of evaluation and serving.
+
+    Args:
+        step, trie, batch_size, beam, constrained: as for ``beam_search``.
+        k: items per request.
+        item_mask: (B, N) bool over trie items: the items each request may get (e.g. not already in
+            its history, only currently eligible ones); None: all.
+        search_mask: (B, N) bool restricting the search itself to prefixes with such items, so no beam
+            is spent on SIDs whose items are all excluded (usually ``item_mask``; None: unrestricted).
+            Needs the constrained beam.
+
+    Returns:
+        (items (B, k) int64 trie items, -1 for empty slots; scores (B, k) float32, -inf there).
+    """
+    allowed = trie.allowed_nodes(search_mask) if search_mask is not None else None
+    out = beam_search(step, trie, batch_size=batch_size, beam=beam, constrained=constrained, allowed=allowed)
+    return resolve_items(out, trie, k, item_mask=item_mask)

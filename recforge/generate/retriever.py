@@ -1,24 +1,35 @@
-"""The retrieve path a server calls: raw item histories -> top-k items by constrained beam search.
+"""The retrieve engine behind `/v1/retrieve`: raw item histories -> top-k items by constrained beam search.
 
-Each request's history is encoded once; its beams share the encoding (see
-``recforge.models.sid_seq2seq``). A batch of requests is one encoder pass and one beam search.
+Serving splits the work like the ranking engine: ``encode`` checks one request and maps its raw IDs
+once (a bad request raises ``ValueError``, the HTTP layer's 4xx, and never enters a batch); ``run``
+serves a batch of encoded requests with one encoder pass (each history encoded once, its beams share
+the encoding; see ``recforge.models.sid_seq2seq``), one beam search restricted per request (its
+allowed items, minus its history items) and one copy of the result to the host.
+
+Like evaluation (``recforge eval``), the items of a request's history are never returned
+(``exclude_history=False`` keeps them, e.g. for re-purchases): for a history without its target,
+``retrieve`` returns exactly the list the evaluation scores (tested).
 
 Example:
-    >>> retriever = Retriever.from_run("runs/beauty-sid-tiger", device="cuda")
-    >>> results = retriever.retrieve([[12, 7, 99], [5]], k=10, beam=64)
-    >>> items, scores = results[0]        # raw item IDs, best first; scores are SID log-probabilities
+    >>> retriever = Retriever.from_run("runs/beauty-sid-tiger", RetrieveConfig(beam=64), device="cuda")
+    >>> batch = [retriever.encode(RetrieveRequest(history=[12, 7, 99], k=10)),
+    ...          retriever.encode(RetrieveRequest(history=[5], k=20, allowed_items=[3, 8, 13]))]
+    >>> results = retriever.run(batch)      # RetrieveResult(items, scores) per request, best first
+    >>> retriever.retrieve([[12, 7, 99], [5]], k=10, beam=64)   # the same as plain lists
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from recforge.generate.beam_search import beam_search, resolve_items
+from recforge.generate.beam_search import search_items
+from recforge.generate.requests import Catalogue, EncodedRetrieve, RetrieveConfig, RetrieveRequest, RetrieveResult
 from recforge.generate.sid_run import load_sid_run
 from recforge.generate.trie import SidTrie
 from recforge.models.sid_hstu import SIDHSTU
@@ -35,19 +46,28 @@ class Retriever:
         item_codes: (N + 1, L) SID of each dense index.
         trie: the valid SIDs over items 1..N (trie item i = dense index i + 1), on ``device``.
         max_items: most recent history items the model reads.
+        config: limits and settings (beam, exclusion inside the search, ...).
     """
 
-    def __init__(self, model: SIDSeq2Seq | SIDHSTU, item_vocab: np.ndarray, item_codes: Tensor, trie: SidTrie, max_items: int) -> None:
+    def __init__(
+        self, model: SIDSeq2Seq | SIDHSTU, item_vocab: np.ndarray, item_codes: Tensor, trie: SidTrie, max_items: int,
+        config: RetrieveConfig | None = None,
+    ) -> None:  # fmt: skip
+        self.config = config or RetrieveConfig()
+        self.config.validate()
         self.model, self.item_vocab, self.trie, self.max_items = model.eval(), item_vocab, trie, max_items
+        self.catalogue = Catalogue(item_vocab)
         self.device = trie.leaf_offsets.device
         self.item_codes = item_codes.to(self.device)
-        order = np.argsort(item_vocab[1:], kind="stable")
-        self._sorted_raw, self._sorted_index = item_vocab[1:][order], order + 1
 
     @staticmethod
-    def from_run(run_dir: str | Path, *, checkpoint: str = "auto", device: str = "auto", dtype: str = "float32") -> Retriever:
+    def from_run(
+        run_dir: str | Path, config: RetrieveConfig | None = None, *, checkpoint: str = "auto", device: str = "auto",
+        dtype: str = "float32",
+    ) -> Retriever:  # fmt: skip
         """Load a generative run's checkpoint (``auto``: best for clean runs, else latest); its catalogue is
-        every item in ``RUN_DIR/sids``."""
+        every item in ``RUN_DIR/sids``. ``config`` (default: the run's ``generative.beam`` and
+        ``generative.exclude_seen_in_search``) sets the engine's limits."""
         target = resolve_device(device)
         run = load_sid_run(run_dir, checkpoint, device=target)
         if dtype != "float32":
@@ -58,67 +78,116 @@ class Retriever:
         vocab = np.r_[-1, sids.item_ids].astype(np.int64)
         codes = torch.cat([torch.zeros(1, sids.num_levels, dtype=torch.long), sids.codes])
         trie = SidTrie.build(sids.codes, sids.vocab_size, run.cfg.generative.trie).to(target)
-        return Retriever(run.model, vocab, codes, trie, run.cfg.data.max_seq_len)
+        g = run.cfg.generative
+        config = config or RetrieveConfig(beam=g.beam, exclude_in_search=g.exclude_seen_in_search)
+        return Retriever(run.model, vocab, codes, trie, run.cfg.data.max_seq_len, config)
 
-    def dense_ids(self, raw: Sequence[int], what: str = "history") -> np.ndarray:
-        raw = np.asarray(raw, dtype=np.int64)
-        pos = np.searchsorted(self._sorted_raw, raw).clip(0, len(self._sorted_raw) - 1)
-        unknown = self._sorted_raw[pos] != raw
-        if unknown.any():
-            raise ValueError(f"{what}: unknown item IDs {raw[unknown][:5].tolist()} (not in the model's catalogue)")
-        return self._sorted_index[pos]
+    def encode(self, request: RetrieveRequest) -> EncodedRetrieve:
+        """Check one request against the engine's limits and map its IDs (``ValueError`` says what is wrong)."""
+        return self.catalogue.encode_request(request, self.config)
 
-    def _histories(self, histories: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
-        if not histories or any(len(h) == 0 for h in histories):
-            raise ValueError("retrieve needs at least one request and at least one history item per request")
-        width = min(self.max_items, max(len(h) for h in histories))
-        items = np.zeros((len(histories), width), dtype=np.int64)
-        for row, history in enumerate(histories):
-            recent = self.dense_ids(history[-width:], f"history {row}")
-            items[row, width - len(recent) :] = recent
+    def history_batch(self, batch: Sequence[EncodedRetrieve]) -> tuple[Tensor, Tensor]:
+        """((B, T, L) SID digits of each request's last ``max_items`` history items, right-aligned; (B, T) mask)."""
+        width = min(self.max_items, max(r.history.size for r in batch))
+        items = np.zeros((len(batch), width), dtype=np.int64)
+        for row, req in enumerate(batch):
+            recent = req.history[-width:]
+            items[row, width - recent.size :] = recent
         items_t = torch.from_numpy(items).to(self.device)
         return self.item_codes[items_t], items_t > 0
 
+    def _masks(self, batch: Sequence[EncodedRetrieve]) -> tuple[Tensor | None, Tensor | None]:
+        """((B, N) items each request may get, (B, N) its allowed items) on the device; None where unrestricted."""
+        n = self.trie.num_items
+        allowed = None
+        restricted = [row for row, r in enumerate(batch) if r.allowed is not None]
+        if restricted:
+            allowed = torch.ones(len(batch), n, dtype=torch.bool, device=self.device)
+            allowed[torch.tensor(restricted, device=self.device)] = False
+            allowed[self._pairs([(row, batch[row].allowed) for row in restricted])] = True
+        excluding = [(row, r.history - 1) for row, r in enumerate(batch) if r.exclude_history]
+        if not excluding:
+            return allowed, allowed
+        keep = allowed.clone() if allowed is not None else torch.ones(len(batch), n, dtype=torch.bool, device=self.device)
+        keep[self._pairs(excluding)] = False
+        return keep, allowed
+
+    def _pairs(self, rows_items: list[tuple[int, np.ndarray]]) -> tuple[Tensor, Tensor]:
+        """(rows, columns) index tensors on the device, one host-to-device copy."""
+        rows = np.concatenate([np.full(items.size, row, dtype=np.int64) for row, items in rows_items])
+        cols = np.concatenate([items for _, items in rows_items])
+        pairs = torch.from_numpy(np.stack([rows, cols])).to(self.device)
+        return pairs[0], pairs[1]
+
     @torch.no_grad()
+    def run(self, batch: Sequence[EncodedRetrieve], *, beam: int | None = None, constrained: bool | None = None) -> list[RetrieveResult]:
+        """Serve a batch of encoded requests: one encoder pass, one beam search, one host copy.
+
+        ``beam`` / ``constrained`` override the engine's config for this batch. Each request gets at
+        most its own ``k`` items.
+        """
+        if not batch:
+            return []
+        beam = beam or self.config.beam
+        constrained = self.config.constrained if constrained is None else constrained
+        if not constrained and any(r.allowed is not None for r in batch):
+            raise ValueError("allowed_items need the constrained beam (constrained=True)")
+        history_codes, mask = self.history_batch(batch)
+        keep, allowed = self._masks(batch)
+        search_mask = (keep if self.config.exclude_in_search else allowed) if constrained else None
+        memory = self.model.start(history_codes, mask)
+        items, scores = search_items(
+            lambda codes: self.model.next_token_logprobs(memory, codes), self.trie, batch_size=len(batch), beam=beam,
+            k=max(r.k for r in batch), item_mask=keep, search_mask=search_mask, constrained=constrained,
+        )  # fmt: skip
+        items, scores = items.cpu().numpy(), scores.float().cpu().numpy()  # the one host sync of the batch
+        results = []
+        for req, row_items, row_scores in zip(batch, items, scores, strict=True):
+            present = row_items[: req.k] >= 0
+            results.append(RetrieveResult(self.item_vocab[row_items[: req.k][present] + 1].tolist(),
+                                          row_scores[: req.k][present].tolist()))  # fmt: skip
+        return results
+
+    def retrieve_requests(self, requests: Sequence[RetrieveRequest]) -> list[RetrieveResult]:
+        """Encode every request (all are checked before any runs), then run them ``max_batch`` at a time."""
+        encoded = [self.encode(r) for r in requests]
+        size = self.config.max_batch
+        return [result for i in range(0, len(encoded), size) for result in self.run(encoded[i : i + size])]
+
     def retrieve(
         self, histories: Sequence[Sequence[int]], k: int, beam: int, allowed_items: Sequence[Sequence[int] | None] | None = None,
-        constrained: bool = True,
+        constrained: bool = True, exclude_history: bool = True,
     ) -> list[tuple[list[int], list[float]]]:  # fmt: skip
-        """Top-``k`` items for each history (raw item IDs, oldest first).
+        """Top-``k`` items for each history (raw item IDs, oldest first), as plain lists.
 
         Args:
             histories: one list of raw item IDs per request.
             k: items per request (at most ``beam`` SIDs, each resolving to its items).
             beam: beam width.
-            allowed_items: per request, the raw item IDs it may get (None: any item).
-            constrained: False for a free beam (digit sequences that are no SID yield no item).
+            allowed_items: per request, the raw item IDs it may get (None: any item); restricts the search.
+            constrained: False for a free beam (digit sequences that are no SID yield no item; needs
+                ``allowed_items=None``, and history items are then dropped only from the result).
+            exclude_history: never return an item of the request's history, as the evaluation protocol
+                does (``recforge eval``); inside the search when the config's ``exclude_in_search`` is on
+                (a run's ``generative.exclude_seen_in_search``, the default), like evaluation.
 
         Returns:
             Per request: (item IDs, scores), best first; shorter than ``k`` when fewer valid items exist.
         """
         if k <= 0 or beam <= 0:
             raise ValueError(f"k ({k}) and beam ({beam}) must be > 0")
-        history_codes, mask = self._histories(histories)
-        item_mask = None
-        if allowed_items is not None and any(a is not None for a in allowed_items):
-            if len(allowed_items) != len(histories):
-                raise ValueError(f"allowed_items has {len(allowed_items)} entries for {len(histories)} histories")
-            item_mask = torch.ones(len(histories), self.trie.num_items, dtype=torch.bool)
-            for row, allowed in enumerate(allowed_items):
-                if allowed is not None:
-                    item_mask[row] = False
-                    item_mask[row, torch.from_numpy(self.dense_ids(allowed, f"allowed_items {row}") - 1)] = True
-            item_mask = item_mask.to(self.device)
-        memory = self.model.start(history_codes, mask)
-        out = beam_search(
-            lambda codes: self.model.next_token_logprobs(memory, codes), self.trie, batch_size=len(histories), beam=beam,
-            allowed=self.trie.allowed_nodes(item_mask) if item_mask is not None else None, constrained=constrained,
-        )  # fmt: skip
-        items, scores = resolve_items(out, self.trie, k, item_mask=item_mask)
-        items, scores = items.cpu().numpy(), scores.float().cpu().numpy()  # the one host sync of the request
-        results = []
-        for row_items, row_scores in zip(items, scores, strict=True):
-            keep = row_items >= 0
-            results.append((self.item_vocab[row_items[keep] + 1].tolist(), row_scores[keep].tolist()))
-        return results
-
+        if not histories:
+            raise ValueError("retrieve needs at least one request")
+        if allowed_items is not None and len(allowed_items) != len(histories):
+            raise ValueError(f"allowed_items has {len(allowed_items)} entries for {len(histories)} histories")
+        if not constrained and allowed_items is not None and any(a is not None for a in allowed_items):
+            raise ValueError("allowed_items need the constrained beam (constrained=True)")
+        config = replace(self.config, max_k=max(k, self.config.max_k), constrained=constrained)
+        allowed = allowed_items if allowed_items is not None else [None] * len(histories)
+        batch = []
+        for row, (history, items) in enumerate(zip(histories, allowed, strict=True)):
+            try:
+                batch.append(self.catalogue.encode_request(RetrieveRequest(history, k, items, exclude_history), config))
+            except ValueError as err:
+                raise ValueError(f"request {row}: {err}") from err
+        return [(r.items, r.scores) for r in self.run(batch, beam=beam, constrained=constrained)]

@@ -91,20 +91,32 @@ def kmeans(
         balanced: cap each cluster at ceil(N / k) points (better codebook usage, fewer collisions).
 
     Returns:
-        (centroids (k, d), codes (N,)).
+        (centroids (k, d), codes (N,)). Unbalanced: codes are the nearest centroids. Balanced: codes
+        respect the cap and each used centroid is the mean of its codes' points.
     """
     x64 = x.double()
     centroids = kmeans_plus_plus(x64, k, generator)
     capacity = math.ceil(x.shape[0] / k)
-    codes = assign(x64, centroids)
+    step = (lambda c: balanced_assign(x64, c, capacity)) if balanced else (lambda c: assign(x64, c))
     for _ in range(iters):
-        codes = balanced_assign(x64, centroids, capacity) if balanced else assign(x64, centroids)
-        counts = torch.bincount(codes, minlength=k)
-        sums = torch.zeros_like(centroids).index_add_(0, codes, x64)
-        empty = counts == 0
-        centroids = torch.where(empty[:, None], centroids, sums / counts.clamp_min(1)[:, None])
-        if empty.any():  # re-seed empty clusters on random points so every code stays usable
-            picks = torch.randint(x.shape[0], (int(empty.sum()),), generator=generator)
-            centroids[empty] = x64[picks]
-    codes = balanced_assign(x64, centroids, capacity) if balanced else assign(x64, centroids)
+        centroids = _means(x64, step(centroids), centroids, generator)
+    codes = step(centroids)
+    if balanced:
+        # capped assignments need not settle (the greedy proposals can cycle), and the codes returned
+        # are the items' SIDs: end on the means of exactly these codes (empty codes are left as they are)
+        centroids = _means(x64, codes, centroids, None)
     return centroids.to(x.dtype), codes
+
+
+def _means(x: Tensor, codes: Tensor, centroids: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Lloyd update: each centroid moves to its points' mean; an empty one restarts on a random point
+    (stays where it is when ``generator`` is None)."""
+    k = centroids.shape[0]
+    counts = torch.bincount(codes, minlength=k)
+    sums = torch.zeros_like(centroids).index_add_(0, codes, x)
+    empty = counts == 0
+    centroids = torch.where(empty[:, None], centroids, sums / counts.clamp_min(1)[:, None])
+    if generator is not None and empty.any():  # re-seed empty clusters on random points so every code stays usable
+        picks = torch.randint(x.shape[0], (int(empty.sum()),), generator=generator)
+        centroids[empty] = x[picks]
+    return centroids

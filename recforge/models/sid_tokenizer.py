@@ -4,7 +4,9 @@ Two ways to learn the per-level codebooks, one quantizer:
 
 - ``rkmeans`` (residual k-means): level 1 clusters the (standardised) embeddings, level 2
   clusters what level 1 left over, and so on. ``balanced=True`` caps each cluster at
-  ceil(N / K) items, which spreads items over the codes and lowers collisions.
+  ceil(N / K) items, which spreads items over the codes and lowers collisions: the fitted
+  items keep those capped codes, and each level is fit on the residuals of exactly the codes
+  the items get (``fit_encode``); items coded later get their nearest codeword per level.
 - ``rqvae`` (RQ-VAE, TIGER): an MLP encoder maps the embedding to a small latent that is
   residually quantized; a decoder reconstructs the embedding. Codebooks start from residual
   k-means of the initial latents; a code no batch used for an epoch is reset to a random
@@ -35,7 +37,7 @@ class TokenizerConfig:
     levels: int = 3  # quantization levels (not counting the collision level)
     codebook_size: int = 256  # codes per level (also the collision level's capacity)
     collision_level: bool = True  # append a digit that makes every item's SID unique
-    balanced: bool = False  # rkmeans: clusters capped at ceil(N / K) items while fitting (codes stay nearest-centroid, as for new items)
+    balanced: bool = False  # rkmeans: the fitted items' codes capped at ceil(N / K) per code and level (items added later: nearest)
     seed: int = 0
     kmeans_iters: int = 20
     rqvae_latent_dim: int = 32
@@ -46,15 +48,24 @@ class TokenizerConfig:
     rqvae_beta: float = 0.25  # commitment weight
 
     def validate(self) -> None:
+        """Raise ``ValueError`` listing every bad field (with its `recforge sid fit` flag where it has one)."""
         problems = []
         if self.method not in ("rkmeans", "rqvae"):
-            problems.append(f"method={self.method!r}: expected rkmeans or rqvae")
-        if self.levels < 1 or self.codebook_size < 2:
-            problems.append(f"levels ({self.levels}) must be >= 1 and codebook_size ({self.codebook_size}) >= 2")
+            problems.append(f"method={self.method!r} (--method): expected rkmeans or rqvae")
+        if self.levels < 1:
+            problems.append(f"levels={self.levels} (--levels): need at least 1 quantization level (default 3)")
+        if self.codebook_size < 2:
+            problems.append(f"codebook_size={self.codebook_size} (--codebook-size): need at least 2 codes per level (default 256)")
         if self.balanced and self.method != "rkmeans":
-            problems.append("balanced=True is an option of method=rkmeans")
+            problems.append("balanced=True (--balanced) is an option of --method rkmeans; drop it or use rkmeans")
+        for name in ("kmeans_iters", "rqvae_latent_dim", "rqvae_hidden", "rqvae_epochs", "rqvae_batch_size"):
+            if getattr(self, name) < 1:
+                flag = " (--rqvae-epochs)" if name == "rqvae_epochs" else ""
+                problems.append(f"{name}={getattr(self, name)}{flag}: must be >= 1")
+        if not self.rqvae_lr > 0 or self.rqvae_beta < 0:
+            problems.append(f"rqvae_lr={self.rqvae_lr} must be > 0 and rqvae_beta={self.rqvae_beta} >= 0")
         if problems:
-            raise ValueError("SID tokenizer config: " + "; ".join(problems))
+            raise ValueError("SID tokenizer settings: " + "; ".join(problems))
 
 
 def _mlp(sizes: list[int]) -> nn.Sequential:
@@ -104,6 +115,16 @@ class SIDTokenizer(nn.Module):
     @staticmethod
     def fit(x: Tensor, config: TokenizerConfig) -> SIDTokenizer:
         """Fit a tokenizer to embeddings ``x`` (N, D); a pure function of (x, config)."""
+        return SIDTokenizer.fit_encode(x, config)[0]
+
+    @staticmethod
+    def fit_encode(x: Tensor, config: TokenizerConfig) -> tuple[SIDTokenizer, Tensor]:
+        """(tokenizer, (N, levels) codes of the rows of ``x``); a pure function of (x, config).
+
+        The codes are ``encode(x)`` except for balanced residual k-means, where they are the
+        capacity-capped codes of the fit: level l's codebook is fit on ``z - sum_{j<l} book_j[code_j]``
+        of these very codes, so the codes and the codebooks describe the same residuals.
+        """
         config.validate()
         x = x.float()
         if x.ndim != 2 or x.shape[0] < 2 or not torch.isfinite(x).all():
@@ -116,25 +137,33 @@ class SIDTokenizer(nn.Module):
         tok.scale.copy_((x - tok.mean).pow(2).sum(1).mean().sqrt().clamp_min(1e-12))
         if config.method == "rqvae":
             _train_rqvae(tok, x, generator)
-        else:
-            tok.codebooks.copy_(_residual_kmeans(tok.latent(x), config, generator))
-        return tok.eval()
+            return tok.eval(), tok.encode(x)
+        books, codes = _residual_kmeans(tok.latent(x), config, generator)
+        tok.codebooks.copy_(books)
+        return tok.eval(), (codes if config.balanced else tok.encode(x))
 
 
-def _residual_kmeans(z: Tensor, config: TokenizerConfig, generator: torch.Generator) -> Tensor:
-    books, residual = [], z
+def _residual_kmeans(z: Tensor, config: TokenizerConfig, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """((L, K, d) codebooks, (N, L) codes): each level clusters what the levels before left over.
+
+    The residual chain runs on the float32 codebooks that are stored, so the residual a level is
+    fit on is exactly ``z`` minus the stored codewords of the codes returned for the earlier levels.
+    """
+    books, codes, residual = [], [], z.float()
     for _ in range(config.levels):
-        centroids, codes = kmeans(residual, config.codebook_size, iters=config.kmeans_iters, generator=generator,
-                                  balanced=config.balanced)  # fmt: skip
+        centroids, level_codes = kmeans(residual, config.codebook_size, iters=config.kmeans_iters, generator=generator,
+                                        balanced=config.balanced)  # fmt: skip
+        centroids = centroids.float()
         books.append(centroids)
-        residual = residual - centroids[codes]
-    return torch.stack(books)
+        codes.append(level_codes)
+        residual = residual - centroids[level_codes]
+    return torch.stack(books), torch.stack(codes, 1)
 
 
 def _train_rqvae(tok: SIDTokenizer, x: Tensor, generator: torch.Generator) -> None:
     cfg = tok.config
     with torch.no_grad():
-        tok.codebooks.copy_(_residual_kmeans(tok.latent(x), cfg, generator))
+        tok.codebooks.copy_(_residual_kmeans(tok.latent(x), cfg, generator)[0])
     books = nn.Parameter(tok.codebooks.clone())
     params = [*tok.encoder.parameters(), *tok.decoder.parameters(), books]
     optimizer = torch.optim.Adam(params, lr=cfg.rqvae_lr)

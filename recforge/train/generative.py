@@ -34,8 +34,8 @@ from recforge.io import atomic_directory
 from recforge.data.dataset import load_dataset
 from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences
 from recforge.data.sid_sequences import eval_samples, history_windows, seen_mask, transition_samples
-from recforge.data.sids import SIDS_FILE, read_sids
-from recforge.generate import SidTrie, beam_search, resolve_items
+from recforge.data.sids import SIDS_FILE, check_embedding_run, read_sids
+from recforge.generate import SidTrie, search_items
 from recforge.generate.sid_run import build_sid_model, read_run, sid_dir_of
 from recforge.models.sid_hstu import SIDHSTU
 from recforge.models.sid_seq2seq import SIDSeq2Seq
@@ -80,8 +80,10 @@ def setup(cfg: RunConfig, sid_dir: Path | None = None, ctx: DistContext | None =
     ``ctx``: the ``torchrun`` job this process is part of (None: one process)."""
     device = prepare_runtime(cfg)
     ctx = ctx or DistContext()
-    seqs = UserSequences.from_dataset(load_dataset(cfg.data.path))
+    dataset = load_dataset(cfg.data.path)
     sids = read_sids(sid_dir or sid_dir_of(cfg))
+    check_embedding_run(sids.meta, dataset.events, cfg.data.protocol, cfg.data.path)  # no held-out item shaped the SIDs
+    seqs = UserSequences.from_dataset(dataset)
     codes = sids.codes_for(seqs.item_vocab[1:])  # (N, L)
     item_codes = torch.cat([torch.zeros(1, codes.shape[1], dtype=torch.long), codes])
     trie = SidTrie.build(codes, sids.vocab_size, cfg.generative.trie).to(device)
@@ -112,22 +114,27 @@ def _loss(s: Setup, batch: SidBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def generated_ranks(s: Setup, samples: torch.Tensor, k: int) -> torch.Tensor:
-    """(B,) 0-based position of each sample's target in its generated item list (``num_items``: a miss)."""
+def generated_items(s: Setup, samples: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(items (B, k) dense indices (0: empty slot), scores (B, k), targets (B,)) on the host: each sample's
+    generated list, its user's earlier items excluded (the target never is, as in ``target_ranks``)."""
     history, mask, targets = _inputs(s, samples)
     seen = seen_mask(s.seqs, samples)
-    seen[torch.arange(targets.numel()), targets] = False  # the target is never excluded (as in target_ranks)
+    seen[torch.arange(targets.numel()), targets] = False
     allowed_items = (~seen[:, 1:]).to(s.device)  # over trie items
     was_training = s.model.training
     s.model.eval()
     memory = s.model.start(history, mask)
-    allowed = s.trie.allowed_nodes(allowed_items) if s.cfg.generative.exclude_seen_in_search else None
-    out = beam_search(lambda c: s.model.next_token_logprobs(memory, c), s.trie, batch_size=targets.numel(),
-                      beam=s.cfg.generative.beam, allowed=allowed)  # fmt: skip
-    items, scores = resolve_items(out, s.trie, k, item_mask=allowed_items)
+    items, scores = search_items(lambda c: s.model.next_token_logprobs(memory, c), s.trie, batch_size=targets.numel(),
+                                 beam=s.cfg.generative.beam, k=k, item_mask=allowed_items,
+                                 search_mask=allowed_items if s.cfg.generative.exclude_seen_in_search else None)  # fmt: skip
     s.model.train(was_training)
-    items, scores = items.cpu(), scores.cpu()
-    hit = (items + 1) == targets[:, None]  # (B, k); empty slots (-1 + 1 = 0) never match an item
+    return items.cpu() + 1, scores.cpu(), targets
+
+
+def generated_ranks(s: Setup, samples: torch.Tensor, k: int) -> torch.Tensor:
+    """(B,) 0-based position of each sample's target in its generated item list (``num_items``: a miss)."""
+    items, scores, targets = generated_items(s, samples, k)
+    hit = items == targets[:, None]  # (B, k); empty slots (0) never match an item
     first = hit.int().argmax(1)
     # items sharing the target's SID (no collision level) tie with it: ties count against the target,
     # as in the ID models' target_ranks, so its rank is the last slot holding its score

@@ -4,8 +4,10 @@ Item vectors come from one of three sources:
 
 - ``embedding``: the ``embedding`` column of ``items.parquet``;
 - ``text``: the built-in TF-IDF + SVD featurizer over the other ``items.parquet`` columns;
-- ``run:RUN_DIR``: the item table of a trained recforge retrieval run (collaborative embeddings;
-  train it with ``data.protocol: clean`` so the held-out items never shaped them).
+- ``run:RUN_DIR``: the item table of a trained recforge retrieval run (collaborative embeddings).
+  Safe only when the run never saw what the SID model is evaluated on: the run must be trained
+  on the same dataset (checked here) with at least the SID model's held-out items per user
+  (``data.protocol: clean`` serves both protocols; checked by the generative recipe).
 
 Example:
     >>> report = fit_sids("data/beauty", "data/beauty/sid-rk", source="text",
@@ -21,53 +23,80 @@ import numpy as np
 import torch
 
 from recforge.data.dataset import load_dataset
-from recforge.data.sid_features import TextFeaturizer, embedding_column, item_documents
-from recforge.data.sids import FEATURIZER_FILE, read_sids, read_tensors, write_sid_dir
+from recforge.data.sid_features import TextFeaturizer, check_vectors, embedding_column, item_documents
+from recforge.data.sequences import PROTOCOL_HOLDOUT
+from recforge.data.sids import FEATURIZER_FILE, interactions_digest, read_sids, read_tensors, write_sid_dir
 from recforge.models.sid_tokenizer import SIDTokenizer, TokenizerConfig, add_collision_level, config_dict, sid_stats
 
 
 def _catalogue(data_dir: str | Path) -> tuple[np.ndarray, object]:
     dataset = load_dataset(data_dir)
     ids = np.unique(dataset.events.column("item_id").to_numpy())
+    if dataset.items is not None and "item_id" not in dataset.items.column_names:
+        raise ValueError(f"{Path(data_dir) / 'items.parquet'} has no item_id column (it has {dataset.items.column_names}); "
+                         "rewrite it with an int64 item_id per row")  # fmt: skip
     if dataset.items is not None:
         ids = np.union1d(ids, dataset.items.column("item_id").to_numpy())
     return ids.astype(np.int64), dataset.items
 
 
-def run_item_embeddings(run_dir: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """(raw item IDs, (N, d) item vectors) of a trained retrieval run's best (else latest) checkpoint."""
+def run_item_embeddings(run_dir: str | Path, data_dir: str | Path) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(raw item IDs, (N, d) item vectors, provenance) of a trained retrieval run.
+
+    The run must have been trained on ``data_dir``'s interactions. The checkpoint is ``best`` for a
+    clean run (chosen on the validation target) and ``latest`` for a paper run (its ``best`` was chosen
+    on the test target). The provenance (data digest, protocol, held-out items per user) goes into
+    ``sid.json``; the generative recipe refuses the SIDs where the run saw its evaluation targets
+    (``recforge.data.sids.check_embedding_run``).
+    """
     from recforge.config import load_config
     from recforge.train import retrieval
     from recforge.checkpoint import find_checkpoint, load_checkpoint
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
-        raise ValueError(f"--source run:{run_dir}: not a recforge run directory (no config.yaml)")
+        raise ValueError(f"--source run:{run_dir}: not a recforge run directory (no config.yaml); "
+                         "give the output directory of `recforge train` on a retrieval config")  # fmt: skip
     cfg = load_config(run_dir / "config.yaml", ["train.device=cpu"])
     if cfg.recipe != "retrieval":
         raise ValueError(f"--source run:{run_dir}: collaborative embeddings come from a retrieval run, not {cfg.recipe}")
-    ckpt = find_checkpoint(run_dir, "best") or find_checkpoint(run_dir, "latest")
+    which = "best" if cfg.data.protocol == "clean" else "latest"
+    ckpt = find_checkpoint(run_dir, which)
     if ckpt is None:
-        raise ValueError(f"--source run:{run_dir}: the run has no checkpoint; train it first")
+        raise ValueError(f"--source run:{run_dir}: the run has no {which} checkpoint; train it first")
+    digest = interactions_digest(load_dataset(data_dir).events)
+    if interactions_digest(load_dataset(cfg.data.path).events) != digest:
+        raise ValueError(
+            f"--source run:{run_dir}: the run was trained on {cfg.data.path}, whose interactions differ from "
+            f"{data_dir}'s, so it may have trained on {data_dir}'s held-out items. Train the retrieval run "
+            f"on {data_dir} (data.path={data_dir}, data.protocol=clean) and fit from it"
+        )
     s = retrieval.setup(cfg)
-    load_checkpoint(ckpt, s.model)
+    manifest = load_checkpoint(ckpt, s.model)
     with torch.no_grad():
         vectors = s.model.item_vectors().float()[1:]  # row 0 is padding
-    return s.seqs.item_vocab[1:], vectors.numpy()
+    provenance = {
+        "run_dir": str(run_dir.resolve()), "data_path": str(cfg.data.path), "interactions": digest,
+        "protocol": cfg.data.protocol, "holdout": PROTOCOL_HOLDOUT[cfg.data.protocol], "checkpoint": ckpt.name,
+        "step": manifest.get("step"),
+    }  # fmt: skip
+    ids = s.seqs.item_vocab[1:]
+    return ids, check_vectors(vectors.numpy(), ids, f"--source run:{run_dir} item embeddings"), provenance
 
 
 def item_vectors(data_dir: str | Path, source: str, *, text_dim: int = 64, seed: int = 0):
-    """(item IDs, (N, D) float32 vectors, featurizer or None) for ``source`` (see the module docstring)."""
+    """(item IDs, (N, D) float32 vectors, featurizer or None, provenance or None) for ``source``
+    (see the module docstring)."""
     if source.startswith("run:"):
-        ids, vectors = run_item_embeddings(source[4:])
-        return ids, vectors, None
+        ids, vectors, provenance = run_item_embeddings(source[4:], data_dir)
+        return ids, vectors, None, provenance
     ids, items = _catalogue(data_dir)
     if source == "embedding":
-        return ids, embedding_column(items, ids), None
+        return ids, embedding_column(items, ids), None, None
     if source == "text":
         docs = item_documents(items, ids)
         featurizer = TextFeaturizer.fit(docs, text_dim, seed)
-        return ids, featurizer.transform(docs), featurizer
+        return ids, featurizer.transform(docs), featurizer, None
     raise ValueError(f"--source {source!r}: expected embedding, text or run:RUN_DIR")
 
 
@@ -77,11 +106,17 @@ def fit_sids(
 ) -> dict:  # fmt: skip
     """Fit a tokenizer on the catalogue's item vectors and write the SID directory; return its report."""
     config.validate()
+    if text_dim < 1:
+        raise ValueError(f"--text-dim {text_dim}: the text featurizer needs at least 1 dimension (default 64)")
     if Path(out).exists() and not overwrite:  # checked before the fit (minutes), not only when writing
         raise ValueError(f"{out} already exists; pass --overwrite to replace it")
-    ids, vectors, featurizer = item_vectors(data_dir, source, text_dim=text_dim, seed=config.seed)
-    tok = SIDTokenizer.fit(torch.from_numpy(vectors), config)
-    codes = tok.encode(torch.from_numpy(vectors))
+    ids, vectors, featurizer, provenance = item_vectors(data_dir, source, text_dim=text_dim, seed=config.seed)
+    if len(ids) < 2:
+        raise ValueError(f"{data_dir} has {len(ids)} item(s); semantic IDs need a catalogue of at least 2 items")
+    if config.codebook_size > len(ids):
+        raise ValueError(f"--codebook-size {config.codebook_size} for {len(ids)} items: a level cannot use more codes "
+                         f"than there are items; use --codebook-size {len(ids)} or less")  # fmt: skip
+    tok, codes = SIDTokenizer.fit_encode(torch.from_numpy(vectors), config)
     stats = sid_stats(codes, config.codebook_size)
     sids = add_collision_level(codes) if config.collision_level else codes
     vocab_size = max(config.codebook_size, int(sids.max()) + 1)  # tokens per level: the collision digit may need more
@@ -90,6 +125,8 @@ def fit_sids(
         "vocab_size": vocab_size, "num_levels": int(sids.shape[1]), "embedding_dim": int(vectors.shape[1]),
         "stats": stats,
     }  # fmt: skip
+    if provenance is not None:
+        meta["embedding_run"] = provenance  # checked by the generative recipe (no held-out item may shape the SIDs)
     feat_tensors = None
     if featurizer is not None:
         meta["featurizer"] = {"kind": "tfidf_svd", "vocabulary": featurizer.vocabulary}
@@ -118,7 +155,8 @@ def add_items(sid_dir: str | Path, data_dir: str | Path) -> dict:
     if new_ids.size == 0:
         return {"added": 0, "num_items": int(sids.item_ids.size)}
     if meta["source"] == "embedding":
-        vectors = embedding_column(items, new_ids)
+        vectors = check_vectors(embedding_column(items, new_ids), new_ids, "items.parquet column 'embedding'",
+                                dim=meta["embedding_dim"])  # fmt: skip
     elif meta["source"] == "text":
         f = read_tensors(sid_dir, FEATURIZER_FILE)
         featurizer = TextFeaturizer(meta["featurizer"]["vocabulary"], f["idf"].numpy(), f["components"].numpy())

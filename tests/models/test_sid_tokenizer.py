@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -62,6 +64,31 @@ def test_balanced_assignment_respects_capacity_and_prefers_near_centroids() -> N
     _, unbalanced = kmeans(x, 4, generator=torch.Generator().manual_seed(0))
     _, balanced = kmeans(x, 4, generator=torch.Generator().manual_seed(0), balanced=True)
     assert torch.bincount(balanced, minlength=4).max() <= 25 < torch.bincount(unbalanced, minlength=4).max()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_balanced_codes_and_codebooks_describe_the_same_residuals(seed: int) -> None:
+    """Independent check of balanced residual k-means: recompute every level's residuals from the
+    returned codes alone; each code's codeword is the mean of its items' residuals (k-means at its
+    fixed point) and no code holds more than ceil(N / K) items at any level."""
+    x = clustered(n=300, dim=6, clusters=8, seed=seed)
+    x[:120] = x[0] + 0.3 * torch.randn(120, 6, generator=torch.Generator().manual_seed(seed))  # one crowded blob
+    cfg = TokenizerConfig(levels=3, codebook_size=8, balanced=True, seed=seed, kmeans_iters=60)
+    tok, codes = SIDTokenizer.fit_encode(x, cfg)
+    capacity = math.ceil(300 / 8)
+    residual = ((x.double() - tok.mean.double()) / tok.scale.double())  # (N, d), the standardised items
+    for level in range(3):
+        book = tok.codebooks[level].double()
+        assert torch.bincount(codes[:, level], minlength=8).max() <= capacity, level
+        for code in codes[:, level].unique():
+            members = codes[:, level] == code
+            torch.testing.assert_close(residual[members].mean(0), book[code], rtol=0, atol=1e-5, msg=f"level {level}")
+        residual = residual - book[codes[:, level]]
+    quantized = tok.codebooks.double().gather(1, codes.T[..., None].expand(-1, -1, 6)).sum(0)  # (N, d)
+    torch.testing.assert_close(quantized + residual, (x.double() - tok.mean.double()) / tok.scale.double(), rtol=0, atol=1e-9)
+    # items coded later get their nearest codeword per level; unbalanced fits emit exactly that
+    plain, plain_codes = SIDTokenizer.fit_encode(x, TokenizerConfig(levels=3, codebook_size=8, seed=seed))
+    assert torch.equal(plain_codes, plain.encode(x))
 
 
 def test_collision_level_makes_sids_unique_and_keeps_old_ones() -> None:

@@ -155,7 +155,11 @@ def test_train_resume_eval_and_retrieve(tmp_path: Path, sid_data: Path, capsys: 
     # an item coded after training is retrievable without retraining (cold start through its SID)
     assert add_items(straight / "sids", _grown(tmp_path, sid_data))["added"] == 1
     fresh = Retriever.from_run(straight, device="cpu")
-    ((items, _),) = fresh.retrieve([raw[:5] + [5000]], k=5, beam=10, allowed_items=[[5000]])
+    ((items, _),) = fresh.retrieve([raw[:5]], k=5, beam=10, allowed_items=[[5000]])
+    assert items == [5000]
+    ((items, _),) = fresh.retrieve([raw[:5] + [5000]], k=5, beam=10, allowed_items=[[5000]])  # read in a history,
+    assert items == []  # and then excluded from the result, as evaluation excludes history items
+    ((items, _),) = fresh.retrieve([raw[:5] + [5000]], k=5, beam=10, allowed_items=[[5000]], exclude_history=False)
     assert items == [5000]
 
 
@@ -190,7 +194,7 @@ def test_config_errors_name_the_fix(tmp_path: Path, sid_data: Path) -> None:
 
 @pytest.mark.gpu
 def test_gpu_retrieve_matches_cpu_and_decodes_without_host_sync(tmp_path: Path, sid_data: Path, cuda_device: torch.device) -> None:
-    from recforge.generate import Retriever, beam_search
+    from recforge.generate import RetrieveRequest, Retriever, beam_search
 
     config = _config(tmp_path, sid_data)
     args = _args(tmp_path, sid_data, "train.epochs=1", "generative.beam=10", "eval.ks=[1,5,10]", "train.device=cpu")
@@ -206,7 +210,7 @@ def test_gpu_retrieve_matches_cpu_and_decodes_without_host_sync(tmp_path: Path, 
         assert items_cpu == items_gpu
         # CUDA matmuls run in TF32 (train.runtime): scores agree to ~1e-3, the items exactly
         torch.testing.assert_close(torch.tensor(scores_gpu), torch.tensor(scores_cpu), rtol=2e-3, atol=2e-3)
-    codes, mask = gpu._histories(histories)
+    codes, mask = gpu.history_batch([gpu.encode(RetrieveRequest(h)) for h in histories])
     with torch.no_grad():
         memory = gpu.model.start(codes, mask)
         torch.cuda.synchronize()
