@@ -129,6 +129,10 @@ class TrainConfig:
     loader: str = "memory"  # memory: batches built in memory each step | pipeline: streamed from Parquet by the sample engine
     loader_workers: int = 2  # pipeline loader: Parquet reader threads
     token_budget: int = 0  # pipeline loader: 0 = batch_size rows per batch; > 0 = about this many tokens (token-weighted loss)
+    # none | default | max-autotune-no-cudagraphs: torch.compile the step's forward + loss (backward through
+    # AOTAutograd; the Triton attention stays one custom op per block); CUDA only (on CPU it is off, logged once)
+    compile: str = "none"
+    peak_tflops: float = 0.0  # the device's dense matmul peak for MFU in the log (0: from recforge.train.flops' table)
 
 
 @dataclass
@@ -212,6 +216,7 @@ CHOICES = {
     "model.attn_norm": ("layernorm", "visible_mean"),
     "train.loader": ("memory", "pipeline"),
     "train.precision": ("float32", "bfloat16"),
+    "train.compile": ("none", "default", "max-autotune-no-cudagraphs"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.dense": ("ddp", "fsdp2"),
     "sparse.optimizer": ("sgd", "adagrad", "rowwise_adagrad", "adam", "adamw"),
@@ -318,8 +323,8 @@ def validate(cfg: RunConfig) -> list[str]:
         problems.append(f"model.kind: {cfg.model.kind} is a ranking baseline; use recipe: ranking (or model.kind hstu/sasrec)")
     if any(k <= 0 for k in cfg.eval.ks):
         problems.append(f"eval.ks: cut-offs must be > 0, got {cfg.eval.ks}")
-    if cfg.train.checkpoint_every < 0 or cfg.train.eval_every < 0 or cfg.train.max_steps < 0:
-        problems.append("train.checkpoint_every, train.eval_every and train.max_steps must be >= 0")
+    if cfg.train.checkpoint_every < 0 or cfg.train.eval_every < 0 or cfg.train.max_steps < 0 or cfg.train.peak_tflops < 0:
+        problems.append("train.checkpoint_every, train.eval_every, train.max_steps and train.peak_tflops must be >= 0")
     if cfg.train.loader_workers < 1 or cfg.train.token_budget < 0 or (cfg.train.loader == "memory" and cfg.train.token_budget):
         problems.append("train.loader_workers must be >= 1 and train.token_budget >= 0 (> 0 needs train.loader=pipeline)")
     if not cfg.data.path:

@@ -50,7 +50,7 @@ UnitsFn = Callable[[Any], float]  # batch -> loss units its mean-type objective 
 
 @dataclass
 class StepResult:
-    loss: float  # the global batch's loss (units-weighted mean over ranks and micro-batches)
+    loss: float | torch.Tensor  # the global batch's loss (units-weighted mean over ranks and micro-batches); one process: a device scalar
     tokens: int  # tokens trained on by all ranks this step
 
 
@@ -161,6 +161,8 @@ class StepRunner:
         self.optimizer.step()
         if self.sparse_optimizer is not None:
             self.sparse_optimizer.step(lr_scale=lr_scale)
+        if not self.ctx.initialized:  # the loss stays on the device: the loop reads it once per log interval
+            return StepResult(loss_sum / max(global_units, 1e-12), tokens)
         total_loss, total_tokens = self.ctx.all_reduce_sum([float(loss_sum), tokens])
         return StepResult(total_loss / max(global_units, 1e-12), int(total_tokens))
 
