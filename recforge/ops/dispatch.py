@@ -59,6 +59,8 @@ def unsupported_by_triton(*tensors: torch.Tensor, head_dims: tuple[int, ...]) ->
 
 
 def _log_once(op: str, backend: str, why: str) -> None:
+    if torch.compiler.is_compiling():  # logged by the eager calls; a log call would break a compiled graph
+        return
     key = (op, backend, why)
     if key not in _logged:
         _logged.add(key)

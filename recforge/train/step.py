@@ -39,6 +39,7 @@ from torch import nn
 from recforge.config import RunConfig
 from recforge.sparse import SparseOptimizer
 from recforge.sparse.sharded import standin_lookups
+from recforge.train.compiled import compile_objective
 from recforge.train.distributed import DistContext, Objective, unused_parameters, wrap_dense
 from recforge.train.pipeline_step import AheadTable, LookAhead
 from recforge.train.runtime import autocast, make_optimizer
@@ -71,7 +72,7 @@ class StepRunner:
     def __init__(self, cfg: RunConfig, model: nn.Module, device: torch.device, ctx: DistContext, *, loss_fn: LossFn,
                  units_fn: UnitsFn, summed: bool = False, sparse_optimizer: SparseOptimizer | None = None) -> None:  # fmt: skip
         self.cfg, self.model, self.device, self.ctx = cfg, model, device, ctx
-        self.objective: nn.Module = Objective(model, loss_fn)
+        self.objective: nn.Module = compile_objective(Objective(model, loss_fn), cfg, device)  # train.compile
         # DDP waits for the first batch: it tells whether DDP must search for unused parameters each step
         self._wrap_later = ctx.initialized and cfg.dist.dense == "ddp"
         if not self._wrap_later:
