@@ -212,7 +212,8 @@ def run_loop(
             for key, value in metrics.items():
                 if isinstance(value, float):
                     writer.add_scalar(f"{split}/{key}", value, state["global_step"])
-            append_jsonl(evals_log, {"step": state["global_step"], "epoch": state["epoch"], "split": split, **metrics})
+            append_jsonl(evals_log, {"step": state["global_step"], "epoch": state["epoch"], "split": split,
+                                     "elapsed_s": time.monotonic() - started, "time": time.time(), **metrics})  # fmt: skip
         if progress:
             tqdm.write(f"epoch {state['epoch']} step {state['global_step']} {split}: " + format_metrics(metrics, show_keys))
         value = metrics[cfg.eval.select_metric]
