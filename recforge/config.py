@@ -134,6 +134,10 @@ class TrainConfig:
     loader: str = "memory"  # memory: batches built in memory each step | pipeline: streamed from Parquet by the sample engine
     loader_workers: int = 2  # pipeline loader: Parquet reader threads
     token_budget: int = 0  # pipeline loader: 0 = batch_size rows per batch; > 0 = about this many tokens (token-weighted loss)
+    # none | default | max-autotune-no-cudagraphs: torch.compile the step's forward + loss (backward through
+    # AOTAutograd; the Triton attention stays one custom op per block); CUDA only (on CPU it is off, logged once)
+    compile: str = "none"
+    peak_tflops: float = 0.0  # the device's dense matmul peak for MFU in the log (0: from recforge.train.flops' table)
 
 
 @dataclass
@@ -217,6 +221,7 @@ CHOICES = {
     "model.attn_norm": ("layernorm", "visible_mean"),
     "train.loader": ("memory", "pipeline"),
     "train.precision": ("float32", "bfloat16"),
+    "train.compile": ("none", "default", "max-autotune-no-cudagraphs"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.dense": ("ddp", "fsdp2"),
     "sparse.optimizer": ("sgd", "adagrad", "rowwise_adagrad", "adam", "adamw"),
@@ -236,6 +241,7 @@ NON_NEGATIVE = {
     "train.seed": "", "train.eval_every": " (0: evaluate only at the end)",
     "train.checkpoint_every": " (0: a checkpoint at each epoch's end)", "train.max_steps": " (0: no limit)",
     "train.max_minutes": " (0: no limit)", "train.threads": " (0: PyTorch's default)",
+    "train.peak_tflops": " (0: the device's peak from recforge.train.flops)",
     "train.token_budget": " (0: train.batch_size rows per batch)", "ranking.listwise_weight": " (0: off)",
     "sparse.capacity": " (0: catalogue size + 1)", "sparse.max_rows": " (0: no limit)", "sparse.cache_rows": " (0: no cache)",
     "sparse.eviction_every": " (0: only on capacity pressure)", "sparse.ttl_steps": "",

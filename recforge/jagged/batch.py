@@ -84,7 +84,9 @@ class JaggedBatch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.seq_offsets[-1])
+        """T, from the token features' rows (every feature has T of them): no read of device offsets."""
+        values = self.features.get("item_ids")
+        return values.shape[0] if values is not None else int(self.seq_offsets[-1])
 
     @property
     def lengths(self) -> Tensor:

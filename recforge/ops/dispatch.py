@@ -8,7 +8,6 @@ kernel supports the inputs, and the PyTorch reference otherwise, logging which a
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 
@@ -23,10 +22,14 @@ _logged: set[tuple[str, str, str]] = set()
 log = logging.getLogger("recforge.ops")
 
 
-@functools.lru_cache(maxsize=1)
+_has_triton: list[bool] = []  # found once (a plain global, not lru_cache: torch.compile traces this check)
+
+
 def triton_available() -> bool:
     """Triton can be imported (the one capability check for the Triton kernels)."""
-    return importlib.util.find_spec("triton") is not None
+    if not _has_triton:
+        _has_triton.append(importlib.util.find_spec("triton") is not None)
+    return _has_triton[0]
 
 
 def resolve_device(name: str, setting: str = "device") -> torch.device:
@@ -59,6 +62,8 @@ def unsupported_by_triton(*tensors: torch.Tensor, head_dims: tuple[int, ...]) ->
 
 
 def _log_once(op: str, backend: str, why: str) -> None:
+    if torch.compiler.is_compiling():  # logged by the eager calls; a log call would break a compiled graph
+        return
     key = (op, backend, why)
     if key not in _logged:
         _logged.add(key)

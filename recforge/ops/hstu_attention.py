@@ -18,6 +18,7 @@ from torch import Tensor
 
 from recforge.jagged.index import jagged_rows, jagged_to_padded, lengths_from_offsets, padded_to_jagged
 from recforge.jagged.mask import AttentionMask
+from recforge.ops.custom_ops import hstu_attention_op
 from recforge.ops.dispatch import resolve_kernel, unsupported_by_triton
 from recforge.ops.time_bias import time_buckets
 
@@ -200,6 +201,8 @@ def hstu_attention(
         scale = 1.0 / max_seq_len
     unsupported = unsupported_by_triton(q, k, v, head_dims=(q.shape[-1], v.shape[-1]))
     if resolve_kernel("hstu_attention", kernel, q.device, unsupported) == "triton":
+        if torch.compiler.is_compiling():  # one opaque custom op per call, not a trace of the launch code
+            return hstu_attention_op(q, k, v, seq_offsets, max_seq_len, mask, scale, pos_weights, timestamps, time_weights)
         from recforge.ops.triton.hstu import (
             hstu_attention_triton,  # defined on first use: see recforge.ops.triton
         )

@@ -35,6 +35,7 @@ class StepInput:
     micro: Micro  # device batches (or None)
     data_state: dict | None  # the source's state after these batches were handed out (None: memory loader)
     times: dict[str, float] = field(default_factory=dict)  # fetch_s, build_s, h2d_s of this step
+    flops: float = 0.0  # model FLOPs of the step's batches (``count``), counted on the host from the CPU batches
 
 
 def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -61,6 +62,7 @@ class StepInputs:
         device: the training device.
         snapshot: the source's ``state_dict`` (pipeline loader), None for the memory loader.
         prefetch: prepare the next step in a background thread (``dist.pipeline``).
+        count: CPU batch -> its step FLOPs (``recforge.train.flops``), counted while the batch is built.
 
     Example:
         >>> inputs = StepInputs(raw, build=lambda ids: seqs.training_batch(samples[ids], 200), device=dev,
@@ -69,8 +71,8 @@ class StepInputs:
     """
 
     def __init__(self, raw: Iterator[Micro], *, build: Callable[[Any], Any], device: torch.device,
-                 snapshot: Callable[[], dict] | None, prefetch: bool) -> None:  # fmt: skip
-        self.raw, self.build, self.device, self.snapshot = raw, build, device, snapshot
+                 snapshot: Callable[[], dict] | None, prefetch: bool, count: Callable[[Any], float] | None = None) -> None:  # fmt: skip
+        self.raw, self.build, self.device, self.snapshot, self.count = raw, build, device, snapshot, count
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda and prefetch else None
         self._queue: queue.Queue | None = None
@@ -87,6 +89,7 @@ class StepInputs:
         state = self.snapshot() if self.snapshot is not None else None
         t1 = time.perf_counter()
         cpu = [self.build(r) if r is not None else None for r in raw]
+        flops = sum(self.count(b) for b in cpu if b is not None) if self.count is not None else 0.0
         t2 = time.perf_counter()
         event = None
         if self.stream is not None:  # side stream: the copy overlaps the training stream's kernels
@@ -98,7 +101,7 @@ class StepInputs:
         else:
             micro = [b.to(self.device) if b is not None else None for b in cpu]
         times = {"fetch_s": t1 - t0, "build_s": t2 - t1, "h2d_s": time.perf_counter() - t2}
-        return StepInput(micro, state, times), event
+        return StepInput(micro, state, times, flops), event
 
     def _work(self) -> None:
         try:

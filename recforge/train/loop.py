@@ -15,8 +15,11 @@ function and an evaluation function; the loop owns seeding, logging (``train_log
   across crashes and changes of world size (in a different order than an uninterrupted run).
 
 Every step re-seeds the RNGs from (seed, global step). Each ``train_log.jsonl`` row records
-``data_wait_s``, the time the step waited for its input, next to ``step_s``, the step's own
-time, and the input stages' times (``fetch_s``, ``build_s``, ``h2d_s``; see ``inputs.py``).
+``data_wait_s``, the time the step waited for its input, next to ``step_s``, the step call's host
+time, and the input stages' times (``fetch_s``, ``build_s``, ``h2d_s``; see ``inputs.py``). Rows are
+written once per ``train.log_every`` steps, whose last row carries the interval's ``tokens_per_s``,
+``tflops`` and ``mfu`` (``step_log.py``: losses stay on the device until then, so a step never waits
+for the GPU).
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ from recforge.sparse.sharded import sharded_tables
 from recforge.sparse.sharded_checkpoint import save_sharded_checkpoint
 from recforge.train.distributed import DistContext, any_rank, full_dense_state, merged_data_state
 from recforge.train.inputs import StepInputs
+from recforge.train.flops import matmul_precision, peak_tflops
 from recforge.train.progress import STOP_MESSAGES, Progress, progress_mode
 from recforge.train.run_files import (append_jsonl, format_metrics, invoked_command, load_for_resume, prepare_run_dir,
                                       truncate_jsonl)  # fmt: skip
+from recforge.train.step_log import StepLog
 
 __all__ = ["BatchSource", "lr_at", "prepare_run_dir", "run_loop", "run_lr_scale"]
 
@@ -104,6 +109,7 @@ def run_loop(
     show_keys: tuple[str, ...] | None = None,
     ctx: DistContext | None = None,
     lookahead: Callable[[Callable[[], list] | None], None] | None = None,
+    flops: Callable[[Any], float] | None = None,
 ) -> dict:
     """Run ``cfg.train`` epochs of ``step``; return the final train state.
 
@@ -114,6 +120,8 @@ def run_loop(
     ``torchrun`` every rank runs this loop; rank 0 writes logs and checkpoints, and the data state
     of all ranks is merged into each checkpoint. ``lookahead`` receives the prefetched inputs'
     ``peek`` each epoch (None after it), for a step that starts the next step's input distribution.
+    ``flops``: a CPU batch's training-step FLOPs (``recforge.train.flops.step_flops_counter``), for the
+    ``tflops`` and ``mfu`` of the log; None logs tokens/s only.
 
     Example:
         >>> run_loop(cfg, model=model, optimizer=runner.optimizer, device=device, num_samples=len(samples),
@@ -152,14 +160,17 @@ def run_loop(
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
     writer = SummaryWriter(str(run_dir / "tb")) if main else None
+    peak = cfg.train.peak_tflops or peak_tflops(device, matmul_precision(cfg.train.precision))
+    report = Progress(progress_mode(progress, main), epochs=cfg.train.epochs, total_steps=total_steps,
+                      log_seconds=cfg.train.log_seconds, max_minutes=cfg.train.max_minutes)  # fmt: skip
+    log = StepLog(steps_log, writer, cfg.train.log_every, peak, main, on_interval=report.interval)
     started = time.monotonic()
     stop = False
     stop_reason = "epochs"
-    report = Progress(progress_mode(progress, main), epochs=cfg.train.epochs, total_steps=total_steps,
-                      log_seconds=cfg.train.log_seconds, max_minutes=cfg.train.max_minutes)  # fmt: skip
     trained_state: dict | None = None  # the source's state after the last step trained (prefetch runs ahead)
 
     def checkpoint(best: bool = False) -> None:
+        log.flush()  # raises on a non-finite loss before any checkpoint holds its weights
         data = {}
         if source is not None:  # only rows of the steps taken, from every rank
             data = {"data_state": merged_data_state(ctx, trained_state or source.state_dict())}
@@ -197,12 +208,14 @@ def run_loop(
             yield [None] * accum
 
     def log_eval() -> bool:
+        log.flush()
         split, metrics = evaluate()  # every rank: evaluation is sharded and gathered
         if main:
             for key, value in metrics.items():
                 if isinstance(value, float):
                     writer.add_scalar(f"{split}/{key}", value, state["global_step"])
-            append_jsonl(evals_log, {"step": state["global_step"], "epoch": state["epoch"], "split": split, **metrics})
+            append_jsonl(evals_log, {"step": state["global_step"], "epoch": state["epoch"], "split": split,
+                                     "elapsed_s": time.monotonic() - started, "time": time.time(), **metrics})  # fmt: skip
         report.evaluation(state["global_step"], state["epoch"], split, format_metrics(metrics, show_keys))
         value = metrics[cfg.eval.select_metric]
         is_best = state["best_value"] is None or value > state["best_value"]
@@ -214,7 +227,8 @@ def run_loop(
     while state["epoch"] < cfg.train.epochs and not stop:
         epoch = state["epoch"]
         snapshot = source.state_dict if source is not None else None
-        inputs = StepInputs(raw_steps(epoch), build=build, device=device, snapshot=snapshot, prefetch=cfg.dist.pipeline)
+        inputs = StepInputs(raw_steps(epoch), build=build, device=device, snapshot=snapshot, prefetch=cfg.dist.pipeline,
+                            count=flops)  # fmt: skip
         if lookahead is not None and cfg.dist.pipeline:
             lookahead(inputs.peek)  # the step may start the next step's input distribution early
         report.start_epoch(epoch, steps_per_epoch, state["step_in_epoch"], state["global_step"])
@@ -236,27 +250,12 @@ def run_loop(
                 if result is None:  # no rank had data left
                     exhausted = True
                     break
-                loss = result.loss
-                if not math.isfinite(loss):  # stop before a checkpoint can hold the weights this step corrupted
-                    raise FloatingPointError(
-                        f"training loss is {loss} at step {state['global_step'] + 1} (epoch {epoch + 1}, lr {lr:.3g}); "
-                        f"the run stops here and {run_dir}/checkpoints holds only earlier, finite states. Lower optim.lr, "
-                        "set optim.grad_clip, or check the data for empty batches and non-finite features; then "
-                        "restart, or continue from the last checkpoint with --resume"
-                    )
-                tokens_per_s = result.tokens / step_s
                 state["global_step"] += 1
                 state["step_in_epoch"] += 1
-                if main:
-                    append_jsonl(steps_log, {"step": state["global_step"], "epoch": epoch, "loss": loss,
-                                             "tokens_per_s": tokens_per_s, "step_s": step_s, "data_wait_s": data_wait_s,
-                                             **item.times})  # fmt: skip
-                if main and state["global_step"] % cfg.train.log_every == 0:
-                    writer.add_scalar("train/loss", loss, state["global_step"])
-                    writer.add_scalar("train/tokens_per_s", tokens_per_s, state["global_step"])
-                    writer.add_scalar("train/data_wait_s", data_wait_s, state["global_step"])
-                    writer.add_scalar("train/lr", lr, state["global_step"])
-                report.step(state["global_step"], state["step_in_epoch"], loss, result.tokens, tokens_per_s)
+                # the loss may be a device scalar: read (and checked) with the interval's others, see step_log.py
+                log.add({"step": state["global_step"], "epoch": epoch, "lr": lr, "tokens": result.tokens, "step_s": step_s,
+                         "data_wait_s": data_wait_s, **item.times}, result.loss, result.tokens, item.flops)  # fmt: skip
+                report.step(state["global_step"], state["step_in_epoch"], result.tokens)
                 if cfg.train.max_steps and state["global_step"] >= cfg.train.max_steps:
                     stop, stop_reason = True, "max_steps"
                 elif cfg.train.max_minutes and any_rank(ctx, time.monotonic() - started >= cfg.train.max_minutes * 60):
@@ -265,6 +264,9 @@ def run_loop(
                     break
                 if cfg.train.checkpoint_every and state["global_step"] % cfg.train.checkpoint_every == 0:
                     checkpoint()
+        except BaseException:
+            log.salvage()  # the rows of the steps that did run
+            raise
         finally:  # also on an exception: no prefetch or read-ahead thread outlives the loop
             report.close()
             if lookahead is not None:
@@ -274,6 +276,7 @@ def run_loop(
         if exhausted or (source is None and state["step_in_epoch"] >= steps_per_epoch):
             state["epoch"] += 1
             state["step_in_epoch"] = 0
+        log.flush()  # the epoch's losses, for its summary line
         report.end_epoch(state["global_step"], completed=state["step_in_epoch"] == 0)
         finished = stop or state["epoch"] >= cfg.train.epochs
         due = cfg.train.eval_every and state["epoch"] % cfg.train.eval_every == 0
@@ -283,6 +286,8 @@ def run_loop(
             best = log_eval()
             model.train()
         checkpoint(best=best)
+        log.reset()  # the next interval's rate counts training only
+    log.flush()
     if writer is not None:
         writer.close()
     if stop and state["epoch"] >= cfg.train.epochs:  # the budget ran out on the very last step

@@ -68,6 +68,8 @@ class Progress:
         self._redirect: contextlib.AbstractContextManager | None = None
         self._session_start, self._session_steps = time.monotonic(), 0
         self._last_line = float("-inf")
+        self._last_loss: float | None = None
+        self._last_mfu: float | None = None
 
     def start_epoch(self, epoch: int, steps: int, done: int, global_step: int) -> None:
         """``epoch`` is 0-based; ``done`` steps of it were trained before (a resume)."""
@@ -80,23 +82,35 @@ class Progress:
             self.bar = tqdm(total=steps, initial=done, desc=f"epoch {epoch + 1}/{self.epochs}", leave=False,
                             dynamic_ncols=True, file=sys.stderr)  # fmt: skip
 
-    def step(self, global_step: int, step_in_epoch: int, loss: float, tokens: int, tokens_per_s: float) -> None:
+    def step(self, global_step: int, step_in_epoch: int, tokens: int) -> None:
+        """One trained step. Its loss may still be on the device: losses arrive per interval (``interval``)."""
         self._session_steps += 1
-        self._epoch_loss, self._epoch_count = self._epoch_loss + loss, self._epoch_count + 1
         self._epoch_tokens += tokens
         self._window_tokens += tokens
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
             return
         now = time.monotonic()
         if self.mode != "lines" or (now - self._last_line < self.log_seconds and self._session_steps > 1):
             return
         window_tok_s = self._window_tokens / max(now - self._window_start, 1e-9)
         self._window_start, self._window_tokens, self._last_line = now, 0, now
-        log.info("epoch %d/%d  step %d/%d (%d/%d in epoch)  loss %.4f  %s tok/s  eta %s", self.epoch + 1, self.epochs,
-                 global_step, self.total_steps, step_in_epoch, self.epoch_steps, loss, f"{window_tok_s:,.0f}",
+        loss = "-" if self._last_loss is None else f"{self._last_loss:.4f}"
+        mfu = "" if self._last_mfu is None else f"  mfu {100 * self._last_mfu:.1f}%"
+        log.info("epoch %d/%d  step %d/%d (%d/%d in epoch)  loss %s  %s tok/s%s  eta %s", self.epoch + 1, self.epochs,
+                 global_step, self.total_steps, step_in_epoch, self.epoch_steps, loss, f"{window_tok_s:,.0f}", mfu,
                  self._eta(global_step))  # fmt: skip
+
+    def interval(self, row: dict, losses: list[float]) -> None:
+        """The losses of the steps since the last interval (read from the device in one sync) and the
+        interval's last row (``tokens_per_s``, ``mfu`` when known): ``step_log.StepLog``'s callback."""
+        self._epoch_loss, self._epoch_count = self._epoch_loss + sum(losses), self._epoch_count + len(losses)
+        self._last_loss, self._last_mfu = losses[-1], row.get("mfu")
+        if self.bar is not None:
+            postfix = {"loss": f"{losses[-1]:.4f}", "tok_s": f"{row.get('tokens_per_s', 0.0):,.0f}"}
+            if "mfu" in row:
+                postfix["mfu"] = f"{100 * row['mfu']:.1f}%"
+            self.bar.set_postfix(postfix)
 
     def _eta(self, global_step: int) -> str:
         elapsed = time.monotonic() - self._session_start

@@ -198,7 +198,7 @@ def _token_weighted_loss(
 def _train_step(s: Setup, batch: JaggedBatch) -> tuple[float, int]:
     """One optimizer step of this process on one batch: (loss, tokens)."""
     result = s.runner([batch.to(s.device)], run_lr_scale(s.cfg, s.optimizer))
-    return result.loss, result.tokens
+    return float(result.loss), result.tokens
 
 
 def _step(s: Setup, micro: list[JaggedBatch | None], lr_scale: float) -> StepResult | None:

@@ -35,6 +35,7 @@ from recforge.models.retrieval import RetrievalModel
 from recforge.sparse import SparseOptimizer
 from recforge.train.distributed import DistContext, init_distributed, shard_dynamic_tables, shard_source, split_budget
 from recforge.train.evaluate import evaluate_ranking, model_scorer
+from recforge.train.flops import step_flops_counter
 from recforge.train.loop import prepare_run_dir, run_loop, run_lr_scale
 from recforge.train.losses import sampled_softmax_loss
 from recforge.train.run_files import check_eval_split, invoked_command, write_eval
@@ -118,7 +119,7 @@ def _loss(s: Setup, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
 def _train_step(s: Setup, batch: JaggedBatch) -> tuple[float, int]:
     """One optimizer step of this process on one batch: (loss, tokens)."""
     result = s.runner([batch.to(s.device)], run_lr_scale(s.cfg, s.optimizer))
-    return result.loss, result.tokens
+    return float(result.loss), result.tokens
 
 
 def _step(s: Setup, micro: list[JaggedBatch | None], lr_scale: float) -> StepResult | None:
@@ -162,6 +163,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
         show_keys=("hr@10", "ndcg@10", "mrr"),
         ctx=ctx,
         lookahead=s.runner.set_upcoming,
+        flops=step_flops_counter(cfg.model, cfg.loss, s.seqs.num_items),
     )
     ctx.barrier()
     if not ctx.is_main:

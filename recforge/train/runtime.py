@@ -48,7 +48,10 @@ def autocast(cfg: RunConfig, device: torch.device):
 
 
 def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """AdamW over every parameter, per ``cfg.optim``."""
-    return torch.optim.AdamW(
-        model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
-    )
+    """AdamW over every parameter, per ``cfg.optim``; the fused CUDA kernel under ``train.compile``
+    (``recforge.train.compiled``; the multi-tensor one otherwise)."""
+    params = list(model.parameters())
+    on_cuda = bool(params) and all(p.is_cuda for p in params)
+    fused = True if cfg.train.compile != "none" and on_cuda and cfg.dist.dense != "fsdp2" else None
+    return torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
+                             fused=fused)  # fmt: skip

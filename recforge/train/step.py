@@ -39,6 +39,7 @@ from torch import nn
 from recforge.config import RunConfig
 from recforge.sparse import SparseOptimizer
 from recforge.sparse.sharded import standin_lookups
+from recforge.train.compiled import compile_objective
 from recforge.train.distributed import DistContext, Objective, unused_parameters, wrap_dense
 from recforge.train.pipeline_step import AheadTable, LookAhead
 from recforge.train.runtime import autocast, make_optimizer
@@ -50,7 +51,7 @@ UnitsFn = Callable[[Any], float]  # batch -> loss units its mean-type objective 
 
 @dataclass
 class StepResult:
-    loss: float  # the global batch's loss (units-weighted mean over ranks and micro-batches)
+    loss: float | torch.Tensor  # the global batch's loss (units-weighted mean over ranks and micro-batches); one process: a device scalar
     tokens: int  # tokens trained on by all ranks this step
 
 
@@ -71,7 +72,7 @@ class StepRunner:
     def __init__(self, cfg: RunConfig, model: nn.Module, device: torch.device, ctx: DistContext, *, loss_fn: LossFn,
                  units_fn: UnitsFn, summed: bool = False, sparse_optimizer: SparseOptimizer | None = None) -> None:  # fmt: skip
         self.cfg, self.model, self.device, self.ctx = cfg, model, device, ctx
-        self.objective: nn.Module = Objective(model, loss_fn)
+        self.objective: nn.Module = compile_objective(Objective(model, loss_fn), cfg, device)  # train.compile
         # DDP waits for the first batch: it tells whether DDP must search for unused parameters each step
         self._wrap_later = ctx.initialized and cfg.dist.dense == "ddp"
         if not self._wrap_later:
@@ -162,6 +163,8 @@ class StepRunner:
             self.ahead.wait()  # the next step's staging (overlapping backward and the dense update) is done
         if self.sparse_optimizer is not None:
             self.sparse_optimizer.step(lr_scale=lr_scale)
+        if not self.ctx.initialized:  # the loss stays on the device: the loop reads it once per log interval
+            return StepResult(loss_sum / max(global_units, 1e-12), tokens)
         total_loss, total_tokens = self.ctx.all_reduce_sum([float(loss_sum), tokens])
         return StepResult(total_loss / max(global_units, 1e-12), int(total_tokens))
 

@@ -17,7 +17,8 @@ def _run(mode: str, caplog: pytest.LogCaptureFixture, steps: int = 5) -> list[st
     with caplog.at_level(logging.INFO, logger="recforge.train"):
         report.start_epoch(0, steps, 0, 0)
         for i in range(steps):
-            report.step(i + 1, i + 1, loss=2.0 + i, tokens=100, tokens_per_s=1000.0)
+            report.interval({"step": i + 1, "tokens_per_s": 1000.0}, [2.0 + i])  # log_every=1: each step's loss
+            report.step(i + 1, i + 1, tokens=100)
         report.end_epoch(steps, completed=True)
         report.evaluation(steps, 1, "valid", "hr@10=0.5000")
         report.stopped("max_minutes", "time budget reached")
@@ -44,7 +45,7 @@ def test_lines_are_spaced_by_log_seconds(caplog: pytest.LogCaptureFixture) -> No
     with caplog.at_level(logging.INFO, logger="recforge.train"):
         report.start_epoch(0, 100, 0, 0)
         for i in range(100):
-            report.step(i + 1, i + 1, 1.0, 10, 10.0)
+            report.step(i + 1, i + 1, 10)
     assert len([r for r in caplog.records if "eta" in r.getMessage()]) == 1  # the first step only
 
 

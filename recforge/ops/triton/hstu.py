@@ -309,58 +309,77 @@ def _static_meta(num_segments, full_bits, causal, has_targets, has_contextual, h
     }.items())
 
 
+def hstu_forward(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, ma: MaskArgs, scale: float,
+                 pos_w: Tensor | None, ts_bias: Tensor | None, time_w: Tensor | None, num_buckets: int) -> Tensor:  # fmt: skip
+    """The forward kernel's (T, H, Dv) output (no autograd: ``_HSTUAttention`` and the custom op call it)."""
+    total, heads, dqk = q.shape
+    dv = v.shape[2]
+    batch = offsets.numel() - 1
+    out = torch.empty(total, heads, dv, dtype=q.dtype, device=q.device)
+    if total > 0 and batch > 0:
+        common, scalars, meta = _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets)
+        launch(_fwd, "m", batch, heads, max_seq_len,
+               (q, k, v, out, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2], *common, *scalars), meta)
+    return out
+
+
+def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, ma: MaskArgs,
+                  scale: float, pos_w: Tensor | None, ts_bias: Tensor | None, time_w: Tensor | None, num_buckets: int,
+                  pos_grad: bool, time_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:  # fmt: skip
+    """(dq, dk, dv, d pos_w, d time_w) of ``hstu_forward``; the bias gradients None unless ``pos_grad``/``time_grad``."""
+    do = grad_out.contiguous()
+    total, heads, _ = q.shape
+    batch = offsets.numel() - 1
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    pos_grad = pos_grad and pos_w is not None
+    time_grad = time_grad and time_w is not None
+    # accumulated with atomics when wanted; otherwise never written (POS_GRAD/TIME_GRAD off)
+    dpos = (torch.zeros(pos_w.numel(), dtype=torch.float32, device=q.device) if pos_grad
+            else placeholder(q.device, torch.float32))
+    dtime = (torch.zeros(num_buckets + 1, dtype=torch.float32, device=q.device) if time_grad
+             else placeholder(q.device, torch.float32))
+    if total > 0 and batch > 0:
+        common, scalars, meta = _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets)
+        strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2])
+        launch(_bwd_dq, "m", batch, heads, max_seq_len,
+                (q, k, v, do, dq, *strides, *dq.stride()[:2], *common, *scalars), meta)
+        launch(_bwd_dkdv, "n", batch, heads, max_seq_len,
+                (q, k, v, do, dk, dv, *strides, *dk.stride()[:2], *dv.stride()[:2], *common, dpos, dtime, *scalars),
+                dict(meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad))
+    else:
+        dq.zero_(), dk.zero_(), dv.zero_()
+    d_pos = dpos.to(pos_w.dtype) if pos_grad else None
+    d_time = dtime.to(time_w.dtype) if time_grad else None
+    return dq, dk, dv, d_pos, d_time
+
+
+def _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets) -> tuple:
+    """The kernels' shared arguments: (mask and bias tensors, scalars, constexprs)."""
+    has_pos, has_time = pos_w is not None, time_w is not None
+    dummy_f = placeholder(q.device, torch.float32)
+    thr = time_thresholds(num_buckets, q.device) if has_time else placeholder(q.device, torch.int64, 2)
+    common = (offsets, ma.num_targets, ma.num_contextual, ma.segment_ends, ma.ts, ts_bias if has_time else ma.ts,
+              pos_w if has_pos else dummy_f, time_w if has_time else dummy_f, thr)  # fmt: skip
+    P = pos_w.numel() if has_pos else 1
+    scalars = (scale, ma.window, P, num_buckets, q.shape[1], max_len_bucket(max_seq_len))
+    return common, scalars, _meta(ma, q.shape[2], v.shape[2], has_pos, has_time, q.dtype)
+
+
 class _HSTUAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets):
-        total, heads, dqk = q.shape
-        dv = v.shape[2]
-        batch = offsets.numel() - 1
-        out = torch.empty(total, heads, dv, dtype=q.dtype, device=q.device)
-        has_pos, has_time = pos_w is not None, time_w is not None
-        dummy_f = placeholder(q.device, torch.float32)
-        thr = time_thresholds(num_buckets, q.device) if has_time else placeholder(q.device, torch.int64, 2)
-        pos_arg = pos_w if has_pos else dummy_f
-        time_arg = time_w if has_time else dummy_f
-        ts_arg = ts_bias if has_time else ma.ts
-        P = pos_w.numel() if has_pos else 1
-        meta = _meta(ma, dqk, dv, has_pos, has_time, q.dtype)
-        common = (offsets, ma.num_targets, ma.num_contextual, ma.segment_ends, ma.ts, ts_arg, pos_arg, time_arg, thr)
-        scalars = (scale, ma.window, P, num_buckets, heads, max_len_bucket(max_seq_len))
-        if total > 0 and batch > 0:
-            launch(_fwd, "m", batch, heads, max_seq_len,
-                    (q, k, v, out, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2], *common, *scalars), meta)
-        ctx.save_for_backward(q, k, v, offsets, pos_arg, time_arg, ts_arg, thr)
-        ctx.stuff = (max_seq_len, ma, P, num_buckets, meta, scalars, has_pos, has_time)
-        return out
+        ctx.save_for_backward(q, k, v, offsets, pos_w, ts_bias, time_w)
+        ctx.stuff = (max_seq_len, ma, scale, num_buckets)
+        return hstu_forward(q, k, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, offsets, pos_arg, time_arg, ts_arg, thr = ctx.saved_tensors
-        max_seq_len, ma, P, num_buckets, meta, scalars, has_pos, has_time = ctx.stuff
-        common = (offsets, ma.num_targets, ma.num_contextual, ma.segment_ends, ma.ts, ts_arg, pos_arg, time_arg, thr)
-        do = grad_out.contiguous()
-        total, heads, _ = q.shape
-        batch = offsets.numel() - 1
-        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        pos_grad = has_pos and ctx.needs_input_grad[7]
-        time_grad = has_time and ctx.needs_input_grad[9]
-        # accumulated with atomics when wanted; otherwise never written (POS_GRAD/TIME_GRAD off)
-        dpos = torch.zeros(P, dtype=torch.float32, device=q.device) if pos_grad else placeholder(q.device, torch.float32)
-        dtime = (torch.zeros(num_buckets + 1, dtype=torch.float32, device=q.device) if time_grad
-                 else placeholder(q.device, torch.float32))
-        if total > 0 and batch > 0:
-            strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2])
-            launch(_bwd_dq, "m", batch, heads, max_seq_len,
-                    (q, k, v, do, dq, *strides, *dq.stride()[:2], *common, *scalars), meta)
-            launch(_bwd_dkdv, "n", batch, heads, max_seq_len,
-                    (q, k, v, do, dk, dv, *strides, *dk.stride()[:2], *dv.stride()[:2], *common, dpos, dtime, *scalars),
-                    dict(meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad))
-        else:
-            dq.zero_(), dk.zero_(), dv.zero_()
-        d_pos = dpos.to(pos_arg.dtype) if pos_grad else None
-        d_time = dtime.to(time_arg.dtype) if time_grad else None
+        q, k, v, offsets, pos_w, ts_bias, time_w = ctx.saved_tensors
+        max_seq_len, ma, scale, num_buckets = ctx.stuff
+        dq, dk, dv, d_pos, d_time = hstu_backward(grad_out, q, k, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias,
+                                                  time_w, num_buckets, ctx.needs_input_grad[7], ctx.needs_input_grad[9])  # fmt: skip
         return dq, dk, dv, None, None, None, None, d_pos, None, d_time, None
 
 

@@ -1,0 +1,266 @@
+"""MFU, tokens/s and a profiler step-time breakdown of the HSTU training step, variants side by side.
+
+Usage (one H200, about 3 minutes; every case and variant in one process):
+    python benchmarks/train_mfu.py --out benchmarks/results/train_mfu-h200.json
+    python benchmarks/train_mfu.py --device cpu --cases tiny --variants fp32-eager   # smoke run
+
+Cases (``--cases``; jagged batches of random user lengths in [max_len / 4, max_len] up to a token budget,
+sampled softmax with 128 negatives per position over 100K items, attention in Triton):
+    large     8 blocks, d 1024, 4 heads of 128, users up to 4096 tokens, 16K-token batches
+    medium    8 blocks, d 512, 4 heads of 128, users up to 1024 tokens, 4K-token batches
+    ml1m      configs/ml1m-hstu-plus-d128.yaml's shape: 8 blocks, d 128, 2 heads of 64, users up to 200 tokens,
+              256 users per batch (about 38K tokens), full softmax over 3,706 items
+    tiny      2 blocks, d 32 (CPU smoke run)
+Variants (``--variants``): fp32-eager, bf16-eager, bf16-compile (train.compile=default),
+bf16-compile-max-autotune (train.compile=max-autotune-no-cudagraphs; long compile, not run by default).
+
+Each variant runs the training step itself (``recforge.train.step.StepRunner``: autocast, the
+compiled objective, AdamW) from the same initial weights on the same batches. Its first steps
+(also the warm-up and compilation) must give the fp32-eager losses within a tolerance (1% bf16,
+0.2% fp32 compiled) before it is timed; a variant that fails or disagrees is reported and skipped.
+Inductor's random ops fall back to eager (``fallback_random``) so compiled and eager steps draw the
+same negatives. MFU: model FLOPs (``recforge.train.flops``, from the real jagged lengths; forward +
+backward = 3x forward) / step time / the dense bf16 peak, from the GPU table and measured here (an
+8192^3 bf16 matmul). The breakdown: GPU kernel time per category from ``torch.profiler`` over a few
+steps, and the host gap (step time not covered by any kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch._dynamo
+import torch._inductor.config
+
+from recforge.config import config_from_dict
+from recforge.io import atomic_write_json
+from recforge.jagged.batch import JaggedBatch
+from recforge.jagged.index import offsets_from_lengths
+from recforge.models.builders import build_retrieval_model
+from recforge.train.distributed import DistContext
+from recforge.train.flops import matmul_precision, measure_matmul_peak, peak_tflops, step_flops_counter
+from recforge.train.losses import sampled_softmax_loss
+from recforge.train.step import StepRunner
+
+CASES = {  # name: (model, max_len, tokens per batch (0: users), users per batch, loss, items)
+    "large": (dict(dim=1024, num_blocks=8, num_heads=4, dqk=128, dv=128), 4096, 16384, 0, "per_position", 100_000),
+    "medium": (dict(dim=512, num_blocks=8, num_heads=4, dqk=128, dv=128), 1024, 4096, 0, "per_position", 100_000),
+    "ml1m": (dict(dim=128, num_blocks=8, num_heads=2, dqk=64, dv=64), 200, 0, 256, "full", 3706),
+    "tiny": (dict(dim=32, num_blocks=2, num_heads=2, dqk=16, dv=16), 64, 512, 0, "per_position", 1000),
+}
+VARIANTS = {  # name: (train.precision, train.compile, loss tolerance against fp32-eager)
+    "fp32-eager": ("float32", "none", 0.0),
+    "bf16-eager": ("bfloat16", "none", 1e-2),
+    "bf16-compile": ("bfloat16", "default", 1e-2),
+    "bf16-compile-max-autotune": ("bfloat16", "max-autotune-no-cudagraphs", 1e-2),
+    "fp32-compile": ("float32", "default", 2e-3),
+}
+CATEGORIES = [  # (category, substrings of kernel names), first match wins
+    ("attention", ("_hstu_", "hstu_attention")),
+    ("optimizer", ("adam", "multi_tensor_apply")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "_mm_", "triton_tem", "matmul", "splitk")),
+    ("memcpy/memset", ("memcpy", "memset", "copy_")),
+    ("elementwise/norm", ("elementwise", "layer_norm", "triton_poi", "triton_red", "triton_per", "reduce", "softmax",
+                          "index", "embedding", "cat", "fill", "silu", "norm", "where", "scatter", "gather")),
+]  # fmt: skip
+
+
+def make_batches(case: str, count: int, seed: int) -> list[JaggedBatch]:
+    """``count`` CPU batches of ``case`` (random lengths; next-item labels at every position)."""
+    _, max_len, tokens, users, _, items = CASES[case]
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        lengths: list[int] = []
+        while (sum(lengths) < tokens) if tokens else (len(lengths) < users):
+            lengths.append(int(torch.randint(max_len // 4, max_len + 1, (), generator=gen)))
+        if tokens:
+            lengths[-1] -= sum(lengths) - tokens
+        total = sum(lengths)
+        batches.append(JaggedBatch(offsets_from_lengths(torch.tensor(lengths)),
+                                   {"item_ids": torch.randint(1, items + 1, (total,), generator=gen)}, max_len,
+                                   labels={"next_item": torch.randint(1, items + 1, (total,), generator=gen)}))  # fmt: skip
+    return batches
+
+
+def make_runner(case: str, variant: str, device: torch.device) -> tuple[StepRunner, object]:
+    model_kw, max_len, _, _, negatives, items = CASES[case]
+    precision, compile_mode, _ = VARIANTS[variant]
+    cfg = config_from_dict({
+        "data": {"path": "-", "max_seq_len": max_len},
+        "model": {"kind": "hstu", "dropout": 0.0, "kernel": "triton" if device.type == "cuda" else "pytorch", **model_kw},
+        "loss": {"negatives": negatives, "num_negatives": 128, "temperature": 0.05},
+        "train": {"device": str(device), "precision": precision, "compile": compile_mode},
+    })  # fmt: skip
+    torch.manual_seed(0)
+    model = build_retrieval_model(cfg.model, items, max_len).to(device)
+    loss_cfg = cfg.loss
+
+    def loss_fn(batch):
+        user = model(batch)
+        loss = sampled_softmax_loss(user, batch.labels["next_item"], model.item_vectors, items, negatives=loss_cfg.negatives,
+                                    num_negatives=loss_cfg.num_negatives, temperature=loss_cfg.temperature)  # fmt: skip
+        return loss, loss
+
+    runner = StepRunner(cfg, model, device, DistContext(), loss_fn=loss_fn, units_fn=lambda b: b.labels["next_item"].numel())
+    return runner, cfg
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def categorize(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def profile_steps(runner: StepRunner, batches: list, device: torch.device, steps: int) -> dict:
+    """GPU time per kernel category (ms per step) and the host gap, from ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            runner([batches[i % len(batches)]])
+        _sync(device)
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    kernels: dict[str, float] = {}
+    top: dict[str, float] = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        if device.type != "cuda" or not device_us or event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        cat = categorize(event.key)
+        kernels[cat] = kernels.get(cat, 0.0) + device_us / 1e3 / steps
+        top[event.key[:90]] = device_us / 1e3 / steps
+    busy = sum(kernels.values())
+    return {"profiled_step_ms": wall_ms, "gpu_ms_by_category": dict(sorted(kernels.items(), key=lambda kv: -kv[1])),
+            "host_gap_ms": max(0.0, wall_ms - busy), "gpu_busy_fraction": busy / wall_ms if wall_ms else 0.0,
+            "top_kernels_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:12])}  # fmt: skip
+
+
+def run_variant(case: str, variant: str, device: torch.device, cpu_batches: list, reference: list[float] | None,
+                args, peaks: dict) -> dict:  # fmt: skip
+    runner, cfg = make_runner(case, variant, device)
+    batches = [b.to(device) for b in cpu_batches]
+    count = step_flops_counter(cfg.model, cfg.loss, CASES[case][5])
+    flops = [count(b) for b in cpu_batches]
+    t0 = time.perf_counter()
+    losses = [float(runner([batches[i % len(batches)]]).loss) for i in range(args.check_steps)]  # compiles here
+    row: dict = {"case": case, "variant": variant, "first_steps_s": time.perf_counter() - t0, "losses": losses}
+    if reference is not None:
+        tol = VARIANTS[variant][2]
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
+        row["max_rel_loss_diff"] = worst
+        if worst > tol:
+            row["error"] = f"losses disagree with fp32-eager: max relative difference {worst:.3g} > {tol:g}"
+            return row
+    for i in range(args.warmup):
+        runner([batches[i % len(batches)]])
+    _sync(device)
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        runner([batches[i % len(batches)]])
+    _sync(device)
+    seconds = (time.perf_counter() - t0) / args.steps
+    step_flops = sum(flops[i % len(flops)] for i in range(args.steps)) / args.steps
+    tokens = sum(cpu_batches[i % len(cpu_batches)].num_tokens for i in range(args.steps)) / args.steps
+    row.update({"step_ms": seconds * 1e3, "tokens_per_step": tokens, "tokens_per_s": tokens / seconds,
+                "tflops": step_flops / seconds / 1e12})  # fmt: skip
+    for name, peak in peaks.items():
+        if peak:
+            row[f"mfu_{name}"] = row["tflops"] / peak
+    if args.profile_steps:
+        row["profile"] = profile_steps(runner, batches, device, args.profile_steps)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--cases", nargs="*", default=["large", "medium", "ml1m"], choices=list(CASES))
+    parser.add_argument("--variants", nargs="*", default=["fp32-eager", "bf16-eager", "bf16-compile"], choices=list(VARIANTS))
+    parser.add_argument("--batches", type=int, default=4, help="distinct batches, cycled (each its own token count)")
+    parser.add_argument("--check-steps", type=int, default=3, help="first steps whose losses must agree")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler (0: none)")
+    parser.add_argument("--budget-s", type=float, default=220.0, help="skip variants not started within this time")
+    parser.add_argument("--out", default=None, help="JSON output path (e.g. benchmarks/results/train_mfu-h200.json)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # as recforge.train.runtime.prepare_runtime
+    torch._inductor.config.fallback_random = True  # compiled steps draw the eager steps' negatives
+    for name in ("cache_size_limit", "recompile_limit"):  # one compile per case and variant, same code objects
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    peaks = {"table": peak_tflops(device, "bfloat16"), "measured": None}
+    if device.type == "cuda":
+        peaks["measured"] = measure_matmul_peak(device, torch.bfloat16)
+    print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}; "
+          f"bf16 peak TFLOP/s: table {peaks['table']}, measured {peaks['measured'] and round(peaks['measured'])}")  # fmt: skip
+    rows = []
+    begun = time.perf_counter()
+    for case in args.cases:
+        cpu_batches = make_batches(case, args.batches, seed=1)
+        reference = None
+        for variant in args.variants:
+            started = time.perf_counter()
+            if started - begun > args.budget_s:
+                rows.append({"case": case, "variant": variant, "error": f"skipped: over --budget-s {args.budget_s:g}",
+                             "wall_s": 0.0})  # fmt: skip
+                _print_row(rows[-1])
+                continue
+            try:
+                row = run_variant(case, variant, device, cpu_batches, reference, args, peaks)
+                if variant == "fp32-eager" and "error" not in row:
+                    reference = row["losses"]
+            except Exception as err:  # noqa: BLE001 - reported, and the other variants still run
+                row = {"case": case, "variant": variant, "error": f"{type(err).__name__}: {err}",
+                       "traceback": traceback.format_exc(limit=6)}  # fmt: skip
+            row["wall_s"] = time.perf_counter() - started
+            rows.append(row)
+            _print_row(row)
+            torch._dynamo.reset()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if args.out:
+        atomic_write_json(Path(args.out), {
+            "benchmark": "train_mfu", "command": "python benchmarks/train_mfu.py " + " ".join(sys.argv[1:]),
+            "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
+            "matmul_precision_fp32": matmul_precision("float32"), "peaks_tflops_bf16": peaks,
+            "date": datetime.date.today().isoformat(), "cases": {c: {k: v for k, v in zip(
+                ("model", "max_len", "tokens", "users", "negatives", "items"), CASES[c], strict=True)} for c in args.cases},
+            "rows": rows,
+        })  # fmt: skip
+
+
+def _print_row(row: dict) -> None:
+    head = f"{row['case']:<8}{row['variant']:<28}"
+    if "error" in row:
+        print(head + f"FAILED ({row['wall_s']:.0f} s): {row['error']}", flush=True)
+        return
+    mfu = " ".join(f"mfu({k[4:]}) {100 * v:5.1f}%" for k, v in row.items() if k.startswith("mfu_"))
+    print(head + f"{row['step_ms']:8.2f} ms {row['tokens_per_s']:>12,.0f} tok/s {row['tflops']:7.1f} TFLOP/s {mfu}"
+          f"  (loss diff {row.get('max_rel_loss_diff', 0):.1e}, {row['wall_s']:.0f} s)", flush=True)  # fmt: skip
+    prof = row.get("profile")
+    if prof and prof["gpu_ms_by_category"]:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in prof["gpu_ms_by_category"].items())
+        print(f"{'':<36}GPU ms/step: {parts}; host gap {prof['host_gap_ms']:.2f} ms "
+              f"(GPU busy {100 * prof['gpu_busy_fraction']:.0f}%)", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

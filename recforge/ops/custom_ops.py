@@ -1,0 +1,124 @@
+"""The Triton HSTU attention as ``torch.library`` custom ops, for ``torch.compile``.
+
+Eager calls take ``recforge.ops.triton.hstu.hstu_attention_triton`` directly (an
+``autograd.Function``: less host time per call). Under ``torch.compile`` the dispatcher calls
+``hstu_attention_op`` instead: Dynamo sees one opaque node per block (forward and backward ops
+with fake implementations for shape propagation), so it neither traces into the Triton launch
+code nor breaks the graph at every block. The mask travels as its tensors and scalars (custom
+ops take no dataclasses); the kernels module is imported on the first real call.
+"""
+
+# no ``from __future__ import annotations``: torch.library reads the ops' schemas from real annotations
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from recforge.jagged.mask import AttentionMask
+
+_NO_WINDOW = -1  # max_attn_len None
+
+
+def _mask(num_targets, num_contextual, segment_lengths, mask_timestamps, causal, max_attn_len, segment_full) -> AttentionMask:
+    full = None
+    if segment_lengths is not None:
+        full = tuple(bool(segment_full >> s & 1) for s in range(segment_lengths.shape[1]))
+    window = None if max_attn_len == _NO_WINDOW else max_attn_len
+    return AttentionMask(causal, num_targets, num_contextual, window, segment_lengths, full, mask_timestamps)
+
+
+def _prepare(q, k, v, offsets, mask: AttentionMask, timestamps, time_weights):
+    from recforge.ops.triton._common import mask_args  # first real call: Triton is installed (dispatch checked)
+
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    offsets = offsets.contiguous()
+    ts_bias = timestamps.to(torch.int64).contiguous() if time_weights is not None else None
+    num_buckets = time_weights.numel() - 1 if time_weights is not None else 0
+    return q, k, v, offsets, mask_args(mask, offsets), ts_bias, num_buckets
+
+
+@torch.library.custom_op("recforge::hstu_attention", mutates_args=())
+def _forward_op(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, num_targets: Optional[Tensor],
+                num_contextual: Optional[Tensor], segment_lengths: Optional[Tensor], mask_timestamps: Optional[Tensor],
+                causal: bool, max_attn_len: int, segment_full: int, scale: float, pos_weights: Optional[Tensor],
+                timestamps: Optional[Tensor], time_weights: Optional[Tensor]) -> Tensor:  # fmt: skip
+    from recforge.ops.triton.hstu import hstu_forward
+
+    mask = _mask(num_targets, num_contextual, segment_lengths, mask_timestamps, causal, max_attn_len, segment_full)
+    q, k, v, offsets, ma, ts_bias, num_buckets = _prepare(q, k, v, offsets, mask, timestamps, time_weights)
+    return hstu_forward(q, k, v, offsets, max_seq_len, ma, scale, pos_weights, ts_bias, time_weights, num_buckets)
+
+
+@_forward_op.register_fake
+def _(q, k, v, offsets, max_seq_len, num_targets, num_contextual, segment_lengths, mask_timestamps, causal,
+      max_attn_len, segment_full, scale, pos_weights, timestamps, time_weights):  # fmt: skip
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+
+
+@torch.library.custom_op("recforge::hstu_attention_backward", mutates_args=())
+def _backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int,
+                 num_targets: Optional[Tensor], num_contextual: Optional[Tensor], segment_lengths: Optional[Tensor],
+                 mask_timestamps: Optional[Tensor], causal: bool, max_attn_len: int, segment_full: int, scale: float,
+                 pos_weights: Optional[Tensor], timestamps: Optional[Tensor], time_weights: Optional[Tensor],
+                 pos_grad: bool, time_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(dq, dk, dv, d pos_weights, d time_weights); a bias gradient not asked for is an empty tensor."""
+    from recforge.ops.triton.hstu import hstu_backward
+
+    mask = _mask(num_targets, num_contextual, segment_lengths, mask_timestamps, causal, max_attn_len, segment_full)
+    q, k, v, offsets, ma, ts_bias, num_buckets = _prepare(q, k, v, offsets, mask, timestamps, time_weights)
+    dq, dk, dv, d_pos, d_time = hstu_backward(grad_out, q, k, v, offsets, max_seq_len, ma, scale, pos_weights, ts_bias,
+                                              time_weights, num_buckets, pos_grad, time_grad)  # fmt: skip
+    empty = q.new_empty(0)
+    return dq, dk, dv, d_pos if d_pos is not None else empty, d_time if d_time is not None else empty
+
+
+@_backward_op.register_fake
+def _(grad_out, q, k, v, offsets, max_seq_len, num_targets, num_contextual, segment_lengths, mask_timestamps, causal,
+      max_attn_len, segment_full, scale, pos_weights, timestamps, time_weights, pos_grad, time_grad):  # fmt: skip
+    d_pos = pos_weights.new_empty(pos_weights.shape) if pos_grad and pos_weights is not None else q.new_empty(0)
+    d_time = time_weights.new_empty(time_weights.shape) if time_grad and time_weights is not None else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_pos, d_time
+
+
+_POS, _TIME = 13, 15  # input positions of pos_weights and time_weights
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    tensors = [x for x in inputs if isinstance(x, Tensor) or x is None]
+    ctx.save_for_backward(*tensors)
+    ctx.scalars = {i: x for i, x in enumerate(inputs) if not (isinstance(x, Tensor) or x is None)}
+    ctx.num_inputs = len(inputs)
+
+
+def _backward(ctx, grad_out):
+    saved = iter(ctx.saved_tensors)
+    inputs = [ctx.scalars[i] if i in ctx.scalars else next(saved) for i in range(ctx.num_inputs)]
+    pos_grad, time_grad = ctx.needs_input_grad[_POS], ctx.needs_input_grad[_TIME]
+    dq, dk, dv, d_pos, d_time = _backward_op(grad_out, *inputs, pos_grad, time_grad)
+    grads = [None] * ctx.num_inputs
+    grads[0], grads[1], grads[2] = dq, dk, dv
+    if pos_grad and inputs[_POS] is not None:
+        grads[_POS] = d_pos
+    if time_grad and inputs[_TIME] is not None:
+        grads[_TIME] = d_time
+    return tuple(grads)
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def hstu_attention_op(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_seq_len: int, mask: AttentionMask,
+                      scale: float, pos_weights: Optional[Tensor] = None, timestamps: Optional[Tensor] = None,
+                      time_weights: Optional[Tensor] = None) -> Tensor:  # fmt: skip
+    """``hstu_attention_triton`` through the custom op (same contract): what a compiled model calls."""
+    has_time = time_weights is not None and timestamps is not None
+    full = 0
+    if mask.segment_lengths is not None:
+        full = sum(1 << s for s, f in enumerate(mask.segment_full or ()) if f)
+    window = _NO_WINDOW if mask.max_attn_len is None else int(mask.max_attn_len)
+    return _forward_op(q, k, v, seq_offsets, max_seq_len, mask.num_targets, mask.num_contextual, mask.segment_lengths,
+                       mask.timestamps, mask.causal, window, full, float(scale), pos_weights,
+                       timestamps if has_time else None, time_weights if has_time else None)  # fmt: skip
+
+
+__all__ = ["hstu_attention_op"]
