@@ -70,6 +70,9 @@ class ModelConfig:
     context_cross: bool = False  # ranking: after the encoder, a DLRM-style target x user-feature cross (ContextPool) on its outputs
     item_tower: float = 0.0  # ranking: > 0 adds a candidate-only tower with its own loss; score = (1 - w) * main + w * tower
     target_attention: str = "none"  # ranking: none | din (DIN-style pooling of each candidate's visible history, added to its encoder output)
+    # HSTU activation checkpointing per block: true (all blocks) | false | N (the first N); each
+    # checkpointed block keeps only its (T, d) input and recomputes the rest in backward
+    checkpoint_blocks: bool | int = False
     embedding: str = "static"  # item IDs (ranking: also user features): static (nn.Embedding) | dynamic (recforge.sparse tables, see sparse:)
 
 
@@ -304,6 +307,9 @@ def validate(cfg: RunConfig) -> list[str]:
         problems.append(f"optim.betas: expected two numbers, got {cfg.optim.betas}")
     if not 0.0 <= cfg.model.dropout < 1.0:
         problems.append(f"model.dropout: must be in [0, 1), got {cfg.model.dropout}")
+    cb = cfg.model.checkpoint_blocks
+    if not isinstance(cb, int) or (not isinstance(cb, bool) and cb < 0):
+        problems.append(f"model.checkpoint_blocks: expected true, false or a number of blocks >= 0, got {cb!r}")
     if cfg.model.kind == "sasrec" and cfg.model.dim % cfg.model.num_heads:
         problems.append(f"model.dim {cfg.model.dim} must be divisible by model.num_heads {cfg.model.num_heads} for SASRec")
     if cfg.recipe == "ranking":

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from recforge.jagged.index import padding_index
 from recforge.jagged.mask import AttentionMask
@@ -41,6 +42,9 @@ class HSTUConfig:
     # direction of A V, so *how many* history items match a query is lost) | "visible_mean" (no
     # LayerNorm; A V divided by the number of keys the query sees: a match count becomes a share)
     attn_norm: str = "layernorm"
+    # activation checkpointing: the first N blocks keep only their input for backward and recompute
+    # the rest there (one block's activations live at a time); 0 none, >= num_blocks all
+    checkpoint_blocks: int = 0
 
 
 class HSTUBlock(nn.Module):
@@ -148,8 +152,14 @@ class HSTUEncoder(nn.Module):
         visible_keys = None
         if self.cfg.attn_norm == "visible_mean":  # once per batch, not per block
             visible_keys = visible_key_counts(seq_offsets, max_seq_len, mask, x.shape[0])
-        for block in self.blocks:
-            x = block(x, seq_offsets, max_seq_len, mask, timestamps, visible_keys)
+        recompute = torch.is_grad_enabled() and self.training  # no backward, nothing to save memory on
+        for layer, block in enumerate(self.blocks):
+            if recompute and layer < self.cfg.checkpoint_blocks:
+                # non-reentrant: takes the non-tensor mask argument, works with the Triton attention's
+                # autograd.Function and with DDP/FSDP; the recomputation replays dropout's RNG state
+                x = checkpoint(block, x, seq_offsets, max_seq_len, mask, timestamps, visible_keys, use_reentrant=False)
+            else:
+                x = block(x, seq_offsets, max_seq_len, mask, timestamps, visible_keys)
         return x
 
     def encode(self, x: Tensor, attention: AttentionHook) -> Tensor:
