@@ -98,6 +98,9 @@ class LossConfig:
     num_negatives: int = 128  # uniformly sampled negatives (per_position / shared)
     in_batch_negatives: bool = False  # also use the batch's other target items as negatives
     temperature: float = 0.05
+    # positions per loss chunk: larger batches compute the loss this many positions at a time, so no
+    # (positions x negatives) logits are held (same value and gradients; 0: never chunk)
+    chunk_size: int = 8192
 
 
 @dataclass
@@ -296,6 +299,8 @@ def validate(cfg: RunConfig) -> list[str]:
             problems.append(f"{key}: must be > 0, got {_lookup(cfg, key)}")
     if cfg.loss.negatives != "full" and cfg.loss.num_negatives <= 0:
         problems.append("loss.num_negatives: must be > 0 unless loss.negatives=full")
+    if cfg.loss.chunk_size < 0:
+        problems.append(f"loss.chunk_size: must be >= 0 (0: never chunk), got {cfg.loss.chunk_size}")
     if cfg.loss.temperature <= 0:
         problems.append(f"loss.temperature: must be > 0, got {cfg.loss.temperature}")
     if cfg.optim.warmup_steps < 0 or not 0.0 <= cfg.optim.min_lr_fraction <= 1.0:
