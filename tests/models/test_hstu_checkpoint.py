@@ -39,7 +39,7 @@ def _run(encoder: HSTUEncoder, x: torch.Tensor, offsets: torch.Tensor, ts: torch
     x = x.clone().requires_grad_(True)
     torch.manual_seed(seed)  # the same dropout draws in both runs (and in the recomputation)
     out = encoder(x, offsets, 24, AttentionMask(), ts)
-    loss = (out * torch.linspace(-1, 1, out.shape[1], dtype=out.dtype)).square().sum()
+    loss = (out * torch.linspace(-1, 1, out.shape[1], dtype=out.dtype, device=out.device)).square().sum()
     loss.backward()
     return loss.detach(), x.grad, {n: p.grad for n, p in encoder.named_parameters()}
 
@@ -92,3 +92,23 @@ def test_config_key_reaches_the_encoder(value: bool | int, expected: int) -> Non
 def test_config_rejects_bad_checkpoint_blocks(value: str) -> None:
     with pytest.raises(ConfigError, match="model.checkpoint_blocks"):
         config_from_dict({"data": {"path": "x"}}, [f"model.checkpoint_blocks={value}"])
+
+
+@pytest.mark.gpu
+def test_checkpointed_blocks_match_plain_on_gpu_bf16(cuda_device: torch.device) -> None:
+    """The Triton kernels under bf16 autocast: checkpointed blocks recompute the same forward."""
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    lengths = torch.randint(1, 25, (6,))
+    offsets = offsets_from_lengths(lengths).to(cuda_device)
+    total = int(lengths.sum())
+    x = torch.randn(total, 16, device=cuda_device)
+    ts = (1_700_000_000 + torch.cumsum(torch.randint(1, 10_000, (total,)), 0)).to(cuda_device)
+    plain, ckpt = (e.to(cuda_device) for e in _encoders(3, "triton", "layernorm", torch.float32))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss_p, dx_p, grads_p = _run(plain, x, offsets, ts, 5)
+        loss_c, dx_c, grads_c = _run(ckpt, x, offsets, ts, 5)
+    tol = {"rtol": 2e-2, "atol": 2e-2}  # bf16 matmuls; the two runs differ only in atomics' summation order
+    torch.testing.assert_close(loss_c, loss_p, **tol)
+    torch.testing.assert_close(dx_c, dx_p, **tol)
+    for name, grad in grads_p.items():
+        torch.testing.assert_close(grads_c[name], grad, **tol, msg=name)
