@@ -4,7 +4,7 @@ Usage (one GPU, ~8 minutes: the trainings run side by side, each with 2 CPU thre
     python benchmarks/long_seq_quality.py --out benchmarks/results/long_seq_quality-h200.json
 
 Writes the dataset once (``--data``, default ``data/synthetic-long-quality``; a preset of
-``recforge.data.synthetic_long``: 1,000 users of 4K-100K events, cycles of 64-16K events),
+``recforge.data.synthetic_long``: 1,000 users of 16K-100K events, cycles of 32-8K events),
 then runs ``recforge train configs/long-synthetic-hstu.yaml`` once per ``--lengths`` value as
 parallel processes (``data.max_seq_len=L``, ``train.batch_size=--tokens/L``: every run sees the
 same tokens per step and the same wall-clock budget ``--minutes``), and tabulates each run's
@@ -28,8 +28,10 @@ from recforge.data.dataset import load_dataset
 from recforge.data.synthetic_long import LongSyntheticConfig, recall_ceiling, write_long_synthetic
 
 CONFIG = "configs/long-synthetic-hstu.yaml"
-QUALITY_DATA = LongSyntheticConfig(num_users=1000, num_items=50_000, median_seq_len=16_000, seq_len_sigma=0.6,
-                                   min_seq_len=4096, max_seq_len=100_000, min_cycle=64, max_cycle=16_384, seed=0)  # fmt: skip
+# every user long enough for every cycle (2 x 8192): a fifth of the users per cycle length
+QUALITY_DATA = LongSyntheticConfig(num_users=1000, num_items=50_000, median_seq_len=20_000, seq_len_sigma=0.3,
+                                   min_seq_len=16_384, max_seq_len=100_000, cycle_lengths=(32, 128, 512, 2048, 8192),
+                                   seed=0)  # fmt: skip
 
 
 def main() -> int:

@@ -102,7 +102,7 @@ def cmd_synthetic_long(args: argparse.Namespace) -> None:
     from recforge.data.synthetic_long import LongSyntheticConfig, write_long_synthetic
 
     config = LongSyntheticConfig(num_users=args.users, num_items=args.items, median_seq_len=args.median_len,
-                                 max_seq_len=args.max_len, max_cycle=args.max_cycle, seed=args.seed)  # fmt: skip
+                                 max_seq_len=args.max_len, seed=args.seed)  # fmt: skip
     out = write_long_synthetic(args.out, config, overwrite=args.overwrite)
     meta = json.loads((Path(out) / "dataset.json").read_text())
     print(f"wrote {out}: {meta['num_users']:,} users, {meta['num_items']:,} items, {meta['num_events']:,} events")
@@ -215,7 +215,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--items", type=int, default=50_000, help="number of items (default: 50000)")
     p.add_argument("--median-len", type=int, default=5_000, help="median events per user (default: 5000)")
     p.add_argument("--max-len", type=int, default=100_000, help="most events per user (default: 100000)")
-    p.add_argument("--max-cycle", type=int, default=16_384, help="longest re-consumption cycle (default: 16384)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.set_defaults(func=cmd_synthetic_long)

@@ -14,13 +14,14 @@ advances, so the cycle keeps its phase). So, for a playlist event at position t:
 
 and nothing in the last ``C_u - 1`` events tells which item comes next: the playlist order is
 private to the user and every playlist item in that window differs from the next one. A model
-that reads the last ``L`` events can predict a playlist event only when ``C_u <= L`` (by finding
-the previous occurrence of the current item and copying what followed it: an induction head).
-Cycle lengths are log-uniform in ``[min_cycle, max_cycle]`` (capped at ``length / min_repeats`` so
-every user repeats their cycle), so the share of predictable users, and HR@10, rises with the
-history length a model reads; :func:`recall_ceiling` computes that share from the data for any
-``L`` (the hit rate of an oracle that knows the rule), written next to the data by
-:func:`write_long_synthetic` in ``users.parquet`` (``cycle_length``, the ground truth).
+that reads the last ``L`` events can predict a playlist event only when ``C_u <= L``: by attending
+to the event ``C_u - 1`` positions back (a relative-position pattern, the cycle lengths being few)
+or by finding the previous occurrence of the current item and copying what followed it (an
+induction head). Every user draws ``C_u`` uniformly from ``cycle_lengths`` (those that fit
+``min_repeats`` times into the user's length), so the share of predictable users, and HR@10, rises
+in steps with the history length a model reads; :func:`recall_ceiling` computes that share from
+the data for any ``L`` (the hit rate of an oracle that knows the rule) from the ground truth that
+:func:`write_long_synthetic` stores in ``users.parquet`` (``cycle_length``).
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ class LongSyntheticConfig:
     seq_len_sigma: float = 1.2  # lognormal spread: the heavy tail (mean ~ median * exp(sigma^2 / 2))
     min_seq_len: int = 64
     max_seq_len: int = 100_000
-    min_cycle: int = 16  # playlist (cycle) lengths are log-uniform in [min_cycle, max_cycle] ...
-    max_cycle: int = 16_384
-    min_repeats: float = 2.0  # ... and at most length / min_repeats: every user goes round at least this often
+    # playlist (cycle) lengths users draw from, uniformly among those <= length / min_repeats
+    cycle_lengths: tuple[int, ...] = (16, 64, 256, 1024, 4096, 16_384)
+    min_repeats: float = 2.0  # every user goes round their playlist at least this often
     noise_prob: float = 0.2  # chance an event is a popularity draw instead of the next playlist item
     popularity_exponent: float = 1.0  # Zipf exponent of the noise items' popularity
     mean_gap_s: float = 600.0  # mean seconds between a user's events (exponential)
@@ -59,12 +60,13 @@ class LongSyntheticConfig:
         problems = []
         if self.num_users < 1:
             problems.append("num_users must be >= 1")
-        if not 2 <= self.min_cycle <= self.max_cycle <= self.num_items:
-            problems.append("need 2 <= min_cycle <= max_cycle <= num_items (a playlist holds distinct items)")
+        cycles = self.cycle_lengths
+        if not cycles or sorted(set(cycles)) != list(cycles) or cycles[0] < 2 or cycles[-1] > self.num_items:
+            problems.append("cycle_lengths must be increasing, >= 2 and <= num_items (a playlist holds distinct items)")
         if self.min_repeats < 2:
             problems.append("min_repeats must be >= 2 (the test item needs an earlier occurrence)")
-        if not self.min_cycle * self.min_repeats <= self.min_seq_len <= self.max_seq_len:
-            problems.append("need min_cycle * min_repeats <= min_seq_len <= max_seq_len")
+        if cycles and not cycles[0] * self.min_repeats <= self.min_seq_len <= self.max_seq_len:
+            problems.append("need cycle_lengths[0] * min_repeats <= min_seq_len <= max_seq_len")
         if self.median_seq_len <= 0 or self.seq_len_sigma < 0 or self.mean_gap_s < 0 or self.popularity_exponent < 0:
             problems.append("median_seq_len must be > 0; seq_len_sigma, mean_gap_s, popularity_exponent >= 0")
         if not 0.0 <= self.noise_prob < 1.0:
@@ -81,9 +83,9 @@ def generate_long(config: LongSyntheticConfig) -> tuple[pa.Table, pa.Table, pa.T
     mu = np.log(config.median_seq_len)
     lengths = np.clip(np.rint(rng.lognormal(mu, config.seq_len_sigma, users)), config.min_seq_len, config.max_seq_len)
     lengths = lengths.astype(np.int64)
-    top = np.minimum(config.max_cycle, lengths / config.min_repeats)  # >= min_cycle by the config checks
-    cycles = np.exp(rng.uniform(np.log(config.min_cycle), np.log(top + 1)))
-    cycles = np.clip(np.floor(cycles), config.min_cycle, np.floor(top)).astype(np.int64)
+    choices = np.asarray(config.cycle_lengths, dtype=np.int64)
+    fits = np.searchsorted(choices, lengths / config.min_repeats, side="right")  # >= 1 by the config checks
+    cycles = choices[np.floor(rng.random(users) * fits).astype(np.int64)]
 
     # each user's playlist: C_u distinct items in a random order, all users' back to back
     playlists = np.concatenate([rng.choice(config.num_items, size=c, replace=False) for c in cycles.tolist()])

@@ -1,4 +1,4 @@
-"""HSTU activation checkpointing per block: same loss and gradients as plain blocks, recomputed in backward."""
+"""HSTU for long histories: checkpointed blocks (same loss and gradients as plain ones), visible-key counts without the dense mask."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import torch
 
 from recforge.config import ConfigError, config_from_dict
 from recforge.jagged import AttentionMask
-from recforge.jagged.index import offsets_from_lengths
+from recforge.jagged.index import offsets_from_lengths, padding_index
 from recforge.models import HSTUConfig, HSTUEncoder
+from recforge.models.hstu import visible_key_counts
 from recforge.models.builders import build_retrieval_model
 
 
@@ -112,3 +113,26 @@ def test_checkpointed_blocks_match_plain_on_gpu_bf16(cuda_device: torch.device) 
     torch.testing.assert_close(dx_c, dx_p, **tol)
     for name, grad in grads_p.items():
         torch.testing.assert_close(grads_c[name], grad, **tol, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["causal", "window", "full", "full_window", "targets", "contextual_segments"])
+def test_visible_key_counts_match_the_dense_mask(kind: str) -> None:
+    """The O(T) closed form and the blockwise rows agree with summing the (B, N, N) reference mask."""
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    lengths = torch.randint(3, 30, (5,))
+    lengths[2] = 0
+    offsets = offsets_from_lengths(lengths)
+    total, max_len = int(lengths.sum()), int(lengths.max())
+    small = torch.minimum(lengths, torch.full_like(lengths, 2))
+    mask = {
+        "causal": AttentionMask(),
+        "window": AttentionMask(max_attn_len=4),
+        "full": AttentionMask(causal=False),
+        "full_window": AttentionMask(causal=False, max_attn_len=3),
+        "targets": AttentionMask(num_targets=small, timestamps=torch.randint(0, 5, (total,))),
+        "contextual_segments": AttentionMask(num_contextual=small.clamp(max=1), segment_lengths=small.clamp(max=1).view(-1, 1),
+                                             segment_full=(True,)),  # fmt: skip
+    }[kind]
+    seq, pos = padding_index(offsets, total)
+    expected = mask.dense(offsets, max_len).sum(-1)[seq, pos]
+    torch.testing.assert_close(visible_key_counts(offsets, max_len, mask, total, block=7), expected, rtol=0, atol=0)
