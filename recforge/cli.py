@@ -111,6 +111,16 @@ def cmd_synthetic(args: argparse.Namespace) -> None:
     print(f"wrote {out}: {meta['num_users']:,} users, {meta['num_items']:,} items, {meta['num_events']:,} events")
 
 
+def cmd_synthetic_long(args: argparse.Namespace) -> None:
+    from recforge.data.synthetic_long import LongSyntheticConfig, write_long_synthetic
+
+    config = LongSyntheticConfig(num_users=args.users, num_items=args.items, median_seq_len=args.median_len,
+                                 max_seq_len=args.max_len, seed=args.seed)  # fmt: skip
+    out = write_long_synthetic(args.out, config, overwrite=args.overwrite)
+    meta = json.loads((Path(out) / "dataset.json").read_text())
+    print(f"wrote {out}: {meta['num_users']:,} users, {meta['num_items']:,} items, {meta['num_events']:,} events")
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from recforge.config import load_config
 
@@ -298,6 +308,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.set_defaults(func=cmd_synthetic)
+
+    p = data.add_parser("synthetic-long", help="generate long-history data (lengths up to 100K; periodic re-consumption "
+                        "only a long history reveals: see recforge.data.synthetic_long)")
+    p.add_argument("--out", required=True, help="output dataset directory")
+    p.add_argument("--users", type=int, default=250, help="number of users (default: 250)")
+    p.add_argument("--items", type=int, default=50_000, help="number of items (default: 50000)")
+    p.add_argument("--median-len", type=int, default=5_000, help="median events per user (default: 5000)")
+    p.add_argument("--max-len", type=int, default=100_000, help="most events per user (default: 100000)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.set_defaults(func=cmd_synthetic_long)
 
     sid = sub.add_parser("sid", help="semantic IDs").add_subparsers(dest="sid_command", required=True)
     p = sid.add_parser("fit", help="fit a SID tokenizer on item vectors and write SID_DIR (sids.parquet, codebooks)")

@@ -65,7 +65,7 @@ class ModelConfig:
     dv: int = 50  # HSTU per-head value width
     ffn_dim: int = 50  # SASRec feed-forward width
     dropout: float = 0.2
-    num_time_buckets: int = 128  # HSTU time bias; ignored when the data has no timestamps
+    num_time_buckets: int = 128  # HSTU time bias (0: none); ignored when the data has no timestamps
     kernel: str = "auto"  # attention backend: auto | pytorch | triton
     head: str = "mlp"  # ranking task heads: mlp | mmoe | ple
     head_hidden: int = 128  # ranking head / expert width
@@ -74,6 +74,9 @@ class ModelConfig:
     context_cross: bool = False  # ranking: after the encoder, a DLRM-style target x user-feature cross (ContextPool) on its outputs
     item_tower: float = 0.0  # ranking: > 0 adds a candidate-only tower with its own loss; score = (1 - w) * main + w * tower
     target_attention: str = "none"  # ranking: none | din (DIN-style pooling of each candidate's visible history, added to its encoder output)
+    # HSTU activation checkpointing per block: true (all blocks) | false | N (the first N); each
+    # checkpointed block keeps only its (T, d) input and recomputes the rest in backward
+    checkpoint_blocks: bool | int = False
     embedding: str = "static"  # item IDs (ranking: also user features): static (nn.Embedding) | dynamic (recforge.sparse tables, see sparse:)
 
 
@@ -99,6 +102,9 @@ class LossConfig:
     num_negatives: int = 128  # uniformly sampled negatives (per_position / shared)
     in_batch_negatives: bool = False  # also use the batch's other target items as negatives
     temperature: float = 0.05
+    # positions per loss chunk: larger batches compute the loss this many positions at a time, so no
+    # (positions x negatives) logits are held (same value and gradients; 0: never chunk)
+    chunk_size: int = 8192
 
 
 @dataclass
@@ -230,7 +236,7 @@ CHOICES = {
 }
 POSITIVE = (
     "data.max_seq_len", "model.dim", "model.num_blocks", "model.num_heads", "model.dqk", "model.dv",
-    "model.ffn_dim", "model.head_hidden", "model.num_experts", "model.num_time_buckets", "ranking.period_seconds",
+    "model.ffn_dim", "model.head_hidden", "model.num_experts", "ranking.period_seconds",
     "ranking.max_targets", "train.epochs", "train.batch_size", "eval.batch_size", "train.keep_checkpoints",
     "train.log_every", "train.log_seconds", "dist.grad_accum", "dist.timeout_minutes", "optim.lr", "sparse.lr",
     "loss.temperature", "generative.decoder_blocks", "generative.beam",
@@ -241,7 +247,8 @@ NON_NEGATIVE = {
     "train.seed": "", "train.eval_every": " (0: evaluate only at the end)",
     "train.checkpoint_every": " (0: a checkpoint at each epoch's end)", "train.max_steps": " (0: no limit)",
     "train.max_minutes": " (0: no limit)", "train.threads": " (0: PyTorch's default)",
-    "train.peak_tflops": " (0: the device's peak from recforge.train.flops)",
+    "train.peak_tflops": " (0: the device's peak from recforge.train.flops)", "loss.chunk_size": " (0: never chunk)",
+    "model.num_time_buckets": " (0: no time bias)",
     "train.token_budget": " (0: train.batch_size rows per batch)", "ranking.listwise_weight": " (0: off)",
     "sparse.capacity": " (0: catalogue size + 1)", "sparse.max_rows": " (0: no limit)", "sparse.cache_rows": " (0: no cache)",
     "sparse.eviction_every": " (0: only on capacity pressure)", "sparse.ttl_steps": "",
@@ -335,6 +342,9 @@ def validate(cfg: RunConfig) -> list[str]:
     if cfg.optim.schedule != "constant" and cfg.train.max_steps and cfg.optim.warmup_steps >= cfg.train.max_steps:
         problems.append(f"optim.warmup_steps ({cfg.optim.warmup_steps}) must be < train.max_steps "
                         f"({cfg.train.max_steps}) for the {cfg.optim.schedule} schedule to decay")  # fmt: skip
+    cb = cfg.model.checkpoint_blocks
+    if not isinstance(cb, int) or (not isinstance(cb, bool) and cb < 0):
+        problems.append(f"model.checkpoint_blocks: expected true, false or a number of blocks >= 0, got {cb!r}")
     if cfg.model.kind == "sasrec" and cfg.model.dim % cfg.model.num_heads:
         problems.append(f"model.dim {cfg.model.dim} must be divisible by model.num_heads {cfg.model.num_heads} for SASRec")
     if cfg.recipe == "ranking":

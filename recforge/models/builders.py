@@ -41,6 +41,7 @@ def hstu_encoder(cfg: ModelConfig, max_seq_len: int) -> HSTUEncoder:
             num_time_buckets=cfg.num_time_buckets,
             kernel=cfg.kernel,
             attn_norm=cfg.attn_norm,
+            checkpoint_blocks=cfg.num_blocks if cfg.checkpoint_blocks is True else int(cfg.checkpoint_blocks),
         )
     )
 

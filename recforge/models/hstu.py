@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
-from recforge.jagged.index import padding_index
+from recforge.jagged.index import lengths_from_offsets, padding_index
 from recforge.jagged.mask import AttentionMask
 from recforge.ops.hstu_attention import hstu_attention
 
@@ -41,6 +42,9 @@ class HSTUConfig:
     # direction of A V, so *how many* history items match a query is lost) | "visible_mean" (no
     # LayerNorm; A V divided by the number of keys the query sees: a match count becomes a share)
     attn_norm: str = "layernorm"
+    # activation checkpointing: the first N blocks keep only their input for backward and recompute
+    # the rest there (one block's activations live at a time); 0 none, >= num_blocks all
+    checkpoint_blocks: int = 0
 
 
 class HSTUBlock(nn.Module):
@@ -107,11 +111,23 @@ class HSTUBlock(nn.Module):
         return self.combine(x, attn, u, visible_keys)
 
 
-def visible_key_counts(seq_offsets: Tensor, max_seq_len: int, mask: AttentionMask, tokens: int) -> Tensor:
-    """(T,) how many keys each token sees under ``mask`` (from the dense reference mask: O(B N^2) memory)."""
-    visible = mask.dense(seq_offsets, max_seq_len).sum(-1)  # (B, N)
+def visible_key_counts(seq_offsets: Tensor, max_seq_len: int, mask: AttentionMask, tokens: int,
+                       block: int = 256) -> Tensor:  # fmt: skip
+    """(T,) how many keys each token sees under ``mask``.
+
+    Masks of history tokens only (no targets, contextual tokens or segments): a closed form, O(T).
+    Otherwise from the mask's rows, ``block`` query positions at a time: O(B x block x N) memory,
+    never the (B, N, N) mask, which at 100K tokens per user would not fit."""
     seq, pos = padding_index(seq_offsets, tokens)
-    return visible[seq, pos]
+    if mask.num_targets is None and mask.num_contextual is None and mask.segment_lengths is None:
+        earlier = pos + 1 if mask.max_attn_len is None else torch.clamp(pos + 1, max=mask.max_attn_len)  # j <= i
+        if mask.causal:
+            return earlier
+        return earlier + lengths_from_offsets(seq_offsets)[seq] - pos - 1  # and every later key
+    batch = seq_offsets.numel() - 1
+    rows = [mask.rows(seq_offsets, max_seq_len, torch.arange(lo, min(lo + block, max_seq_len), device=seq_offsets.device)
+                      .expand(batch, -1)).sum(-1) for lo in range(0, max_seq_len, block)]  # each (B, block)
+    return torch.cat(rows, 1)[seq, pos] if rows else pos
 
 
 AttentionHook = Callable[[int, HSTUBlock, Tensor, Tensor, Tensor], Tensor]
@@ -148,8 +164,14 @@ class HSTUEncoder(nn.Module):
         visible_keys = None
         if self.cfg.attn_norm == "visible_mean":  # once per batch, not per block
             visible_keys = visible_key_counts(seq_offsets, max_seq_len, mask, x.shape[0])
-        for block in self.blocks:
-            x = block(x, seq_offsets, max_seq_len, mask, timestamps, visible_keys)
+        recompute = torch.is_grad_enabled() and self.training  # no backward, nothing to save memory on
+        for layer, block in enumerate(self.blocks):
+            if recompute and layer < self.cfg.checkpoint_blocks:
+                # non-reentrant: takes the non-tensor mask argument, works with the Triton attention's
+                # autograd.Function and with DDP/FSDP; the recomputation replays dropout's RNG state
+                x = checkpoint(block, x, seq_offsets, max_seq_len, mask, timestamps, visible_keys, use_reentrant=False)
+            else:
+                x = block(x, seq_offsets, max_seq_len, mask, timestamps, visible_keys)
         return x
 
     def encode(self, x: Tensor, attention: AttentionHook) -> Tensor:

@@ -108,6 +108,7 @@ def _loss(s: Setup, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         num_negatives=cfg.loss.num_negatives,
         in_batch_negatives=cfg.loss.in_batch_negatives,
         temperature=cfg.loss.temperature,
+        chunk_size=cfg.loss.chunk_size,
     )  # mean over the batch's T targets
     if not cfg.train.token_budget:
         return loss, loss

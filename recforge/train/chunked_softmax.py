@@ -1,0 +1,133 @@
+"""Softmax cross-entropy over positions x negatives, computed in chunks of positions.
+
+For each position t (T of them) the logits are, divided by the temperature::
+
+    [ u_t . p_t | u_t . s_1 ... u_t . s_S | u_t . n_t1 ... u_t . n_tK ]
+      positive    shared columns            the position's own negatives
+                  (whole catalogue, a       (per-position sampling)
+                  shared sample, in-batch)
+
+with a column masked out (-inf) where its item is the target (an accidental hit) or the padding
+item 0. The loss is the mean over positions of ``logsumexp(logits_t) - logits_t[0]``.
+
+The unchunked computation holds the (T, S + K) logits several times over, and for per-position
+negatives the (T, K, d) gathered negative vectors. Here the forward walks ``chunk`` positions at a
+time and computes the gradients of the inputs as it goes (the loss is a scalar, so backward only
+scales them), the approach of fused linear cross-entropy kernels (e.g. Liger-Kernel): the largest
+temporaries are (chunk, S + K) logits and (chunk, K, d) vectors, nothing of size T x (S + K) is
+ever allocated in float, and no logit is computed twice. Per-position negatives are passed as
+(T, K) row indices into their distinct vectors (U, d), so the index tensors stay O(T K) integers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class _ChunkedSoftmaxCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, user: Tensor, positive: Tensor, shared: Tensor | None, own: Tensor | None, targets: Tensor,
+                shared_ids: Tensor | None, own_rows: Tensor | None, own_ids: Tensor | None, inv_temp: float,
+                chunk: int, want_grads: bool) -> Tensor:  # fmt: skip
+        num_pos = user.shape[0]
+        total = user.new_zeros(())
+        grads = None
+        if want_grads:
+            grads = [torch.zeros_like(user), torch.zeros_like(positive),
+                     None if shared is None else torch.zeros_like(shared), None if own is None else torch.zeros_like(own)]  # fmt: skip
+        for lo in range(0, num_pos, chunk):
+            hi = min(lo + chunk, num_pos)
+            loss_sum = _chunk(user[lo:hi], positive[lo:hi], shared, own, targets[lo:hi], shared_ids,
+                              None if own_rows is None else own_rows[lo:hi], None if own_ids is None else own_ids[lo:hi],
+                              inv_temp, inv_temp / num_pos, grads, lo)  # fmt: skip
+            total += loss_sum
+        if grads is not None:
+            ctx.save_for_backward(*(g for g in grads if g is not None))
+            ctx.present = [g is not None for g in grads]
+        return total / num_pos
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        if not hasattr(ctx, "present"):
+            raise RuntimeError("chunked sampled softmax: backward through a loss computed without gradients "
+                               "(computed under torch.no_grad, or with inputs that need none)")  # fmt: skip
+        saved = iter(ctx.saved_tensors)
+        grads = [next(saved) * grad_out if present else None for present in ctx.present]
+        return (*grads, None, None, None, None, None, None, None)
+
+
+def _chunk(user: Tensor, positive: Tensor, shared: Tensor | None, own: Tensor | None, targets: Tensor,
+           shared_ids: Tensor | None, own_rows: Tensor | None, own_ids: Tensor | None, inv_temp: float,
+           grad_scale: float, grads: list[Tensor | None] | None, lo: int) -> Tensor:  # fmt: skip
+    """Summed loss of one chunk of c positions; accumulates the inputs' gradients into ``grads``."""
+    pos = (user * positive).sum(-1, keepdim=True) * inv_temp  # (c, 1)
+    parts = [pos]
+    if shared is not None:
+        s = (user @ shared.T) * inv_temp  # (c, S)
+        parts.append(s.masked_fill_((shared_ids == targets[:, None]) | (shared_ids == 0), float("-inf")))
+    if own is not None:
+        own_vec = own[own_rows]  # (c, K, d)
+        o = torch.einsum("cd,ckd->ck", user, own_vec) * inv_temp  # (c, K)
+        parts.append(o.masked_fill_(own_ids == targets[:, None], float("-inf")))
+    logits = torch.cat(parts, 1)  # (c, 1 + S + K)
+    lse = torch.logsumexp(logits, 1, keepdim=True)  # (c, 1)
+    loss_sum = (lse - pos).sum()
+    if grads is None:
+        return loss_sum
+    # d loss_mean / d logits = (softmax - onehot(0)) / T; times 1/temperature for the dot products
+    g = torch.exp_(logits.sub_(lse)).mul_(grad_scale)  # (c, 1 + S + K), in place of the logits
+    g[:, 0] -= grad_scale
+    g_pos = g[:, :1]  # (c, 1)
+    grad_user = g_pos * positive  # (c, d)
+    grads[1][lo : lo + user.shape[0]] = g_pos * user
+    col = 1
+    if shared is not None:
+        g_s = g[:, col : col + shared.shape[0]]  # (c, S)
+        grad_user += g_s @ shared
+        grads[2] += g_s.T @ user
+        col += shared.shape[0]
+    if own is not None:
+        g_o = g[:, col:]  # (c, K)
+        grad_user += torch.einsum("ck,ckd->cd", g_o, own_vec)
+        grads[3].index_add_(0, own_rows.reshape(-1), (g_o.unsqueeze(2) * user.unsqueeze(1)).reshape(-1, user.shape[1]))
+    grads[0][lo : lo + user.shape[0]] = grad_user
+    return loss_sum
+
+
+def chunked_softmax_cross_entropy(
+    user: Tensor,
+    positive: Tensor,
+    targets: Tensor,
+    *,
+    shared: Tensor | None = None,
+    shared_ids: Tensor | None = None,
+    own: Tensor | None = None,
+    own_rows: Tensor | None = None,
+    own_ids: Tensor | None = None,
+    temperature: float,
+    chunk: int,
+) -> Tensor:
+    """Mean softmax cross-entropy of each position's positive against its negatives, ``chunk`` positions at a time.
+
+    Args:
+        user: (T, d) user vectors.
+        positive: (T, d) each position's target vector.
+        targets: (T,) target item ids (for masking accidental hits).
+        shared: (S, d) negative vectors every position scores; ``shared_ids`` (S,) their item ids.
+        own: (U, d) vectors of per-position negatives; ``own_rows`` (T, K) each position's rows of
+            ``own``, ``own_ids`` (T, K) their item ids.
+        temperature: logits are dot products / temperature.
+        chunk: positions per chunk (> 0).
+
+    Returns:
+        The scalar loss; gradients flow to ``user``, ``positive``, ``shared`` and ``own``.
+    """
+    if chunk <= 0:
+        raise ValueError(f"chunked_softmax_cross_entropy: chunk={chunk} must be > 0")
+    if (shared is None) != (shared_ids is None) or (own is None) != (own_rows is None or own_ids is None):
+        raise ValueError("chunked_softmax_cross_entropy: give shared with shared_ids, own with own_rows and own_ids")
+    inputs = [t for t in (user, positive, shared, own) if t is not None]
+    want_grads = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    return _ChunkedSoftmaxCE.apply(user, positive, shared, own, targets, shared_ids, own_rows, own_ids,
+                                   1.0 / temperature, int(chunk), want_grads)  # fmt: skip

@@ -1,0 +1,120 @@
+"""The chunked sampled-softmax loss: the unchunked loss's value and gradients, without its big tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from recforge.train.chunked_softmax import chunked_softmax_cross_entropy
+from recforge.train.losses import _distinct_rows, sampled_softmax_loss
+
+TOL = {"rtol": 1e-9, "atol": 1e-12}
+
+
+def _inputs(num_positions: int, num_items: int, dim: int):
+    table = torch.randn(num_items + 1, dim, dtype=torch.float64, requires_grad=True)
+    user = torch.randn(num_positions, dim, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(1, num_items + 1, (num_positions,))
+    return user, table, targets
+
+
+def _loss_and_grads(user, table, targets, num_items: int, seed: int, **kwargs):
+    user.grad = table.grad = None
+    torch.manual_seed(seed)  # the same negatives in both runs
+    loss = sampled_softmax_loss(F.normalize(user, dim=-1), targets, lambda ids: F.normalize(table if ids is None else table[ids], dim=-1),
+                                num_items, **kwargs)  # fmt: skip
+    loss.backward()
+    return loss.detach(), user.grad.clone(), table.grad.clone()
+
+
+@pytest.mark.parametrize(
+    ("negatives", "in_batch", "chunk"),
+    [("per_position", False, 7), ("per_position", True, 16), ("shared", False, 5), ("shared", True, 1),
+     ("full", False, 9), ("full", True, 40)],
+)  # fmt: skip
+def test_chunked_equals_unchunked(negatives: str, in_batch: bool, chunk: int) -> None:
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    torch.manual_seed(seed)
+    num_items = int(torch.randint(5, 60, ()))  # few items: accidental hits and repeated negatives are common
+    user, table, targets = _inputs(int(torch.randint(chunk + 1, 4 * chunk + 20, ())), num_items, 8)
+    kwargs = dict(negatives=negatives, num_negatives=13, in_batch_negatives=in_batch, temperature=0.07)
+    loss, d_user, d_table = _loss_and_grads(user, table, targets, num_items, seed, **kwargs)
+    loss_c, d_user_c, d_table_c = _loss_and_grads(user, table, targets, num_items, seed, chunk_size=chunk, **kwargs)
+    torch.testing.assert_close(loss_c, loss, **TOL)
+    torch.testing.assert_close(d_user_c, d_user, **TOL)
+    torch.testing.assert_close(d_table_c, d_table, **TOL)
+
+
+def test_chunked_scales_with_upstream_gradient_and_autocast() -> None:
+    user, table, targets = _inputs(50, 30, 8)
+    item_vectors = lambda ids: table if ids is None else table[ids]
+    torch.manual_seed(1)
+    (3.0 * sampled_softmax_loss(user, targets, item_vectors, 30, negatives="full", chunk_size=8)).backward()
+    expected = user.grad.clone()
+    user.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the loss still runs in float32 (float64 here)
+        loss = sampled_softmax_loss(user, targets, item_vectors, 30, negatives="full", chunk_size=8)
+    assert loss.dtype == torch.float64
+    (3.0 * loss).backward()
+    torch.testing.assert_close(user.grad, expected, **TOL)
+
+
+def test_no_gradients_without_grad_mode() -> None:
+    user, table, targets = _inputs(20, 30, 8)
+    with torch.no_grad():
+        loss = sampled_softmax_loss(user, targets, lambda ids: table[ids], 30, chunk_size=4)
+    assert loss.ndim == 0 and torch.isfinite(loss) and not loss.requires_grad
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """Records the largest floating-point tensor any op (forward or backward) returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("negatives", ["per_position", "full"])
+def test_chunked_never_allocates_positions_by_negatives(negatives: str) -> None:
+    positions, num_items, k, dim, chunk = 600, 500, 64, 8, 32
+    user, table, targets = _inputs(positions, num_items, dim)
+    item_vectors = lambda ids: F.normalize(table if ids is None else table[ids], dim=-1)
+    columns = k if negatives == "per_position" else num_items + 1
+    sizes = {}
+    for chunk_size in (0, chunk):
+        with _LargestAllocation() as mode:
+            loss = sampled_softmax_loss(user, targets, item_vectors, num_items, negatives=negatives, num_negatives=k,
+                                        chunk_size=chunk_size)  # fmt: skip
+            loss.backward()
+        sizes[chunk_size] = mode.largest
+    assert sizes[0] >= positions * columns  # the unchunked loss does hold the full logits (this test can fail)
+    # chunked: at most one chunk's logits or gathered negatives, and the (N+1, d) table / (T, d) users
+    assert sizes[chunk] <= max(chunk * (columns + 1) * (dim if negatives == "per_position" else 1),
+                               (num_items + 1) * dim, positions * dim)  # fmt: skip
+    assert sizes[chunk] < positions * columns
+
+
+def test_distinct_rows_matches_unique() -> None:
+    ids = torch.randint(1, 40, (37, 5))
+    distinct, rows = _distinct_rows(ids, 41)
+    assert distinct.shape == (min(ids.numel(), 41),)
+    torch.testing.assert_close(distinct[rows], ids, rtol=0, atol=0)
+    unique = torch.unique(ids)
+    torch.testing.assert_close(distinct[: unique.numel()], unique, rtol=0, atol=0)
+
+
+def test_chunked_cross_entropy_checks_arguments() -> None:
+    user = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="chunk=0"):
+        chunked_softmax_cross_entropy(user, user, torch.ones(4, dtype=torch.int64), temperature=1.0, chunk=0)
+    with pytest.raises(ValueError, match="shared with shared_ids"):
+        chunked_softmax_cross_entropy(user, user, torch.ones(4, dtype=torch.int64), shared=user, temperature=1.0, chunk=2)
