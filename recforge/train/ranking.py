@@ -45,21 +45,19 @@ from recforge.data.ranking_samples import (
     token_reference,
     write_ranking_samples,
 )
-from recforge.data.token_batching import steps_per_epoch, token_loss_scale
+from recforge.data.token_batching import steps_per_epoch
 from recforge.jagged.batch import JaggedBatch
-from recforge.jagged.index import offsets_from_lengths, sequence_ids
 from recforge.models.builders import build_ranking_model
 from recforge.models.ranking import (
     CandidateTower,
     RankingModel,
     RankingPrefix,
-    listwise_loss,
-    pointwise_loss,
     save_slices,
 )
 from recforge.sparse import SparseOptimizer
 from recforge.train.distributed import DistContext, even_batches, init_distributed, shard_dynamic_tables, shard_source, split_budget
 from recforge.train.loop import prepare_run_dir, run_loop, run_lr_scale
+from recforge.train.losses import listwise_loss, pointwise_loss, token_weighted_ranking_loss
 from recforge.train.metrics import auc, gauc
 from recforge.train.runtime import prepare_runtime
 from recforge.train.step import StepResult, StepRunner
@@ -162,7 +160,8 @@ def _loss(s: Setup, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return loss, loss
     outputs = s.model.postfix(x)  # (N, K)
     if s.reference is not None:
-        return _token_weighted_loss(s, outputs, labels, batch.mask.num_targets, s.reference)
+        return token_weighted_ranking_loss(outputs, labels, batch.mask.num_targets, s.kinds, s.weights, s.reference,
+                                           s.cfg.ranking.listwise_weight)
     loss, _ = pointwise_loss(outputs, labels, s.kinds, s.weights)
     if s.cfg.ranking.listwise_weight:
         k = s.kinds.index("binary")
@@ -170,29 +169,6 @@ def _loss(s: Setup, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
             outputs[:, k : k + 1], labels[:, k : k + 1], batch.mask.num_targets
         )
     return loss, loss
-
-
-def _token_weighted_loss(
-    s: Setup, outputs: torch.Tensor, labels: torch.Tensor, num_targets: torch.Tensor, ref: TokenReference
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-budget batches vary in labels and lists: weight each known label of task k 1/ref.labels[k]
-    and each list with a positive 1/ref.lists (constant weights, as a fixed batch gives on average)
-    instead of 1/count in this batch."""
-    objective = loss = outputs.new_zeros(())
-    for k, (kind, weight) in enumerate(zip(s.kinds, s.weights)):
-        mean, _ = pointwise_loss(outputs[:, k : k + 1], labels[:, k : k + 1], [kind], [weight])
-        known = (~torch.isnan(labels[:, k])).sum()  # on the device: no host sync per task
-        loss = loss + mean
-        objective = objective + mean * known * token_loss_scale(float(ref.labels[k]))
-    if s.cfg.ranking.listwise_weight:
-        k = s.kinds.index("binary")
-        mean = s.cfg.ranking.listwise_weight * listwise_loss(outputs[:, k : k + 1], labels[:, k : k + 1], num_targets)
-        sample_of_target = sequence_ids(offsets_from_lengths(num_targets), labels.shape[0])
-        positive = (torch.nan_to_num(labels[:, k], nan=0.0) > 0).to(outputs.dtype)
-        lists = (outputs.new_zeros(num_targets.numel()).index_add_(0, sample_of_target, positive) > 0).sum()
-        loss = loss + mean
-        objective = objective + mean * lists * token_loss_scale(ref.lists)
-    return objective, loss
 
 
 def _train_step(s: Setup, batch: JaggedBatch) -> tuple[float, int]:

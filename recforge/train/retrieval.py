@@ -29,7 +29,7 @@ from recforge.data.dataset import load_dataset
 from recforge.data.pipeline import PipelineSource
 from recforge.data.retrieval_samples import retrieval_source, sample_tokens, write_retrieval_samples
 from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences
-from recforge.data.token_batching import steps_per_epoch, token_loss_scale
+from recforge.data.token_batching import steps_per_epoch
 from recforge.jagged.batch import JaggedBatch
 from recforge.models.builders import build_retrieval_model
 from recforge.models.retrieval import RetrievalModel
@@ -37,7 +37,7 @@ from recforge.sparse import SparseOptimizer
 from recforge.train.distributed import DistContext, init_distributed, shard_dynamic_tables, shard_source, split_budget
 from recforge.train.evaluate import evaluate_ranking, model_scorer
 from recforge.train.loop import prepare_run_dir, run_loop, run_lr_scale
-from recforge.train.losses import sampled_softmax_loss
+from recforge.train.losses import sampled_softmax_loss, token_loss_scale
 from recforge.train.runtime import prepare_runtime
 from recforge.train.step import StepResult, StepRunner
 
