@@ -1,9 +1,15 @@
 """Whole-batch collation: an Arrow RecordBatch -> ``JaggedBatch``, zero-copy where Arrow allows.
 
-List columns that share one offsets layout become the batch's token features (their values
-buffers are shared with torch, not copied); scalar columns become dense per-sequence
-features or labels; the pipeline's ``__row_id__`` column becomes ``dense["row_ids"]``.
-No per-row Python anywhere.
+Two collate functions, the only ones of recforge:
+
+- ``JaggedCollate``: list columns that share one offsets layout become the batch's token features
+  (their values buffers are shared with torch, not copied); scalar columns become dense
+  per-sequence features or labels (retrieval samples, generic sequences).
+- ``RankingCollate``: ranking rows (history and targets as separate list columns, contextual
+  features as scalars) become the ranking layout: contextual tokens, history, targets, with the
+  ``num_targets`` / timestamp mask (``RankingData.batch``, the ranking stream, compressed events).
+
+The pipeline's ``__row_id__`` column becomes ``dense["row_ids"]``. No per-row Python anywhere.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ import torch
 
 from recforge.data.parquet_source import ROW_ID
 from recforge.jagged.batch import JaggedBatch, readonly_tensor
+from recforge.jagged.mask import AttentionMask
+
+ACTION_ENCODINGS = ("sum", "interleave")
 
 
 def _tensor(col: pa.Array) -> torch.Tensor:
@@ -109,6 +118,108 @@ class JaggedCollate:
         if offsets is not None and not np.array_equal(off, offsets):
             raise ValueError(f"list column {col!r} has different lengths from the others")
         return off, values
+
+
+@dataclass(frozen=True)
+class RankingCollate:
+    """Ranking rows -> the ranking ``JaggedBatch``: per sequence, contextual tokens, history, targets.
+
+    A row is one sample (a user and a period; see ``recforge.data.ranking``)::
+
+        history_item_ids, history_timestamps   list<int64>  the history, oldest first
+        history_<action_column>                list         its action signal (with ``action_column``)
+        target_item_ids, target_timestamps     list<int64>  the candidates (impressions)
+        target_<label>                         list         per ``label_columns`` entry
+        <context column>                       int          per ``context_columns`` entry (coded, 0 = none)
+
+    ``compress_events`` writes such rows from raw events; ``RankingData.rows`` builds them from its
+    coded arrays (``RankingData.batch`` and the ranking stream collate them here).
+
+    Features: ``item_ids`` (0 on contextual and action tokens), ``actions`` (the history's action
+    signal; 0 elsewhere, and everywhere without ``action_column``), ``context_ids`` (the codes on
+    contextual tokens, 0 elsewhere), ``timestamps`` (0 on contextual tokens). With
+    ``action_encoding="interleave"`` each history event is an item token then an action token (both
+    with the event's timestamp). Labels: ``labels[name]`` per target from ``target_<name>``, (N,), or
+    (N, K) for a column of fixed-size lists. Dense: ``dense[name]`` from scalar column ``col`` per
+    ``dense`` entry ``col -> name``, and ``row_ids``. Mask: contextual prefix, causal history,
+    ``num_targets`` targets that see history events strictly before their own timestamp.
+
+    Example:
+        >>> collate = RankingCollate(("click",), action_column="action", context_columns=("user_code",))
+        >>> batch = collate(record_batch)     # batch.labels["click"]: (N,), batch.mask.num_targets: (B,)
+    """
+
+    label_columns: tuple[str, ...] = ()
+    action_column: str = ""
+    context_columns: tuple[str, ...] = ()
+    max_seq_len: int | None = None  # recorded in the batch; the longest sequence of the batch when None
+    action_encoding: str = "sum"
+    dense: dict[str, str] = field(default_factory=lambda: {"user_id": "user_id"})
+
+    def __post_init__(self) -> None:
+        if self.action_encoding not in ACTION_ENCODINGS:
+            raise ValueError(f"action_encoding={self.action_encoding!r}: expected one of {ACTION_ENCODINGS}")
+
+    def __call__(self, rb: pa.RecordBatch) -> JaggedBatch:
+        c, per_event = len(self.context_columns), 2 if self.action_encoding == "interleave" else 1
+        h_len, h_items = _flat(rb, "history_item_ids")
+        t_len, t_items = _flat(rb, "target_item_ids")
+        h_ts, t_ts = _flat(rb, "history_timestamps")[1], _flat(rb, "target_timestamps")[1]
+        lengths = c + per_event * h_len + t_len
+        offsets = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        h_pos = _positions(offsets[:-1] + c, h_len, per_event)  # item token of each history event
+        t_pos = _positions(offsets[:-1] + c + per_event * h_len, t_len)
+        total = int(offsets[-1])
+        item_ids = torch.zeros(total, dtype=torch.int64)
+        timestamps = torch.zeros(total, dtype=torch.int64)  # contextual tokens: features, not events: 0
+        item_ids[h_pos], item_ids[t_pos] = h_items, t_items
+        timestamps[h_pos], timestamps[t_pos] = h_ts, t_ts
+        if per_event == 2:
+            timestamps[h_pos + 1] = h_ts  # the action token of an event keeps the event's time
+        context_ids = torch.zeros(total, dtype=torch.int64)
+        if c:
+            context = torch.stack([_tensor(rb.column(name)).to(torch.int64) for name in self.context_columns], dim=1)  # (B, c)
+            context_ids[(torch.from_numpy(offsets[:-1]).view(-1, 1) + torch.arange(c)).flatten()] = context.flatten()
+        if self.action_column:
+            h_act = _flat(rb, f"history_{self.action_column}")[1]
+            actions = torch.zeros(total, dtype=h_act.dtype)
+            actions[h_pos + (per_event - 1)] = h_act
+        else:
+            actions = torch.zeros(total, dtype=torch.int64)
+        features = {"item_ids": item_ids, "actions": actions, "context_ids": context_ids, "timestamps": timestamps}
+        num_targets = torch.from_numpy(t_len)
+        mask = AttentionMask(causal=True, num_targets=num_targets, num_contextual=torch.full_like(num_targets, c),
+                             timestamps=timestamps)  # fmt: skip
+        max_len = self.max_seq_len if self.max_seq_len is not None else int(lengths.max(initial=0))
+        batch = JaggedBatch(torch.from_numpy(offsets), features, max_len, mask=mask)
+        for name in self.label_columns:
+            batch.labels[name] = _flat(rb, f"target_{name}")[1]
+        for col, name in self.dense.items():
+            batch.dense[name] = _tensor(rb.column(col))
+        if ROW_ID in rb.schema.names:
+            batch.dense["row_ids"] = _tensor(rb.column(ROW_ID))
+        return batch
+
+
+def _flat(rb: pa.RecordBatch, name: str) -> tuple[np.ndarray, torch.Tensor]:
+    """(lengths (B,), the values of the rows, flat) of list column ``name``; values that are fixed-size
+    lists of K come back as (sum of lengths, K)."""
+    if name not in rb.schema.names:
+        raise ValueError(f"ranking rows need a column {name!r} (have {rb.schema.names})")
+    col = rb.column(name)
+    off = col.offsets.to_numpy().astype(np.int64)
+    values = col.values.slice(off[0], off[-1] - off[0])
+    if pa.types.is_fixed_size_list(values.type):
+        width = values.type.list_size
+        return np.diff(off), _tensor(values.flatten()).reshape(-1, width)
+    return np.diff(off), _tensor(values)
+
+
+def _positions(starts: np.ndarray, counts: np.ndarray, step: int = 1) -> torch.Tensor:
+    """Token positions ``starts[b] + step * [0, counts[b])`` for every sequence b, concatenated."""
+    firsts = np.r_[0, np.cumsum(counts)][:-1]
+    return torch.from_numpy(np.repeat(starts, counts) + step * (np.arange(counts.sum()) - np.repeat(firsts, counts)))
 
 
 def _is_list(t: pa.DataType) -> bool:

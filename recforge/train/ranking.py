@@ -15,10 +15,10 @@ those probabilities is reported beside the model's.
 After training, the best checkpoint is exported as prefix/encoder/postfix slices to
 ``RUN_DIR/model`` (see ``recforge.models.ranking.save_slices``) for serving.
 
-With ``train.loader=pipeline`` the training samples are written once to
-``RUN_DIR/samples/train-00000.parquet`` and streamed by the sample engine (same batches per
-sample as the memory loader); a resumed run then trains each sample exactly once per epoch,
-and ``train.token_budget`` > 0 cuts batches by tokens with a label-weighted loss (see
+With ``train.loader=pipeline`` the sample engine streams the training samples, each row built
+by its reader workers with everything its batch needs (``ranking_sample_source``; nothing is
+written to disk; same batches per sample as the memory loader); a resumed run then trains each
+sample exactly once per epoch, and ``train.token_budget`` > 0 cuts batches by tokens with a label-weighted loss (see
 ``recforge.data.ranking_samples.TokenReference``).
 """
 
@@ -38,12 +38,11 @@ from recforge.data.dataset import load_dataset
 from recforge.data.pipeline import PipelineSource
 from recforge.data.ranking import RankingData, RankingSamples
 from recforge.data.ranking_samples import (
-    SAMPLES_FILE,
     TokenReference,
+    ranking_sample_source,
     ranking_source,
     sample_tokens,
     token_reference,
-    write_ranking_samples,
 )
 from recforge.data.token_batching import steps_per_epoch
 from recforge.jagged.batch import JaggedBatch
@@ -254,7 +253,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     s = setup(cfg, ctx, device)
     samples = _training_samples(s)
     if cfg.train.loader == "pipeline":
-        inputs = {"source": _pipeline_source(s, samples, resume), "build": lambda batch: batch}
+        inputs = {"source": _pipeline_source(s, samples), "build": lambda batch: batch}
     else:
         r = cfg.ranking
         build = lambda ids: s.data.batch(samples, ids, cfg.data.max_seq_len, r.action_encoding)  # noqa: E731
@@ -282,23 +281,20 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     return summary
 
 
-def _pipeline_source(s: Setup, samples: RankingSamples, resume: bool) -> PipelineSource:
-    """Write the training samples under the run directory (kept for a resume: the saved pipeline
-    state refers to their rows) and stream them; with a token budget, set the loss references."""
+def _pipeline_source(s: Setup, samples: RankingSamples) -> PipelineSource:
+    """Stream the training samples through the sample engine, built as they are read (every rank, and a
+    resumed run, builds the same rows); with a token budget, set the loss references."""
     cfg, t = s.cfg, s.cfg.train
     if len(samples) == 0:
         raise ValueError("the training split has no samples; check the dataset and the data/ranking settings")
     tokens = sample_tokens(s.data, samples, cfg.data.max_seq_len, cfg.ranking.action_encoding)
-    path = cfg.run_dir / "samples" / SAMPLES_FILE
-    if s.ctx.is_main and not (resume and path.is_file()):
-        write_ranking_samples(s.data, samples, tokens, path.parent)
-    s.ctx.barrier()  # rank 0 wrote the samples every rank reads
     if t.token_budget:
         list_task = s.kinds.index("binary") if cfg.ranking.listwise_weight else None
         s.reference = token_reference(s.data, samples, tokens, t.token_budget, list_task)
     batch_size, token_budget = split_budget(cfg, s.ctx)  # this rank's micro-batches
+    rows = ranking_sample_source(s.data, samples, cfg.data.max_seq_len, cfg.ranking.action_encoding, tokens)
     source = ranking_source(
-        [path], s.data, cfg.data.max_seq_len, batch_size, action_encoding=cfg.ranking.action_encoding,
+        rows, cfg.data.max_seq_len, batch_size, action_encoding=cfg.ranking.action_encoding,
         num_workers=t.loader_workers, token_budget=token_budget, seed=t.seed,
         num_steps_estimate=steps_per_epoch(tokens, t.batch_size, t.token_budget, t.seed),
     )  # fmt: skip
