@@ -62,8 +62,10 @@ def retrieval_sample_source(seqs: UserSequences, samples: torch.Tensor, max_seq_
     if samples.ndim != 2 or samples.shape[1] != 2:
         raise ValueError(f"samples must be (S, 2) (user, end) rows from UserSequences.training_samples, got {tuple(samples.shape)}")
     build = functools.partial(_rows, seqs, samples, max_seq_len)
-    tokens = sample_tokens(samples, max_seq_len).numpy()
-    return SampleSource("retrieval", samples.shape[0], build, tokens=tokens, identity=(samples.numpy(), np.array([max_seq_len])))
+    # ranks' token shares weigh rows as a file of these rows did (its item_ids lengths, a mean per row group)
+    lengths = (sample_tokens(samples, max_seq_len) + 1).numpy()
+    return SampleSource("retrieval", samples.shape[0], build, tokens=lengths, group_mean_tokens=True,
+                        identity=(samples.numpy(), np.array([max_seq_len])))  # fmt: skip
 
 
 def _rows(seqs: UserSequences, samples: torch.Tensor, max_seq_len: int, rows: np.ndarray) -> pa.Table:

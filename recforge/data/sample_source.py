@@ -49,6 +49,8 @@ class SampleSource:
             inherit it), so it must not depend on state those change.
         tokens: optional (num_rows,) tokens per row: ranks' shares are balanced by it under
             token-budget batching (``PipelineState.plan``).
+        group_mean_tokens: weigh each row by its group's mean ``tokens``, as ``ParquetSource`` does for
+            a list column (from the file footer): the shares of the same rows in a file, exactly.
         identity: arrays that identify the samples (fingerprinted into the name).
         group_rows: rows per read group (the unit of shuffling and of a worker's read).
 
@@ -58,8 +60,8 @@ class SampleSource:
     """
 
     def __init__(self, kind: str, num_rows: int, build: Callable[[np.ndarray], pa.Table], *,
-                 tokens: np.ndarray | None = None, identity: tuple[np.ndarray, ...] = (),
-                 group_rows: int = GROUP_ROWS) -> None:  # fmt: skip
+                 tokens: np.ndarray | None = None, group_mean_tokens: bool = False,
+                 identity: tuple[np.ndarray, ...] = (), group_rows: int = GROUP_ROWS) -> None:  # fmt: skip
         if num_rows < 1:
             raise ValueError(f"a {kind} sample source needs at least one sample, got {num_rows}")
         if group_rows < 1:
@@ -73,6 +75,7 @@ class SampleSource:
         full, rest = divmod(num_rows, group_rows)
         self.row_group_rows = [np.array([group_rows] * full + ([rest] if rest else []), np.int64)]
         self.tokens = None if tokens is None else np.asarray(tokens, np.float64)
+        self.group_mean_tokens = group_mean_tokens
         self.schema = build(np.arange(1, dtype=np.int64)).schema  # one row built now: the schema, and any error early
         self.file_schemas = [self.schema]
 
@@ -106,11 +109,12 @@ class SampleSource:
         return None if self.tokens is None else column
 
     def row_tokens(self, column: str) -> list[list[np.ndarray]]:
-        """Per group, the (rows,) tokens of each row."""
+        """Per group, the (rows,) tokens of each row, or (``group_mean_tokens``) their 0-d mean."""
         if self.tokens is None:
             raise ValueError(f"{self.kind} samples were given no tokens per row")
         cuts = np.r_[0, np.cumsum(self.row_group_rows[0])]
-        return [[self.tokens[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]]
+        groups = [self.tokens[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+        return [[np.array(g.mean()) for g in groups] if self.group_mean_tokens else groups]
 
     def location(self, row_id: int) -> str:
         """'<kind> sample N' for messages."""
