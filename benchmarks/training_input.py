@@ -118,15 +118,18 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--recipes", default="retrieval,ranking")
+    ap.add_argument("--torch-threads", type=int, default=1, help="intra-op threads (batch assembly is many small ops)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    torch.set_num_threads(args.torch_threads)
 
     cfg = SyntheticConfig(num_users=args.users, num_items=2000, num_clusters=20, mean_seq_len=args.mean_len,
                           max_seq_len=4 * args.mean_len, seed=0)  # fmt: skip
     events, items = generate_impressions(cfg)
     ds = Dataset(events, items, {"name": "synthetic", "has_timestamps": True})
     L, B, W = args.max_seq_len, args.batch_size, args.workers
-    result = {"events": events.num_rows, "users": args.users, "max_seq_len": L, "batch_size": B, "workers": W}
+    result = {"events": events.num_rows, "users": args.users, "max_seq_len": L, "batch_size": B, "workers": W,
+              "torch_threads": args.torch_threads}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         if "retrieval" in args.recipes:

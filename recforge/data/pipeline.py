@@ -3,6 +3,7 @@
 ::
 
     Pipeline.from_parquet(paths, columns=[...], num_workers=4)   parallel reads (worker processes)
+      | Pipeline.from_samples(SampleSource(...))                 or rows built in memory as they are read
         .map(truncate_lists(["item_ids"], 200))                  RecordBatch -> RecordBatch (pyarrow.compute)
         .filter(lambda rb: pc.greater(...))                      RecordBatch -> bool mask
         .shuffle(buffer_rows=65536)                              windowed shuffle, seeded
