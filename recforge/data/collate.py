@@ -22,6 +22,7 @@ import torch
 
 from recforge.data.parquet_source import ROW_ID
 from recforge.jagged.batch import JaggedBatch, readonly_tensor
+from recforge.jagged.index import offsets_from_lengths
 from recforge.jagged.mask import AttentionMask
 
 ACTION_ENCODINGS = ("sum", "interleave")
@@ -161,38 +162,16 @@ class RankingCollate:
             raise ValueError(f"action_encoding={self.action_encoding!r}: expected one of {ACTION_ENCODINGS}")
 
     def __call__(self, rb: pa.RecordBatch) -> JaggedBatch:
-        c, per_event = len(self.context_columns), 2 if self.action_encoding == "interleave" else 1
         h_len, h_items = _flat(rb, "history_item_ids")
         t_len, t_items = _flat(rb, "target_item_ids")
-        h_ts, t_ts = _flat(rb, "history_timestamps")[1], _flat(rb, "target_timestamps")[1]
-        lengths = c + per_event * h_len + t_len
-        offsets = np.zeros(len(lengths) + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        h_pos = _positions(offsets[:-1] + c, h_len, per_event)  # item token of each history event
-        t_pos = _positions(offsets[:-1] + c + per_event * h_len, t_len)
-        total = int(offsets[-1])
-        item_ids = torch.zeros(total, dtype=torch.int64)
-        timestamps = torch.zeros(total, dtype=torch.int64)  # contextual tokens: features, not events: 0
-        item_ids[h_pos], item_ids[t_pos] = h_items, t_items
-        timestamps[h_pos], timestamps[t_pos] = h_ts, t_ts
-        if per_event == 2:
-            timestamps[h_pos + 1] = h_ts  # the action token of an event keeps the event's time
-        context_ids = torch.zeros(total, dtype=torch.int64)
-        if c:
-            context = torch.stack([_tensor(rb.column(name)).to(torch.int64) for name in self.context_columns], dim=1)  # (B, c)
-            context_ids[(torch.from_numpy(offsets[:-1]).view(-1, 1) + torch.arange(c)).flatten()] = context.flatten()
-        if self.action_column:
-            h_act = _flat(rb, f"history_{self.action_column}")[1]
-            actions = torch.zeros(total, dtype=h_act.dtype)
-            actions[h_pos + (per_event - 1)] = h_act
-        else:
-            actions = torch.zeros(total, dtype=torch.int64)
-        features = {"item_ids": item_ids, "actions": actions, "context_ids": context_ids, "timestamps": timestamps}
-        num_targets = torch.from_numpy(t_len)
-        mask = AttentionMask(causal=True, num_targets=num_targets, num_contextual=torch.full_like(num_targets, c),
-                             timestamps=timestamps)  # fmt: skip
-        max_len = self.max_seq_len if self.max_seq_len is not None else int(lengths.max(initial=0))
-        batch = JaggedBatch(torch.from_numpy(offsets), features, max_len, mask=mask)
+        context = [_tensor(rb.column(name)).to(torch.int64) for name in self.context_columns]
+        rows = RankingRows(
+            h_len, t_len, h_items, _flat(rb, "history_timestamps")[1],
+            _flat(rb, f"history_{self.action_column}")[1] if self.action_column else None,
+            t_items, _flat(rb, "target_timestamps")[1],
+            torch.stack(context, dim=1) if context else torch.zeros(rb.num_rows, 0, dtype=torch.int64),
+        )  # fmt: skip
+        batch = rows.layout(self.action_encoding, self.max_seq_len)
         for name in self.label_columns:
             batch.labels[name] = _flat(rb, f"target_{name}")[1]
         for col, name in self.dense.items():
@@ -202,7 +181,53 @@ class RankingCollate:
         return batch
 
 
-def _flat(rb: pa.RecordBatch, name: str) -> tuple[np.ndarray, torch.Tensor]:
+@dataclass
+class RankingRows:
+    """B ranking samples as flat tensors (``RankingCollate``'s row columns); ``layout`` is the one place
+    the ranking batch layout is written (``RankingCollate`` and ``RankingData.batch`` both end here)."""
+
+    history_lengths: torch.Tensor  # (B,) int64 history events per sample
+    target_lengths: torch.Tensor  # (B,) int64 targets per sample
+    history_item_ids: torch.Tensor  # (sum of history_lengths,)
+    history_timestamps: torch.Tensor  # (sum of history_lengths,)
+    history_actions: torch.Tensor | None  # (sum of history_lengths,) or None (no action signal)
+    target_item_ids: torch.Tensor  # (sum of target_lengths,)
+    target_timestamps: torch.Tensor  # (sum of target_lengths,)
+    context: torch.Tensor  # (B, c) int64 contextual codes (0 = none)
+
+    def layout(self, action_encoding: str = "sum", max_seq_len: int | None = None) -> JaggedBatch:
+        """Per sample: c contextual tokens, the history (one token per event, or an item token then an
+        action token with ``interleave``), the targets. Features, mask: see ``RankingCollate``."""
+        if action_encoding not in ACTION_ENCODINGS:
+            raise ValueError(f"action_encoding={action_encoding!r}: expected one of {ACTION_ENCODINGS}")
+        per_event, (batch, c) = (2 if action_encoding == "interleave" else 1), self.context.shape
+        h_len, t_len = self.history_lengths, self.target_lengths
+        lengths = c + per_event * h_len + t_len
+        offsets = offsets_from_lengths(lengths)
+        h_pos = _positions(offsets[:-1] + c, h_len, per_event)  # each history event's item token
+        t_pos = _positions(offsets[:-1] + c + per_event * h_len, t_len)
+        total = int(offsets[-1])
+        item_ids = torch.zeros(total, dtype=torch.int64)
+        timestamps = torch.zeros(total, dtype=torch.int64)  # contextual tokens: features, not events: 0
+        item_ids[h_pos], item_ids[t_pos] = self.history_item_ids, self.target_item_ids
+        timestamps[h_pos], timestamps[t_pos] = self.history_timestamps, self.target_timestamps
+        if per_event == 2:
+            timestamps[h_pos + 1] = self.history_timestamps  # an event's action token keeps the event's time
+        context_ids = torch.zeros(total, dtype=torch.int64)
+        if c:
+            context_ids[(offsets[:-1].view(-1, 1) + torch.arange(c)).flatten()] = self.context.flatten()
+        acts = self.history_actions
+        actions = torch.zeros(total, dtype=torch.int64 if acts is None else acts.dtype)
+        if acts is not None:
+            actions[h_pos + (per_event - 1)] = acts
+        features = {"item_ids": item_ids, "actions": actions, "context_ids": context_ids, "timestamps": timestamps}
+        mask = AttentionMask(causal=True, num_targets=t_len, num_contextual=torch.full((batch,), c, dtype=torch.int64),
+                             timestamps=timestamps)  # fmt: skip
+        max_len = max_seq_len if max_seq_len is not None else int(lengths.max()) if batch else 0
+        return JaggedBatch(offsets, features, max_len, mask=mask)
+
+
+def _flat(rb: pa.RecordBatch, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(lengths (B,), the values of the rows, flat) of list column ``name``; values that are fixed-size
     lists of K come back as (sum of lengths, K)."""
     if name not in rb.schema.names:
@@ -212,14 +237,14 @@ def _flat(rb: pa.RecordBatch, name: str) -> tuple[np.ndarray, torch.Tensor]:
     values = col.values.slice(off[0], off[-1] - off[0])
     if pa.types.is_fixed_size_list(values.type):
         width = values.type.list_size
-        return np.diff(off), _tensor(values.flatten()).reshape(-1, width)
-    return np.diff(off), _tensor(values)
+        return torch.from_numpy(np.diff(off)), _tensor(values.flatten()).reshape(-1, width)
+    return torch.from_numpy(np.diff(off)), _tensor(values)
 
 
-def _positions(starts: np.ndarray, counts: np.ndarray, step: int = 1) -> torch.Tensor:
+def _positions(starts: torch.Tensor, counts: torch.Tensor, step: int = 1) -> torch.Tensor:
     """Token positions ``starts[b] + step * [0, counts[b])`` for every sequence b, concatenated."""
-    firsts = np.r_[0, np.cumsum(counts)][:-1]
-    return torch.from_numpy(np.repeat(starts, counts) + step * (np.arange(counts.sum()) - np.repeat(firsts, counts)))
+    firsts = offsets_from_lengths(counts)[:-1]
+    return torch.repeat_interleave(starts - step * firsts, counts) + step * torch.arange(int(counts.sum()))
 
 
 def _is_list(t: pa.DataType) -> bool:

@@ -37,11 +37,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from recforge.data.collate import ACTION_ENCODINGS, RankingCollate
+from recforge.data.collate import ACTION_ENCODINGS, RankingCollate, RankingRows
 from recforge.data.dataset import Dataset
-from recforge.data.parquet_source import one_batch
 from recforge.jagged.batch import JaggedBatch
-from recforge.jagged.index import range_index
+from recforge.jagged.index import offsets_from_lengths, range_index
 
 SPLITS = {"train": 0, "valid": 1, "test": 2}
 _TASK_RE = re.compile(r"^\s*(?P<name>[A-Za-z_][\w-]*)\s*:\s*(?P<column>[A-Za-z_]\w*)\s*(?:(?P<op>>=|==)\s*(?P<value>\S+))?\s*$")
@@ -364,50 +363,57 @@ class RankingData:
         h_start = torch.maximum(self.user_starts[samples.user[ids]], last_target - budget)
         return t_start, t_count, h_start, last_target - h_start
 
+    def gather(self, samples: RankingSamples, ids: torch.Tensor, max_seq_len: int,
+               action_encoding: str = "sum") -> tuple[RankingRows, torch.Tensor]:  # fmt: skip
+        """Samples ``ids`` as ``RankingRows`` (the events that fit ``max_seq_len``, see ``window``) and
+        the (N,) event rows of their targets. Vectorised: no per-sample loop."""
+        if action_encoding not in ACTION_ENCODINGS:
+            raise ValueError(f"action_encoding={action_encoding!r}: expected one of {ACTION_ENCODINGS}")
+        ids = ids.to(torch.int64)
+        t_start, t_count, h_start, h_count = self.window(samples, ids, max_seq_len, 2 if action_encoding == "interleave" else 1)
+        target_events = samples.events[range_index(t_start, t_count)[0]]
+        hist_events, _ = range_index(h_start, h_count)
+        rows = RankingRows(h_count, t_count, self.items[hist_events], self.timestamps[hist_events], self.actions[hist_events],
+                           self.items[target_events], self.timestamps[target_events], self.context[samples.user[ids]])  # fmt: skip
+        return rows, target_events
+
     def rows(self, samples: RankingSamples, ids: torch.Tensor, max_seq_len: int, action_encoding: str = "sum") -> pa.Table:
         """Samples ``ids`` as ranking rows (``recforge.data.collate.RankingCollate``'s columns), one per sample.
 
         Columns: ``sample`` (the id), ``context_<i>`` per contextual feature, ``history_item_ids``,
-        ``history_timestamps``, ``history_actions`` (the events that fit ``max_seq_len``, see
-        ``window``), ``target_item_ids``, ``target_timestamps``, ``target_tasks`` (K labels per
-        target, NaN = missing), ``target_users``, ``target_events`` (event rows), ``num_tokens``.
-        Vectorised: no per-sample loop. ``rows_collate`` turns them into ``batch``'s layout.
+        ``history_timestamps``, ``history_actions``, ``target_item_ids``, ``target_timestamps``,
+        ``target_tasks`` (K labels per target, NaN = missing), ``target_users``, ``target_events``
+        (event rows), ``num_tokens``. ``rows_collate`` turns them into ``batch``'s layout.
         """
-        if action_encoding not in ACTION_ENCODINGS:
-            raise ValueError(f"action_encoding={action_encoding!r}: expected one of {ACTION_ENCODINGS}")
-        per_event = 2 if action_encoding == "interleave" else 1
-        ids = ids.to(torch.int64)
-        t_start, t_count, h_start, h_count = self.window(samples, ids, max_seq_len, per_event)
-        target_rows, t_offsets = range_index(t_start, t_count)
-        target_events = samples.events[target_rows]
-        hist_events, h_offsets = range_index(h_start, h_count)
-        h_off, t_off = pa.array(h_offsets.numpy()), pa.array(t_offsets.numpy())
+        g, events = self.gather(samples, ids, max_seq_len, action_encoding)
+        h_off = pa.array(offsets_from_lengths(g.history_lengths).numpy())
+        t_off = pa.array(offsets_from_lengths(g.target_lengths).numpy())
 
         def lists(offsets: pa.Array, values: torch.Tensor) -> pa.Array:
             return pa.LargeListArray.from_arrays(offsets, pa.array(values.numpy()))
 
-        tasks = pa.FixedSizeListArray.from_arrays(pa.array(self.labels[target_events].flatten().numpy()), len(self.tasks))
-        user = samples.user[ids]
-        columns = {"sample": pa.array(ids.numpy())}
-        for i in range(self.num_contextual):
-            columns[f"context_{i}"] = pa.array(self.context[user, i].numpy())
+        tasks = pa.FixedSizeListArray.from_arrays(pa.array(self.labels[events].flatten().numpy()), len(self.tasks))
+        per_event = 2 if action_encoding == "interleave" else 1
+        columns = {"sample": pa.array(ids.to(torch.int64).numpy())}
+        columns.update({f"context_{i}": pa.array(g.context[:, i].numpy()) for i in range(self.num_contextual)})
         columns.update({
-            "history_item_ids": lists(h_off, self.items[hist_events]),
-            "history_timestamps": lists(h_off, self.timestamps[hist_events]),
-            "history_actions": lists(h_off, self.actions[hist_events]),
-            "target_item_ids": lists(t_off, self.items[target_events]),
-            "target_timestamps": lists(t_off, self.timestamps[target_events]),
+            "history_item_ids": lists(h_off, g.history_item_ids),
+            "history_timestamps": lists(h_off, g.history_timestamps),
+            "history_actions": lists(h_off, g.history_actions),
+            "target_item_ids": lists(t_off, g.target_item_ids),
+            "target_timestamps": lists(t_off, g.target_timestamps),
             "target_tasks": pa.LargeListArray.from_arrays(t_off, tasks),
-            "target_users": lists(t_off, self.event_user[target_events]),
-            "target_events": lists(t_off, target_events),
-            "num_tokens": pa.array((self.num_contextual + per_event * h_count + t_count).numpy()),
+            "target_users": lists(t_off, self.event_user[events]),
+            "target_events": lists(t_off, events),
+            "num_tokens": pa.array((self.num_contextual + per_event * g.history_lengths + g.target_lengths).numpy()),
         })  # fmt: skip
         return pa.table(columns)
 
     def batch(
         self, samples: RankingSamples, ids: torch.Tensor, max_seq_len: int, action_encoding: str = "sum"
     ) -> JaggedBatch:
-        """Assemble samples ``ids`` into one jagged batch: their ``rows`` collated by ``rows_collate``.
+        """Assemble samples ``ids`` into one jagged batch: ``gather`` then ``RankingRows.layout``, the layout
+        ``rows`` + ``rows_collate`` give too (vectorised; no per-sample loop).
 
         Features: ``item_ids`` (0 on contextual and action tokens), ``actions`` (0 on contextual,
         item and target tokens), ``context_ids`` (non-zero on contextual tokens only),
@@ -415,8 +421,10 @@ class RankingData:
         ``events`` (N,) event rows, N = total targets. The mask: contextual prefix, causal
         history, targets with timestamp visibility.
         """
-        rows = self.rows(samples, ids, max_seq_len, action_encoding)
-        return rows_collate(self.num_contextual, max_seq_len, action_encoding)(one_batch(rows))
+        rows, events = self.gather(samples, ids, max_seq_len, action_encoding)
+        batch = rows.layout(action_encoding, max_seq_len)
+        batch.labels = {"tasks": self.labels[events], "users": self.event_user[events], "events": events}
+        return batch
 
 
 def rows_collate(num_contextual: int, max_seq_len: int, action_encoding: str = "sum",
