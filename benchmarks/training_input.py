@@ -122,6 +122,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.torch_threads)
+    load = os.getloadavg()[0]  # other processes on the machine: the times are only as good as it is quiet
 
     cfg = SyntheticConfig(num_users=args.users, num_items=2000, num_clusters=20, mean_seq_len=args.mean_len,
                           max_seq_len=4 * args.mean_len, seed=0)  # fmt: skip
@@ -163,7 +164,7 @@ def main() -> None:
             variants = {"file": ranking_file, "stream": ranking_stream}
             result["ranking"] = {"samples": len(samples), **time_variants(variants, args.repeats)}
             print(f"ranking: {result['ranking']['seconds']}  file/stream {result['ranking']['file_over_stream']:.2f}x")
-    result.update(machine=cpu_model(), cpus=os.cpu_count(), torch=torch.__version__,
+    result.update(machine=cpu_model(), cpus=os.cpu_count(), load_average_at_start=load, torch=torch.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   command=" ".join(["python", *sys.argv]))  # fmt: skip
     if args.out:

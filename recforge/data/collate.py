@@ -162,23 +162,33 @@ class RankingCollate:
             raise ValueError(f"action_encoding={self.action_encoding!r}: expected one of {ACTION_ENCODINGS}")
 
     def __call__(self, rb: pa.RecordBatch) -> JaggedBatch:
-        h_len, h_items = _flat(rb, "history_item_ids")
-        t_len, t_items = _flat(rb, "target_item_ids")
+        return self.collate_slices(rb, np.array([0, rb.num_rows]))[0]
+
+    def collate_slices(self, rb: pa.RecordBatch, cuts: np.ndarray) -> list[JaggedBatch]:
+        """The batches ``[cuts[i], cuts[i+1])`` of ``rb``, each equal to ``self(rb.slice(...))``.
+
+        Every column is converted once for all the batches (the pipeline's fused path for a worker
+        task's full batches, as ``JaggedCollate.collate_slices``); each batch is then views plus its layout.
+        """
+        action = [f"history_{self.action_column}"] if self.action_column else []
+        h_off, history = _lists(rb, ["history_item_ids", "history_timestamps", *action])
+        t_off, targets = _lists(rb, ["target_item_ids", "target_timestamps", *[f"target_{n}" for n in self.label_columns]])
         context = [_tensor(rb.column(name)).to(torch.int64) for name in self.context_columns]
-        rows = RankingRows(
-            h_len, t_len, h_items, _flat(rb, "history_timestamps")[1],
-            _flat(rb, f"history_{self.action_column}")[1] if self.action_column else None,
-            t_items, _flat(rb, "target_timestamps")[1],
-            torch.stack(context, dim=1) if context else torch.zeros(rb.num_rows, 0, dtype=torch.int64),
-        )  # fmt: skip
-        batch = rows.layout(self.action_encoding, self.max_seq_len)
-        for name in self.label_columns:
-            batch.labels[name] = _flat(rb, f"target_{name}")[1]
-        for col, name in self.dense.items():
-            batch.dense[name] = _tensor(rb.column(col))
+        context = torch.stack(context, dim=1) if context else torch.zeros(rb.num_rows, 0, dtype=torch.int64)  # (B, c)
+        dense = {name: _tensor(rb.column(col)) for col, name in self.dense.items()}
         if ROW_ID in rb.schema.names:
-            batch.dense["row_ids"] = _tensor(rb.column(ROW_ID))
-        return batch
+            dense["row_ids"] = _tensor(rb.column(ROW_ID))
+        h_len, t_len = h_off.diff(), t_off.diff()
+        out = []
+        for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
+            hs, ts = slice(int(h_off[a]), int(h_off[b])), slice(int(t_off[a]), int(t_off[b]))
+            rows = RankingRows(h_len[a:b], t_len[a:b], history[0][hs], history[1][hs], history[2][hs] if action else None,
+                               targets[0][ts], targets[1][ts], context[a:b])  # fmt: skip
+            batch = rows.layout(self.action_encoding, self.max_seq_len)
+            batch.labels = {name: values[ts] for name, values in zip(self.label_columns, targets[2:], strict=True)}
+            batch.dense = {name: values[a:b] for name, values in dense.items()}
+            out.append(batch)
+        return out
 
 
 @dataclass
@@ -227,18 +237,28 @@ class RankingRows:
         return JaggedBatch(offsets, features, max_len, mask=mask)
 
 
-def _flat(rb: pa.RecordBatch, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lengths (B,), the values of the rows, flat) of list column ``name``; values that are fixed-size
-    lists of K come back as (sum of lengths, K)."""
-    if name not in rb.schema.names:
-        raise ValueError(f"ranking rows need a column {name!r} (have {rb.schema.names})")
-    col = rb.column(name)
-    off = col.offsets.to_numpy().astype(np.int64)
-    values = col.values.slice(off[0], off[-1] - off[0])
-    if pa.types.is_fixed_size_list(values.type):
-        width = values.type.list_size
-        return torch.from_numpy(np.diff(off)), _tensor(values.flatten()).reshape(-1, width)
-    return torch.from_numpy(np.diff(off)), _tensor(values)
+def _lists(rb: pa.RecordBatch, names: list[str]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(offsets (B+1,) from 0, each column's values, flat) of list columns ``names`` with equal lengths;
+    values that are fixed-size lists of K come back as (sum of lengths, K)."""
+    offsets, out = None, []
+    for name in names:
+        if name not in rb.schema.names:
+            raise ValueError(f"ranking rows need a column {name!r} (have {rb.schema.names})")
+        col = rb.column(name)
+        if col.null_count:
+            raise ValueError(f"cannot collate column {name!r} with {col.null_count} nulls; drop or fill those rows")
+        off = col.offsets.to_numpy()
+        values = col.values.slice(off[0], off[-1] - off[0])
+        off = off.astype(np.int64) - off[0]
+        if offsets is None:
+            offsets = off
+        elif not np.array_equal(off, offsets):
+            raise ValueError(f"list column {name!r} has different lengths from {names[0]!r} in some rows")
+        if pa.types.is_fixed_size_list(values.type):
+            out.append(_tensor(values.flatten()).reshape(-1, values.type.list_size))
+        else:
+            out.append(_tensor(values))
+    return torch.from_numpy(offsets), out
 
 
 def _positions(starts: torch.Tensor, counts: torch.Tensor, step: int = 1) -> torch.Tensor:
