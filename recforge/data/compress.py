@@ -20,8 +20,9 @@ and writes one Parquet row per sample::
     target_item_ids, target_timestamps                   list<int64>
     target_<label column>                                list<float32>       per label column
 
-``RankingCollate`` turns a batch of such rows into the ranking ``JaggedBatch``
-(history then targets per sequence, ``num_targets``, per-token timestamps), vectorised.
+``recforge.data.collate.RankingCollate`` turns a batch of such rows into the ranking
+``JaggedBatch`` (history then targets per sequence, ``num_targets``, per-token timestamps),
+vectorised; e.g. ``RankingCollate(("rating",), action_column="action")``.
 """
 
 from __future__ import annotations
@@ -33,14 +34,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
-from recforge.data.collate import _tensor
-from recforge.data.parquet_source import ROW_ID
 from recforge.data.ranking import SPLITS, fraction_check
 from recforge.io import atomic_file
-from recforge.jagged.batch import JaggedBatch
-from recforge.jagged.mask import AttentionMask
 
 
 @dataclass(frozen=True)
@@ -192,74 +188,3 @@ def compress_events(events_paths: list[str | os.PathLike] | str | os.PathLike, o
             if writer is not None:
                 writer.close()
     return counts
-
-
-@dataclass(frozen=True)
-class RankingCollate:
-    """Batch of compressed samples -> ranking ``JaggedBatch``: contextual tokens, history, targets.
-
-    The layout of ``RankingData.batch`` with ``action_encoding="sum"``: per sequence, one
-    contextual token per ``context_columns`` entry (scalar int columns already coded, e.g. by
-    ``map_ids`` or a ``join_features`` on ``user_id``; 0 = none), then the history, then the
-    targets. Features: ``item_ids`` (as stored: raw IDs unless a ``map_ids`` stage coded
-    them; 0 on contextual tokens), ``timestamps`` (0 on contextual tokens), ``context_ids``
-    (codes on contextual tokens, 0 elsewhere) when there are context columns, and
-    ``actions`` when ``action_column`` is set (0 on contextual and target tokens). Labels:
-    ``<label>`` per target. Mask: contextual prefix, causal history, ``num_targets`` with
-    per-token timestamps. ``dense["row_ids"]`` keeps row identity.
-    """
-
-    label_columns: tuple[str, ...] = ()
-    action_column: str = ""
-    context_columns: tuple[str, ...] = ()
-    max_seq_len: int | None = None
-
-    def __call__(self, rb: pa.RecordBatch) -> JaggedBatch:
-        def flat(name: str) -> tuple[np.ndarray, torch.Tensor]:
-            col = rb.column(name)
-            off = col.offsets.to_numpy().astype(np.int64)
-            values = col.values.slice(off[0], off[-1] - off[0])
-            return np.diff(off), _tensor(values)
-
-        def positions(starts: np.ndarray, counts: np.ndarray) -> torch.Tensor:
-            """Token positions ``starts[b] + [0, counts[b])`` for every sequence b, concatenated."""
-            firsts = np.r_[0, np.cumsum(counts)][:-1]
-            return torch.from_numpy(np.repeat(starts - firsts, counts) + np.arange(counts.sum()))
-
-        c = len(self.context_columns)
-        h_len, h_items = flat("history_item_ids")
-        t_len, t_items = flat("target_item_ids")
-        _, h_ts = flat("history_timestamps")
-        _, t_ts = flat("target_timestamps")
-        lengths = c + h_len + t_len
-        offsets = np.zeros(len(lengths) + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        h_pos = positions(offsets[:-1] + c, h_len)
-        t_pos = positions(offsets[:-1] + c + h_len, t_len)
-        total = int(offsets[-1])
-        item_ids = torch.zeros(total, dtype=torch.int64)
-        timestamps = torch.zeros(total, dtype=torch.int64)  # contextual tokens: features, not events: 0
-        item_ids[h_pos], item_ids[t_pos] = h_items, t_items
-        timestamps[h_pos], timestamps[t_pos] = h_ts, t_ts
-        features = {"item_ids": item_ids, "timestamps": timestamps}
-        if c:
-            context = torch.stack([_tensor(rb.column(name)).to(torch.int64) for name in self.context_columns], dim=1)  # (B, c)
-            context_ids = torch.zeros(total, dtype=torch.int64)
-            context_ids[(torch.from_numpy(offsets[:-1]).view(-1, 1) + torch.arange(c)).flatten()] = context.flatten()
-            features["context_ids"] = context_ids
-        if self.action_column:
-            _, h_act = flat(f"history_{self.action_column}")
-            actions = torch.zeros(total, dtype=h_act.dtype)
-            actions[h_pos] = h_act
-            features["actions"] = actions
-        max_len = self.max_seq_len if self.max_seq_len is not None else int(lengths.max(initial=0))
-        num_targets = torch.from_numpy(t_len)
-        mask = AttentionMask(causal=True, num_targets=num_targets, num_contextual=torch.full_like(num_targets, c),
-                             timestamps=timestamps)  # fmt: skip
-        batch = JaggedBatch(torch.from_numpy(offsets), features, max_len, mask=mask)
-        for name in self.label_columns:
-            batch.labels[name] = flat(f"target_{name}")[1]
-        batch.dense["user_id"] = _tensor(rb.column("user_id"))
-        if ROW_ID in rb.schema.names:
-            batch.dense["row_ids"] = _tensor(rb.column(ROW_ID))
-        return batch

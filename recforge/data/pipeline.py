@@ -3,6 +3,7 @@
 ::
 
     Pipeline.from_parquet(paths, columns=[...], num_workers=4)   parallel reads (worker processes)
+      | Pipeline.from_samples(SampleSource(...))                 or rows built in memory as they are read
         .map(truncate_lists(["item_ids"], 200))                  RecordBatch -> RecordBatch (pyarrow.compute)
         .filter(lambda rb: pc.greater(...))                      RecordBatch -> bool mask
         .shuffle(buffer_rows=65536)                              windowed shuffle, seeded
@@ -37,6 +38,7 @@ from recforge.data.bad_rows import BadRowReport, RowRules
 from recforge.data.parquet_source import ParquetSource
 from recforge.data.read_tasks import TaskRunner, WorkerPlan, make_tasks, task_items
 from recforge.data.resume import PipelineState
+from recforge.data.sample_source import SampleSource
 from recforge.data.stages import STAGES, Item, Stage
 from recforge.data.workers import resolve_mode, run_tasks
 
@@ -55,7 +57,7 @@ class Pipeline:
         ...     train_step(batch); save(model, pipe.state_dict())
     """
 
-    def __init__(self, source: ParquetSource, *, num_workers: int, rules: RowRules | None, seed: int,
+    def __init__(self, source: ParquetSource | SampleSource, *, num_workers: int, rules: RowRules | None, seed: int,
                  rank: int, world_size: int, stages: tuple[Stage, ...] = (), state: PipelineState | None = None,
                  worker_mode: str = "thread"):  # fmt: skip
         self.source = source
@@ -112,6 +114,22 @@ class Pipeline:
         if state is not None:
             state.check(source)
         return Pipeline(source, num_workers=num_workers, rules=rules, seed=seed, rank=rank, world_size=world_size,
+                        state=state, worker_mode=worker_mode)  # fmt: skip
+
+    @staticmethod
+    def from_samples(source: SampleSource, *, num_workers: int = 2, seed: int = 0, rank: int = 0, world_size: int = 1,
+                     state: dict | PipelineState | None = None, worker_mode: str = "thread") -> Pipeline:  # fmt: skip
+        """Start a pipeline over samples built in memory (``recforge.data.sample_source``): the rows a
+        recipe builds are streamed as they are built, with no file written and read back. The
+        arguments are those of ``from_parquet``; a ``state`` saved for other samples is refused."""
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if isinstance(state, dict):
+            state = PipelineState.from_dict(state)
+        if state is not None:
+            source.check_state(state.paths)
+            state.check(source)
+        return Pipeline(source, num_workers=num_workers, rules=None, seed=seed, rank=rank, world_size=world_size,
                         state=state, worker_mode=worker_mode)  # fmt: skip
 
     def _with(self, stage: Stage) -> Pipeline:

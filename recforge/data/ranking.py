@@ -37,13 +37,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from recforge.data.collate import ACTION_ENCODINGS, RankingCollate, RankingRows
 from recforge.data.dataset import Dataset
 from recforge.jagged.batch import JaggedBatch
 from recforge.jagged.index import offsets_from_lengths, range_index
-from recforge.jagged.mask import AttentionMask
 
 SPLITS = {"train": 0, "valid": 1, "test": 2}
-ACTION_ENCODINGS = ("sum", "interleave")
 _TASK_RE = re.compile(r"^\s*(?P<name>[A-Za-z_][\w-]*)\s*:\s*(?P<column>[A-Za-z_]\w*)\s*(?:(?P<op>>=|==)\s*(?P<value>\S+))?\s*$")
 
 
@@ -364,10 +363,57 @@ class RankingData:
         h_start = torch.maximum(self.user_starts[samples.user[ids]], last_target - budget)
         return t_start, t_count, h_start, last_target - h_start
 
+    def gather(self, samples: RankingSamples, ids: torch.Tensor, max_seq_len: int,
+               action_encoding: str = "sum") -> tuple[RankingRows, torch.Tensor]:  # fmt: skip
+        """Samples ``ids`` as ``RankingRows`` (the events that fit ``max_seq_len``, see ``window``) and
+        the (N,) event rows of their targets. Vectorised: no per-sample loop."""
+        if action_encoding not in ACTION_ENCODINGS:
+            raise ValueError(f"action_encoding={action_encoding!r}: expected one of {ACTION_ENCODINGS}")
+        ids = ids.to(torch.int64)
+        t_start, t_count, h_start, h_count = self.window(samples, ids, max_seq_len, 2 if action_encoding == "interleave" else 1)
+        target_events = samples.events[range_index(t_start, t_count)[0]]
+        hist_events, _ = range_index(h_start, h_count)
+        rows = RankingRows(h_count, t_count, self.items[hist_events], self.timestamps[hist_events], self.actions[hist_events],
+                           self.items[target_events], self.timestamps[target_events], self.context[samples.user[ids]])  # fmt: skip
+        return rows, target_events
+
+    def rows(self, samples: RankingSamples, ids: torch.Tensor, max_seq_len: int, action_encoding: str = "sum") -> pa.Table:
+        """Samples ``ids`` as ranking rows (``recforge.data.collate.RankingCollate``'s columns), one per sample.
+
+        Columns: ``sample`` (the id), ``context_<i>`` per contextual feature, ``history_item_ids``,
+        ``history_timestamps``, ``history_actions``, ``target_item_ids``, ``target_timestamps``,
+        ``target_tasks`` (K labels per target, NaN = missing), ``target_users``, ``target_events``
+        (event rows), ``num_tokens``. ``rows_collate`` turns them into ``batch``'s layout.
+        """
+        g, events = self.gather(samples, ids, max_seq_len, action_encoding)
+        h_off = pa.array(offsets_from_lengths(g.history_lengths).numpy())
+        t_off = pa.array(offsets_from_lengths(g.target_lengths).numpy())
+
+        def lists(offsets: pa.Array, values: torch.Tensor) -> pa.Array:
+            return pa.LargeListArray.from_arrays(offsets, pa.array(values.numpy()))
+
+        tasks = pa.FixedSizeListArray.from_arrays(pa.array(self.labels[events].flatten().numpy()), len(self.tasks))
+        per_event = 2 if action_encoding == "interleave" else 1
+        columns = {"sample": pa.array(ids.to(torch.int64).numpy())}
+        columns.update({f"context_{i}": pa.array(g.context[:, i].numpy()) for i in range(self.num_contextual)})
+        columns.update({
+            "history_item_ids": lists(h_off, g.history_item_ids),
+            "history_timestamps": lists(h_off, g.history_timestamps),
+            "history_actions": lists(h_off, g.history_actions),
+            "target_item_ids": lists(t_off, g.target_item_ids),
+            "target_timestamps": lists(t_off, g.target_timestamps),
+            "target_tasks": pa.LargeListArray.from_arrays(t_off, tasks),
+            "target_users": lists(t_off, self.event_user[events]),
+            "target_events": lists(t_off, events),
+            "num_tokens": pa.array((self.num_contextual + per_event * g.history_lengths + g.target_lengths).numpy()),
+        })  # fmt: skip
+        return pa.table(columns)
+
     def batch(
         self, samples: RankingSamples, ids: torch.Tensor, max_seq_len: int, action_encoding: str = "sum"
     ) -> JaggedBatch:
-        """Assemble samples ``ids`` into one jagged batch (vectorised; no per-sample loop).
+        """Assemble samples ``ids`` into one jagged batch: ``gather`` then ``RankingRows.layout``, the layout
+        ``rows`` + ``rows_collate`` give too (vectorised; no per-sample loop).
 
         Features: ``item_ids`` (0 on contextual and action tokens), ``actions`` (0 on contextual,
         item and target tokens), ``context_ids`` (non-zero on contextual tokens only),
@@ -375,58 +421,19 @@ class RankingData:
         ``events`` (N,) event rows, N = total targets. The mask: contextual prefix, causal
         history, targets with timestamp visibility.
         """
-        if action_encoding not in ACTION_ENCODINGS:
-            raise ValueError(f"action_encoding={action_encoding!r}: expected one of {ACTION_ENCODINGS}")
-        per_event = 2 if action_encoding == "interleave" else 1
-        c = self.num_contextual
-        ids = ids.to(torch.int64)
-        user = samples.user[ids]
-        t_start, t_count, h_start, h_count = self.window(samples, ids, max_seq_len, per_event)
-        target_rows, _ = range_index(t_start, t_count)
-        target_events = samples.events[target_rows]
-        hist_events, _ = range_index(h_start, h_count)
-        lengths = c + per_event * h_count + t_count
-        offsets = offsets_from_lengths(lengths)
-        total = int(offsets[-1])
-        batch = ids.numel()
-        item_ids = torch.zeros(total, dtype=torch.int64)
-        actions = torch.zeros(total, dtype=torch.int64)
-        context_ids = torch.zeros(total, dtype=torch.int64)
-        timestamps = torch.empty(total, dtype=torch.int64)
-        # contextual tokens: positions offsets[b] + [0, c); features, not events: timestamp 0 (the
-        # attention gives them no time bias and the timestamp visibility rule does not apply to them)
-        if c:
-            ctx_pos = (offsets[:-1].view(-1, 1) + torch.arange(c)).flatten()
-            context_ids[ctx_pos] = self.context[user].flatten()
-            timestamps[ctx_pos] = 0
-        # history tokens
-        h_base = torch.repeat_interleave(offsets[:-1] + c - per_event * h_start, h_count)
-        h_pos = h_base + per_event * hist_events
-        item_ids[h_pos] = self.items[hist_events]
-        timestamps[h_pos] = self.timestamps[hist_events]
-        if per_event == 1:
-            actions[h_pos] = self.actions[hist_events]
-        else:
-            actions[h_pos + 1] = self.actions[hist_events]
-            timestamps[h_pos + 1] = self.timestamps[hist_events]
-        # targets
-        t_base = torch.repeat_interleave(offsets[:-1] + c + per_event * h_count - t_start, t_count)
-        t_pos = t_base + target_rows
-        item_ids[t_pos] = self.items[target_events]
-        timestamps[t_pos] = self.timestamps[target_events]
-        mask = AttentionMask(
-            causal=True,
-            num_targets=t_count,
-            num_contextual=torch.full((batch,), c, dtype=torch.int64),
-            timestamps=timestamps,
-        )
-        labels = {
-            "tasks": self.labels[target_events],
-            "users": self.event_user[target_events],
-            "events": target_events,
-        }
-        features = {"item_ids": item_ids, "actions": actions, "context_ids": context_ids, "timestamps": timestamps}
-        return JaggedBatch(offsets, features, max_seq_len, labels=labels, mask=mask)
+        rows, events = self.gather(samples, ids, max_seq_len, action_encoding)
+        batch = rows.layout(action_encoding, max_seq_len)
+        batch.labels = {"tasks": self.labels[events], "users": self.event_user[events], "events": events}
+        return batch
+
+
+def rows_collate(num_contextual: int, max_seq_len: int, action_encoding: str = "sum",
+                 dense: dict[str, str] | None = None) -> RankingCollate:  # fmt: skip
+    """The ``RankingCollate`` of ``RankingData.rows`` with ``num_contextual`` context columns: labels
+    ``tasks`` (N, K), ``users``, ``events``; ``dense`` as ``RankingCollate.dense`` (none by default)."""
+    return RankingCollate(("tasks", "users", "events"), action_column="actions",
+                          context_columns=tuple(f"context_{i}" for i in range(num_contextual)),
+                          max_seq_len=max_seq_len, action_encoding=action_encoding, dense=dense or {})  # fmt: skip
 
 
 def fraction_check(valid_fraction: float, test_fraction: float) -> None:

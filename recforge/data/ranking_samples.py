@@ -1,23 +1,16 @@
-"""Ranking training samples on disk: the Parquet form of ``RankingSamples``.
+"""Ranking training samples streamed by the sample engine: ``RankingData.rows`` as a ``Pipeline``.
 
-One row per (user, period) sample of ``RankingData.samples``, in sample order (so the
-row number is the sample id)::
+One row per (user, period) sample of ``RankingData.samples``, carrying everything its batch needs
+(contextual codes, the history's items, timestamps and actions, the targets' items, timestamps,
+labels, users and event rows; see ``RankingData.rows``), so the collate (``rows_collate``, a
+``RankingCollate``) needs no ``RankingData``, and a streamed batch equals ``RankingData.batch`` of
+the same samples by construction, for both action encodings.
 
-    sample      int64          the sample's index in RankingData.samples(split, ...)
-    user_index  int64          row of the user in RankingData
-    events      list<int64>    the sample's target event rows (RankingSamples.events[offsets[s]:offsets[s+1]])
-    num_tokens  int64          contextual + history + target tokens of the sample's sequence
-
-The rows hold the samples' identity, not their tokens: histories, items, actions and labels
-are gathered from the ``RankingData`` arrays (in memory for evaluation anyway) by
-``RankingData.batch`` itself, so a streamed batch equals the memory loader's batch of the
-same samples by construction, for both action encodings. (``recforge.data.compress`` is the
-self-contained on-disk form with raw IDs; the recipe's model needs ``RankingData``'s coded
-IDs, item features and task labels.)
-
-``ranking_pipeline`` streams these rows through ``Pipeline`` (shuffle, fixed or token-budget
-batches, prefetch, exactly-once resume); ``ranking_source`` is that pipeline as the training
-loop's ``BatchSource`` (``train.loader=pipeline``).
+``ranking_sample_source`` builds the rows in the reader workers as the pipeline reads them (nothing
+is written to disk); ``write_ranking_samples`` writes the same rows as Parquet for other tools.
+``ranking_pipeline`` streams either through ``Pipeline`` (shuffle, fixed or token-budget batches,
+prefetch, exactly-once resume); ``ranking_source`` is that pipeline as the training loop's
+``BatchSource`` (``train.loader=pipeline``).
 """
 
 from __future__ import annotations
@@ -29,16 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from recforge.data.collate import _tensor
-from recforge.data.parquet_source import ROW_ID
 from recforge.data.pipeline import Pipeline, PipelineSource
-from recforge.data.ranking import ACTION_ENCODINGS, RankingData, RankingSamples
+from recforge.data.ranking import ACTION_ENCODINGS, RankingData, RankingSamples, rows_collate
+from recforge.data.sample_source import SampleSource
 from recforge.io import atomic_directory
-from recforge.jagged.batch import JaggedBatch
 from recforge.jagged.index import sequence_ids
 
 SAMPLES_FILE = "train-00000.parquet"
@@ -53,76 +43,71 @@ def sample_tokens(data: RankingData, samples: RankingSamples, max_seq_len: int, 
     return data.num_contextual + per_event * h_count + t_count
 
 
-def write_ranking_samples(data: RankingData, samples: RankingSamples, tokens: torch.Tensor, out_dir: str | os.PathLike,
-                          row_group_size: int = 8192) -> Path:  # fmt: skip
-    """Write ``samples`` (with their ``sample_tokens``) as ``out_dir/train-00000.parquet``; the
-    directory appears whole or not at all. Returns the file's path."""
-    if tokens.shape != (len(samples),):
-        raise ValueError(f"tokens must be (S,) = ({len(samples)},) from sample_tokens, got {tuple(tokens.shape)}")
+def ranking_sample_source(data: RankingData, samples: RankingSamples, max_seq_len: int, action_encoding: str = "sum",
+                          tokens: torch.Tensor | None = None) -> SampleSource:  # fmt: skip
+    """``samples`` as a ``SampleSource``: row s is ``data.rows(samples, [s], ...)``, built when read.
+
+    ``tokens``: ``sample_tokens`` of the samples when already computed (they balance ranks' shares)."""
+    if tokens is None:
+        tokens = sample_tokens(data, samples, max_seq_len, action_encoding)
+    build = functools.partial(_rows, data, samples, max_seq_len, action_encoding)
+    identity = (samples.user.numpy(), samples.offsets.numpy(), samples.events.numpy(), np.array([max_seq_len]),
+                np.frombuffer(action_encoding.encode(), np.uint8))  # fmt: skip
+    return SampleSource("ranking", len(samples), build, tokens=tokens.numpy(), identity=identity)
+
+
+def _rows(data: RankingData, samples: RankingSamples, max_seq_len: int, action_encoding: str, rows: np.ndarray):
+    return data.rows(samples, torch.from_numpy(rows), max_seq_len, action_encoding)
+
+
+def write_ranking_samples(data: RankingData, samples: RankingSamples, out_dir: str | os.PathLike, max_seq_len: int,
+                          action_encoding: str = "sum", row_group_size: int = 8192) -> Path:  # fmt: skip
+    """Write the rows of ``samples`` (``RankingData.rows``, in sample order) as ``out_dir/train-00000.parquet``;
+    the directory appears whole or not at all. Returns the file's path."""
     if len(samples) and int(samples.user.max()) >= data.num_users:
         raise ValueError(f"samples name user rows up to {int(samples.user.max())} but the data has {data.num_users} users")
-    columns = {
-        "sample": pa.array(np.arange(len(samples), dtype=np.int64)),
-        "user_index": pa.array(samples.user.numpy()),
-        "events": pa.LargeListArray.from_arrays(pa.array(samples.offsets.numpy()), pa.array(samples.events.numpy())),
-        "num_tokens": pa.array(tokens.numpy()),
-    }
     with atomic_directory(Path(out_dir)) as tmp:
-        pq.write_table(pa.table(columns), tmp / SAMPLES_FILE, row_group_size=row_group_size)
+        writer = None
+        try:
+            for start in range(0, max(len(samples), 1), row_group_size):
+                table = data.rows(samples, torch.arange(start, min(start + row_group_size, len(samples))), max_seq_len,
+                                  action_encoding)  # fmt: skip
+                if writer is None:
+                    writer = pq.ParquetWriter(tmp / SAMPLES_FILE, table.schema)
+                writer.write_table(table, row_group_size=row_group_size)
+        finally:
+            if writer is not None:
+                writer.close()
     return Path(out_dir) / SAMPLES_FILE
 
 
-def samples_of(rb: pa.RecordBatch) -> RankingSamples:
-    """The rows of ``rb`` as a ``RankingSamples`` view (sample b = row b), without a per-row loop."""
-    events = rb.column("events")
-    off = events.offsets.to_numpy()  # a slice of a larger batch: offsets need not start at 0
-    return RankingSamples(
-        user=_tensor(rb.column("user_index")),
-        offsets=torch.from_numpy(off - off[0]),
-        events=_tensor(events.values.slice(off[0], off[-1] - off[0])),
-    )
+def ranking_pipeline(samples: SampleSource | Sequence[str | os.PathLike] | str | os.PathLike, max_seq_len: int,
+                     batch_size: int, *, action_encoding: str = "sum", num_workers: int = 2, shuffle_rows: int = 65536,
+                     prefetch: int = 4, seed: int = 0, state: dict | None = None, token_budget: int = 0) -> Pipeline:  # fmt: skip
+    """The ranking recipe's training batches from a ``ranking_sample_source`` or ``write_ranking_samples`` files.
 
-
-@dataclass(frozen=True)
-class RankingCollate:
-    """RecordBatch of ``write_ranking_samples`` rows -> ``RankingData.batch`` of those samples.
-
-    Adds ``dense["row_ids"]`` (the pipeline's row identity) and ``dense["sample_ids"]``.
-    """
-
-    data: RankingData
-    max_seq_len: int
-    action_encoding: str = "sum"
-
-    def __call__(self, rb: pa.RecordBatch) -> JaggedBatch:
-        batch = self.data.batch(samples_of(rb), torch.arange(rb.num_rows), self.max_seq_len, self.action_encoding)
-        batch.dense["sample_ids"] = _tensor(rb.column("sample"))
-        if ROW_ID in rb.schema.names:
-            batch.dense["row_ids"] = _tensor(rb.column(ROW_ID))
-        return batch
-
-
-def ranking_pipeline(paths, data: RankingData, max_seq_len: int, batch_size: int, *, action_encoding: str = "sum",
-                     num_workers: int = 2, shuffle_rows: int = 65536, prefetch: int = 4, seed: int = 0,
-                     state: dict | None = None, token_budget: int = 0) -> Pipeline:  # fmt: skip
-    """The ranking recipe's training batches from ``write_ranking_samples`` files.
-
-    Each batch equals ``data.batch(samples, ids, max_seq_len, action_encoding)`` for the
-    batch's sample ids. With ``token_budget`` > 0 a batch holds as many samples as fit that
-    many tokens (contextual + history + targets; ``batch_size`` is then ignored).
+    Each batch equals ``data.batch(samples, ids, max_seq_len, action_encoding)`` for the batch's
+    sample ids ``dense["sample_ids"]`` (``max_seq_len`` and ``action_encoding`` must be those the
+    rows were built with). With ``token_budget`` > 0 a batch holds as many samples as fit that many
+    tokens (contextual + history + targets; ``batch_size`` is then ignored).
 
     Example:
-        >>> pipe = ranking_pipeline(["run/samples/train-00000.parquet"], data, 256, 64, token_budget=8192)
+        >>> source = ranking_sample_source(data, samples, 256)
+        >>> pipe = ranking_pipeline(source, 256, 64, token_budget=8192)
         >>> for batch in pipe:                      # JaggedBatch, batch.dense["sample_ids"]
         ...     train_step(batch); save(model, pipe.state_dict())
     """
-    pipe = Pipeline.from_parquet(paths, columns=["sample", "user_index", "events", "num_tokens"], num_workers=num_workers,
-                                 seed=seed, state=state)  # fmt: skip
+    if isinstance(samples, SampleSource):
+        pipe = Pipeline.from_samples(samples, num_workers=num_workers, seed=seed, state=state)
+    else:
+        pipe = Pipeline.from_parquet(samples, num_workers=num_workers, seed=seed, state=state)
+    num_contextual = sum(1 for name in pipe.source.schema.names if name.startswith("context_"))
     if token_budget:
         pipe = pipe.shuffle(shuffle_rows).batch(token_budget=token_budget, length_column="num_tokens")
     else:
         pipe = pipe.shuffle(shuffle_rows).batch(batch_size)
-    return pipe.collate(RankingCollate(data, max_seq_len, action_encoding)).prefetch(prefetch)
+    collate = rows_collate(num_contextual, max_seq_len, action_encoding, dense={"sample": "sample_ids"})
+    return pipe.collate(collate).prefetch(prefetch)
 
 
 @dataclass(frozen=True)
@@ -153,18 +138,18 @@ def token_reference(data: RankingData, samples: RankingSamples, tokens: torch.Te
     return TokenReference(known, lists)
 
 
-def ranking_source(paths: Sequence[str | os.PathLike], data: RankingData, max_seq_len: int, batch_size: int, *,
+def ranking_source(samples: SampleSource | Sequence[str | os.PathLike], max_seq_len: int, batch_size: int, *,
                    num_steps_estimate: int, action_encoding: str = "sum", num_workers: int = 2, token_budget: int = 0,
                    seed: int = 0) -> PipelineSource:  # fmt: skip
-    """``ranking_pipeline`` over ``paths`` as the training loop's ``BatchSource`` (``PipelineSource``).
+    """``ranking_pipeline`` over ``samples`` as the training loop's ``BatchSource`` (``PipelineSource``).
 
     ``batch_size``: rows per batch when ``token_budget`` is 0; ``num_steps_estimate``: batches per
     epoch (``steps_per_epoch``).
 
     Example:
-        >>> source = ranking_source(["run/samples/train-00000.parquet"], data, 256, 64, num_steps_estimate=40)
+        >>> source = ranking_source(ranking_sample_source(data, samples, 256), 256, 64, num_steps_estimate=40)
         >>> run_loop(cfg, ..., source=source, step=lambda batch: train_step(batch))
     """
-    build = functools.partial(ranking_pipeline, paths, data, max_seq_len, batch_size, action_encoding=action_encoding,
+    build = functools.partial(ranking_pipeline, samples, max_seq_len, batch_size, action_encoding=action_encoding,
                               num_workers=num_workers, seed=seed, token_budget=token_budget)  # fmt: skip
     return PipelineSource(lambda state: build(state=state), num_steps_estimate)

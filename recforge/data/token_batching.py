@@ -4,10 +4,10 @@ With fixed row counts, a batch of long histories costs many times a batch of sho
 and the ranks of a data-parallel job wait for the slowest. Cutting batches by a token
 budget keeps the work per step (and per rank) even; seed 002 (MTGR) reports +30%
 throughput. The number of rows then varies, so a per-batch *mean* loss would weight a
-token in a small batch more than one in a large batch. ``token_loss_scale`` restores
-fixed-batch semantics: every token's loss gets the same weight,
-``1 / reference_tokens``, where the reference is the budget (or the global token count
-of the step across ranks).
+token in a small batch more than one in a large batch; the losses' ``token_loss_scale``
+(``recforge.train.losses``) restores fixed-batch semantics: every token's loss gets the
+same weight, ``1 / reference_tokens``, where the reference is the budget (or the global
+token count of the step across ranks).
 """
 
 from __future__ import annotations
@@ -54,21 +54,3 @@ def steps_per_epoch(tokens: np.ndarray | torch.Tensor, batch_size: int, token_bu
     if not token_budget:
         return -(-len(tokens) // batch_size)
     return len(token_budget_cuts(np.random.default_rng(seed).permutation(tokens), token_budget)) - 1
-
-
-def token_loss_scale(reference_tokens: int, world_size: int = 1) -> float:
-    """Factor that turns a per-token loss *sum* into a fixed-batch-semantics loss.
-
-    ``loss = per_token_loss.sum() * token_loss_scale(...)``. With DDP, gradients are
-    averaged over ``world_size`` ranks, so each rank multiplies by ``world_size``: the
-    resulting gradient is ``sum over all ranks' tokens / reference_tokens``.
-
-    Args:
-        reference_tokens: the denominator: the token budget times world size for a
-            constant per-token weight across steps, or the step's global token count
-            (all-reduced) for an exact per-step mean.
-        world_size: data-parallel ranks whose gradients are averaged.
-    """
-    if reference_tokens <= 0:
-        raise ValueError(f"reference_tokens must be > 0, got {reference_tokens}")
-    return world_size / reference_tokens

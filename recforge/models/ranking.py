@@ -31,13 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from recforge.io import atomic_directory, atomic_write_json
 from recforge.jagged.batch import JaggedBatch
-from recforge.jagged.index import range_index, sequence_ids
+from recforge.jagged.index import range_index
 from recforge.models.ranking_encoders import (
     ContextCross,
     ContextPool,
@@ -253,53 +252,6 @@ def load_slices(model_dir: str | Path, device: str | torch.device = "cpu") -> tu
     return RankingModel(*parts).eval(), manifest
 
 
-def pointwise_loss(outputs: Tensor, labels: Tensor, kinds: list[str], weights: list[float]) -> tuple[Tensor, Tensor]:
-    """Weighted sum over tasks of BCE-with-logits (binary) or MSE (regression), ignoring NaN labels.
-
-    Returns the total loss and each task's unweighted mean loss, (K,) detached, NaN for a task
-    without labels in the batch (it adds nothing to the total). Nothing here waits for the
-    device: a training step reads its loss once, at the end. Computed in float32 (also under
-    bfloat16 autocast).
-    """
-    outputs = outputs.to(torch.promote_types(outputs.dtype, torch.float32))  # bf16/fp16 -> float32
-    known = ~torch.isnan(labels)  # (N, K)
-    y = torch.nan_to_num(labels.to(outputs.dtype), nan=0.0)
-    total = outputs.new_zeros(())
-    per_task = []
-    for k, (kind, weight) in enumerate(zip(kinds, weights)):
-        z = torch.where(known[:, k], outputs[:, k], 0.0)  # unlabelled rows: no gradient, even from a non-finite output
-        elem = F.binary_cross_entropy_with_logits(z, y[:, k], reduction="none") if kind == "binary" else (z - y[:, k]) ** 2
-        count = known[:, k].sum()
-        mean = torch.where(known[:, k], elem, 0.0).sum() / count.clamp_min(1)
-        total = total + weight * mean
-        per_task.append(torch.where(count > 0, mean.detach(), float("nan")))
-    return total, torch.stack(per_task) if per_task else outputs.new_zeros(0)
-
-
-def listwise_loss(outputs: Tensor, labels: Tensor, num_targets: Tensor) -> Tensor:
-    """Softmax cross-entropy over each sample's candidates, per binary task column given.
-
-    ``outputs``/``labels`` are (N, K'); a sample's loss is ``-sum_i y_i log softmax(z)_i / sum_i y_i``,
-    averaged over samples with at least one positive (samples without one carry no list signal).
-    Computed in float32 (also under bfloat16 autocast).
-    """
-    outputs = outputs.to(torch.promote_types(outputs.dtype, torch.float32))  # bf16/fp16 -> float32
-    offsets = torch.cat([num_targets.new_zeros(1), torch.cumsum(num_targets, 0)])
-    seq = sequence_ids(offsets, outputs.shape[0])
-    batch = num_targets.numel()
-    y = torch.nan_to_num(labels.to(outputs.dtype), nan=0.0)
-    # log-softmax within each sample: subtract the per-sample max, then log-sum-exp by index_add
-    zmax = torch.full((batch, outputs.shape[1]), float("-inf"), device=outputs.device, dtype=outputs.dtype)
-    zmax = zmax.scatter_reduce(0, seq.unsqueeze(1).expand_as(outputs), outputs.detach(), "amax")
-    shifted = outputs - zmax[seq]
-    denom = torch.zeros_like(zmax).index_add_(0, seq, shifted.exp())
-    log_p = shifted - denom.clamp_min(1e-30).log()[seq]
-    positives = torch.zeros_like(zmax).index_add_(0, seq, y)
-    per_sample = -torch.zeros_like(zmax).index_add_(0, seq, y * log_p) / positives.clamp_min(1)
-    has_pos = positives > 0
-    return torch.where(has_pos, per_sample, 0.0).sum() / has_pos.sum().clamp_min(1)  # 0 without positives; no sync
-
-
 __all__ = [
     "HEADS",
     "PLE",
@@ -312,10 +264,8 @@ __all__ = [
     "RankingModel",
     "RankingPrefix",
     "TargetHistoryPool",
-    "listwise_loss",
     "load_slice",
     "load_slices",
-    "pointwise_loss",
     "save_slices",
     "visible_history",
 ]

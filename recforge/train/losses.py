@@ -1,13 +1,26 @@
-"""Retrieval losses on L2-normalised user and item vectors."""
+"""Every training loss of recforge, in one place.
+
+- ``sampled_softmax_loss``: retrieval, next item against sampled (or all) negatives on L2-normalised
+  user and item vectors.
+- ``pointwise_loss``, ``listwise_loss``: multi-task ranking, per target (BCE / MSE) and per sample's
+  candidate list (softmax cross-entropy).
+- ``token_loss_scale``, ``token_weighted_ranking_loss``: the weights that give token-budget batches
+  (a varying number of rows per batch, ``recforge.data.token_batching``) fixed-batch semantics.
+
+Every loss is computed in float32, also under bfloat16 autocast. The SID models' teacher-forced
+next-token losses stay methods of those models (``model.loss``), where their logits are made.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from recforge.data.ranking_samples import TokenReference
+from recforge.jagged.index import offsets_from_lengths, sequence_ids
 from recforge.train.chunked_softmax import chunked_softmax_cross_entropy
 
 
@@ -130,3 +143,103 @@ def _distinct_rows(ids: Tensor, bound: int) -> tuple[Tensor, Tensor]:
     rows = torch.empty_like(slot)
     rows[order] = slot
     return distinct, rows.view(ids.shape)
+
+
+def pointwise_loss(outputs: Tensor, labels: Tensor, kinds: Sequence[str], weights: Sequence[float]) -> tuple[Tensor, Tensor]:
+    """Weighted sum over tasks of BCE-with-logits (binary) or MSE (regression), ignoring NaN labels.
+
+    Args:
+        outputs: (N, K) logits (binary tasks) or predictions (regression tasks).
+        labels: (N, K) labels; NaN = unknown (the row adds nothing to that task).
+        kinds: per task, ``binary`` or ``regression``.
+        weights: per task, the weight of its mean loss in the total.
+
+    Returns:
+        The total loss and each task's unweighted mean loss, (K,) detached, NaN for a task without
+        labels in the batch (it adds nothing to the total). Nothing here waits for the device: a
+        training step reads its loss once, at the end.
+    """
+    outputs = outputs.to(torch.promote_types(outputs.dtype, torch.float32))  # bf16/fp16 -> float32
+    known = ~torch.isnan(labels)  # (N, K)
+    y = torch.nan_to_num(labels.to(outputs.dtype), nan=0.0)
+    total = outputs.new_zeros(())
+    per_task = []
+    for k, (kind, weight) in enumerate(zip(kinds, weights, strict=True)):
+        z = torch.where(known[:, k], outputs[:, k], 0.0)  # unlabelled rows: no gradient, even from a non-finite output
+        elem = F.binary_cross_entropy_with_logits(z, y[:, k], reduction="none") if kind == "binary" else (z - y[:, k]) ** 2
+        count = known[:, k].sum()
+        mean = torch.where(known[:, k], elem, 0.0).sum() / count.clamp_min(1)
+        total = total + weight * mean
+        per_task.append(torch.where(count > 0, mean.detach(), float("nan")))
+    return total, torch.stack(per_task) if per_task else outputs.new_zeros(0)
+
+
+def listwise_loss(outputs: Tensor, labels: Tensor, num_targets: Tensor) -> Tensor:
+    """Softmax cross-entropy over each sample's candidates, per binary task column given.
+
+    ``outputs``/``labels`` are (N, K'), the N targets of the batch's samples in order, ``num_targets``
+    (B,) per sample. A sample's loss is ``-sum_i y_i log softmax(z)_i / sum_i y_i``, averaged over
+    samples with at least one positive (samples without one carry no list signal).
+    """
+    outputs = outputs.to(torch.promote_types(outputs.dtype, torch.float32))  # bf16/fp16 -> float32
+    offsets = torch.cat([num_targets.new_zeros(1), torch.cumsum(num_targets, 0)])
+    seq = sequence_ids(offsets, outputs.shape[0])
+    batch = num_targets.numel()
+    y = torch.nan_to_num(labels.to(outputs.dtype), nan=0.0)
+    # log-softmax within each sample: subtract the per-sample max, then log-sum-exp by index_add
+    zmax = torch.full((batch, outputs.shape[1]), float("-inf"), device=outputs.device, dtype=outputs.dtype)
+    zmax = zmax.scatter_reduce(0, seq.unsqueeze(1).expand_as(outputs), outputs.detach(), "amax")
+    shifted = outputs - zmax[seq]
+    denom = torch.zeros_like(zmax).index_add_(0, seq, shifted.exp())
+    log_p = shifted - denom.clamp_min(1e-30).log()[seq]
+    positives = torch.zeros_like(zmax).index_add_(0, seq, y)
+    per_sample = -torch.zeros_like(zmax).index_add_(0, seq, y * log_p) / positives.clamp_min(1)
+    has_pos = positives > 0
+    return torch.where(has_pos, per_sample, 0.0).sum() / has_pos.sum().clamp_min(1)  # 0 without positives; no sync
+
+
+def token_loss_scale(reference_tokens: float, world_size: int = 1) -> float:
+    """Factor that turns a per-token loss *sum* into a fixed-batch-semantics loss.
+
+    With token-budget batches the number of rows varies, so a per-batch *mean* would weight a token
+    of a small batch more than one of a large batch. ``loss = per_token_loss.sum() *
+    token_loss_scale(...)`` gives every token the same weight ``1 / reference_tokens``. With DDP,
+    gradients are averaged over ``world_size`` ranks, so each rank multiplies by ``world_size``:
+    the resulting gradient is ``sum over all ranks' tokens / reference_tokens``.
+
+    Args:
+        reference_tokens: the denominator: the token budget times world size for a constant
+            per-token weight across steps, or the step's global token count (all-reduced) for an
+            exact per-step mean.
+        world_size: data-parallel ranks whose gradients are averaged.
+    """
+    if reference_tokens <= 0:
+        raise ValueError(f"reference_tokens must be > 0, got {reference_tokens}")
+    return world_size / reference_tokens
+
+
+def token_weighted_ranking_loss(outputs: Tensor, labels: Tensor, num_targets: Tensor, kinds: Sequence[str],
+                                weights: Sequence[float], reference: TokenReference,
+                                listwise_weight: float = 0.0) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The ranking objective of a token-budget batch: (objective to minimise, the per-batch-mean loss).
+
+    Token-budget batches vary in labels and lists, so each known label of task k weighs a constant
+    ``1 / reference.labels[k]`` and each list with a positive ``1 / reference.lists`` (what a batch of
+    average content gives) instead of 1/count in this batch: the objectives of two batches add up to
+    that of their union. With ``listwise_weight`` > 0 the listwise term is on the first binary task.
+    """
+    objective = loss = outputs.new_zeros(())
+    for k, (kind, weight) in enumerate(zip(kinds, weights, strict=True)):
+        mean, _ = pointwise_loss(outputs[:, k : k + 1], labels[:, k : k + 1], [kind], [weight])
+        known = (~torch.isnan(labels[:, k])).sum()  # on the device: no host sync per task
+        loss = loss + mean
+        objective = objective + mean * known * token_loss_scale(float(reference.labels[k]))
+    if listwise_weight:
+        k = list(kinds).index("binary")
+        mean = listwise_weight * listwise_loss(outputs[:, k : k + 1], labels[:, k : k + 1], num_targets)
+        sample_of_target = sequence_ids(offsets_from_lengths(num_targets), labels.shape[0])
+        positive = (torch.nan_to_num(labels[:, k], nan=0.0) > 0).to(outputs.dtype)
+        lists = (outputs.new_zeros(num_targets.numel()).index_add_(0, sample_of_target, positive) > 0).sum()
+        loss = loss + mean
+        objective = objective + mean * lists * token_loss_scale(reference.lists)
+    return objective, loss

@@ -15,10 +15,10 @@ those probabilities is reported beside the model's.
 After training, the best checkpoint is exported as prefix/encoder/postfix slices to
 ``RUN_DIR/model`` (see ``recforge.models.ranking.save_slices``) for serving.
 
-With ``train.loader=pipeline`` the training samples are written once to
-``RUN_DIR/samples/train-00000.parquet`` and streamed by the sample engine (same batches per
-sample as the memory loader); a resumed run then trains each sample exactly once per epoch,
-and ``train.token_budget`` > 0 cuts batches by tokens with a label-weighted loss (see
+With ``train.loader=pipeline`` the sample engine streams the training samples, each row built
+by its reader workers with everything its batch needs (``ranking_sample_source``; nothing is
+written to disk; same batches per sample as the memory loader); a resumed run then trains each
+sample exactly once per epoch, and ``train.token_budget`` > 0 cuts batches by tokens with a label-weighted loss (see
 ``recforge.data.ranking_samples.TokenReference``).
 """
 
@@ -37,28 +37,25 @@ from recforge.data.dataset import load_dataset
 from recforge.data.pipeline import PipelineSource
 from recforge.data.ranking import RankingData, RankingSamples
 from recforge.data.ranking_samples import (
-    SAMPLES_FILE,
     TokenReference,
+    ranking_sample_source,
     ranking_source,
     sample_tokens,
     token_reference,
-    write_ranking_samples,
 )
-from recforge.data.token_batching import steps_per_epoch, token_loss_scale
+from recforge.data.token_batching import steps_per_epoch
 from recforge.jagged.batch import JaggedBatch
-from recforge.jagged.index import offsets_from_lengths, sequence_ids
 from recforge.models.builders import build_ranking_model
 from recforge.models.ranking import (
     CandidateTower,
     RankingModel,
     RankingPrefix,
-    listwise_loss,
-    pointwise_loss,
     save_slices,
 )
 from recforge.sparse import SparseOptimizer
 from recforge.train.distributed import DistContext, even_batches, init_distributed, shard_dynamic_tables, shard_source, split_budget
 from recforge.train.loop import prepare_run_dir, run_loop, run_lr_scale
+from recforge.train.losses import listwise_loss, pointwise_loss, token_weighted_ranking_loss
 from recforge.train.metrics import auc, gauc
 from recforge.train.run_files import check_eval_split, invoked_command, write_eval
 from recforge.train.runtime import prepare_runtime
@@ -162,7 +159,8 @@ def _loss(s: Setup, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return loss, loss
     outputs = s.model.postfix(x)  # (N, K)
     if s.reference is not None:
-        return _token_weighted_loss(s, outputs, labels, batch.mask.num_targets, s.reference)
+        return token_weighted_ranking_loss(outputs, labels, batch.mask.num_targets, s.kinds, s.weights, s.reference,
+                                           s.cfg.ranking.listwise_weight)
     loss, _ = pointwise_loss(outputs, labels, s.kinds, s.weights)
     if s.cfg.ranking.listwise_weight:
         k = s.kinds.index("binary")
@@ -170,29 +168,6 @@ def _loss(s: Setup, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
             outputs[:, k : k + 1], labels[:, k : k + 1], batch.mask.num_targets
         )
     return loss, loss
-
-
-def _token_weighted_loss(
-    s: Setup, outputs: torch.Tensor, labels: torch.Tensor, num_targets: torch.Tensor, ref: TokenReference
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-budget batches vary in labels and lists: weight each known label of task k 1/ref.labels[k]
-    and each list with a positive 1/ref.lists (constant weights, as a fixed batch gives on average)
-    instead of 1/count in this batch."""
-    objective = loss = outputs.new_zeros(())
-    for k, (kind, weight) in enumerate(zip(s.kinds, s.weights)):
-        mean, _ = pointwise_loss(outputs[:, k : k + 1], labels[:, k : k + 1], [kind], [weight])
-        known = (~torch.isnan(labels[:, k])).sum()  # on the device: no host sync per task
-        loss = loss + mean
-        objective = objective + mean * known * token_loss_scale(float(ref.labels[k]))
-    if s.cfg.ranking.listwise_weight:
-        k = s.kinds.index("binary")
-        mean = s.cfg.ranking.listwise_weight * listwise_loss(outputs[:, k : k + 1], labels[:, k : k + 1], num_targets)
-        sample_of_target = sequence_ids(offsets_from_lengths(num_targets), labels.shape[0])
-        positive = (torch.nan_to_num(labels[:, k], nan=0.0) > 0).to(outputs.dtype)
-        lists = (outputs.new_zeros(num_targets.numel()).index_add_(0, sample_of_target, positive) > 0).sum()
-        loss = loss + mean
-        objective = objective + mean * lists * token_loss_scale(ref.lists)
-    return objective, loss
 
 
 def _train_step(s: Setup, batch: JaggedBatch) -> tuple[float, int]:
@@ -278,7 +253,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     s = setup(cfg, ctx, device)
     samples = _training_samples(s)
     if cfg.train.loader == "pipeline":
-        inputs = {"source": _pipeline_source(s, samples, resume), "build": lambda batch: batch}
+        inputs = {"source": _pipeline_source(s, samples), "build": lambda batch: batch}
     else:
         r = cfg.ranking
         build = lambda ids: s.data.batch(samples, ids, cfg.data.max_seq_len, r.action_encoding)  # noqa: E731
@@ -306,23 +281,20 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     return summary
 
 
-def _pipeline_source(s: Setup, samples: RankingSamples, resume: bool) -> PipelineSource:
-    """Write the training samples under the run directory (kept for a resume: the saved pipeline
-    state refers to their rows) and stream them; with a token budget, set the loss references."""
+def _pipeline_source(s: Setup, samples: RankingSamples) -> PipelineSource:
+    """Stream the training samples through the sample engine, built as they are read (every rank, and a
+    resumed run, builds the same rows); with a token budget, set the loss references."""
     cfg, t = s.cfg, s.cfg.train
     if len(samples) == 0:
         raise ValueError("the training split has no samples; check the dataset and the data/ranking settings")
     tokens = sample_tokens(s.data, samples, cfg.data.max_seq_len, cfg.ranking.action_encoding)
-    path = cfg.run_dir / "samples" / SAMPLES_FILE
-    if s.ctx.is_main and not (resume and path.is_file()):
-        write_ranking_samples(s.data, samples, tokens, path.parent)
-    s.ctx.barrier()  # rank 0 wrote the samples every rank reads
     if t.token_budget:
         list_task = s.kinds.index("binary") if cfg.ranking.listwise_weight else None
         s.reference = token_reference(s.data, samples, tokens, t.token_budget, list_task)
     batch_size, token_budget = split_budget(cfg, s.ctx)  # this rank's micro-batches
+    rows = ranking_sample_source(s.data, samples, cfg.data.max_seq_len, cfg.ranking.action_encoding, tokens)
     source = ranking_source(
-        [path], s.data, cfg.data.max_seq_len, batch_size, action_encoding=cfg.ranking.action_encoding,
+        rows, cfg.data.max_seq_len, batch_size, action_encoding=cfg.ranking.action_encoding,
         num_workers=t.loader_workers, token_budget=token_budget, seed=t.seed,
         num_steps_estimate=steps_per_epoch(tokens, t.batch_size, t.token_budget, t.seed),
     )  # fmt: skip

@@ -8,9 +8,9 @@ Every step re-seeds the RNGs from (seed, global step), and the epoch's user orde
 derived from (seed, epoch): a resumed run replays exactly the steps an uninterrupted
 run would have taken, with no RNG state to save.
 
-With ``train.loader=pipeline`` the training samples are written once to
-``RUN_DIR/samples/train-00000.parquet`` and streamed by the sample engine instead; a
-resumed run then trains each sample exactly once per epoch (in a new order), and
+With ``train.loader=pipeline`` the sample engine streams the training samples instead, built
+by its reader workers as it reads them (``retrieval_sample_source``; nothing is written to
+disk); a resumed run then trains each sample exactly once per epoch (in a new order), and
 ``train.token_budget`` > 0 cuts batches by tokens with a token-weighted loss.
 """
 
@@ -26,9 +26,9 @@ from recforge.checkpoint import find_checkpoint, load_checkpoint
 from recforge.config import RunConfig, load_config
 from recforge.data.dataset import load_dataset
 from recforge.data.pipeline import PipelineSource
-from recforge.data.retrieval_samples import retrieval_source, sample_tokens, write_retrieval_samples
+from recforge.data.retrieval_samples import retrieval_sample_source, retrieval_source, sample_tokens
 from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences
-from recforge.data.token_batching import steps_per_epoch, token_loss_scale
+from recforge.data.token_batching import steps_per_epoch
 from recforge.jagged.batch import JaggedBatch
 from recforge.models.builders import build_retrieval_model
 from recforge.models.retrieval import RetrievalModel
@@ -37,7 +37,7 @@ from recforge.train.distributed import DistContext, init_distributed, shard_dyna
 from recforge.train.evaluate import evaluate_ranking, model_scorer
 from recforge.train.flops import step_flops_counter
 from recforge.train.loop import prepare_run_dir, run_loop, run_lr_scale
-from recforge.train.losses import sampled_softmax_loss
+from recforge.train.losses import sampled_softmax_loss, token_loss_scale
 from recforge.train.run_files import check_eval_split, invoked_command, write_eval
 from recforge.train.runtime import prepare_runtime
 from recforge.train.step import StepResult, StepRunner
@@ -146,7 +146,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     s = setup(cfg, ctx, device)
     samples = s.seqs.training_samples(s.holdout, cfg.data.max_seq_len, cfg.data.train_windows)
     if cfg.train.loader == "pipeline":
-        inputs = {"source": _pipeline_source(s, samples, resume), "build": lambda batch: batch}
+        inputs = {"source": _pipeline_source(s, samples), "build": lambda batch: batch}
     else:
         inputs = {"num_samples": samples.shape[0],
                   "build": lambda ids: s.seqs.training_batch(samples[ids], cfg.data.max_seq_len)}  # fmt: skip
@@ -174,22 +174,17 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     return summary
 
 
-def _pipeline_source(s: Setup, samples: torch.Tensor, resume: bool) -> PipelineSource:
-    """Write the training samples under the run directory (kept for a resume: the saved pipeline
-    state refers to their rows) and stream them."""
+def _pipeline_source(s: Setup, samples: torch.Tensor) -> PipelineSource:
+    """Stream the training samples through the sample engine, built as they are read. Every rank (and a
+    resumed run) builds the same rows from the dataset, so a saved pipeline state names the same rows."""
     cfg = s.cfg
     if samples.shape[0] == 0:
         raise ValueError("the training split has no samples; check the dataset and the data settings")
-    path = cfg.run_dir / "samples" / "train-00000.parquet"
-    if s.ctx.is_main and not (resume and path.is_file()):
-        path.parent.mkdir(exist_ok=True)
-        write_retrieval_samples(s.seqs, samples, cfg.data.max_seq_len, path)
-    s.ctx.barrier()  # rank 0 wrote the samples every rank reads
     t = cfg.train
     batch_size, token_budget = split_budget(cfg, s.ctx)  # this rank's micro-batches
     source = retrieval_source(
-        [path], cfg.data.max_seq_len, batch_size, timestamps=s.seqs.timestamps is not None, num_workers=t.loader_workers,
-        token_budget=token_budget, seed=t.seed,
+        retrieval_sample_source(s.seqs, samples, cfg.data.max_seq_len), cfg.data.max_seq_len, batch_size,
+        timestamps=s.seqs.timestamps is not None, num_workers=t.loader_workers, token_budget=token_budget, seed=t.seed,
         num_steps_estimate=steps_per_epoch(sample_tokens(samples, cfg.data.max_seq_len), t.batch_size, t.token_budget, t.seed),
     )  # fmt: skip
     return shard_source(source, s.ctx)

@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from recforge.data.compress import CompressConfig, RankingCollate, compress_events
+from recforge.data.collate import RankingCollate
+from recforge.data.compress import CompressConfig, compress_events
 from recforge.data.dataset import Dataset
 from recforge.data.pipeline import Pipeline
 from recforge.data.ranking import RankingData

@@ -130,3 +130,59 @@ def test_oracle_probabilities_are_picked_up() -> None:
     events = ds.events.append_column("p_rating", pa.array(np.linspace(0, 1, len(EVENTS)).astype(np.float32)))
     data = RankingData.from_dataset(Dataset(events, None, ds.meta), ["like:rating>=4"])
     assert data.oracle is not None and data.oracle.shape == (len(EVENTS), 1)
+
+
+def _reference_batch(data: RankingData, samples, ids: torch.Tensor, max_seq_len: int, action_encoding: str) -> dict:
+    """The ranking layout written out with torch scatters (no Arrow, no collate): what ``RankingData.batch``
+    returned before it was built on ``rows`` + ``RankingCollate``."""
+    from recforge.jagged.index import offsets_from_lengths, range_index
+
+    per_event, c = (2 if action_encoding == "interleave" else 1), data.num_contextual
+    user = samples.user[ids]
+    t_start, t_count, h_start, h_count = data.window(samples, ids, max_seq_len, per_event)
+    target_rows, _ = range_index(t_start, t_count)
+    target_events = samples.events[target_rows]
+    hist_events, _ = range_index(h_start, h_count)
+    offsets = offsets_from_lengths(c + per_event * h_count + t_count)
+    total = int(offsets[-1])
+    out = {name: torch.zeros(total, dtype=torch.int64) for name in ("item_ids", "actions", "context_ids", "timestamps")}
+    if c:
+        out["context_ids"][(offsets[:-1].view(-1, 1) + torch.arange(c)).flatten()] = data.context[user].flatten()
+    h_pos = torch.repeat_interleave(offsets[:-1] + c - per_event * h_start, h_count) + per_event * hist_events
+    out["item_ids"][h_pos] = data.items[hist_events]
+    out["timestamps"][h_pos] = data.timestamps[hist_events]
+    out["actions"][h_pos + per_event - 1] = data.actions[hist_events]
+    out["timestamps"][h_pos + per_event - 1] = data.timestamps[hist_events]
+    t_pos = torch.repeat_interleave(offsets[:-1] + c + per_event * h_count - t_start, t_count) + target_rows
+    out["item_ids"][t_pos] = data.items[target_events]
+    out["timestamps"][t_pos] = data.timestamps[target_events]
+    out.update(offsets=offsets, num_targets=t_count, tasks=data.labels[target_events], users=data.event_user[target_events],
+               events=target_events)  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("action_encoding", ["sum", "interleave"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_batch_equals_a_direct_scatter_of_the_layout(action_encoding: str, seed: int) -> None:
+    from recforge.data.synthetic import SyntheticConfig, generate_impressions
+
+    events, items = generate_impressions(SyntheticConfig(num_users=30, num_items=60, num_clusters=3, mean_seq_len=20,
+                                                         max_seq_len=50, seed=seed))  # fmt: skip
+    users = [["user_id"], []][seed]
+    data = RankingData.from_dataset(Dataset(events, items, {"has_timestamps": True}), ["click:click>=1", "like:like>=1"],
+                                    action_column="action" if seed == 0 else "", user_features=users)  # fmt: skip
+    samples = data.samples("train", DAY, max_targets=5)
+    ids = torch.from_numpy(np.random.default_rng(seed).permutation(len(samples))[:17])
+    batch = data.batch(samples, ids, 32, action_encoding)
+    batch.validate()
+    ref = _reference_batch(data, samples, ids, 32, action_encoding)
+    assert torch.equal(batch.seq_offsets, ref["offsets"]) and batch.max_seq_len == 32
+    for name in ("item_ids", "actions", "context_ids", "timestamps"):
+        assert torch.equal(batch.features[name], ref[name]), name
+    torch.testing.assert_close(batch.labels["tasks"], ref["tasks"], rtol=0, atol=0, equal_nan=True)
+    for name in ("users", "events"):
+        assert torch.equal(batch.labels[name], ref[name]), name
+    assert torch.equal(batch.mask.num_targets, ref["num_targets"])
+    assert torch.equal(batch.mask.num_contextual, torch.full_like(ref["num_targets"], data.num_contextual))
+    assert batch.mask.causal and batch.mask.timestamps is batch.features["timestamps"]
+    assert "row_ids" not in batch.dense and "sample_ids" not in batch.dense

@@ -1,4 +1,4 @@
-"""Retrieval samples written to Parquet and read by the pipeline equal UserSequences.training_batch."""
+"""Retrieval samples streamed by the pipeline (built in memory, or written to Parquet) equal UserSequences.training_batch."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from recforge.data.dataset import Dataset
 from recforge.data.parquet_source import decode_row_ids
-from recforge.data.retrieval_samples import retrieval_pipeline, write_retrieval_samples
+from recforge.data.retrieval_samples import retrieval_pipeline, retrieval_sample_source, write_retrieval_samples
 from recforge.data.sequences import UserSequences
 
 
@@ -23,12 +23,15 @@ def sequences(with_timestamps: bool) -> UserSequences:
     return UserSequences.from_dataset(Dataset(events, None, {"has_timestamps": with_timestamps}))
 
 
-@pytest.mark.parametrize("with_timestamps", [True, False])
-def test_pipeline_batches_equal_training_batch(tmp_path, with_timestamps):
+@pytest.mark.parametrize(("with_timestamps", "rows"), [(True, "memory"), (False, "memory"), (True, "file")])
+def test_pipeline_batches_equal_training_batch(tmp_path, with_timestamps, rows):
     seqs = sequences(with_timestamps)
     samples = seqs.training_samples(holdout=1, max_seq_len=8, windows="all")
-    write_retrieval_samples(seqs, samples, 8, tmp_path / "train.parquet", row_group_size=64)
-    pipe = retrieval_pipeline(tmp_path / "train.parquet", 8, 32, timestamps=with_timestamps, shuffle_rows=100)
+    if rows == "file":
+        source = write_retrieval_samples(seqs, samples, 8, tmp_path / "train.parquet", row_group_size=64)
+    else:
+        source = retrieval_sample_source(seqs, samples, 8)
+    pipe = retrieval_pipeline(source, 8, 32, timestamps=with_timestamps, shuffle_rows=100)
     seen = []
     for batch in pipe:
         batch.validate()
@@ -48,3 +51,22 @@ def test_pipeline_batches_equal_training_batch(tmp_path, with_timestamps):
 def test_bad_samples_shape(tmp_path):
     with pytest.raises(ValueError, match=r"\(S, 2\)"):
         write_retrieval_samples(sequences(True), torch.zeros(3, dtype=torch.int64), 8, tmp_path / "x.parquet")
+    with pytest.raises(ValueError, match=r"\(S, 2\)"):
+        retrieval_sample_source(sequences(True), torch.zeros(3, dtype=torch.int64), 8)
+
+
+@pytest.mark.parametrize("token_budget", [0, 60])
+def test_memory_rows_give_the_batches_of_the_same_rows_on_disk(tmp_path, token_budget):
+    """Groups of 8192 rows, as the file's row groups: the same seed gives the very same batches in the
+    same order, whether the rows are built in memory or read from Parquet."""
+    seqs = sequences(True)
+    samples = seqs.training_samples(holdout=1, max_seq_len=8, windows="all")
+    path = write_retrieval_samples(seqs, samples, 8, tmp_path / "train.parquet")
+    kwargs = {"timestamps": True, "shuffle_rows": 40, "seed": 5, "token_budget": token_budget, "num_workers": 2}
+    on_disk = list(retrieval_pipeline(path, 8, 16, **kwargs))
+    in_memory = list(retrieval_pipeline(retrieval_sample_source(seqs, samples, 8), 8, 16, **kwargs))
+    assert len(on_disk) == len(in_memory) > 3
+    for a, b in zip(on_disk, in_memory, strict=True):
+        assert torch.equal(a.dense["row_ids"], b.dense["row_ids"])
+        assert torch.equal(a.item_ids, b.item_ids) and torch.equal(a.timestamps, b.timestamps)
+        assert torch.equal(a.labels["next_item"], b.labels["next_item"])

@@ -1,4 +1,4 @@
-"""Ranking model: no future leakage, non-sequential baseline, heads, losses, slices."""
+"""Ranking model: no future leakage, non-sequential baseline, heads, slices (its losses: tests/train/test_losses.py)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,8 @@ from recforge.models.ranking import (
     RankingModel,
     RankingPrefix,
     TargetHistoryPool,
-    listwise_loss,
     load_slice,
     load_slices,
-    pointwise_loss,
     save_slices,
     visible_history,
 )
@@ -157,46 +155,6 @@ def test_heads_shapes_and_gradients(head: str) -> None:
     assert out.shape == (7, 3)
     out.sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
-
-
-def test_pointwise_loss_ignores_missing_labels() -> None:
-    gen = torch.Generator().manual_seed(1)
-    z = torch.randn(6, 2, generator=gen)
-    y = torch.tensor([[1, 2.0], [0, float("nan")], [float("nan"), 4.0], [1, 1.0], [0, 0.5], [1, 3.0]])
-    total, per_task = pointwise_loss(z, y, ["binary", "regression"], [2.0, 0.5])
-    known0, known1 = ~torch.isnan(y[:, 0]), ~torch.isnan(y[:, 1])
-    bce = nn.functional.binary_cross_entropy_with_logits(z[known0, 0], y[known0, 0])
-    mse = ((z[known1, 1] - y[known1, 1]) ** 2).mean()
-    torch.testing.assert_close(total, 2.0 * bce + 0.5 * mse)
-    assert per_task.tolist() == pytest.approx([bce.item(), mse.item()])
-
-
-def test_losses_of_tasks_without_labels_add_nothing() -> None:
-    """A task (or a list) with no label in the batch adds 0 with finite gradients, and reports NaN."""
-    z = torch.randn(5, 2, requires_grad=True)
-    y = torch.tensor([[1.0, float("nan")], [0.0, float("nan")], [float("nan")] * 2, [1.0, float("nan")], [0.0, float("nan")]])
-    total, per_task = pointwise_loss(z, y, ["binary", "regression"], [1.0, 3.0])
-    known = ~torch.isnan(y[:, 0])
-    torch.testing.assert_close(total, nn.functional.binary_cross_entropy_with_logits(z[known, 0], y[known, 0]))
-    assert torch.isnan(per_task[1]) and not torch.isnan(per_task[0])
-    total.backward()
-    assert torch.isfinite(z.grad).all() and (z.grad[:, 1] == 0).all()
-    no_positive = listwise_loss(z[:, :1], torch.zeros(5, 1), torch.tensor([2, 3]))
-    assert no_positive.item() == 0.0 and no_positive.requires_grad
-
-
-def test_listwise_loss_against_a_per_sample_loop() -> None:
-    gen = torch.Generator().manual_seed(2)
-    num_targets = torch.tensor([3, 1, 4, 2])
-    z = torch.randn(10, 1, generator=gen, dtype=torch.float64)
-    y = torch.tensor([1, 0, 1, 0, 0, 0, 0, 1, 0, 0], dtype=torch.float64).unsqueeze(1)
-    losses, start = [], 0
-    for n in num_targets.tolist():
-        zs, ys = z[start : start + n, 0], y[start : start + n, 0]
-        if ys.sum() > 0:
-            losses.append(-(ys * torch.log_softmax(zs, 0)).sum() / ys.sum())
-        start += n
-    torch.testing.assert_close(listwise_loss(z, y, num_targets), torch.stack(losses).mean())
 
 
 @register_slice  # loading a saved model builds only trusted classes

@@ -1,4 +1,4 @@
-"""Tests for the sampled-softmax retrieval loss against hand computations."""
+"""Every training loss (``recforge.train.losses``) against independent computations."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from recforge.train.losses import sampled_softmax_loss
+from recforge.data.ranking_samples import TokenReference
+from recforge.train.losses import (
+    listwise_loss,
+    pointwise_loss,
+    sampled_softmax_loss,
+    token_loss_scale,
+    token_weighted_ranking_loss,
+)
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -166,3 +173,117 @@ def test_loss_decreases_with_sgd(negatives: str) -> None:
     torch.manual_seed(0)  # same negatives as the first evaluation
     last = loss_fn().item()
     assert last < 0.5 * first, (first, last)
+
+# ------------------------------------------------------------------------------- ranking losses
+
+
+def test_pointwise_loss_against_elementwise_formulas() -> None:
+    """BCE with logits and MSE written out from their definitions, on fresh random inputs with NaN labels."""
+    gen = torch.Generator().manual_seed(11)
+    n, kinds, weights = 40, ["binary", "regression", "binary"], [0.7, 1.3, 2.0]
+    z = torch.randn(n, 3, generator=gen, dtype=torch.float64) * 3
+    y = torch.stack([torch.randint(0, 2, (n,), generator=gen).double(), torch.randn(n, generator=gen, dtype=torch.float64),
+                     torch.rand(n, generator=gen, dtype=torch.float64)], 1)  # fmt: skip
+    y[torch.rand(n, 3, generator=gen) < 0.3] = float("nan")
+    total, per_task = pointwise_loss(z, y, kinds, weights)
+    expected = []
+    for k, kind in enumerate(kinds):
+        known = ~torch.isnan(y[:, k])
+        zk, yk = z[known, k], y[known, k]
+        if kind == "binary":  # -y log sigmoid(z) - (1 - y) log(1 - sigmoid(z)), written stably
+            elem = torch.clamp(zk, min=0) - zk * yk + torch.log1p(torch.exp(-zk.abs()))
+        else:
+            elem = (zk - yk) ** 2
+        expected.append(elem.mean())
+    torch.testing.assert_close(per_task, torch.stack(expected), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(total, sum(w * e for w, e in zip(weights, expected)), rtol=1e-12, atol=1e-12)
+
+
+def test_ranking_losses_run_in_float32_under_bfloat16() -> None:
+    gen = torch.Generator().manual_seed(12)
+    z = torch.randn(12, 2, generator=gen).bfloat16()
+    y = torch.randint(0, 2, (12, 2), generator=gen).float()
+    total, _ = pointwise_loss(z, y, ["binary", "binary"], [1.0, 1.0])
+    assert total.dtype == torch.float32
+    torch.testing.assert_close(total, pointwise_loss(z.float(), y, ["binary", "binary"], [1.0, 1.0])[0])
+    assert listwise_loss(z[:, :1], y[:, :1], torch.tensor([5, 7])).dtype == torch.float32
+
+
+def test_token_weighted_ranking_loss_against_hand_weights() -> None:
+    """objective = sum_k mean_k * known_k / ref_k + w * listwise * lists / ref_lists; the loss = the plain sum."""
+    gen = torch.Generator().manual_seed(13)
+    num_targets = torch.tensor([3, 2, 4])
+    z = torch.randn(9, 2, generator=gen, dtype=torch.float64)
+    y = torch.stack([torch.tensor([1, 0, 0, 0, 0, 0, 1, 1, 0.0]), torch.randn(9, generator=gen).double()], 1)
+    y[4, 1] = float("nan")
+    ref = TokenReference(torch.tensor([6.0, 4.0], dtype=torch.float64), 1.5)
+    objective, loss = token_weighted_ranking_loss(z, y, num_targets, ["binary", "regression"], [1.0, 0.5], ref, 0.25)
+    _, per_task = pointwise_loss(z, y, ["binary", "regression"], [1.0, 0.5])
+    means = per_task * torch.tensor([1.0, 0.5], dtype=torch.float64)
+    lw = 0.25 * listwise_loss(z[:, :1], y[:, :1], num_targets)
+    lists = 2  # samples 0 and 2 have a positive of the binary task
+    torch.testing.assert_close(objective, means[0] * 9 / 6.0 + means[1] * 8 / 4.0 + lw * lists / 1.5, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(loss, means.sum() + lw, rtol=1e-12, atol=1e-12)
+
+
+def test_pointwise_loss_ignores_missing_labels() -> None:
+    gen = torch.Generator().manual_seed(1)
+    z = torch.randn(6, 2, generator=gen)
+    y = torch.tensor([[1, 2.0], [0, float("nan")], [float("nan"), 4.0], [1, 1.0], [0, 0.5], [1, 3.0]])
+    total, per_task = pointwise_loss(z, y, ["binary", "regression"], [2.0, 0.5])
+    known0, known1 = ~torch.isnan(y[:, 0]), ~torch.isnan(y[:, 1])
+    bce = F.binary_cross_entropy_with_logits(z[known0, 0], y[known0, 0])
+    mse = ((z[known1, 1] - y[known1, 1]) ** 2).mean()
+    torch.testing.assert_close(total, 2.0 * bce + 0.5 * mse)
+    assert per_task.tolist() == pytest.approx([bce.item(), mse.item()])
+
+
+def test_losses_of_tasks_without_labels_add_nothing() -> None:
+    """A task (or a list) with no label in the batch adds 0 with finite gradients, and reports NaN."""
+    z = torch.randn(5, 2, requires_grad=True)
+    y = torch.tensor([[1.0, float("nan")], [0.0, float("nan")], [float("nan")] * 2, [1.0, float("nan")], [0.0, float("nan")]])
+    total, per_task = pointwise_loss(z, y, ["binary", "regression"], [1.0, 3.0])
+    known = ~torch.isnan(y[:, 0])
+    torch.testing.assert_close(total, F.binary_cross_entropy_with_logits(z[known, 0], y[known, 0]))
+    assert torch.isnan(per_task[1]) and not torch.isnan(per_task[0])
+    total.backward()
+    assert torch.isfinite(z.grad).all() and (z.grad[:, 1] == 0).all()
+    no_positive = listwise_loss(z[:, :1], torch.zeros(5, 1), torch.tensor([2, 3]))
+    assert no_positive.item() == 0.0 and no_positive.requires_grad
+
+
+def test_listwise_loss_against_a_per_sample_loop() -> None:
+    gen = torch.Generator().manual_seed(2)
+    num_targets = torch.tensor([3, 1, 4, 2])
+    z = torch.randn(10, 1, generator=gen, dtype=torch.float64)
+    y = torch.tensor([1, 0, 1, 0, 0, 0, 0, 1, 0, 0], dtype=torch.float64).unsqueeze(1)
+    losses, start = [], 0
+    for n in num_targets.tolist():
+        zs, ys = z[start : start + n, 0], y[start : start + n, 0]
+        if ys.sum() > 0:
+            losses.append(-(ys * torch.log_softmax(zs, 0)).sum() / ys.sum())
+        start += n
+    torch.testing.assert_close(listwise_loss(z, y, num_targets), torch.stack(losses).mean())
+
+
+# ------------------------------------------------------------------------------- token-budget weights
+
+
+def test_token_loss_scale_gives_every_token_the_same_weight():
+    # two batches of different sizes: the summed gradient equals one big batch's mean over all tokens
+    torch.manual_seed(0)
+    w = torch.randn(4, requires_grad=True)
+    x = torch.randn(30, 4)
+    small, large = x[:10], x[10:]
+    for part in (small, large):
+        (((part @ w) ** 2).sum() * token_loss_scale(reference_tokens=30)).backward()
+    grad_parts = w.grad.clone()
+    w.grad = None
+    ((x @ w) ** 2).mean().backward()
+    torch.testing.assert_close(grad_parts, w.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_scale_accounts_for_ddp_averaging():
+    assert token_loss_scale(400, world_size=4) == pytest.approx(4 / 400)
+    with pytest.raises(ValueError, match="reference_tokens"):
+        token_loss_scale(0)

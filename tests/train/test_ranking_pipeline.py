@@ -14,6 +14,7 @@ from recforge.checkpoint import find_checkpoint
 from recforge.config import RunConfig, load_config
 from recforge.data.ranking_samples import (
     ranking_pipeline,
+    ranking_sample_source,
     ranking_source,
     sample_tokens,
     token_reference,
@@ -72,15 +73,20 @@ def _assert_each_sample_once_per_epoch(per_step: list[np.ndarray], run_dir: Path
         assert np.array_equal(np.sort(seen), expected), f"epoch {epoch}"
 
 
-@pytest.mark.parametrize(("action_encoding", "token_budget"), [("sum", 0), ("interleave", 0), ("sum", 300)])
-def test_streamed_batches_equal_memory_batches(tmp_path: Path, data_dir: Path, action_encoding: str, token_budget: int) -> None:  # noqa: F811
+@pytest.mark.parametrize(("action_encoding", "token_budget", "rows"),
+                         [("sum", 0, "memory"), ("interleave", 0, "memory"), ("sum", 300, "memory"), ("interleave", 300, "file")])  # fmt: skip
+def test_streamed_batches_equal_memory_batches(tmp_path: Path, data_dir: Path, action_encoding: str, token_budget: int,  # noqa: F811
+                                               rows: str) -> None:  # fmt: skip
     s, samples = _train_samples(_cfg(tmp_path, data_dir))
     tokens = sample_tokens(s.data, samples, 64, action_encoding)
     every = s.data.batch(samples, torch.arange(len(samples)), 64, action_encoding)
     assert torch.equal(tokens, every.seq_offsets.diff())  # the lengths RankingData.batch makes
-    path = write_ranking_samples(s.data, samples, tokens, tmp_path / "samples", row_group_size=16)
-    pipe = ranking_pipeline(path, s.data, 64, 10, action_encoding=action_encoding, num_workers=1,
-                            shuffle_rows=50, token_budget=token_budget)  # fmt: skip
+    if rows == "file":  # the same rows written as Parquet by write_ranking_samples
+        source = write_ranking_samples(s.data, samples, tmp_path / "samples", 64, action_encoding, row_group_size=16)
+    else:
+        source = ranking_sample_source(s.data, samples, 64, action_encoding)
+    pipe = ranking_pipeline(source, 64, 10, action_encoding=action_encoding, num_workers=1, shuffle_rows=50,
+                            token_budget=token_budget)  # fmt: skip
     seen, sizes = [], []
     for batch in pipe:
         batch.validate()
@@ -91,6 +97,7 @@ def test_streamed_batches_equal_memory_batches(tmp_path: Path, data_dir: Path, a
             assert torch.equal(batch.features[name], expected.features[name]), name
         torch.testing.assert_close(batch.labels["tasks"], expected.labels["tasks"], rtol=0, atol=0, equal_nan=True)
         assert torch.equal(batch.labels["events"], expected.labels["events"])
+        assert torch.equal(batch.labels["users"], expected.labels["users"])
         assert torch.equal(batch.mask.num_targets, expected.mask.num_targets)
         assert torch.equal(batch.mask.num_contextual, expected.mask.num_contextual)
         seen.append(ids.numpy())
@@ -132,7 +139,7 @@ def test_pipeline_loader_trains(tmp_path: Path, data_dir: Path, monkeypatch: pyt
     assert last < 0.9 * first, (first, last)
     assert 0 <= summary["click/auc"] <= 1
     _assert_each_sample_once_per_epoch(recorder.samples, cfg.run_dir, np.arange(n), 6)
-    assert (cfg.run_dir / "samples" / "train-00000.parquet").is_file()
+    assert not (cfg.run_dir / "samples").exists()  # streamed as built: nothing written and read back
     manifest = json.loads((find_checkpoint(cfg.run_dir) / "manifest.json").read_text())
     assert manifest["data_state"]["epoch"] == 5 and manifest["data_state"]["share_done"]
 
@@ -151,13 +158,10 @@ def test_crash_and_resume_trains_each_sample_once_per_epoch(
     with pytest.raises(RuntimeError, match="simulated crash"):
         ranking.train(cfg, progress=False)
     assert find_checkpoint(cfg.run_dir).name == f"step_{resumed_from:08d}"
-    samples_file = cfg.run_dir / "samples" / "train-00000.parquet"
-    written = samples_file.stat().st_mtime_ns
 
     resumed = StepRecorder(monkeypatch)
     resumed.real = crashed.real
-    ranking.train(cfg, resume=True, progress=False)
-    assert samples_file.stat().st_mtime_ns == written  # reused: the saved state refers to its rows
+    ranking.train(cfg, resume=True, progress=False)  # rebuilds the same rows: the saved state names them
     n = len(_train_samples(cfg)[1])
     assert -(-n // 16) == 7
     # steps after the checkpoint were lost with the crash: their samples are trained again, the others are not
@@ -213,6 +217,20 @@ def test_ranking_accepts_the_pipeline_loader(tmp_path: Path, data_dir: Path) -> 
 
 
 def test_state_dict_before_the_first_epoch(tmp_path: Path, data_dir: Path) -> None:  # noqa: F811
-    s, _ = _train_samples(_cfg(tmp_path, data_dir))
     with pytest.raises(RuntimeError, match="before the first epoch_iter"):
-        ranking_source([tmp_path / "none.parquet"], s.data, 64, 16, num_steps_estimate=1).state_dict()
+        ranking_source([tmp_path / "none.parquet"], 64, 16, num_steps_estimate=1).state_dict()
+
+
+def test_a_state_of_other_samples_is_refused(tmp_path: Path, data_dir: Path) -> None:  # noqa: F811
+    """The rows are rebuilt on resume: a state saved for other samples (another dataset or setting) is an
+    error naming both, not a silent replay of the wrong rows; one saved for a samples file (an older run)
+    is checked by its row count."""
+    s, samples = _train_samples(_cfg(tmp_path, data_dir))
+    pipe = ranking_pipeline(ranking_sample_source(s.data, samples, 64), 64, 10, num_workers=1)
+    next(iter(pipe))
+    state = pipe.state_dict()
+    assert ranking_pipeline(ranking_sample_source(s.data, samples, 64), 64, 10, state=state).state.num_consumed == 10
+    with pytest.raises(ValueError, match="data settings changed"):
+        ranking_pipeline(ranking_sample_source(s.data, samples, 48), 48, 10, state=state)
+    state["files"][0]["path"] = str(tmp_path / "samples" / "train-00000.parquet")  # as an older run saved it
+    assert ranking_pipeline(ranking_sample_source(s.data, samples, 48), 48, 10, state=state).state.num_consumed == 10

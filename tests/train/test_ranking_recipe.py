@@ -116,7 +116,7 @@ def test_ranking_config_errors_are_collected() -> None:
 def test_item_tower_trains_each_tower_on_its_own_loss(tmp_path: Path, data_dir: Path) -> None:
     """With model.item_tower the objective is the main tower's loss plus the candidate tower's, each on
     its own outputs (not the loss of their mixed score)."""
-    from recforge.models.ranking import pointwise_loss
+    from recforge.train.losses import pointwise_loss
 
     overrides = [f"data.path={data_dir}", f"train.output_dir={tmp_path}", "model.item_tower=0.5", "model.dropout=0.0", *SMALL]
     s = ranking.setup(load_config(CONFIG, overrides))
