@@ -215,3 +215,33 @@ def test_cli_serves_a_generative_run_in_one_process(run_dir: Path, monkeypatch: 
     assert "one process" in capsys.readouterr().err
     assert main(["serve", str(run_dir), "retrieve.default_k=9", "retrieve.max_k=5"]) == 2
     assert "retrieve.default_k" in capsys.readouterr().err
+
+
+def test_runner_drops_cancelled_requests_before_their_batch(loaded) -> None:
+    """A request whose client left (its future cancelled) is never computed; the others are answered."""
+    from recforge.serve.retrieve_runner import RetrieveRunner
+
+    retriever, items = loaded[0], _catalogue(loaded)
+    gate, seen = threading.Event(), []
+    original = retriever.run
+
+    def gated(batch, **kw):
+        seen.append(len(batch))
+        gate.wait(5)
+        return original(batch, **kw)
+
+    retriever.run = gated
+    runner = RetrieveRunner(retriever, SchedulerConfig(max_wait_ms=0.0))
+    try:
+        first = runner.submit(retriever.encode(RetrieveRequest(items[:2], k=3)))
+        while not seen:  # the first batch is running: the next requests queue behind it
+            time.sleep(0.005)
+        gone = runner.submit(retriever.encode(RetrieveRequest(items[2:4], k=3)))
+        kept = runner.submit(retriever.encode(RetrieveRequest(items[4:6], k=3)))
+        assert gone.cancel()
+        gate.set()
+        assert len(first.result(5).items) == 3 and len(kept.result(5).items) == 3
+        assert seen == [1, 1] and runner.dropped == {"deadline": 0, "cancelled": 1}
+    finally:
+        runner.close()
+        del retriever.run
