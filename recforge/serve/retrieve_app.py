@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import time
 from contextlib import asynccontextmanager
@@ -100,7 +101,7 @@ def load_retriever(run_dir: str | Path, settings: RetrieveSettings, device: str 
     retriever.config.validate()
     files = sorted(p for p in [*Path(ckpt).rglob("*"), *(Path(run_dir) / "sids").rglob("*")] if p.is_file())
     stats = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
-    version = f"{Path(ckpt).name}-{abs(hash(stats)) % 10**10:010d}"
+    version = f"{Path(ckpt).name}-{hashlib.sha256(repr(stats).encode()).hexdigest()[:10]}"  # stable across restarts
     probe = int(retriever.item_vocab[1])
     try:  # a model that cannot answer is refused at start, not on the first request
         retriever.run([retriever.encode(RetrieveRequest([probe], k=1, exclude_history=False))])
