@@ -197,6 +197,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     flags = {key: value for key, value in vars(args).items() if key in SERVE_FLAG_KEYS}
     cfg = load_serve_config(args.config, args.overrides, flags)
+    if _run_recipe(args.run_dir) == "generative":  # POST /v1/retrieve (recforge/serve/retrieve_app.py)
+        return _serve_retrieve(args.run_dir, cfg)
     _check_serving_run(args.run_dir, "serve")
     if cfg.threads:
         import torch
@@ -219,6 +221,28 @@ def cmd_serve(args: argparse.Namespace) -> None:
     engine = RankEngine.from_run(args.run_dir, cfg.engine_config())
     app = create_app(engine, server_config)
     print(f"serving {args.run_dir} (model {engine.version}) on http://{cfg.host}:{cfg.port}  docs: /docs")
+    serve(app, server_config, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+
+
+def _serve_retrieve(run_dir: str, cfg) -> None:
+    """``recforge serve`` on a generative run: one process serving ``POST /v1/retrieve``."""
+    from recforge.serve.retrieve_app import create_retrieve_app, load_retriever
+    from recforge.serve.server import serve
+
+    if cfg.http_workers != "auto" and int(cfg.http_workers) > 0:
+        raise ValueError(f"http_workers={cfg.http_workers}: a generative run is served by one process; use "
+                         "--http-workers 0 (or auto)")  # fmt: skip
+    if cfg.server.allow_reload:
+        raise ValueError("--allow-reload: a generative run's server has no /v1/reload; restart it on the new run")
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    server_config = cfg.server_config(run_dir)
+    retriever, version = load_retriever(run_dir, cfg.retrieve, device=cfg.engine.device, dtype=cfg.engine.dtype)
+    app = create_retrieve_app(retriever, version, server_config, cfg.retrieve)
+    print(f"serving {run_dir} (model {version}, beam {retriever.config.beam}) on http://{cfg.host}:{cfg.port}  "
+          "POST /v1/retrieve  docs: /docs", flush=True)  # fmt: skip
     serve(app, server_config, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
 
 
@@ -355,10 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="test (writes eval.json) or valid (writes eval-valid.json; refused where the run trained on it)")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("serve", help="serve a trained ranking run over HTTP (POST /v1/rank; docs at /docs)",
+    p = sub.add_parser("serve", help="serve a trained ranking run (POST /v1/rank) or generative run (POST /v1/retrieve) "
+                       "over HTTP; docs at /docs",
                        description="Settings come from --config (see configs/serve-default.yaml), then key=value "
                        "overrides and the flags below (each flag sets the config key in brackets).")  # fmt: skip
-    p.add_argument("run_dir", help="a ranking run directory (or its model/ directory)")
+    p.add_argument("run_dir", help="a ranking run directory (or its model/ directory), or a generative run directory")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. scheduler.token_budget=4096 engine.dtype=bfloat16")
     p.add_argument("--config", help="serve config YAML, e.g. configs/serve-default.yaml (default: built-in defaults)")
     for flag, key, kind, help_text in SERVE_FLAGS:

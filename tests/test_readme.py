@@ -95,7 +95,7 @@ def test_the_serving_example_answers_200(tmp_path: Path, monkeypatch: pytest.Mon
     sample = default_data_root() / "taobao-sample"
     if not sample.is_dir():
         pytest.skip(f"the Taobao sample is not at {sample} (set RECFORGE_DATA to the shared data directory)")
-    block = next(b for b in _bash_blocks() if "recforge serve" in b)
+    block = next(b for b in _bash_blocks() if "recforge serve" in b and "/v1/rank" in b)
     body = json.loads(re.search(r"-d '(\{.*?\})'", block, flags=re.S).group(1))
     monkeypatch.chdir(tmp_path)  # the README's relative paths: data/taobao, runs/ranking-taobao-hstu
     (tmp_path / "configs").symlink_to(REPO / "configs")

@@ -1,12 +1,13 @@
 """`recforge serve` configuration: one YAML file, ``key=value`` overrides and flags, like `recforge train`.
 
-The file has four sections, each the config of the component it sets, and four top-level keys::
+The file has five sections, each the config of the component it sets, and four top-level keys::
 
     host: 127.0.0.1          # top level: where to listen, torch threads, the server's log level
     engine:    {...}         # EngineConfig (device, dtype, request limits, CUDA graphs)
     scheduler: {...}         # SchedulerConfig (token budget, prefill chunk, queue and admission limits)
     cache:     {...}         # PoolConfig (KV-cache device and host tiers; device_mb: 0 turns the cache off)
     server:    {...}         # ServerConfig's HTTP settings (body limits, deadlines, reload)
+    retrieve:  {...}         # RetrieveSettings (beam, k and list limits of a generative run's /v1/retrieve)
 
 Precedence: defaults < the YAML file < ``key=value`` overrides and flags (one key given both ways is
 refused). Unknown keys are refused with the list of valid ones; every problem is reported at once,
@@ -31,12 +32,13 @@ import yaml
 from recforge.config import _INVALID, ConfigError, _check_type, _merge, parse_overrides
 from recforge.serve.engine import EngineConfig
 from recforge.serve.kv_pool import PoolConfig
+from recforge.serve.retrieve_app import RetrieveSettings
 from recforge.serve.scheduler import SchedulerConfig
 from recforge.serve.server import ServerConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 SECTIONS: dict[str, type] = {"engine": EngineConfig, "scheduler": SchedulerConfig, "cache": PoolConfig,
-                             "server": ServerConfig}  # fmt: skip
+                             "server": ServerConfig, "retrieve": RetrieveSettings}  # fmt: skip
 # fields of the section configs that ServeConfig sets from elsewhere: key -> where it is set instead
 NOT_KEYS = {
     "engine.prefill_chunk": "set scheduler.prefill_chunk (the engine's chunk follows it)",
@@ -60,6 +62,7 @@ class ServeConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: PoolConfig = field(default_factory=PoolConfig)  # device_mb: 0 serves without a KV cache
     server: ServerConfig = field(default_factory=ServerConfig)
+    retrieve: RetrieveSettings = field(default_factory=RetrieveSettings)  # generative runs' /v1/retrieve only
 
     def engine_config(self) -> EngineConfig:
         return replace(self.engine, prefill_chunk=self.scheduler.prefill_chunk)
@@ -89,6 +92,7 @@ class ServeConfig:
             replace(self.server, scheduler=SchedulerConfig()).validate()
         except ValueError as err:  # "ServerConfig: a must be > 0, got 0; b must ..."
             problems += [f"server.{p}" for p in str(err).removeprefix("ServerConfig: ").split("; ")]
+        problems += [f"retrieve.{p}" for p in self.retrieve.problems()]
         return problems
 
 

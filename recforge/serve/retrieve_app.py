@@ -1,0 +1,300 @@
+"""HTTP server of a generative (semantic-ID) run: ``recforge serve RUN_DIR`` on a ``recipe: generative`` run.
+
+    POST /v1/retrieve  a history of raw item IDs -> top-k items with their SID log-probabilities
+    GET  /health       liveness of the batching worker, queue depth, model version, limits
+    GET  /metrics      Prometheus: latency, batch sizes and pass times, responses by status
+    GET  /docs         OpenAPI documentation (served locally, no CDN; the schema at /openapi.json)
+
+The ranking server's transport and admission rules apply unchanged: ``limits.RequestLimits`` (body
+bytes and read time, load shedding before the body is read), strict JSON (``RetrieveModels``: integers
+only as JSON integers within int64, bounded strings and lists; 422 naming every problem), the request
+checked and mapped against the catalogue (``Retriever.encode``) before it is queued, deadlines
+(``X-Request-Timeout-Ms``; 503 + ``Retry-After`` when it cannot be met, 504 when it passes) and
+cancellation when the client leaves. Requests arriving together share one ``Retriever.run``
+(``retrieve_runner.RetrieveRunner``). One process: ``--http-workers`` must be 0 (or auto).
+
+Example:
+    >>> retriever, version = load_retriever("runs/beauty-sid-tiger", RetrieveSettings(beam=256), device="cuda")
+    >>> app = create_retrieve_app(retriever, version, ServerConfig(), RetrieveSettings())
+    >>> serve(app, ServerConfig(), port=8000)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi_offline import FastAPIOffline
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    create_model,
+)
+
+from recforge.generate import Retriever, RetrieveRequest
+from recforge.generate.sid_run import read_run
+from recforge.serve.api import INT64, STRICT, ErrorOut, describe
+from recforge.serve.layout import RequestError
+from recforge.serve.limits import LoopLag, RequestLimits
+from recforge.serve.metrics import LATENCY_BUCKETS
+from recforge.serve.retrieve_runner import RetrieveRunner
+from recforge.serve.scheduler import DeadlineExceeded, OverloadedError
+from recforge.serve.server import ServerConfig, _timeout_ms, await_answer
+
+PATH = "/v1/retrieve"
+
+
+@dataclass
+class RetrieveSettings:
+    """The serve config's ``retrieve:`` section: the retrieve engine's limits (generative runs only)."""
+
+    beam: int = 0  # SIDs generated per request (0: the run's generative.beam)
+    default_k: int = 10  # items returned when a request gives no k
+    max_k: int = 200  # a larger k gets 422
+    max_batch: int = 64  # requests per batched search
+    max_history: int = 10_000  # history items per request before 422 (the model reads the most recent data.max_seq_len)
+    max_allowed: int = 1_000_000  # allowed_items per request before 422
+    skip_unknown: bool = False  # items without a SID are dropped from history/allowed_items instead of 422
+    checkpoint: str = "auto"  # auto (best for clean runs, else latest) | best | latest | a checkpoint directory
+
+    def problems(self) -> list[str]:
+        names = ("default_k", "max_k", "max_batch", "max_history", "max_allowed")
+        problems = [f"{name}: must be >= 1, got {getattr(self, name)}" for name in names if getattr(self, name) < 1]
+        if self.beam < 0:
+            problems.append(f"beam: must be >= 1 (0: the run's generative.beam), got {self.beam}")
+        if self.default_k > self.max_k:
+            problems.append(f"default_k: {self.default_k} is over max_k {self.max_k}")
+        return problems
+
+
+def load_retriever(run_dir: str | Path, settings: RetrieveSettings, device: str = "auto",
+                   dtype: str = "float32") -> tuple[Retriever, str]:  # fmt: skip
+    """(the run's ``Retriever`` under ``settings``, its model version), probed with one request."""
+    _, ckpt = read_run(run_dir, settings.checkpoint)
+    retriever = Retriever.from_run(run_dir, checkpoint=str(ckpt), device=device, dtype=dtype)
+    base = retriever.config
+    retriever.config = replace(base, beam=settings.beam or base.beam, max_k=settings.max_k, max_batch=settings.max_batch,
+                               max_history=settings.max_history, max_allowed=settings.max_allowed,
+                               skip_unknown=settings.skip_unknown)  # fmt: skip
+    retriever.config.validate()
+    files = sorted(p for p in [*Path(ckpt).rglob("*"), *(Path(run_dir) / "sids").rglob("*")] if p.is_file())
+    stats = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    version = f"{Path(ckpt).name}-{hashlib.sha256(repr(stats).encode()).hexdigest()[:10]}"  # stable across restarts
+    probe = int(retriever.item_vocab[1])
+    try:  # a model that cannot answer is refused at start, not on the first request
+        retriever.run([retriever.encode(RetrieveRequest([probe], k=1, exclude_history=False))])
+    except Exception as err:  # noqa: BLE001
+        raise ValueError(f"{run_dir}: the model fails on a probe request: {type(err).__name__}: {err}") from err
+    return retriever, version
+
+
+class RetrieveResponseOut(BaseModel):
+    user_id: StrictInt | StrictStr
+    items: list[int] = Field(description="raw item IDs, best first (fewer than k when fewer items are eligible)")
+    scores: list[float] = Field(description="SID log-probability of each item, in the same order")
+    model_version: str = Field(description="the model that generated this response")
+    latency_ms: float
+
+
+@dataclass
+class RetrieveModels:
+    """The request model of one served catalogue (limits, and an example made of its own item IDs)."""
+
+    request: type[BaseModel]
+
+    @classmethod
+    def for_retriever(cls, retriever: Retriever, settings: RetrieveSettings, max_string_chars: int = 256) -> RetrieveModels:
+        item = Annotated[StrictInt, Field(ge=-INT64, lt=INT64)]
+        user = Annotated[StrictInt, Field(ge=-INT64, lt=INT64)] | Annotated[StrictStr, Field(max_length=max_string_chars)]
+        items = [int(v) for v in retriever.item_vocab[1:6]]
+        example = {"user_id": "u42", "history": items[:3], "k": min(5, settings.max_k), "exclude_history": True}
+        if len(items) > 3:
+            example["allowed_items"] = items[1:]
+        request = create_model(
+            "RetrieveRequestIn", __config__=ConfigDict(**STRICT, json_schema_extra={"examples": [example]}),
+            __doc__="Generate the top ``k`` items to follow ``history``.",
+            user_id=(user, Field(description="the user (echoed back)")),
+            history=(list[item], Field(min_length=1, max_length=settings.max_history,
+                                       description="raw item IDs, oldest first")),
+            k=(Annotated[StrictInt, Field(ge=1, le=settings.max_k)], Field(settings.default_k,
+                                                                          description="items to return")),
+            allowed_items=(list[item] | None, Field(None, max_length=settings.max_allowed,
+                                                    description="only these items may be returned (default: any)")),
+            exclude_history=(StrictBool, Field(True, description="never return an item of the history")),
+        )  # fmt: skip
+        return cls(request)
+
+    def parse(self, raw: bytes) -> BaseModel:
+        """The validated request; ``RequestError`` naming every problem otherwise."""
+        try:
+            return self.request.model_validate_json(raw)
+        except ValidationError as err:
+            raise RequestError(describe(err)) from None
+
+
+class RetrieveMetrics:
+    """Prometheus metrics of the retrieve server (one process, one registry)."""
+
+    def __init__(self, runner: RetrieveRunner, registry: CollectorRegistry) -> None:
+        self.latency = Histogram("recforge_retrieve_latency_seconds", f"POST {PATH} latency (answered requests)",
+                                 buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
+        self.responses = Counter("recforge_http_responses", "HTTP responses by path and status", ["path", "status"],
+                                 registry=registry)  # fmt: skip
+        self.batch_requests = Histogram("recforge_retrieve_batch_requests", "requests per batched search",
+                                        buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)  # fmt: skip
+        self.pass_seconds = Histogram("recforge_retrieve_pass_seconds", "batched search time (encode + beam + items)",
+                                      buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
+        Gauge("recforge_queue_depth", "requests waiting or running", registry=registry).set_function(runner.pending)
+        for reason in ("deadline", "cancelled"):
+            Gauge(f"recforge_retrieve_dropped_{reason}", f"requests dropped unanswered ({reason})",
+                  registry=registry).set_function(lambda r=reason: runner.dropped[r])  # fmt: skip
+        runner.on_pass = self.on_pass
+
+    def on_status(self, path: str, status: int) -> None:
+        known = (PATH, "/health", "/metrics", "/docs", "/openapi.json")
+        self.responses.labels(path if path in known else "other", str(status)).inc()
+
+    def on_pass(self, requests: int, seconds: float) -> None:
+        self.batch_requests.observe(requests)
+        self.pass_seconds.observe(seconds)
+
+
+def create_retrieve_app(retriever: Retriever, version: str, config: ServerConfig | None = None,
+                        settings: RetrieveSettings | None = None) -> FastAPI:  # fmt: skip
+    """The FastAPI app serving ``retriever`` in this process; the batching worker stops with the app."""
+    config, settings = config or ServerConfig(), settings or RetrieveSettings()
+    config.validate()
+    problems = settings.problems()
+    if problems:
+        raise ValueError("retrieve settings: " + "; ".join(problems))
+    runner = RetrieveRunner(retriever, config.scheduler)
+    registry = CollectorRegistry()
+    metrics = RetrieveMetrics(runner, registry)
+    models = RetrieveModels.for_retriever(retriever, settings, config.max_string_chars)
+    lag = LoopLag()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        lag.start()
+        yield
+        lag.stop()
+        await asyncio.to_thread(runner.close)  # queued requests finish within drain_timeout_s
+
+    def shed(path: str) -> tuple[float, str] | None:
+        """Refuse a retrieve request before reading it when the queue or the event loop is already too late."""
+        if path != PATH:
+            return None
+        queued = runner.queued_seconds()
+        if queued * 1e3 > config.scheduler.max_queue_ms:
+            return max(1.0, math.ceil(queued - config.scheduler.max_queue_ms / 1e3)), (
+                f"overloaded: about {queued * 1e3:.0f} ms of work is queued (max_queue_ms "
+                f"{config.scheduler.max_queue_ms:g}); retry later")  # fmt: skip
+        if lag.lag_s * 1e3 > config.max_loop_lag_ms:
+            return 1.0, f"overloaded: the server is {lag.lag_s * 1e3:.0f} ms behind reading requests; retry later"
+        return None
+
+    app = FastAPIOffline(
+        lifespan=lifespan, title="recforge retrieve server", version=version,
+        description="Generative retrieval over semantic IDs: constrained beam search over the catalogue's SIDs "
+        f"(beam {retriever.config.beam}). Every request has a deadline (default {config.request_timeout_ms:g} ms; "
+        "header `X-Request-Timeout-Ms`): 503 with `Retry-After` when it cannot be met, 504 when it passes.",
+    )  # fmt: skip
+    app.state.runner, app.state.retriever, app.state.loop_lag = runner, retriever, lag
+    app.add_middleware(RequestLimits, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s,
+                       on_status=metrics.on_status, shed=shed)  # fmt: skip
+
+    @app.exception_handler(RequestError)
+    async def _bad_request(request: Request, err: RequestError) -> JSONResponse:
+        return JSONResponse({"detail": str(err)}, status_code=422)
+
+    errors = {408: {"model": ErrorOut, "description": "the body did not arrive within body_timeout_s"},
+              413: {"model": ErrorOut, "description": "the body is larger than max_body_bytes"},
+              422: {"model": ErrorOut, "description": "invalid request (the message says what to fix)"},
+              503: {"model": ErrorOut, "description": "overloaded or shutting down; retry after `Retry-After` s"},
+              504: {"model": ErrorOut, "description": "the request's deadline passed before the answer was ready"}}  # fmt: skip
+
+    @app.post(PATH, response_model=RetrieveResponseOut, responses=errors,
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": {"$ref": "#/components/schemas/RetrieveRequestIn"}}}}})  # fmt: skip
+    async def retrieve(request: Request) -> RetrieveResponseOut:
+        started = request.scope.get("state", {}).get("arrival", time.monotonic())
+        deadline = started + _timeout_ms(request, config) / 1e3
+        body = models.parse(await request.body())
+        try:
+            encoded = retriever.encode(RetrieveRequest(body.history, body.k, body.allowed_items, body.exclude_history))
+        except ValueError as err:
+            raise RequestError(str(err)) from None
+        try:
+            future = runner.submit(encoded, deadline=deadline)
+        except OverloadedError as err:
+            raise HTTPException(503, str(err), headers={"Retry-After": str(int(err.retry_after))}) from err
+        try:
+            result = await await_answer(request, asyncio.wrap_future(future), future.cancel, deadline)
+        except DeadlineExceeded as err:
+            raise HTTPException(504, str(err)) from err
+        except HTTPException:
+            raise
+        except Exception as err:  # noqa: BLE001 - an engine failure on this request only
+            raise HTTPException(500, f"retrieval failed: {err}") from err
+        seconds = time.monotonic() - started
+        metrics.latency.observe(seconds)
+        return RetrieveResponseOut(user_id=body.user_id, items=result.items, scores=result.scores,
+                                   model_version=version, latency_ms=seconds * 1e3)  # fmt: skip
+
+    @app.get("/health", responses={503: {"description": "the batching worker is dead or stuck"}})
+    async def health() -> JSONResponse:
+        worker = runner.health()
+        c = retriever.config
+        report: dict[str, Any] = {
+            "status": "ok" if worker["healthy"] else "unhealthy", "model_version": version,
+            "device": str(retriever.device), "dtype": str(next(retriever.model.parameters()).dtype).removeprefix("torch."),
+            "catalogue_items": int(retriever.trie.num_items), "sid_levels": int(retriever.item_codes.shape[1]),
+            "queue_depth": worker["queue_depth"], "worker": worker,
+            "limits": {"beam": c.beam, "max_k": c.max_k, "max_batch": c.max_batch, "max_history": c.max_history,
+                       "model_history_items": retriever.max_items, "max_allowed": c.max_allowed,
+                       "request_timeout_ms": config.request_timeout_ms, "max_queue_ms": config.scheduler.max_queue_ms},
+        }  # fmt: skip
+        return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    schema: dict[str, Any] = {}
+
+    def openapi() -> dict:
+        if not schema:
+            schema.update(get_openapi(title=app.title, version=version, description=app.description, routes=app.routes))
+            request_schema = models.request.model_json_schema(ref_template="#/components/schemas/{model}")
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(request_schema.pop("$defs", {}))
+            components["RetrieveRequestIn"] = request_schema
+        return schema
+
+    app.openapi = openapi
+    return app
+
+
+__all__ = ["RetrieveModels", "RetrieveResponseOut", "RetrieveSettings", "create_retrieve_app", "load_retriever"]
