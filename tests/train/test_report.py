@@ -117,7 +117,7 @@ def test_ranking_report(tmp_path: Path) -> None:
         assert page.cells.count(task) == 2
     assert {"auc", "gauc"} <= set(page.cells)
     assert "RESULTS.md has no baseline for the dataset &#x27;tinyrank&#x27;" in text
-    assert any(p.startswith("recforge eval ") and p.endswith("--split valid") for p in page.pres)
+    assert any(p == f"recforge --no-progress eval {cfg.run_dir} --split valid" for p in page.pres)
 
 
 def test_not_a_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
