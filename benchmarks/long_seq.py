@@ -151,7 +151,7 @@ def main() -> int:
                   f"{r['tokens_per_s']:>10.0f} {r['step_ms']:>8.1f} {r['model_tflops_per_s']:>8.1f}")  # fmt: skip
     bad = [r for r in rows if not r.get("oom") and (not r["losses_finite"] or r.get("loss_match") is False)]
     result = {
-        "benchmark": "long_seq", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "benchmark": "long_seq", "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
         "torch": torch.__version__, "model": {"blocks": args.blocks, "dim": args.dim, "heads": args.heads,
         "head_dim": args.head_dim, "items": args.items, "negatives": args.negatives, "precision": "bfloat16"},

@@ -79,7 +79,7 @@ def main() -> int:
         print(f"{r['max_seq_len']:>11} {r['hr@10']:>7.4f} {r['ndcg@10']:>8.4f} {r['ceiling_hr']:>8.4f} {r['train_steps']:>6}")
     hrs = [r["hr@10"] for r in rows]
     rises = len(hrs) >= 2 and hrs[-1] > hrs[0] and all(b >= a - 0.01 for a, b in zip(hrs, hrs[1:]))
-    result = {"benchmark": "long_seq_quality", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    result = {"benchmark": "long_seq_quality", "date": datetime.datetime.now(datetime.UTC).isoformat(),
               "config": CONFIG, "data": repr(QUALITY_DATA), "tokens_per_step": args.tokens, "minutes": args.minutes,
               "extra": args.extra, "rows": rows, "failed": failed, "hr_rises_with_history": rises}  # fmt: skip
     if args.out:

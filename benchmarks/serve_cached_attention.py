@@ -124,7 +124,7 @@ def main() -> None:
     out = Path(args.out or f"benchmarks/results/serve_cached_attention-{args.device.split(':')[0]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "benchmark": "serve_cached_attention", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "benchmark": "serve_cached_attention", "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "device": device_name, "torch": torch.__version__, "cuda_graphs": graphs, "prefill_chunk": args.prefill_chunk,
         "repeats": args.repeats, "kernels": kernels, "results": results,
     }, indent=1))  # fmt: skip

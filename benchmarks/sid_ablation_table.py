@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = ",".join(str(s) for s in row["trained_steps"]) + ("" if row["equal_steps"] else " (UNEQUAL)")
         print(f"| {row['group']} ({len(row['seeds'])}) | {steps} | " + " | ".join(cells) + " |")
     if args.out is not None:
-        atomic_write_json(args.out, {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        atomic_write_json(args.out, {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                                      "work": str(args.work), "required_steps": args.steps, "rows": rows})  # fmt: skip
         print(f"wrote {args.out}")
     return 0 if all(row["equal_steps"] for row in rows) else 2

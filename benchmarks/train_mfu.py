@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 import time
 import traceback

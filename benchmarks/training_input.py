@@ -165,7 +165,7 @@ def main() -> None:
             result["ranking"] = {"samples": len(samples), **time_variants(variants, args.repeats)}
             print(f"ranking: {result['ranking']['seconds']}  file/stream {result['ranking']['file_over_stream']:.2f}x")
     result.update(machine=cpu_model(), cpus=os.cpu_count(), load_average_at_start=load, torch=torch.__version__,
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                   command=" ".join(["python", *sys.argv]))  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

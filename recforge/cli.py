@@ -379,6 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="test (writes eval.json) or valid (writes eval-valid.json; refused where the run trained on it)")
     p.set_defaults(func=cmd_eval)
 
+    p = sub.add_parser("report", help="write a self-contained HTML report of a run (RUN_DIR/report/index.html + PNGs)")
+    p.add_argument("run_dir")
+    p.add_argument("--out", help="output directory (default: RUN_DIR/report)")
+    p.set_defaults(func=cmd_report)
+
     p = sub.add_parser("serve", help="serve a trained ranking run (POST /v1/rank) or generative run (POST /v1/retrieve) "
                        "over HTTP; docs at /docs",
                        description="Settings come from --config (see configs/serve-default.yaml), then key=value "
@@ -415,6 +420,12 @@ def _global_flags_everywhere(parser: argparse.ArgumentParser) -> None:
             for sub in action.choices.values():
                 _global_flags(sub, argparse.SUPPRESS)
                 _global_flags_everywhere(sub)
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from recforge.train.report import write_report
+
+    print(f"report: {write_report(args.run_dir, args.out)}")
 
 
 def main(argv: list[str] | None = None) -> int:

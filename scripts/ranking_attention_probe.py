@@ -65,8 +65,10 @@ def main() -> None:
                 has = cnt > 0
                 prev[has, cnt[has] - 1] = True
                 st = stats[b]
-                st["same"].append(wh[same]); st["other"].append(wh[other])
-                st["prev"].append(wh[prev & visible]); st["rest"].append(wh[visible & ~prev])
+                st["same"].append(wh[same])
+                st["other"].append(wh[other])
+                st["prev"].append(wh[prev & visible])
+                st["rest"].append(wh[visible & ~prev])
                 c = int(batch.mask.num_contextual[0])
                 st["ctx"].append(wt[:, :c].sum(1))
                 # does total mass on same-cluster items track the share?

@@ -67,7 +67,7 @@ def main() -> None:
     split = np.where(pos_from_end < n_test[owner], 2, np.where(pos_from_end < (n_test + n_valid)[owner], 1, 0))
     feats = np.stack([share, np.log1p(counts), same.astype(float), np.log1p(np.arange(len(users)) - np.repeat(starts, lengths))], 1)
     rows = []
-    for k, (task, (b, wa, ws)) in enumerate(IMPRESSION_LOGITS.items()):
+    for task, (b, wa, ws) in IMPRESSION_LOGITS.items():
         y = ev.column(task).to_numpy().astype(np.float32)
         p = ev.column(f"p_{task}").to_numpy().astype(np.float64)
         logit = np.log(p / (1 - p))

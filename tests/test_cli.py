@@ -172,6 +172,9 @@ def test_demo(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert (out / "demo" / "eval.json").is_file()
     log = (out / "demo" / "train_log.jsonl").read_text().splitlines()
     assert 1 <= len(log) <= 3
+    report = out / "demo" / "report" / "index.html"
+    assert f"run report (plots, tables, config; open in a browser): {report}" in stdout
+    assert 'id="plot-loss"' in report.read_text()
 
 
 def test_demo_rejects_bad_override(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -300,7 +300,7 @@ class BatchRunner:
             outputs = self.engine.run(plan.items)
         except Exception:  # noqa: BLE001 - isolate: rerun each request's item alone, fail only those that raise
             outputs = []
-            for seq, item in plan.work:
+            for _seq, item in plan.work:
                 try:
                     outputs.append(self.engine.run([item])[0])
                 except Exception as err:  # noqa: BLE001

@@ -19,6 +19,7 @@ from recforge.data.dataset import load_dataset
 from recforge.data.sequences import UserSequences
 from recforge.data.synthetic import SyntheticConfig, write_synthetic
 from recforge.train.evaluate import evaluate_ranking, popularity_scorer
+from recforge.train.report import write_report
 from recforge.train.retrieval import setup, train
 
 DEMO_MODEL = {"kind": "hstu", "dim": 64, "num_blocks": 2, "num_heads": 2, "dqk": 32, "dv": 32, "dropout": 0.1}
@@ -69,6 +70,7 @@ def run_demo(out_dir: str | Path = "runs/demo", *, minutes: float = 2.0, overrid
         print(f"  {name:<12}" + "".join(f"{m[k]:>10.4f}" for k in keys))
     print(f"\n[4/4] top-10 recommendations for user {int(seqs.user_ids[0])}")
     _show_user(cfg, seqs, dataset)
+    print(f"\nrun report (plots, tables, config; open in a browser): {write_report(cfg.run_dir)}")
     return {"model": model_metrics, "popularity": pop_metrics}
 
 

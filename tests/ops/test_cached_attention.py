@@ -15,7 +15,7 @@ import torch
 from _oracles import offsets_of, random_lengths, random_mask, relative_error
 
 from recforge.jagged import AttentionMask
-from recforge.ops import cached_hstu_attention, hstu_attention
+from recforge.ops import cached_hstu_attention
 from recforge.ops.hstu_attention import hstu_attention_reference
 
 MASK_KINDS = ["causal", "full", "contextual", "targets", "window", "segments", "timestamps", "all"]

@@ -93,6 +93,7 @@ def test_cuda_graphs_equal_eager_on_cuda(tmp_path, cuda_device, encoding) -> Non
     eager = RankEngine(graphs.model, graphs.manifest, None, EngineConfig(device="cuda", prefill_chunk=16, cuda_graphs=0))
     eager.vocab = graphs.vocab
     assert graphs.graphs is not None and eager.graphs is None
+    captures_after_first = None  # set by the first request, checked after the second
     for seed, (events, cands) in enumerate([(50, 20), (50, 18), (90, 300)]):  # the second fits the first's buckets
         req = _request(graphs, events, cands, seed=seed)
         torch.testing.assert_close(graphs.rank_encoded(req).scores, eager.rank_encoded(req).scores, rtol=1e-4, atol=1e-4)

@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 from _dist import assert_same_rows, spawn
 
 from recforge.sparse import AdmissionConfig, DynamicEmbedding, EmbeddingCollection, FeatureConfig, JaggedIds, SparseOptimConfig

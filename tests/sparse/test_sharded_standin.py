@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from _dist import assert_same_rows, spawn
 
-from recforge.sparse import AdmissionConfig, DynamicEmbedding, EvictionConfig, SparseOptimConfig, TableConfig
+from recforge.sparse import AdmissionConfig, DynamicEmbedding, SparseOptimConfig, TableConfig
 from recforge.sparse.sharded import ShardedDynamicEmbedding, standin_lookups
 
 D = 4
