@@ -47,11 +47,12 @@ NUM_ITEMS, DIM = 100_000, 64
 ACTIONS = ["view", "click", "cart", "buy"]
 
 
-def export_model(out: Path, max_len: int) -> Path:
+def export_model(out: Path, max_len: int, kernel: str = "auto") -> Path:
     torch.manual_seed(0)
     model = RankingModel(
         RankingPrefix(NUM_ITEMS, len(ACTIONS), 1010, DIM),
-        HSTUEncoder(HSTUConfig(dim=DIM, num_blocks=2, num_heads=2, dqk=32, dv=32, dropout=0.0, max_seq_len=max_len)),
+        HSTUEncoder(HSTUConfig(dim=DIM, num_blocks=2, num_heads=2, dqk=32, dv=32, dropout=0.0, max_seq_len=max_len,
+                               kernel=kernel)),
         MultiTaskMLP(DIM, 2, hidden=128),
     )
     vocab = {"item_ids": list(range(1, NUM_ITEMS + 1)), "action_column": "action", "actions": ACTIONS,
@@ -165,6 +166,8 @@ def main() -> None:
     parser.add_argument("--max-in-flight", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kernel", default="auto", choices=("auto", "triton", "pytorch"),
+                        help="the served model's attention kernel (auto: Triton on CUDA)")
     parser.add_argument("--server-threads", type=int, default=1)
     parser.add_argument("--token-budget", type=int, default=8192)
     parser.add_argument("--max-wait-ms", type=float, default=2.0)
@@ -177,7 +180,7 @@ def main() -> None:
     load_at_start = os.getloadavg()[0]
     rates = [float(r) for r in args.rates.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        run = export_model(Path(tmp) / "run", max_len=max(512, args.history + 8))
+        run = export_model(Path(tmp) / "run", max_len=max(512, args.history + 8), kernel=args.kernel)
         in_process = {}
         if args.engine_requests:
             from recforge.serve.engine import EngineConfig
