@@ -147,7 +147,7 @@ def _figures(record: RunRecord) -> dict[str, object]:
     for plot, lines in metric_groups(evals).items():
         fig = Figure(figsize=(5.2, 3.2), layout="constrained")
         ax = fig.add_subplot()
-        for line, key in sorted(lines.items()):
+        for line, key in sorted(lines.items(), key=_line_order):
             pts = [(r["step"], r[key]) for r in evals if _is_number(r.get(key))]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=line)
         split = ", ".join(sorted({str(r.get("split", "valid")) for r in evals}))
@@ -188,3 +188,9 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, results
     with atomic_file(index) as tmp:
         tmp.write_text(page, encoding="utf-8")
     return index
+
+
+def _line_order(item: tuple[str, str]) -> tuple[int, str]:
+    """Lines ``@5`` before ``@10`` (numerically), then any other line by name."""
+    line = item[0]
+    return (int(line[1:]), "") if re.fullmatch(r"@\d+", line) else (1 << 30, line)

@@ -142,3 +142,21 @@ def test_baseline_matching(tmp_path: Path) -> None:
     assert [t.heading for t in tables] == ["Beauty", "Other"]
     assert matching_baselines("taobao", md)[0] == [] and "no baseline" in matching_baselines("taobao", md)[1]
     assert "no RESULTS.md" in matching_baselines("x", tmp_path / "nope.md")[1]
+
+
+def test_report_renders_in_a_headless_browser(retrieval_run: Path, tmp_path: Path) -> None:
+    """The page opens in a real browser (Chromium, headless) and paints: a screenshot of it is written.
+    Skips where no Chromium is installed (``apt-get install chromium``)."""
+    import shutil
+    import subprocess
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        pytest.skip("no Chromium on PATH (apt-get install chromium) to render the report in")
+    assert main(["report", str(retrieval_run), "--out", str(tmp_path / "report")]) == 0
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1024,1400",
+                    f"--screenshot={shot}", (tmp_path / "report" / "index.html").as_uri()],
+                   check=True, timeout=120, capture_output=True)  # fmt: skip
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000  # a painted page, not a blank one
