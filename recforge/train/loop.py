@@ -187,6 +187,7 @@ def run_loop(
                 optimizer_state=optimizer_state,
             )  # fmt: skip
         ctx.barrier()  # no rank runs ahead of a checkpoint that is not complete yet
+        log.reset()  # the next interval's rate counts training only, not the checkpoint write
 
     def raw_steps(epoch: int) -> Iterator[list]:
         """This rank's micro-batches of each step, then [None] * K forever (the step agrees when all ranks are done)."""
@@ -285,8 +286,7 @@ def run_loop(
             model.eval()
             best = log_eval()
             model.train()
-        checkpoint(best=best)
-        log.reset()  # the next interval's rate counts training only
+        checkpoint(best=best)  # resets the throughput interval: the next rate counts training only
     log.flush()
     if writer is not None:
         writer.close()

@@ -354,3 +354,29 @@ def test_bfloat16_precision_trains_in_bf16_with_float32_weights(tmp_path: Path, 
     train(cfg, progress=False)
     losses = [loss for _, _, loss in _steps_log(cfg.run_dir)]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_checkpoint_write_time_is_not_counted_in_throughput(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mid-epoch checkpoint's write time stays out of the next interval's tokens_per_s."""
+    import time
+
+    from recforge.train import loop
+
+    pause = 1.0
+    real = loop.save_checkpoint
+
+    def slow_save(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        time.sleep(pause)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "save_checkpoint", slow_save)
+    cfg = _cfg(tmp_path, data_dir, "train.epochs=1", "train.eval_every=0", "train.checkpoint_every=2",
+               "train.log_every=1")  # fmt: skip
+    train(cfg, progress=False)
+    rows = [json.loads(line) for line in (cfg.run_dir / "train_log.jsonl").read_text().splitlines()]
+    assert len(rows) >= 3
+    for row in rows:  # log_every=1: each row's interval is one step
+        seconds = row["tokens"] / row["tokens_per_s"]
+        assert seconds < pause / 2, (row["step"], seconds)
