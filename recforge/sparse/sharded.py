@@ -350,7 +350,8 @@ class ShardedDynamicEmbedding(nn.Module):
         """Phase 2b: the owner's lookup (admission in training, as ``DynamicEmbedding``) and the embeddings' way back.
 
         A lookup staged earlier (``stage``) whose rows all exist, are cached and are still theirs reads them
-        with no host sync; any other goes through the shard's full lookup.
+        with no host sync; any other goes through the shard's full lookup. Outside training (``eval()`` or
+        no_grad) an unstaged lookup is not staged: it reads the rows in place and leaves the device cache alone.
         """
         if handle.ids is not None:
             ids, tags = handle.ids.view(handle.shape), None if handle.tags is None else handle.tags.view(handle.shape)
@@ -362,6 +363,8 @@ class ShardedDynamicEmbedding(nn.Module):
                     finally:
                         self.shard.train()
             return self.shard(ids, tags, admit)
+        if handle.staged is None and not (self.training and torch.is_grad_enabled()):
+            return self._direct_lookup(handle, admit)  # evaluation: no staging, the cache keeps its training rows
         self.stage(handle)
         staged, shard = handle.staged, self.shard
         current = staged.epoch == (shard.stage_epoch, shard.store.generation)
@@ -381,6 +384,21 @@ class ShardedDynamicEmbedding(nn.Module):
             unique_emb = self._owner_rows(staged.keys, staged.tags, staged.occurrences, admit)  # (G, d)
         sent_back = F.embedding(staged.inverse, unique_emb)  # (R, d): each sender's keys, in the order it sent them
         out = _AllToAll.apply(sent_back, handle.send_splits, handle.recv_splits, self.group)  # (U, d); backward: to the owners
+        return F.embedding(handle.position, out).view(*handle.shape, self.dim)
+
+    def _direct_lookup(self, handle: DistributedIds, admit: bool) -> Tensor:
+        """The owner's lookup without staging (evaluation, no_grad): reads host-tier rows in place."""
+        handle.wait()
+        recv_keys, recv_tags, recv_occ = handle.received.unbind(1)  # (R,) each
+        if handle.has_tags:
+            keys, tags, inverse, _ = unique_keys(recv_keys, recv_tags)
+        else:  # the order DynamicEmbedding admits in (sorted keys)
+            keys, inverse = torch.unique(recv_keys, return_inverse=True)
+            tags = None
+        occurrences = torch.zeros(keys.numel(), dtype=torch.int64, device=keys.device).index_add_(0, inverse, recv_occ)
+        unique_emb = self._owner_rows(keys, tags, occurrences, admit)  # (G, d)
+        sent_back = F.embedding(inverse, unique_emb)  # (R, d): each sender's keys, in the order it sent them
+        out = _AllToAll.apply(sent_back, handle.send_splits, handle.recv_splits, self.group)  # (U, d)
         return F.embedding(handle.position, out).view(*handle.shape, self.dim)
 
     def _owner_rows(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor, admit: bool) -> Tensor:

@@ -191,3 +191,29 @@ def test_owner_hash_is_fixed_and_balanced() -> None:
     keys, tags = torch.tensor([0, 1, 7, 2**62, 12345678901]), torch.tensor([0, 0, 0, 1, 2])
     assert owner_of(keys, tags, 4).tolist() == [0, 2, 3, 3, 0]
     assert owner_of(keys, tags, 7).tolist() == [0, 4, 2, 5, 3]
+
+
+def _eval_lookup_worker(rank: int, world_size: int) -> None:
+    # a host-tier shard with a 4-row cache: an evaluation lookup reads rows without loading them into the cache
+    cfg = dataclasses.replace(_cfg(cache_rows=4), init_std=0.1)
+    sharded, plain = ShardedDynamicEmbedding(cfg), DynamicEmbedding(cfg)
+    _warm(sharded), _warm(plain)
+    pool = torch.randint(0, 2**62, (24,), generator=torch.Generator().manual_seed(0))  # _warm's pool: 12 rows exist
+    hot = pool[:3]
+    sharded(hot).sum().backward()  # training: the hot rows go to the cache
+    sharded.apply_gradients()
+    plain(hot).sum().backward()
+    plain.apply_gradients()
+    store = sharded.shard.store
+    cached, stats = store.row_to_slot.clone(), dict(sharded.stats)
+    cold = pool[torch.randperm(12, generator=torch.Generator().manual_seed(int(torch.randint(0, 99, ()))))[:8]]
+    sharded.eval(), plain.eval()
+    with torch.no_grad():
+        out, expected = sharded(cold), plain(cold)
+    torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
+    assert torch.equal(store.row_to_slot, cached), "an evaluation lookup changed the device cache"
+    assert sharded.stats["admitted"] == stats["admitted"]
+
+
+def test_eval_lookup_leaves_the_device_cache_alone() -> None:
+    spawn(_eval_lookup_worker, 1)
