@@ -103,7 +103,8 @@ class LossConfig:
     in_batch_negatives: bool = False  # also use the batch's other target items as negatives
     temperature: float = 0.05
     # positions per loss chunk: larger batches compute the loss this many positions at a time, so no
-    # (positions x negatives) logits are held (same value and gradients; 0: never chunk)
+    # (positions x negatives) logits are held (same value and gradients; 0: never chunk). A dynamic item
+    # table (sparse.*) then counts each distinct sampled negative once per batch, not once per draw
     chunk_size: int = 8192
 
 

@@ -35,6 +35,7 @@ def sampled_softmax_loss(
     in_batch_negatives: bool = False,
     temperature: float = 0.05,
     chunk_size: int = 0,
+    exact_distinct: bool = False,
 ) -> Tensor:
     """Softmax cross-entropy of each position's next item against negatives.
 
@@ -53,6 +54,10 @@ def sampled_softmax_loss(
             gradients up to float rounding, the same negatives drawn. Per-position negatives are
             looked up once per distinct item (``item_vectors`` sees each sampled ID once, with
             fixed-size padding that repeats one of them); no host synchronisation.
+        exact_distinct: ``item_vectors`` counts the ids it is given (a dynamic table: admission, LFU,
+            stats): chunked per-position negatives are looked up as their exact distinct ids
+            (``torch.unique``, one host sync), so no padding repeat is counted. Such a table counts
+            each distinct sampled negative once per batch, not once per draw as unchunked.
 
     Sampled negatives equal to the target ("accidental hits") are masked out.
 
@@ -63,15 +68,16 @@ def sampled_softmax_loss(
     with torch.autocast(user.device.type, enabled=False):
         dtype = torch.promote_types(user.dtype, torch.float32)  # bf16/fp16 -> float32
         return _sampled_softmax_loss(user.to(dtype), targets, lambda ids: item_vectors(ids).to(dtype), num_items,
-                                     negatives, num_negatives, in_batch_negatives, temperature, chunk_size)
+                                     negatives, num_negatives, in_batch_negatives, temperature, chunk_size,
+                                     exact_distinct)
 
 
 def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor | None], Tensor], num_items: int,
                           negatives: str, num_negatives: int, in_batch_negatives: bool, temperature: float,
-                          chunk_size: int = 0) -> Tensor:  # fmt: skip
+                          chunk_size: int = 0, exact_distinct: bool = False) -> Tensor:  # fmt: skip
     if 0 < chunk_size < user.shape[0]:
         return _chunked_loss(user, targets, item_vectors, num_items, negatives, num_negatives, in_batch_negatives,
-                             temperature, chunk_size)  # fmt: skip
+                             temperature, chunk_size, exact_distinct)  # fmt: skip
     if negatives == "full":
         logits = user @ item_vectors(None).T / temperature  # (T, N+1)
         logits[:, 0] = float("-inf")  # padding row is not an item
@@ -97,7 +103,8 @@ def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[
 
 
 def _chunked_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor | None], Tensor], num_items: int,
-                  negatives: str, num_negatives: int, in_batch_negatives: bool, temperature: float, chunk: int) -> Tensor:
+                  negatives: str, num_negatives: int, in_batch_negatives: bool, temperature: float, chunk: int,
+                  exact_distinct: bool = False) -> Tensor:
     """``_sampled_softmax_loss`` in chunks of positions: the same negatives (drawn in the same order), the
     positive / shared / per-position columns handed to ``chunked_softmax_cross_entropy``."""
     device = user.device
@@ -120,7 +127,10 @@ def _chunked_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor 
         shared_ids = torch.cat(shared_ids)
         shared = item_vectors(shared_ids)  # (S, d)
     if own_ids is not None:
-        distinct, own_rows = _distinct_rows(own_ids, num_items + 1)  # (M,), (T, K)
+        if exact_distinct:  # a counting table: no padding repeats (one host sync)
+            distinct, own_rows = torch.unique(own_ids, return_inverse=True)  # (M,), (T, K)
+        else:
+            distinct, own_rows = _distinct_rows(own_ids, num_items + 1)  # (M,), (T, K)
         own = item_vectors(distinct)  # (M, d): one lookup per distinct sampled item, not T x K
     return chunked_softmax_cross_entropy(user, item_vectors(targets), targets, shared=shared,
                                          shared_ids=shared_ids if shared is not None else None, own=own,

@@ -109,6 +109,7 @@ def _loss(s: Setup, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         in_batch_negatives=cfg.loss.in_batch_negatives,
         temperature=cfg.loss.temperature,
         chunk_size=cfg.loss.chunk_size,
+        exact_distinct=not isinstance(s.model.prefix.item_embedding, torch.nn.Embedding),  # a dynamic table counts lookups
     )  # mean over the batch's T targets
     if not cfg.train.token_budget:
         return loss, loss

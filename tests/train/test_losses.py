@@ -287,3 +287,27 @@ def test_scale_accounts_for_ddp_averaging():
     assert token_loss_scale(400, world_size=4) == pytest.approx(4 / 400)
     with pytest.raises(ValueError, match="reference_tokens"):
         token_loss_scale(0)
+
+
+def test_chunked_loss_on_a_dynamic_table_counts_no_phantom_lookups() -> None:
+    """Chunked per-position negatives reach a counting (dynamic) table once per distinct sampled ID:
+    no padding repeats of the smallest one inflate its counter."""
+    from recforge.sparse import DynamicEmbedding, SparseOptimConfig, TableConfig
+
+    num_items, positions, k = 200, 20, 16  # 320 draws: about 160 distinct, padding would repeat one ~40 times
+    table = DynamicEmbedding(TableConfig(name="item", dim=8, capacity=num_items + 1, init_std=0.1,
+                                         seed=int(torch.randint(0, 1000, ())), optimizer=SparseOptimConfig()))  # fmt: skip
+    user = F.normalize(torch.randn(positions, 8), dim=-1)
+    targets = torch.randint(1, num_items + 1, (positions,))
+    torch.manual_seed(int(torch.randint(0, 1000, ())))
+    state = torch.get_rng_state()
+    loss = sampled_softmax_loss(user, targets, lambda ids: F.normalize(table(ids), dim=-1), num_items,
+                                num_negatives=k, chunk_size=7, exact_distinct=True)  # fmt: skip
+    assert torch.isfinite(loss)
+    torch.set_rng_state(state)
+    drawn = torch.randint(1, num_items + 1, (positions, k))  # the loss's draw, repeated
+    ids = torch.arange(1, num_items + 1)
+    expected = (ids[:, None] == targets[None, :]).sum(1) + torch.isin(ids, drawn).long()  # targets + once per distinct
+    rows = table.index.lookup(ids, None)
+    counts = torch.where(rows >= 0, table.counters.count[rows.clamp_min(0)], 0)
+    assert torch.equal(counts.long(), expected)
