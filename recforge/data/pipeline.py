@@ -129,6 +129,7 @@ class Pipeline:
         if state is not None:
             source.check_state(state.paths)
             state.check(source)
+            state.paths = list(source.paths)  # a legacy file-based state names the samples now: later resumes check them
         return Pipeline(source, num_workers=num_workers, rules=None, seed=seed, rank=rank, world_size=world_size,
                         state=state, worker_mode=worker_mode)  # fmt: skip
 

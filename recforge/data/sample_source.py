@@ -122,14 +122,15 @@ class SampleSource:
         return f"{self.kind} sample {int(row[0])}"
 
     def check_state(self, paths: list[str]) -> None:
-        """Refuse a pipeline state saved for other samples (the dataset or the data settings changed).
+        """Refuse a pipeline state saved for other samples (their count or fingerprinted identity differs).
 
         A state saved while the samples were read from a file (an older run) names that file: only
-        its row count is checked, as for any file."""
+        its row count is checked, as for any file (``Pipeline.from_samples`` then renames it to these
+        samples, so the next resume checks their fingerprint)."""
         saved = paths[0] if len(paths) == 1 else ""
         if saved.startswith(SAMPLE_PREFIX) and saved != self.paths[0]:
             raise ValueError(
-                f"the pipeline state was saved for the samples {saved} but this run builds {self.paths[0]}: the dataset "
-                "or the data settings changed since the checkpoint. Resume with the same dataset and config, or start a "
-                "new run."
+                f"the pipeline state was saved for the samples {saved} but this run builds {self.paths[0]}: the samples "
+                "differ (their count or identity, which the name fingerprints), so the saved progress does not apply. "
+                "Resume with the checkpoint's dataset and data settings, or start a new run."
             )

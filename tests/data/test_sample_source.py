@@ -91,11 +91,25 @@ def test_a_state_of_other_samples_is_refused() -> None:
     state = pipe.state_dict()
     other, other_lengths = _rows(seed=5, n=100)
     other = other.set_column(0, "sample", pa.array(np.arange(100) + 1))  # same count, other samples
-    with pytest.raises(ValueError, match="data settings changed"):
+    with pytest.raises(ValueError, match="samples differ"):
         Pipeline.from_samples(_source(other, other_lengths), state=state)
     with pytest.raises(ValueError, match="pipeline state was saved for 1 files"):
         Pipeline.from_samples(_source(table.slice(0, 60), lengths[:60]), state=dict(state, files=[
             dict(state["files"][0], path="old/samples/train-00000.parquet")]))  # fmt: skip
+
+
+def test_a_legacy_file_state_is_renamed_to_the_samples_so_later_resumes_check_them() -> None:
+    table, lengths = _rows(seed=int(np.random.default_rng().integers(100, 10_000)), n=100)
+    pipe = Pipeline.from_samples(_source(table, lengths), num_workers=1).batch(10)
+    _epoch(pipe, stop_after=2)
+    state = pipe.state_dict()
+    legacy = dict(state, files=[dict(state["files"][0], path="old/samples/train-00000.parquet")])  # an older run's file
+    resumed = Pipeline.from_samples(_source(table, lengths), num_workers=1, state=legacy).batch(10)
+    saved = resumed.state_dict()
+    assert saved["files"][0]["path"] == _source(table, lengths).paths[0]  # the samples' fingerprint from now on
+    other = table.set_column(0, "sample", pa.array(np.arange(100) + 7))  # same count, other samples
+    with pytest.raises(ValueError, match="samples differ"):
+        Pipeline.from_samples(_source(other, lengths), state=saved)
 
 
 def test_bad_arguments_are_explained() -> None:
