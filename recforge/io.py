@@ -4,8 +4,10 @@ Everything written is given the permissions the process umask allows before it i
 place (``tempfile`` makes files 0600 and directories 0700, and so do some writers, e.g.
 safetensors: a serving process under another user, or a container running as non-root, could
 not read a dataset, checkpoint or exported model). Temporary names carry
-the host and process id (``.NAME.tmp-HOST-PID-RANDOM``), so the next write to the same target
-removes what a killed writer on this host left behind.
+the host, its PID namespace where there is one, and the process id
+(``.NAME.tmp-HOST-nsINODE-PID-RANDOM``), so the next write to the same target removes what a
+killed writer of this host and namespace left behind (containers sharing a hostname have their
+own PIDs: their entries are left alone).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import secrets
 import shutil
 import socket
 import stat
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,19 +29,43 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def _host() -> str:
+STALE_GRACE_S = 600  # an entry named without a PID namespace is judged stale only this long after its last change
+
+
+def _hostname() -> str:
     return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+
+
+def _host() -> str:
+    """The writer tag of temporary names: the hostname, and the PID namespace's inode where there is one."""
+    try:
+        return f"{_hostname()}-ns{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:  # no /proc (macOS, Windows): no PID namespaces either
+        return _hostname()
 
 
 def _temp_name(final: Path, kind: str) -> Path:
     return final.with_name(f".{final.name}.{kind}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def _writer_is_gone(name: str) -> bool:
-    """True when a ``.NAME.tmp-HOST-PID-RAND`` entry was left by a process of this host that no longer runs."""
-    m = re.search(r"\.(?:tmp|old)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+$", name)
-    if m is None or m.group("host") != _host():
-        return False  # another host's writer (a shared file system), or a name not ours: leave it
+def _writer_is_gone(entry: Path) -> bool:
+    """True when a ``.NAME.tmp-HOST-nsINODE-PID-RAND`` entry was left by a process of this host and PID
+    namespace that no longer runs. An entry named without a namespace (an older recforge's) may be a
+    live writer's in another container of the same hostname: stale only if its pid is not running
+    here and it has not changed for ``STALE_GRACE_S``."""
+    m = re.search(r"\.(?:tmp|old)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+$", entry.name)
+    if m is None:
+        return False
+    tag = _host()
+    if m.group("host") != tag:
+        untagged = m.group("host") == _hostname() and tag != _hostname()
+        if not untagged:
+            return False  # another host's or another namespace's writer (a shared file system): leave it
+        try:
+            if entry.lstat().st_mtime > time.time() - STALE_GRACE_S:
+                return False
+        except OSError:
+            return False
     pid = int(m.group("pid"))
     if pid == os.getpid():
         return False
@@ -50,7 +77,7 @@ def _writer_is_gone(name: str) -> bool:
 
 
 def clean_stale_temporaries(final: Path) -> None:
-    """Remove the temporary siblings of ``final`` that a killed writer on this host left behind.
+    """Remove the temporary siblings of ``final`` that a killed writer of this host (and PID namespace) left behind.
 
     A renamed-aside old copy (``.NAME.old-...``) is put back when ``final`` is missing (the writer
     died between its two renames), otherwise removed.
@@ -60,7 +87,7 @@ def clean_stale_temporaries(final: Path) -> None:
         return
     for entry in sorted(final.parent.glob(f".{glob_escape(final.name)}.*-*")):
         kind = entry.name[len(final.name) + 2 :].split("-", 1)[0]
-        if kind not in ("tmp", "old") or not _writer_is_gone(entry.name):
+        if kind not in ("tmp", "old") or not _writer_is_gone(entry):
             continue
         if kind == "old" and not final.exists():
             os.replace(entry, final)

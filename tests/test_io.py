@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,3 +108,22 @@ def test_check_replaceable_refuses_foreign_files(tmp_path: Path) -> None:
     (out / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match=r"notes\.txt.*move them"):
         check_replaceable(out, ["events.parquet"], "dataset")
+
+
+def test_leftovers_of_another_pid_namespace_on_the_same_hostname_are_kept(tmp_path: Path) -> None:
+    """Containers sharing a hostname have their own PIDs: a pid that is dead here may be a live writer there."""
+    import socket
+
+    hostname, pid = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host", _dead_pid()
+    if not Path("/proc/self/ns/pid").exists():
+        pytest.skip("no PID namespaces here")
+    other_ns = tmp_path / f".d.tmp-{hostname}-ns{os.stat('/proc/self/ns/pid').st_ino + 1}-{pid}-0abc1234"
+    other_ns.mkdir()
+    legacy_fresh = tmp_path / f".d.old-{hostname}-{pid}-0abc1234"  # an untagged name: could be any namespace's
+    legacy_fresh.mkdir()
+    clean_stale_temporaries(tmp_path / "d")
+    assert other_ns.exists() and legacy_fresh.exists() and not (tmp_path / "d").exists()
+    hour_ago = time.time() - 3600  # an untagged leftover past the grace period, its writer gone: stale
+    os.utime(legacy_fresh, (hour_ago, hour_ago))
+    clean_stale_temporaries(tmp_path / "d")
+    assert other_ns.exists() and not legacy_fresh.exists() and (tmp_path / "d").is_dir()  # the old copy restored
