@@ -220,13 +220,16 @@ class BatchRunner:
                     if left <= 0:
                         break
                     self._cond.wait(left)
-            arrivals = [] if self._reload is not None else list(self._incoming)
+            # read once under the lock: a reload arriving after this point waits for the next round, so
+            # arrivals taken here are always admitted (only the worker clears ``_reload``)
+            reloading = self._reload is not None
+            arrivals = [] if reloading else list(self._incoming)
             if arrivals:
                 self._incoming.clear()
                 self._backlog_tokens += self._incoming_tokens  # still queued work, until the scheduler recounts it
                 self._incoming_tokens = 0
         now = time.monotonic()
-        if self._reload is not None and not len(sched):
+        if reloading and not len(sched):
             self._apply_reload()
             return True
         arrivals = [seq for seq in arrivals if self._live(seq, now)]
