@@ -11,8 +11,9 @@ Admission uses the queue delay the engine publishes with its heartbeat, checked 
 request's body is read. A request whose client leaves or whose deadline passes is cancelled in
 the engine too. After a reload (through any front end) the engine's heartbeat carries the new
 model version and every front end fetches the new ``EngineSpec``; a request encoded with the old
-vocabulary meanwhile is answered ``stale`` by the engine and encoded again (never scored with
-codes of another model).
+vocabulary meanwhile (or one that a swap overtakes in the engine's queue: the engine stamps each request
+with its live encoding and the worker refuses it after a swap) is answered ``stale`` by the engine
+and encoded again, never scored with codes of another model.
 
 Example (what ``serve.procs`` runs in each front-end process):
     >>> run_frontend(listening_socket, Endpoints("/tmp/rf"), ServerConfig())

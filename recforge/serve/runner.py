@@ -39,7 +39,15 @@ from recforge.serve.cache_manager import successor_pool
 from recforge.serve.engine import RankEngine, RankResult
 from recforge.serve.kv_pool import KVCachePool
 from recforge.serve.layout import EncodedRequest
-from recforge.serve.scheduler import DeadlineExceeded, OverloadedError, Plan, Scheduler, SchedulerConfig, Sequence
+from recforge.serve.scheduler import (
+    DeadlineExceeded,
+    OverloadedError,
+    Plan,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+    StaleEncoding,
+)
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +268,7 @@ class BatchRunner:
             self._dropped(seq, None)
             return False
         if seq.req.encoding and seq.req.encoding != self.engine.encoding:
-            _resolve(seq.future, error=OverloadedError(
+            _resolve(seq.future, error=StaleEncoding(
                 "the model was reloaded with another vocabulary or limits while this request waited; retry it"))
             return False
         if now > seq.deadline:

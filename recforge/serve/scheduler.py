@@ -80,6 +80,16 @@ class OverloadedError(RuntimeError):
         self.retry_after = retry_after
 
 
+class StaleEncoding(OverloadedError):
+    """The request was encoded for a model whose vocabulary or limits the live one does not share (a reload came
+    in between): encode it again for the live model (front ends do; HTTP 503 only where no one can)."""
+
+
+class ShuttingDown(OverloadedError):
+    """The server stopped before this request was answered (HTTP 503 + ``Retry-After``: another replica, or
+    this one once restarted, can serve it)."""
+
+
 class DeadlineExceeded(TimeoutError):
     """The request's deadline passed before it was answered (HTTP 504)."""
 
@@ -283,4 +293,5 @@ def prefill_alone(engine: RankEngine, req: EncodedRequest, state: PrefixState | 
     return seq
 
 
-__all__ = ["DeadlineExceeded", "OverloadedError", "Plan", "Scheduler", "SchedulerConfig", "Sequence", "prefill_alone"]
+__all__ = ["DeadlineExceeded", "OverloadedError", "Plan", "Scheduler", "SchedulerConfig", "Sequence", "ShuttingDown",
+           "StaleEncoding", "prefill_alone"]  # fmt: skip

@@ -48,7 +48,7 @@ from recforge.serve.layout import EncodedRequest, RequestError, encode_request
 from recforge.serve.limits import LoopLag, RequestLimits, http_protocol
 from recforge.serve.metrics import EngineMetrics, HttpMetrics
 from recforge.serve.runner import BatchRunner
-from recforge.serve.scheduler import DeadlineExceeded, OverloadedError, SchedulerConfig
+from recforge.serve.scheduler import DeadlineExceeded, OverloadedError, SchedulerConfig, StaleEncoding
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
 
@@ -120,8 +120,15 @@ class LocalBackend:
 
     async def rank(self, req: EncodedRequest, version: str, deadline: float, request: Request) -> RankResult:
         """``req`` was encoded with model ``version``'s vocabulary; ``StaleModel`` if a reload came in between."""
+        engine = self.engine
+        if engine.version != version:
+            raise StaleModel(engine.version)
+        req.encoding = engine.encoding  # the worker refuses it (StaleEncoding) if a swap comes first
         future = self.runner.submit(req, deadline=deadline)
-        result = await await_answer(request, asyncio.wrap_future(future), future.cancel, deadline)
+        try:
+            result = await await_answer(request, asyncio.wrap_future(future), future.cancel, deadline)
+        except StaleEncoding:
+            raise StaleModel(self.engine.version) from None
         if result.model_version != version:
             raise StaleModel(result.model_version)
         return result

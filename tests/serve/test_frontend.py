@@ -6,6 +6,7 @@ The real multi-process server is tested in ``test_procs.py``."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import shutil
 import tempfile
@@ -314,3 +315,57 @@ def test_a_client_that_leaves_is_dropped_in_the_engine_uncomputed(core, run) -> 
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+class _Router:
+    """Records what the engine core sends (its ``_rank``/``_answer`` driven directly, no I/O thread)."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    def send_multipart(self, frames) -> None:
+        self.sent.append(unpack(frames[1]))
+
+
+def _drive(core: EngineCore, router: _Router, msg: dict, timeout: float = 30.0) -> dict:
+    router.sent.clear()
+    core._rank(router, b"fe", msg["id"], unpack(pack(msg)))
+    deadline = time.monotonic() + timeout
+    while not router.sent and time.monotonic() < deadline:
+        while core._done:
+            core._answer(router, *core._done.popleft())
+        time.sleep(0.005)
+    assert router.sent, "no reply"
+    return router.sent[-1]
+
+
+def test_a_request_a_swap_overtakes_in_the_engine_is_answered_stale_uncomputed(run, tmp_path) -> None:
+    renamed = export(build_model(seed=3), tmp_path / "renamed", step=4)
+    vocab_path = renamed / "model" / "vocab.json"
+    vocab = json.loads(vocab_path.read_text())
+    vocab["item_ids"] = vocab["item_ids"][::-1]  # the same raw IDs, other codes
+    vocab_path.write_text(json.dumps(vocab))
+    core = EngineCore(RankEngine.from_run(run, EngineConfig(**ENGINE)), _config(run), Endpoints(str(tmp_path)))
+    router, passes = _Router(), []
+    core.runner.on_pass = lambda n, tokens, s: passes.append(n)
+    try:
+        old = core.spec.version
+        req = core.engine.encode("a", random_history(5, 1), [1001, 1002], timestamp=10**9)
+        msg = {"op": "rank", "id": 1, "spec": old, "deadline": time.monotonic() + 30, **request_to_wire(req)}
+        submit = core.runner.submit
+
+        def swap_first(r, deadline=None):  # the reload lands between the engine's spec check and the worker
+            core.runner.reload(renamed, timeout=60)
+            return submit(r, deadline)
+
+        core.runner.submit = swap_first
+        assert _drive(core, router, msg) == {"op": "stale", "id": 1, "version": core.runner.engine.version}
+        assert not passes, "the old-vocabulary request was computed on the new model"
+        core.runner.submit = submit
+        assert core.spec.version == core.runner.engine.version != old  # heartbeat and stale check follow the swap
+        assert _drive(core, router, {**msg, "id": 2})["op"] == "stale"  # never scored with the old codes
+        fresh = core.engine.encode("a", random_history(5, 1), [1001, 1002], timestamp=10**9)
+        msg = {**msg, "id": 3, "spec": core.spec.version, **request_to_wire(fresh)}
+        assert _drive(core, router, msg)["op"] == "result"
+    finally:
+        core.runner.close(timeout=1)
