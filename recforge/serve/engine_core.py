@@ -40,6 +40,7 @@ from recforge.serve.transport import (
     EngineSpec,
     Endpoints,
     WireError,
+    check_ranges,
     pack,
     request_from_wire,
     result_to_wire,
@@ -204,6 +205,7 @@ class EngineCore:
         if not isinstance(deadline, float):
             raise WireError("deadline: expected a float (time.monotonic() of this host)")
         req = request_from_wire(msg)
+        check_ranges(req, spec)  # a malformed message fails alone here, never inside a shared engine pass
         req.encoding = engine.encoding  # encoded for this engine: the worker refuses it if a swap comes first
         try:
             future = self.runner.submit(req, deadline=deadline)

@@ -238,7 +238,7 @@ class Scheduler:
         budget, chunk_cap = self.config.token_budget, self.config.prefill_chunk
         work: list[tuple[Sequence, WorkItem]] = []
         used = 0
-        for seq in self.running:
+        for seq in list(self.running):
             left = budget - used
             if left <= 0:
                 break
@@ -252,7 +252,12 @@ class Scheduler:
                 work.append((seq, WorkItem(st, feats, "prefix", start)))
                 used += end - start
             else:
-                cands = candidate_tokens(seq.req)
+                try:  # a request whose values do not fit (a bug or a foreign peer) fails alone, not the pass
+                    cands = candidate_tokens(seq.req)
+                except Exception as err:  # noqa: BLE001 - reported on this request only
+                    self.remove(seq)
+                    self.failed.append((seq, err))
+                    continue
                 lo = seq.scored
                 hi = min(seq.req.num_candidates, lo + max(left, 1))
                 work.append((seq, WorkItem(st, {k: v[lo:hi] for k, v in cands.items()}, "targets")))

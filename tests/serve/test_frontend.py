@@ -14,6 +14,7 @@ import threading
 import time
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -367,5 +368,26 @@ def test_a_request_a_swap_overtakes_in_the_engine_is_answered_stale_uncomputed(r
         fresh = core.engine.encode("a", random_history(5, 1), [1001, 1002], timestamp=10**9)
         msg = {**msg, "id": 3, "spec": core.spec.version, **request_to_wire(fresh)}
         assert _drive(core, router, msg)["op"] == "result"
+    finally:
+        core.runner.close(timeout=1)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"request_time": 2**63 + 1}, "times must be within"),
+    ({"candidates": np.array([10**6], dtype="<i8").tobytes()}, "candidates: codes must be within"),
+    ({"items": np.full(5, -1, dtype="<i8").tobytes()}, "items: codes must be within"),
+    ({"context_ids": b""}, "context_ids: 0 values"),
+    ({"candidates": np.ones(ENGINE["max_candidates"] + 1, dtype="<i8").tobytes()}, "candidates; the limit is"),
+])  # fmt: skip
+def test_a_wire_request_out_of_range_fails_alone_in_the_engine(run, tmp_path, change, message) -> None:
+    core = EngineCore(RankEngine.from_run(run, EngineConfig(**ENGINE)), _config(run), Endpoints(str(tmp_path)))
+    router = _Router()
+    try:
+        good = core.engine.encode("a", random_history(5, 1), [1001, 1002], timestamp=10**9)
+        msg = {"op": "rank", "id": 1, "spec": core.spec.version, "deadline": time.monotonic() + 30,
+               **request_to_wire(good)}  # fmt: skip
+        core._handle(router, b"fe", pack({**msg, **change}))
+        assert router.sent[-1]["status"] == 500 and message in router.sent[-1]["detail"], router.sent[-1]
+        assert _drive(core, router, {**msg, "id": 2})["op"] == "result"
     finally:
         core.runner.close(timeout=1)

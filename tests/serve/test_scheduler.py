@@ -105,3 +105,20 @@ def test_a_failing_request_does_not_fail_its_batch_mates(tmp_path) -> None:
     engine.run = real_run
     for req, result in zip((reqs[0], reqs[2]), good):
         torch.testing.assert_close(result.scores, engine.rank_encoded(req).scores, rtol=1e-5, atol=1e-5)
+
+
+def test_a_request_whose_values_do_not_fit_fails_alone(tmp_path) -> None:
+    engine = _engine(tmp_path)
+    reqs = _requests(engine, lengths=(10, 12, 14), cands=(3, 3, 3))
+    reqs[1].request_time = 2**63 + 1  # only a foreign peer sends this: int64 overflows when its pass is built
+    runner = BatchRunner(engine, SchedulerConfig(max_wait_ms=50))
+    try:
+        futures = [runner.submit(req) for req in reqs]
+        with pytest.raises(Exception):  # noqa: B017 - whatever torch raises, on this request only
+            futures[1].result(timeout=30)
+        good = [futures[0].result(timeout=30), futures[2].result(timeout=30)]
+        assert runner.restarts == 0
+    finally:
+        runner.close()
+    for req, result in zip((reqs[0], reqs[2]), good):
+        torch.testing.assert_close(result.scores, engine.rank_encoded(req).scores, rtol=1e-5, atol=1e-5)
