@@ -46,6 +46,7 @@ from recforge.serve.scheduler import (
     Scheduler,
     SchedulerConfig,
     Sequence,
+    ShuttingDown,
     StaleEncoding,
 )
 
@@ -186,7 +187,7 @@ class BatchRunner:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout=timeout + 5)
-        self._fail_all(RuntimeError("the server shut down before this request was answered"))
+        self._fail_all(_shut_down())
 
     # ------------------------------------------------------------------------------- worker
 
@@ -210,7 +211,7 @@ class BatchRunner:
                 log.exception("batch worker: unexpected error; failing the requests in flight and going on")
                 self.restarts += 1
                 self._fail_scheduled(RuntimeError(f"internal error while serving this request: {err!r}"))
-        self._fail_all(RuntimeError("the server shut down before this request was answered"))
+        self._fail_all(_shut_down())
 
     def _iteration(self) -> bool:
         """One round: wait for work, admit arrivals, run one pass. False when the worker should exit."""
@@ -369,6 +370,11 @@ class BatchRunner:
         if reload is not None:
             _resolve(reload[2], error=err)
         self._fail_scheduled(err)
+
+
+def _shut_down() -> ShuttingDown:
+    return ShuttingDown("the server shut down before this request was answered; retry it (on another replica, or "
+                        "here once the server is back)", retry_after=1.0)  # fmt: skip
 
 
 def _resolve(future: Future, result: object = None, error: Exception | None = None) -> None:

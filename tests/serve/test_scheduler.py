@@ -122,3 +122,34 @@ def test_a_request_whose_values_do_not_fit_fails_alone(tmp_path) -> None:
         runner.close()
     for req, result in zip((reqs[0], reqs[2]), good):
         torch.testing.assert_close(result.scores, engine.rank_encoded(req).scores, rtol=1e-5, atol=1e-5)
+
+
+def test_requests_left_at_shutdown_are_refused_as_overloaded(tmp_path) -> None:
+    """What the drain leaves is failed with ``OverloadedError`` (the routes' 503 + Retry-After), not a 500."""
+    import threading
+
+    from recforge.serve.scheduler import OverloadedError
+
+    engine = _engine(tmp_path)
+    reqs = _requests(engine, lengths=(10, 12), cands=(3, 3))
+    gate, seen, real_run = threading.Event(), [], engine.run
+
+    def gated(items):
+        seen.append(len(items))
+        gate.wait(5)
+        return real_run(items)
+
+    engine.run = gated
+    runner = BatchRunner(engine, SchedulerConfig(max_wait_ms=0))
+    try:
+        first = runner.submit(reqs[0])
+        while not seen:
+            time.sleep(0.005)
+        left = runner.submit(reqs[1])
+        threading.Timer(0.2, gate.set).start()
+        runner.close(timeout=0.0)
+        for future in (first, left):  # the first needs more than one pass: the drain leaves it too
+            with pytest.raises(OverloadedError, match="shut down"):
+                future.result(5)
+    finally:
+        gate.set()
