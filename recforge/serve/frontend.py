@@ -149,8 +149,14 @@ class RemoteBackend:
         op = reply["op"]
         if op == "result":  # computed by the model that ``version`` names (else the engine says stale)
             return result_from_wire(reply, tasks)
-        if op == "stale":
-            await self.refresh()
+        if op == "stale":  # fetch the new spec within what the request's deadline leaves, then encode it again
+            try:
+                await asyncio.wait_for(self.refresh(), max(deadline - time.monotonic(), 0.0))
+            except (EngineUnavailable, TimeoutError) as err:
+                if time.monotonic() >= deadline:
+                    raise DeadlineExceeded("the deadline passed while fetching the reloaded model's spec") from None
+                raise HTTPException(503, f"cannot fetch the reloaded model's spec: {err or 'timed out'}; retry later",
+                                    headers={"Retry-After": "1"}) from None  # fmt: skip
             raise StaleModel(reply.get("version"))
         status, detail = int(reply.get("status", 500)), str(reply.get("detail", ""))
         if status == 503:

@@ -391,3 +391,27 @@ def test_a_wire_request_out_of_range_fails_alone_in_the_engine(run, tmp_path, ch
         assert _drive(core, router, {**msg, "id": 2})["op"] == "result"
     finally:
         core.runner.close(timeout=1)
+
+
+@pytest.mark.parametrize("fetch, status", [("dies", 503), ("hangs", 504)])
+def test_an_engine_lost_while_refreshing_a_stale_spec_is_503_or_504_not_500(core, run, fetch, status) -> None:
+    from recforge.serve.frontend import EngineUnavailable
+
+    config = _config(run, request_timeout_ms=300)
+    body = _body("a", random_history(6, 3), random.Random(1))
+    with core.frontend(config) as client:
+        spec = fetch_spec(core.endpoints, 10)
+        spec.version = "an-older-model"  # every request is answered stale
+
+        async def refresh() -> None:
+            if fetch == "dies":
+                raise EngineUnavailable("the engine process exited while this request was in flight")
+            await asyncio.sleep(10)
+
+        remote = client.app.state.backend
+        remote.spec, remote.refresh = spec, refresh
+        started = time.monotonic()
+        response = client.post("/v1/rank", json=body)
+        took = time.monotonic() - started
+    assert response.status_code == status, response.text
+    assert took < 5, f"the refresh was not bounded by the request's 300 ms deadline ({took:.1f} s)"
