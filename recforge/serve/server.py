@@ -283,6 +283,8 @@ def build_app(backend, config: ServerConfig) -> FastAPI:
                     new = await backend.reload(source)
                 except ValueError as err:
                     raise HTTPException(422, f"reload refused, still serving {old}: {err}") from err
+                except RuntimeError as err:  # another reload (e.g. straight on the runner), or shutting down: as front ends
+                    raise HTTPException(409, f"reload refused, still serving {old}: {err}") from err
             return {"previous_version": old, "model_version": new}
 
     schemas: dict[str, dict] = {}  # model version -> OpenAPI schema (the request model is the model's own)

@@ -137,3 +137,13 @@ def test_a_reload_that_overtakes_a_queued_request_re_encodes_it_uncomputed(clien
     assert response.status_code == 200, response.text
     assert response.json()["model_version"].startswith("step9")
     assert engines == [engines[0], runner.engine.encoding] and engines[0] != runner.engine.encoding
+
+
+def test_a_reload_refused_by_the_runner_is_409_as_with_front_ends(client) -> None:
+    runner = client.app.state.runner
+    assert runner._reload_lock.acquire(blocking=False)  # a reload started on the runner itself (not through HTTP)
+    try:
+        response = client.post("/v1/reload", json={})
+    finally:
+        runner._reload_lock.release()
+    assert response.status_code == 409 and "another reload is in progress" in response.json()["detail"], response.text
