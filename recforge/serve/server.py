@@ -65,7 +65,7 @@ class ServerConfig:
     max_request_timeout_ms: float = 60000.0  # cap on the client's X-Request-Timeout-Ms
     header_timeout_s: float = 10.0  # a connection must send a request's headers within this (else closed)
     body_timeout_s: float = 30.0  # ... and its body within this (else 408)
-    max_connections: int = 4096  # open connections beyond this get 503 from uvicorn
+    max_connections: int = 4096  # open connections beyond this get 503 from uvicorn; per HTTP process (front end)
     max_loop_lag_ms: float = 250.0  # refuse new rank requests (503) while the event loop runs this late
     gil_switch_interval_ms: float = 0.5  # serve(): sys.setswitchinterval, so the event loop gets the GIL in time
     engine_timeout_s: float = 2.0  # front-end processes: the engine process is down when silent this long (503)
