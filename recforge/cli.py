@@ -276,7 +276,7 @@ SERVE_FLAGS = (
     ("--allow-reload", "server.allow_reload", bool, "expose POST /v1/reload"),
     ("--http-workers", "http_workers", str,
      "HTTP front-end processes in front of one engine process; 0: one process (HTTP and the batching worker "
-     "share the GIL); auto (default): min(4, cores/4) on CUDA, 0 on CPU"),
+     "share the GIL); auto (default): min(4, cores // 4) on CUDA (0 below 4 cores), 0 on CPU"),
     ("--log-level", "log_level", str, "uvicorn log level (default warning)"),
 )  # fmt: skip
 SERVE_FLAG_KEYS = {key for _, key, _, _ in SERVE_FLAGS}

@@ -34,12 +34,13 @@ from recforge.serve.kv_pool import KVCachePool
 from recforge.serve.layout import RequestError
 from recforge.serve.metrics import EngineMetrics
 from recforge.serve.runner import BatchRunner
-from recforge.serve.scheduler import DeadlineExceeded, OverloadedError
+from recforge.serve.scheduler import DeadlineExceeded, OverloadedError, StaleEncoding
 from recforge.serve.transport import (
     STATUS_INTERVAL_S,
     EngineSpec,
     Endpoints,
     WireError,
+    check_ranges,
     pack,
     request_from_wire,
     result_to_wire,
@@ -88,8 +89,7 @@ class EngineCore:
         self.runner = BatchRunner(engine, config.scheduler)
         self.registry = CollectorRegistry()
         self.metrics = EngineMetrics(self.runner, self.registry)
-        self.spec = EngineSpec.of(engine)
-        self._spec_wire = pack({"op": "spec", **self.spec.to_wire(engine.vocab_json)})
+        self._spec_cache: tuple[RankEngine, EngineSpec, bytes] | None = None  # (engine, its spec, the spec reply)
         self._inflight: dict[tuple[bytes, int], Future] = {}
         self._done: deque[tuple[bytes, int, Any]] = deque()  # (front end, request id, outcome) to answer
         self._wake_r, self._wake_w = os.pipe()
@@ -101,6 +101,19 @@ class EngineCore:
     def engine(self) -> RankEngine:
         """The live engine: a reload swaps in a new engine object (``BatchRunner.reload``)."""
         return self.runner.engine
+
+    def _live_spec(self) -> tuple[RankEngine, EngineSpec, bytes]:
+        """The live engine with its spec and packed spec reply, rebuilt when a reload swapped the engine (so the
+        heartbeat, the stale check and the spec reply never lag the swap)."""
+        live, engine = self._spec_cache, self.runner.engine
+        if live is None or live[0] is not engine:
+            spec = EngineSpec.of(engine)
+            live = self._spec_cache = (engine, spec, pack({"op": "spec", **spec.to_wire(engine.vocab_json)}))
+        return live
+
+    @property
+    def spec(self) -> EngineSpec:
+        return self._live_spec()[1]
 
     # ------------------------------------------------------------------------------- I/O thread
 
@@ -169,7 +182,7 @@ class EngineCore:
                 if future is not None:
                     future.cancel()
             elif op == "spec":
-                router.send_multipart([ident, self._spec_wire])
+                router.send_multipart([ident, self._live_spec()[2]])
             elif op == "health":
                 report = engine_report(self.engine, self.runner, self.config)
                 router.send_multipart([ident, pack({"op": "health", "id": rid, "report": report})])
@@ -184,14 +197,18 @@ class EngineCore:
             router.send_multipart([ident, pack({"op": "error", "id": rid, "status": 500, "detail": f"engine: {err}"})])
 
     def _rank(self, router: zmq.Socket, ident: bytes, rid: int, msg: dict) -> None:
-        if msg.get("spec") != self.spec.version:
-            router.send_multipart([ident, pack({"op": "stale", "id": rid, "version": self.spec.version})])
+        engine, spec, _ = self._live_spec()
+        if msg.get("spec") != spec.version:
+            router.send_multipart([ident, pack({"op": "stale", "id": rid, "version": spec.version})])
             return
         deadline = msg.get("deadline")
         if not isinstance(deadline, float):
             raise WireError("deadline: expected a float (time.monotonic() of this host)")
+        req = request_from_wire(msg)
+        check_ranges(req, spec)  # a malformed message fails alone here, never inside a shared engine pass
+        req.encoding = engine.encoding  # encoded for this engine: the worker refuses it if a swap comes first
         try:
-            future = self.runner.submit(request_from_wire(msg), deadline=deadline)
+            future = self.runner.submit(req, deadline=deadline)
         except OverloadedError as err:
             router.send_multipart([ident, pack({"op": "error", "id": rid, "status": 503, "detail": str(err),
                                                 "retry_after": err.retry_after})])  # fmt: skip
@@ -247,14 +264,14 @@ class EngineCore:
                 reply = {"op": "result", "id": rid, **result_to_wire(result)}
         elif kind == "reloaded":
             self._reloading = False
-            self.spec = EngineSpec.of(self.engine)
-            self._spec_wire = pack({"op": "spec", **self.spec.to_wire(self.engine.vocab_json)})
             reply = {"op": "reloaded", "id": rid, "version": outcome[1]}
         elif kind == "reload_failed":
             self._reloading = False
             err = outcome[1]
             status = 422 if isinstance(err, ValueError) else 409 if isinstance(err, RuntimeError) else 500
             reply = {"op": "error", "id": rid, "status": status, "detail": str(err)}
+        elif isinstance(outcome[1], StaleEncoding):  # a swap overtook it in the queue: the front end re-encodes
+            reply = {"op": "stale", "id": rid, "version": self.spec.version}
         else:
             err = outcome[1]
             status = 504 if isinstance(err, DeadlineExceeded) else 503 if isinstance(err, OverloadedError) else 500

@@ -11,8 +11,9 @@ Admission uses the queue delay the engine publishes with its heartbeat, checked 
 request's body is read. A request whose client leaves or whose deadline passes is cancelled in
 the engine too. After a reload (through any front end) the engine's heartbeat carries the new
 model version and every front end fetches the new ``EngineSpec``; a request encoded with the old
-vocabulary meanwhile is answered ``stale`` by the engine and encoded again (never scored with
-codes of another model).
+vocabulary meanwhile (or one that a swap overtakes in the engine's queue: the engine stamps each request
+with its live encoding and the worker refuses it after a swap) is answered ``stale`` by the engine
+and encoded again, never scored with codes of another model.
 
 Example (what ``serve.procs`` runs in each front-end process):
     >>> run_frontend(listening_socket, Endpoints("/tmp/rf"), ServerConfig())
@@ -148,8 +149,14 @@ class RemoteBackend:
         op = reply["op"]
         if op == "result":  # computed by the model that ``version`` names (else the engine says stale)
             return result_from_wire(reply, tasks)
-        if op == "stale":
-            await self.refresh()
+        if op == "stale":  # fetch the new spec within what the request's deadline leaves, then encode it again
+            try:
+                await asyncio.wait_for(self.refresh(), max(deadline - time.monotonic(), 0.0))
+            except (EngineUnavailable, TimeoutError) as err:
+                if time.monotonic() >= deadline:
+                    raise DeadlineExceeded("the deadline passed while fetching the reloaded model's spec") from None
+                raise HTTPException(503, f"cannot fetch the reloaded model's spec: {err or 'timed out'}; retry later",
+                                    headers={"Retry-After": "1"}) from None  # fmt: skip
             raise StaleModel(reply.get("version"))
         status, detail = int(reply.get("status", 500)), str(reply.get("detail", ""))
         if status == 503:

@@ -46,11 +46,12 @@ SPAWN = multiprocessing.get_context("spawn")  # never fork a process that may ho
 
 
 def default_http_workers(device: str, cpus: int | None = None) -> int:
-    """``--http-workers auto``: on CUDA a few front ends (a quarter of the cores, at most 4), so parsing never
-    shares the batching worker's GIL; on CPU 0 (in-process: the model's own threads need the cores)."""
+    """``--http-workers auto``: on CUDA ``min(4, cores // 4)`` front ends, so parsing never shares the batching
+    worker's GIL (0, in-process, with fewer than 4 cores: no core to spare for them); on CPU 0 (in-process: the
+    model's own threads need the cores)."""
     if cpus is None:  # the cores this process may run on (taskset, cgroups), not the machine's
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(4, max(1, cpus // 4)) if device.startswith("cuda") else 0
+    return min(4, cpus // 4) if device.startswith("cuda") else 0
 
 
 def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:

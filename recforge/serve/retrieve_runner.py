@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from recforge.generate import EncodedRetrieve, Retriever, RetrieveResult
-from recforge.serve.runner import _resolve
+from recforge.serve.runner import _resolve, _shut_down
 from recforge.serve.scheduler import DeadlineExceeded, OverloadedError, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class RetrieveRunner:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout=timeout + 5)
-        self._fail_waiting(RuntimeError("the server shut down before this request was answered"))
+        self._fail_waiting(_shut_down())
 
     # ------------------------------------------------------------------------------- worker
 
@@ -152,7 +152,7 @@ class RetrieveRunner:
                 for item in self._running:
                     _resolve(item.future, error=RuntimeError(f"internal error while serving this request: {err!r}"))
                 self._running = []
-        self._fail_waiting(RuntimeError("the server shut down before this request was answered"))
+        self._fail_waiting(_shut_down())
 
     def _iteration(self) -> bool:
         """Wait for a request, let others join for ``max_wait_ms``, run one batch. False when the worker should exit."""

@@ -39,7 +39,16 @@ from recforge.serve.cache_manager import successor_pool
 from recforge.serve.engine import RankEngine, RankResult
 from recforge.serve.kv_pool import KVCachePool
 from recforge.serve.layout import EncodedRequest
-from recforge.serve.scheduler import DeadlineExceeded, OverloadedError, Plan, Scheduler, SchedulerConfig, Sequence
+from recforge.serve.scheduler import (
+    DeadlineExceeded,
+    OverloadedError,
+    Plan,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+    ShuttingDown,
+    StaleEncoding,
+)
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +187,7 @@ class BatchRunner:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout=timeout + 5)
-        self._fail_all(RuntimeError("the server shut down before this request was answered"))
+        self._fail_all(_shut_down())
 
     # ------------------------------------------------------------------------------- worker
 
@@ -202,7 +211,7 @@ class BatchRunner:
                 log.exception("batch worker: unexpected error; failing the requests in flight and going on")
                 self.restarts += 1
                 self._fail_scheduled(RuntimeError(f"internal error while serving this request: {err!r}"))
-        self._fail_all(RuntimeError("the server shut down before this request was answered"))
+        self._fail_all(_shut_down())
 
     def _iteration(self) -> bool:
         """One round: wait for work, admit arrivals, run one pass. False when the worker should exit."""
@@ -220,13 +229,16 @@ class BatchRunner:
                     if left <= 0:
                         break
                     self._cond.wait(left)
-            arrivals = [] if self._reload is not None else list(self._incoming)
+            # read once under the lock: a reload arriving after this point waits for the next round, so
+            # arrivals taken here are always admitted (only the worker clears ``_reload``)
+            reloading = self._reload is not None
+            arrivals = [] if reloading else list(self._incoming)
             if arrivals:
                 self._incoming.clear()
                 self._backlog_tokens += self._incoming_tokens  # still queued work, until the scheduler recounts it
                 self._incoming_tokens = 0
         now = time.monotonic()
-        if self._reload is not None and not len(sched):
+        if reloading and not len(sched):
             self._apply_reload()
             return True
         arrivals = [seq for seq in arrivals if self._live(seq, now)]
@@ -257,7 +269,7 @@ class BatchRunner:
             self._dropped(seq, None)
             return False
         if seq.req.encoding and seq.req.encoding != self.engine.encoding:
-            _resolve(seq.future, error=OverloadedError(
+            _resolve(seq.future, error=StaleEncoding(
                 "the model was reloaded with another vocabulary or limits while this request waited; retry it"))
             return False
         if now > seq.deadline:
@@ -358,6 +370,11 @@ class BatchRunner:
         if reload is not None:
             _resolve(reload[2], error=err)
         self._fail_scheduled(err)
+
+
+def _shut_down() -> ShuttingDown:
+    return ShuttingDown("the server shut down before this request was answered; retry it (on another replica, or "
+                        "here once the server is back)", retry_after=1.0)  # fmt: skip
 
 
 def _resolve(future: Future, result: object = None, error: Exception | None = None) -> None:

@@ -80,6 +80,16 @@ class OverloadedError(RuntimeError):
         self.retry_after = retry_after
 
 
+class StaleEncoding(OverloadedError):
+    """The request was encoded for a model whose vocabulary or limits the live one does not share (a reload came
+    in between): encode it again for the live model (front ends do; HTTP 503 only where no one can)."""
+
+
+class ShuttingDown(OverloadedError):
+    """The server stopped before this request was answered (HTTP 503 + ``Retry-After``: another replica, or
+    this one once restarted, can serve it)."""
+
+
 class DeadlineExceeded(TimeoutError):
     """The request's deadline passed before it was answered (HTTP 504)."""
 
@@ -228,7 +238,7 @@ class Scheduler:
         budget, chunk_cap = self.config.token_budget, self.config.prefill_chunk
         work: list[tuple[Sequence, WorkItem]] = []
         used = 0
-        for seq in self.running:
+        for seq in list(self.running):
             left = budget - used
             if left <= 0:
                 break
@@ -242,7 +252,12 @@ class Scheduler:
                 work.append((seq, WorkItem(st, feats, "prefix", start)))
                 used += end - start
             else:
-                cands = candidate_tokens(seq.req)
+                try:  # a request whose values do not fit (a bug or a foreign peer) fails alone, not the pass
+                    cands = candidate_tokens(seq.req)
+                except Exception as err:  # noqa: BLE001 - reported on this request only
+                    self.remove(seq)
+                    self.failed.append((seq, err))
+                    continue
                 lo = seq.scored
                 hi = min(seq.req.num_candidates, lo + max(left, 1))
                 work.append((seq, WorkItem(st, {k: v[lo:hi] for k, v in cands.items()}, "targets")))
@@ -283,4 +298,5 @@ def prefill_alone(engine: RankEngine, req: EncodedRequest, state: PrefixState | 
     return seq
 
 
-__all__ = ["DeadlineExceeded", "OverloadedError", "Plan", "Scheduler", "SchedulerConfig", "Sequence", "prefill_alone"]
+__all__ = ["DeadlineExceeded", "OverloadedError", "Plan", "Scheduler", "SchedulerConfig", "Sequence", "ShuttingDown",
+           "StaleEncoding", "prefill_alone"]  # fmt: skip

@@ -48,7 +48,7 @@ from recforge.serve.layout import EncodedRequest, RequestError, encode_request
 from recforge.serve.limits import LoopLag, RequestLimits, http_protocol
 from recforge.serve.metrics import EngineMetrics, HttpMetrics
 from recforge.serve.runner import BatchRunner
-from recforge.serve.scheduler import DeadlineExceeded, OverloadedError, SchedulerConfig
+from recforge.serve.scheduler import DeadlineExceeded, OverloadedError, SchedulerConfig, StaleEncoding
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
 
@@ -65,7 +65,7 @@ class ServerConfig:
     max_request_timeout_ms: float = 60000.0  # cap on the client's X-Request-Timeout-Ms
     header_timeout_s: float = 10.0  # a connection must send a request's headers within this (else closed)
     body_timeout_s: float = 30.0  # ... and its body within this (else 408)
-    max_connections: int = 4096  # open connections beyond this get 503 from uvicorn
+    max_connections: int = 4096  # open connections beyond this get 503 from uvicorn; per HTTP process (front end)
     max_loop_lag_ms: float = 250.0  # refuse new rank requests (503) while the event loop runs this late
     gil_switch_interval_ms: float = 0.5  # serve(): sys.setswitchinterval, so the event loop gets the GIL in time
     engine_timeout_s: float = 2.0  # front-end processes: the engine process is down when silent this long (503)
@@ -120,8 +120,15 @@ class LocalBackend:
 
     async def rank(self, req: EncodedRequest, version: str, deadline: float, request: Request) -> RankResult:
         """``req`` was encoded with model ``version``'s vocabulary; ``StaleModel`` if a reload came in between."""
+        engine = self.engine
+        if engine.version != version:
+            raise StaleModel(engine.version)
+        req.encoding = engine.encoding  # the worker refuses it (StaleEncoding) if a swap comes first
         future = self.runner.submit(req, deadline=deadline)
-        result = await await_answer(request, asyncio.wrap_future(future), future.cancel, deadline)
+        try:
+            result = await await_answer(request, asyncio.wrap_future(future), future.cancel, deadline)
+        except StaleEncoding:
+            raise StaleModel(self.engine.version) from None
         if result.model_version != version:
             raise StaleModel(result.model_version)
         return result
@@ -276,6 +283,8 @@ def build_app(backend, config: ServerConfig) -> FastAPI:
                     new = await backend.reload(source)
                 except ValueError as err:
                     raise HTTPException(422, f"reload refused, still serving {old}: {err}") from err
+                except RuntimeError as err:  # another reload (e.g. straight on the runner), or shutting down: as front ends
+                    raise HTTPException(409, f"reload refused, still serving {old}: {err}") from err
             return {"previous_version": old, "model_version": new}
 
     schemas: dict[str, dict] = {}  # model version -> OpenAPI schema (the request model is the model's own)

@@ -26,6 +26,7 @@ import msgpack
 import numpy as np
 import torch
 
+from recforge.serve.api import TIME_LIMIT
 from recforge.serve.engine import EngineConfig, RankEngine, RankResult
 from recforge.serve.layout import EncodedRequest, Vocab
 
@@ -105,6 +106,38 @@ def request_from_wire(message: dict[str, Any]) -> EncodedRequest:
     return req
 
 
+def check_ranges(req: EncodedRequest, spec: EngineSpec) -> None:
+    """``WireError`` unless every value of ``req`` is within what ``spec``'s model takes (what the front end's
+    encoding guarantees): codes within the vocabularies, one context id per user feature, at most
+    ``max_events`` events and ``max_candidates`` candidates, times within +-``TIME_LIMIT`` (as over HTTP)."""
+    vocab, problems = spec.vocab, []
+    if req.context_ids.numel() != len(vocab.feature_names):
+        problems.append(f"context_ids: {req.context_ids.numel()} values for {len(vocab.feature_names)} user features")
+    if req.items.numel() > spec.max_events:
+        problems.append(f"{req.items.numel()} events; the model takes at most {spec.max_events}")
+    if req.num_candidates > spec.config.max_candidates:
+        problems.append(f"{req.num_candidates} candidates; the limit is {spec.config.max_candidates}")
+    for name, codes, top in (("items", req.items, vocab.num_items), ("candidates", req.candidates, vocab.num_items),
+                             ("actions", req.actions, vocab.num_actions)):  # fmt: skip
+        if codes.numel() and not (0 <= int(codes.min()) and int(codes.max()) <= top):
+            problems.append(f"{name}: codes must be within 0..{top}")
+    if req.context_ids.numel() and int(req.context_ids.min()) < 0:
+        problems.append("context_ids: codes must be >= 0")
+    if req.context_ids.numel() and len(vocab.user_features) == len(vocab.feature_names):  # every feature has a vocabulary
+        top = max(f["offset"] + len(f["values"]) for f in vocab.user_features.values())
+        if int(req.context_ids.max()) > top:
+            problems.append(f"context_ids: codes must be within 0..{top}")
+    ts = req.timestamps
+    if not -TIME_LIMIT <= req.request_time <= TIME_LIMIT or (ts.numel() and int(ts.abs().max()) > TIME_LIMIT):
+        problems.append(f"times must be within +-{TIME_LIMIT} seconds")
+    elif ts.numel() > 1 and bool((ts[1:] < ts[:-1]).any()):
+        problems.append("timestamps must be non-decreasing")
+    if req.truncated < 0:
+        problems.append(f"truncated: {req.truncated} is negative")
+    if problems:
+        raise WireError("rank request out of range for model " + spec.version + ": " + "; ".join(problems))
+
+
 def result_to_wire(result: RankResult) -> dict[str, Any]:
     scores = result.scores.float().contiguous()
     return {"scores": scores.numpy().astype(_FLOAT32, copy=False).tobytes(), "shape": list(scores.shape),
@@ -161,5 +194,5 @@ class EngineSpec:
             raise WireError(f"engine spec: {err!r}") from None
 
 
-__all__ = ["STATUS_INTERVAL_S", "EngineSpec", "Endpoints", "WireError", "pack", "request_from_wire",
+__all__ = ["STATUS_INTERVAL_S", "EngineSpec", "Endpoints", "WireError", "check_ranges", "pack", "request_from_wire",
            "request_to_wire", "result_from_wire", "result_to_wire", "unpack"]  # fmt: skip

@@ -6,6 +6,7 @@ The real multi-process server is tested in ``test_procs.py``."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import shutil
 import tempfile
@@ -13,6 +14,7 @@ import threading
 import time
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -314,3 +316,102 @@ def test_a_client_that_leaves_is_dropped_in_the_engine_uncomputed(core, run) -> 
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+class _Router:
+    """Records what the engine core sends (its ``_rank``/``_answer`` driven directly, no I/O thread)."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    def send_multipart(self, frames) -> None:
+        self.sent.append(unpack(frames[1]))
+
+
+def _drive(core: EngineCore, router: _Router, msg: dict, timeout: float = 30.0) -> dict:
+    router.sent.clear()
+    core._rank(router, b"fe", msg["id"], unpack(pack(msg)))
+    deadline = time.monotonic() + timeout
+    while not router.sent and time.monotonic() < deadline:
+        while core._done:
+            core._answer(router, *core._done.popleft())
+        time.sleep(0.005)
+    assert router.sent, "no reply"
+    return router.sent[-1]
+
+
+def test_a_request_a_swap_overtakes_in_the_engine_is_answered_stale_uncomputed(run, tmp_path) -> None:
+    renamed = export(build_model(seed=3), tmp_path / "renamed", step=4)
+    vocab_path = renamed / "model" / "vocab.json"
+    vocab = json.loads(vocab_path.read_text())
+    vocab["item_ids"] = vocab["item_ids"][::-1]  # the same raw IDs, other codes
+    vocab_path.write_text(json.dumps(vocab))
+    core = EngineCore(RankEngine.from_run(run, EngineConfig(**ENGINE)), _config(run), Endpoints(str(tmp_path)))
+    router, passes = _Router(), []
+    core.runner.on_pass = lambda n, tokens, s: passes.append(n)
+    try:
+        old = core.spec.version
+        req = core.engine.encode("a", random_history(5, 1), [1001, 1002], timestamp=10**9)
+        msg = {"op": "rank", "id": 1, "spec": old, "deadline": time.monotonic() + 30, **request_to_wire(req)}
+        submit = core.runner.submit
+
+        def swap_first(r, deadline=None):  # the reload lands between the engine's spec check and the worker
+            core.runner.reload(renamed, timeout=60)
+            return submit(r, deadline)
+
+        core.runner.submit = swap_first
+        assert _drive(core, router, msg) == {"op": "stale", "id": 1, "version": core.runner.engine.version}
+        assert not passes, "the old-vocabulary request was computed on the new model"
+        core.runner.submit = submit
+        assert core.spec.version == core.runner.engine.version != old  # heartbeat and stale check follow the swap
+        assert _drive(core, router, {**msg, "id": 2})["op"] == "stale"  # never scored with the old codes
+        fresh = core.engine.encode("a", random_history(5, 1), [1001, 1002], timestamp=10**9)
+        msg = {**msg, "id": 3, "spec": core.spec.version, **request_to_wire(fresh)}
+        assert _drive(core, router, msg)["op"] == "result"
+    finally:
+        core.runner.close(timeout=1)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"request_time": 2**63 + 1}, "times must be within"),
+    ({"candidates": np.array([10**6], dtype="<i8").tobytes()}, "candidates: codes must be within"),
+    ({"items": np.full(5, -1, dtype="<i8").tobytes()}, "items: codes must be within"),
+    ({"context_ids": b""}, "context_ids: 0 values"),
+    ({"candidates": np.ones(ENGINE["max_candidates"] + 1, dtype="<i8").tobytes()}, "candidates; the limit is"),
+])  # fmt: skip
+def test_a_wire_request_out_of_range_fails_alone_in_the_engine(run, tmp_path, change, message) -> None:
+    core = EngineCore(RankEngine.from_run(run, EngineConfig(**ENGINE)), _config(run), Endpoints(str(tmp_path)))
+    router = _Router()
+    try:
+        good = core.engine.encode("a", random_history(5, 1), [1001, 1002], timestamp=10**9)
+        msg = {"op": "rank", "id": 1, "spec": core.spec.version, "deadline": time.monotonic() + 30,
+               **request_to_wire(good)}  # fmt: skip
+        core._handle(router, b"fe", pack({**msg, **change}))
+        assert router.sent[-1]["status"] == 500 and message in router.sent[-1]["detail"], router.sent[-1]
+        assert _drive(core, router, {**msg, "id": 2})["op"] == "result"
+    finally:
+        core.runner.close(timeout=1)
+
+
+@pytest.mark.parametrize("fetch, status", [("dies", 503), ("hangs", 504)])
+def test_an_engine_lost_while_refreshing_a_stale_spec_is_503_or_504_not_500(core, run, fetch, status) -> None:
+    from recforge.serve.frontend import EngineUnavailable
+
+    config = _config(run, request_timeout_ms=300)
+    body = _body("a", random_history(6, 3), random.Random(1))
+    with core.frontend(config) as client:
+        spec = fetch_spec(core.endpoints, 10)
+        spec.version = "an-older-model"  # every request is answered stale
+
+        async def refresh() -> None:
+            if fetch == "dies":
+                raise EngineUnavailable("the engine process exited while this request was in flight")
+            await asyncio.sleep(10)
+
+        remote = client.app.state.backend
+        remote.spec, remote.refresh = spec, refresh
+        started = time.monotonic()
+        response = client.post("/v1/rank", json=body)
+        took = time.monotonic() - started
+    assert response.status_code == status, response.text
+    assert took < 5, f"the refresh was not bounded by the request's 300 ms deadline ({took:.1f} s)"

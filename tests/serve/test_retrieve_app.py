@@ -245,3 +245,34 @@ def test_runner_drops_cancelled_requests_before_their_batch(loaded) -> None:
     finally:
         runner.close()
         del retriever.run
+
+
+def test_requests_left_at_shutdown_are_refused_as_overloaded(loaded) -> None:
+    """What the drain leaves is failed with ``OverloadedError`` (the routes' 503 + Retry-After), not a 500."""
+    from recforge.serve.retrieve_runner import RetrieveRunner
+    from recforge.serve.scheduler import OverloadedError
+
+    retriever, items = loaded[0], _catalogue(loaded)
+    gate, seen = threading.Event(), []
+    original = retriever.run
+
+    def gated(batch, **kw):
+        seen.append(len(batch))
+        gate.wait(5)
+        return original(batch, **kw)
+
+    retriever.run = gated
+    runner = RetrieveRunner(retriever, SchedulerConfig(max_wait_ms=0.0))
+    try:
+        first = runner.submit(retriever.encode(RetrieveRequest(items[:2], k=3)))
+        while not seen:
+            time.sleep(0.005)
+        left = runner.submit(retriever.encode(RetrieveRequest(items[2:4], k=3)))
+        threading.Timer(0.2, gate.set).start()
+        runner.close(timeout=0.0)
+        assert len(first.result(5).items) == 3
+        with pytest.raises(OverloadedError, match="shut down"):
+            left.result(5)
+    finally:
+        gate.set()
+        del retriever.run

@@ -178,3 +178,42 @@ def test_reload_under_load_on_cuda_with_graphs(tmp_path, cuda_device) -> None:
     cold = {v: RankEngine.from_run(src, EngineConfig()) for v, src in versions.items()}
     for req, result in answers:
         torch.testing.assert_close(result.scores, cold[result.model_version].rank_encoded(req).scores, rtol=1e-4, atol=1e-4)
+
+
+def test_a_reload_requested_after_arrivals_were_taken_never_drops_them(tmp_path, monkeypatch) -> None:
+    """The worker takes a batch of arrivals, releases its lock, and only then does a reload arrive: the batch
+    must still be answered (it used to be dropped, its futures never resolved)."""
+    import recforge.serve.runner as runner_mod
+
+    run, other = export(build_model(), tmp_path / "a"), export(build_model(seed=2), tmp_path / "b", step=2)
+    engine = RankEngine.from_run(run, EngineConfig())
+    runner = BatchRunner(engine, SchedulerConfig(max_wait_ms=1, max_queue_ms=QUEUE_MS))
+    armed, reloaded = threading.Event(), {}
+
+    class _Time:  # interleaves the reload right after the worker released its lock with the arrivals taken
+        perf_counter = staticmethod(time.perf_counter)
+
+        @staticmethod
+        def monotonic() -> float:
+            if (armed.is_set() and threading.current_thread().name == "recforge-batch-runner"
+                    and not runner._incoming and runner._incoming_tokens == 0 and runner._backlog_tokens):  # fmt: skip
+                armed.clear()
+                threading.Thread(target=lambda: reloaded.setdefault("v", runner.reload(other, timeout=60))).start()
+                while runner._reload is None:
+                    time.sleep(0.001)
+            return time.monotonic()
+
+    monkeypatch.setattr(runner_mod, "time", _Time)
+    try:
+        runner._backlog_tokens = 0
+        armed.set()
+        future = runner.submit(engine.encode("u1", random_history(5, seed=1), [1001], timestamp=10**9))
+        result = future.result(timeout=20)
+        assert not armed.is_set(), "the interleaving was not exercised"
+        assert result.scores.shape[0] == 1
+        deadline = time.monotonic() + 20
+        while "v" not in reloaded and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reloaded.get("v") == runner.engine.version
+    finally:
+        runner.close(timeout=1)

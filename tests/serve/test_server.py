@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -113,3 +115,35 @@ def test_reload_swaps_the_model_and_invalidates_caches(client, run) -> None:
                                              user_features=body["user_features"], timestamp=body["timestamp"])  # fmt: skip
     assert after["scores"]["click"] == pytest.approx(expected.task_scores()["click"], abs=1e-5)
     assert client.post("/v1/reload", json={"run_dir": "/nonexistent"}).status_code == 422
+
+
+def test_a_reload_that_overtakes_a_queued_request_re_encodes_it_uncomputed(client, run, tmp_path) -> None:
+    runner = client.app.state.runner
+    new_run = export(build_model(seed=5), tmp_path / "new", step=9)
+    vocab_path = new_run / "model" / "vocab.json"
+    vocab = json.loads(vocab_path.read_text())
+    vocab["item_ids"] = vocab["item_ids"][::-1]  # the same raw IDs, other codes
+    vocab_path.write_text(json.dumps(vocab))
+    engines, submit = [], runner.submit
+
+    def swap_first(req, deadline=None):  # the reload lands after the route encoded the request, before the worker
+        if not engines:
+            runner.reload(new_run, timeout=60)
+        engines.append(req.encoding)
+        return submit(req, deadline)
+
+    runner.submit = swap_first
+    response = client.post("/v1/rank", json=_body())
+    assert response.status_code == 200, response.text
+    assert response.json()["model_version"].startswith("step9")
+    assert engines == [engines[0], runner.engine.encoding] and engines[0] != runner.engine.encoding
+
+
+def test_a_reload_refused_by_the_runner_is_409_as_with_front_ends(client) -> None:
+    runner = client.app.state.runner
+    assert runner._reload_lock.acquire(blocking=False)  # a reload started on the runner itself (not through HTTP)
+    try:
+        response = client.post("/v1/reload", json={})
+    finally:
+        runner._reload_lock.release()
+    assert response.status_code == 409 and "another reload is in progress" in response.json()["detail"], response.text

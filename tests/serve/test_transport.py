@@ -61,5 +61,6 @@ def test_malformed_requests_are_refused(change) -> None:
 
 def test_default_http_workers() -> None:
     assert default_http_workers("cpu", cpus=16) == 0
-    assert default_http_workers("cuda", cpus=16) == 4 and default_http_workers("cuda:1", cpus=2) == 1
+    assert default_http_workers("cuda", cpus=16) == 4 and default_http_workers("cuda:1", cpus=4) == 1
+    assert default_http_workers("cuda", cpus=3) == 0  # no core to spare for a front end: in-process
     assert default_http_workers("cuda", cpus=128) == 4
