@@ -24,14 +24,13 @@ Example:
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
 from collections import deque
 from dataclasses import replace
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 
 import torch
 
@@ -39,18 +38,8 @@ from recforge.serve.cache_manager import successor_pool
 from recforge.serve.engine import RankEngine, RankResult
 from recforge.serve.kv_pool import KVCachePool
 from recforge.serve.layout import EncodedRequest
-from recforge.serve.scheduler import (
-    DeadlineExceeded,
-    OverloadedError,
-    Plan,
-    Scheduler,
-    SchedulerConfig,
-    Sequence,
-    ShuttingDown,
-    StaleEncoding,
-)
-
-log = logging.getLogger(__name__)
+from recforge.serve.scheduler import Plan, Scheduler, SchedulerConfig, Sequence, StaleEncoding
+from recforge.serve.worker import GuardedWorker, _internal_error, _resolve
 
 
 class _PassCost:
@@ -68,33 +57,27 @@ class _PassCost:
         return tokens * self.seconds / self.tokens if self.tokens else 0.0
 
 
-class BatchRunner:
+class BatchRunner(GuardedWorker):
     """The worker thread that batches requests into engine passes (see the module docstring).
 
     ``on_pass(requests, tokens, seconds)`` is called after every pass (for metrics). ``engine`` is the
     live engine: a reload replaces the object, so read it from here rather than keeping one.
     """
 
+    label, thread_name = "batch worker", "recforge-batch-runner"
+
     def __init__(self, engine: RankEngine, config: SchedulerConfig | None = None,
                  on_pass: Callable[[int, int, float], None] | None = None) -> None:  # fmt: skip
+        super().__init__(config)
         self.engine = engine
-        self.config = config or SchedulerConfig()
         self.scheduler = Scheduler(engine, self.config)
         self.on_pass = on_pass
-        self.restarts = 0  # unexpected worker errors survived (each failed the requests in flight)
-        self.dropped = {"deadline": 0, "cancelled": 0}  # requests dropped before they were answered
-        self.last_beat = time.monotonic()  # the worker's last sign of life
         self._incoming: deque[Sequence] = deque()
         self._incoming_tokens = 0
         self._backlog_tokens = 0  # the scheduler's remaining tokens, published by the worker after each pass
         self._cost = _PassCost()
-        self._queue_delay = 0.0  # seconds from arrival to first pass, averaged over recent requests
-        self._cond = threading.Condition()
-        self._closing = False
-        self._drain_until = math.inf
         self._reload: tuple[RankEngine, KVCachePool | None, Future] | None = None
         self._reload_lock = threading.Lock()  # one reload at a time, from its build to its swap
-        self._thread: threading.Thread | None = None
         self._start_worker()
 
     # ------------------------------------------------------------------------------- callers' side
@@ -106,20 +89,8 @@ class BatchRunner:
         now = time.monotonic()
         deadline = math.inf if deadline is None else deadline
         with self._cond:
-            if self._closing:
-                raise OverloadedError("the server is shutting down", retry_after=1.0)
-            self._start_worker()
-            if len(self._incoming) + len(self.scheduler) >= self.config.max_queue:
-                raise OverloadedError(f"{self.config.max_queue} requests already queued; retry later", 1.0)
             own = self._tokens_estimate(req)
-            ahead = self.queued_seconds()
-            limit = min(self.config.max_queue_ms / 1e3, deadline - now - self._cost.estimate(own))
-            if ahead > 0 and ahead > limit:
-                raise OverloadedError(
-                    f"about {ahead * 1e3:.0f} ms of work is queued ahead of this request, over its limit of "
-                    f"{max(limit, 0) * 1e3:.0f} ms (max_queue_ms, or what its deadline leaves); retry later",
-                    retry_after=max(1.0, math.ceil(ahead - self.config.max_queue_ms / 1e3)),
-                )  # fmt: skip
+            self._admit(now, deadline, self._cost.estimate(own))
             seq = Sequence(req, Future(), now, deadline)
             self._incoming.append(seq)
             self._incoming_tokens += own
@@ -142,18 +113,8 @@ class BatchRunner:
     def pending(self) -> int:
         return len(self._incoming) + len(self.scheduler)
 
-    def health(self) -> dict:
-        """Worker liveness: alive, restarts, seconds since its last sign of life, the oldest waiting request's age."""
-        now = time.monotonic()
-        waiting = [*list(self._incoming), *list(self.scheduler.running)]
-        oldest = max((now - s.arrival for s in waiting), default=0.0)
-        beat_age = now - self.last_beat
-        alive = self._thread is not None and self._thread.is_alive()
-        stuck = bool(waiting) and beat_age > self.config.stall_seconds
-        return {"worker_alive": alive, "worker_stuck": stuck, "worker_restarts": self.restarts,
-                "last_pass_age_s": round(beat_age, 3), "queue_depth": self.pending(),
-                "oldest_request_age_ms": round(oldest * 1e3, 1), "dropped": dict(self.dropped),
-                "healthy": (alive or self._closing) and not stuck}  # fmt: skip
+    def _waiting(self) -> list[Sequence]:
+        return [*list(self._incoming), *list(self.scheduler.running)]
 
     def reload(self, run_dir, timeout: float | None = None) -> str:
         """Serve ``run_dir``'s model: build and probe a new engine on this thread (a failure, ``ValueError``,
@@ -177,41 +138,13 @@ class BatchRunner:
         finally:
             self._reload_lock.release()
 
-    def close(self, timeout: float | None = None) -> None:
-        """Stop taking requests, let those in flight finish for at most ``timeout`` seconds (default
-        ``drain_timeout_s``), then fail what is left and stop the worker."""
-        timeout = self.config.drain_timeout_s if timeout is None else timeout
-        with self._cond:
-            self._closing = True
-            self._drain_until = time.monotonic() + timeout
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=timeout + 5)
-        self._fail_all(_shut_down())
-
     # ------------------------------------------------------------------------------- worker
 
-    def _start_worker(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        if self._thread is not None:  # it died (should not happen: the loop is guarded)
-            log.error("batch worker thread had died; restarting it")
-            self.restarts += 1
-            self._fail_scheduled(RuntimeError("the batch worker died while this request was in flight"))
-        self._thread = threading.Thread(target=self._loop, name="recforge-batch-runner", daemon=True)
-        self._thread.start()
+    def _worker_died(self) -> None:
+        self._fail_scheduled(RuntimeError("the batch worker died while this request was in flight"))
 
-    def _loop(self) -> None:
-        while True:
-            self.last_beat = time.monotonic()
-            try:
-                if not self._iteration():
-                    break
-            except Exception as err:  # noqa: BLE001 - the worker survives anything a request causes
-                log.exception("batch worker: unexpected error; failing the requests in flight and going on")
-                self.restarts += 1
-                self._fail_scheduled(RuntimeError(f"internal error while serving this request: {err!r}"))
-        self._fail_all(_shut_down())
+    def _fail_in_flight(self, err: Exception) -> None:
+        self._fail_scheduled(_internal_error(err))
 
     def _iteration(self) -> bool:
         """One round: wait for work, admit arrivals, run one pass. False when the worker should exit."""
@@ -265,22 +198,11 @@ class BatchRunner:
     def _live(self, seq: Sequence, now: float) -> bool:
         """False (and the request answered) when it was cancelled, its deadline passed while queued, or it was
         encoded for a model whose vocabulary the live one does not share (a reload happened meanwhile)."""
-        if seq.future.cancelled():
-            self._dropped(seq, None)
-            return False
-        if seq.req.encoding and seq.req.encoding != self.engine.encoding:
+        if not seq.future.cancelled() and seq.req.encoding and seq.req.encoding != self.engine.encoding:
             _resolve(seq.future, error=StaleEncoding(
                 "the model was reloaded with another vocabulary or limits while this request waited; retry it"))
             return False
-        if now > seq.deadline:
-            self._dropped(seq, DeadlineExceeded(f"deadline passed after {(now - seq.arrival) * 1e3:.0f} ms in the queue"))
-            return False
-        return True
-
-    def _dropped(self, seq: Sequence, err: Exception | None) -> None:
-        self.dropped["cancelled" if err is None else "deadline"] += 1
-        if err is not None:
-            _resolve(seq.future, error=err)
+        return super()._live(seq, now)
 
     def _resolve_failed(self) -> None:
         failed, self.scheduler.failed = self.scheduler.failed, []
@@ -289,7 +211,7 @@ class BatchRunner:
 
     def _run_alone(self, seq: Sequence) -> None:
         seq.first_pass = time.monotonic()
-        self._queue_delay = 0.8 * self._queue_delay + 0.2 * (seq.first_pass - seq.arrival)
+        self._waited(seq.first_pass, seq.arrival)
         t0 = time.perf_counter()
         try:
             result = self.engine.rank_encoded(seq.req)
@@ -323,7 +245,7 @@ class BatchRunner:
         for seq, _ in plan.work:
             if not seq.first_pass:
                 seq.first_pass = now
-                self._queue_delay = 0.8 * self._queue_delay + 0.2 * (now - seq.arrival)
+                self._waited(now, seq.arrival)
         ok = [(pair, out) for pair, out in zip(plan.work, outputs) if not isinstance(out, Exception)]
         for (seq, _), out in zip(plan.work, outputs):
             if isinstance(out, Exception):
@@ -371,21 +293,6 @@ class BatchRunner:
             _resolve(reload[2], error=err)
         self._fail_scheduled(err)
 
-
-def _shut_down() -> ShuttingDown:
-    return ShuttingDown("the server shut down before this request was answered; retry it (on another replica, or "
-                        "here once the server is back)", retry_after=1.0)  # fmt: skip
-
-
-def _resolve(future: Future, result: object = None, error: Exception | None = None) -> None:
-    """Set a future's outcome unless it is already done or cancelled (the client went away)."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass
 
 
 __all__ = ["BatchRunner"]
