@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+from abc import ABC, abstractmethod
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
@@ -21,7 +22,7 @@ from recforge.serve.scheduler import DeadlineExceeded, OverloadedError, Schedule
 log = logging.getLogger(__name__)
 
 
-class GuardedWorker:
+class GuardedWorker(ABC):
     """One guarded worker thread over a queue of requests (see the module docstring).
 
     Queued items need ``future``, ``arrival`` and ``deadline`` attributes. ``label`` names the worker in logs.
@@ -43,31 +44,31 @@ class GuardedWorker:
 
     # ------------------------------------------------------------------------------- subclass hooks
 
+    @abstractmethod
     def pending(self) -> int:
         """Requests waiting or running."""
-        raise NotImplementedError
 
+    @abstractmethod
     def queued_seconds(self) -> float:
         """How long a new request would wait before its first pass; 0 when nothing is queued."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _waiting(self) -> list:
         """Every request waiting or running (for the oldest one's age)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _iteration(self) -> bool:
         """One round of work; False when the worker should exit."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _fail_in_flight(self, err: Exception) -> None:
         """After the unexpected ``err``: fail the requests in flight (their state cannot be trusted)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _fail_all(self, err: Exception) -> None:
         """Fail every request still held (at shutdown)."""
-        raise NotImplementedError
 
-    def _worker_died(self) -> None:
+    def _worker_died(self) -> None:  # noqa: B027 - an optional hook: nothing to do by default
         """Called before a dead worker thread is replaced."""
 
     # ------------------------------------------------------------------------------- callers' side
