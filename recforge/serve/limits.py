@@ -17,6 +17,8 @@ headers and bodies, and a status count of every response (the framework's own 4x
 
 from __future__ import annotations
 
+import math
+
 import asyncio
 import json
 import time
@@ -174,3 +176,14 @@ def http_protocol(header_timeout_s: float, base: type = HttpToolsProtocol) -> ty
 
 
 __all__ = ["LoopLag", "RequestLimits", "http_protocol"]
+
+
+def overload_refusal(queued_s: float, lag_s: float, max_queue_ms: float, max_loop_lag_ms: float) -> tuple[float, str] | None:
+    """(Retry-After seconds, message) when a request must be refused before it is read: ``queued_s`` of work is
+    already queued past ``max_queue_ms``, or the event loop runs ``lag_s`` late, past ``max_loop_lag_ms``."""
+    if queued_s * 1e3 > max_queue_ms:
+        return max(1.0, math.ceil(queued_s - max_queue_ms / 1e3)), (
+            f"overloaded: about {queued_s * 1e3:.0f} ms of work is queued (max_queue_ms {max_queue_ms:g}); retry later")
+    if lag_s * 1e3 > max_loop_lag_ms:
+        return 1.0, f"overloaded: the server is {lag_s * 1e3:.0f} ms behind reading requests; retry later"
+    return None

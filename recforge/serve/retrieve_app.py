@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import math
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -57,7 +56,7 @@ from recforge.generate import Retriever, RetrieveRequest
 from recforge.generate.sid_run import read_run
 from recforge.serve.api import INT64, STRICT, ErrorOut, describe
 from recforge.serve.layout import RequestError
-from recforge.serve.limits import LoopLag, RequestLimits
+from recforge.serve.limits import LoopLag, RequestLimits, overload_refusal
 from recforge.serve.metrics import LATENCY_BUCKETS
 from recforge.serve.retrieve_runner import RetrieveRunner
 from recforge.serve.scheduler import DeadlineExceeded, OverloadedError
@@ -207,13 +206,7 @@ def create_retrieve_app(retriever: Retriever, version: str, config: ServerConfig
         if path != PATH:
             return None
         queued = runner.queued_seconds()
-        if queued * 1e3 > config.scheduler.max_queue_ms:
-            return max(1.0, math.ceil(queued - config.scheduler.max_queue_ms / 1e3)), (
-                f"overloaded: about {queued * 1e3:.0f} ms of work is queued (max_queue_ms "
-                f"{config.scheduler.max_queue_ms:g}); retry later")  # fmt: skip
-        if lag.lag_s * 1e3 > config.max_loop_lag_ms:
-            return 1.0, f"overloaded: the server is {lag.lag_s * 1e3:.0f} ms behind reading requests; retry later"
-        return None
+        return overload_refusal(queued, lag.lag_s, config.scheduler.max_queue_ms, config.max_loop_lag_ms)
 
     app = FastAPIOffline(
         lifespan=lifespan, title="recforge retrieve server", version=version,

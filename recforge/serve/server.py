@@ -45,7 +45,7 @@ from recforge.serve.engine import RankEngine, RankResult
 from recforge.serve.engine_core import attach_pool, engine_report
 from recforge.serve.kv_pool import PoolConfig
 from recforge.serve.layout import EncodedRequest, RequestError, encode_request
-from recforge.serve.limits import LoopLag, RequestLimits, http_protocol
+from recforge.serve.limits import LoopLag, RequestLimits, http_protocol, overload_refusal
 from recforge.serve.metrics import EngineMetrics, HttpMetrics
 from recforge.serve.runner import BatchRunner
 from recforge.serve.scheduler import DeadlineExceeded, OverloadedError, SchedulerConfig, StaleEncoding
@@ -185,13 +185,7 @@ def build_app(backend, config: ServerConfig) -> FastAPI:
         if down is not None:
             return 1.0, down
         queued = backend.queued_seconds()
-        if queued * 1e3 > config.scheduler.max_queue_ms:
-            return max(1.0, math.ceil(queued - config.scheduler.max_queue_ms / 1e3)), (
-                f"overloaded: about {queued * 1e3:.0f} ms of work is queued (max_queue_ms "
-                f"{config.scheduler.max_queue_ms:g}); retry later")  # fmt: skip
-        if lag.lag_s * 1e3 > config.max_loop_lag_ms:
-            return 1.0, f"overloaded: the server is {lag.lag_s * 1e3:.0f} ms behind reading requests; retry later"
-        return None
+        return overload_refusal(queued, lag.lag_s, config.scheduler.max_queue_ms, config.max_loop_lag_ms)
 
     app = FastAPIOffline(
         lifespan=lifespan,
