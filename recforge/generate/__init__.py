@@ -1,11 +1,12 @@
 """Semantic-ID decoding: the valid-SID trie, constrained beam search, and the retrieve engine."""
 
 from recforge.generate.beam_search import BeamOutput, beam_search, resolve_items, search_items
+from recforge.generate.history_cache import HistoryCache
 from recforge.generate.requests import EncodedRetrieve, RetrieveConfig, RetrieveRequest, RetrieveResult
 from recforge.generate.retriever import Retriever
 from recforge.generate.trie import SidTrie
 
 __all__ = [
-    "BeamOutput", "EncodedRetrieve", "RetrieveConfig", "RetrieveRequest", "RetrieveResult", "Retriever", "SidTrie",
+    "BeamOutput", "EncodedRetrieve", "HistoryCache", "RetrieveConfig", "RetrieveRequest", "RetrieveResult", "Retriever", "SidTrie",
     "beam_search", "resolve_items", "search_items",
 ]  # fmt: skip

@@ -46,6 +46,7 @@ class RetrieveRequest:
     k: int = 10
     allowed_items: Sequence[int] | None = None  # only these items may be returned (e.g. currently eligible ones)
     exclude_history: bool = True  # never return a history item (as evaluation does); False allows repeats
+    user_id: int | str | None = None  # whose history: a returning user's cached encoding is reused (None: never)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class EncodedRetrieve:
     allowed: np.ndarray | None  # (A,) int64 trie items (dense index - 1) the request may get; None: all
     exclude_history: bool
     unknown: int = 0  # items dropped for having no SID (skip_unknown)
+    user: str | None = None  # history cache key (``str(user_id)``, as the ranking server keys users); None: uncached
 
 
 @dataclass
@@ -115,4 +117,5 @@ class Catalogue:
                 raise ValueError("allowed_items holds no item of the catalogue, so nothing could be returned; "
                                  "omit it to allow every item")  # fmt: skip
             allowed, unknown = dense - 1, unknown + dropped
-        return EncodedRetrieve(history, int(request.k), allowed, bool(request.exclude_history), unknown)
+        user = None if request.user_id is None else str(request.user_id)
+        return EncodedRetrieve(history, int(request.k), allowed, bool(request.exclude_history), unknown, user)

@@ -11,7 +11,8 @@ only as JSON integers within int64, bounded strings and lists; 422 naming every 
 checked and mapped against the catalogue (``Retriever.encode``) before it is queued, deadlines
 (``X-Request-Timeout-Ms``; 503 + ``Retry-After`` when it cannot be met, 504 when it passes) and
 cancellation when the client leaves. Requests arriving together share one ``Retriever.run``
-(``retrieve_runner.RetrieveRunner``). One process: ``--http-workers`` must be 0 (or auto).
+(``retrieve_runner.RetrieveRunner``). A returning ``user_id``'s history encoding is reused from a per-user
+cache (``generate.HistoryCache``, ``retrieve.cache_mb``; counted in /health under ``history_cache``). One process: ``--http-workers`` must be 0 (or auto).
 
 Example:
     >>> retriever, version = load_retriever("runs/beauty-sid-tiger", RetrieveSettings(beam=256), device="cuda")
@@ -52,7 +53,7 @@ from pydantic import (
     create_model,
 )
 
-from recforge.generate import Retriever, RetrieveRequest
+from recforge.generate import HistoryCache, Retriever, RetrieveRequest
 from recforge.generate.sid_run import read_run
 from recforge.serve.api import INT64, STRICT, ErrorOut, describe
 from recforge.serve.layout import RequestError
@@ -77,12 +78,15 @@ class RetrieveSettings:
     max_allowed: int = 1_000_000  # allowed_items per request before 422
     skip_unknown: bool = False  # items without a SID are dropped from history/allowed_items instead of 422
     checkpoint: str = "auto"  # auto (best for clean runs, else latest) | best | latest | a checkpoint directory
+    cache_mb: float = 1024.0  # per-user history encodings reused across requests (LRU, on the device); 0: off
 
     def problems(self) -> list[str]:
         names = ("default_k", "max_k", "max_batch", "max_history", "max_allowed")
         problems = [f"{name}: must be >= 1, got {getattr(self, name)}" for name in names if getattr(self, name) < 1]
         if self.beam < 0:
             problems.append(f"beam: must be >= 1 (0: the run's generative.beam), got {self.beam}")
+        if self.cache_mb < 0:
+            problems.append(f"cache_mb: must be >= 0 (0 turns the history cache off), got {self.cache_mb}")
         if self.default_k > self.max_k:
             problems.append(f"default_k: {self.default_k} is over max_k {self.max_k}")
         return problems
@@ -90,7 +94,8 @@ class RetrieveSettings:
 
 def load_retriever(run_dir: str | Path, settings: RetrieveSettings, device: str = "auto",
                    dtype: str = "float32") -> tuple[Retriever, str]:  # fmt: skip
-    """(the run's ``Retriever`` under ``settings``, its model version), probed with one request."""
+    """(the run's ``Retriever`` under ``settings``, its model version), probed with one request; with a
+    history cache of ``settings.cache_mb`` (none when 0) tagged with that version."""
     _, ckpt = read_run(run_dir, settings.checkpoint)
     retriever = Retriever.from_run(run_dir, checkpoint=str(ckpt), device=device, dtype=dtype)
     base = retriever.config
@@ -101,6 +106,9 @@ def load_retriever(run_dir: str | Path, settings: RetrieveSettings, device: str 
     files = sorted(p for p in [*Path(ckpt).rglob("*"), *(Path(run_dir) / "sids").rglob("*")] if p.is_file())
     stats = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
     version = f"{Path(ckpt).name}-{hashlib.sha256(repr(stats).encode()).hexdigest()[:10]}"  # stable across restarts
+    retriever.version = version
+    if settings.cache_mb > 0:
+        retriever.cache = HistoryCache(int(settings.cache_mb * 2**20), version)
     probe = int(retriever.item_vocab[1])
     try:  # a model that cannot answer is refused at start, not on the first request
         retriever.run([retriever.encode(RetrieveRequest([probe], k=1, exclude_history=False))])
@@ -166,6 +174,12 @@ class RetrieveMetrics:
         self.pass_seconds = Histogram("recforge_retrieve_pass_seconds", "batched search time (encode + beam + items)",
                                       buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
         Gauge("recforge_queue_depth", "requests waiting or running", registry=registry).set_function(runner.pending)
+        for name, what in (("hits", "requests whose whole history encoding was cached"),
+                           ("extends", "requests that extended a cached history encoding with new events"),
+                           ("misses", "requests that encoded their history from scratch"),
+                           ("bytes_used", "bytes held by cached history encodings")):  # fmt: skip
+            Gauge(f"recforge_retrieve_cache_{name}", what, registry=registry).set_function(
+                lambda name=name: _cache_report(runner).get(name, 0))  # fmt: skip
         for reason in ("deadline", "cancelled"):
             Gauge(f"recforge_retrieve_dropped_{reason}", f"requests dropped unanswered ({reason})",
                   registry=registry).set_function(lambda r=reason: runner.dropped[r])  # fmt: skip
@@ -180,6 +194,11 @@ class RetrieveMetrics:
         self.pass_seconds.observe(seconds)
 
 
+def _cache_report(runner: RetrieveRunner) -> dict[str, Any]:
+    cache = runner.retriever.cache
+    return {"enabled": True, **cache.report()} if cache is not None else {"enabled": False}
+
+
 def create_retrieve_app(retriever: Retriever, version: str, config: ServerConfig | None = None,
                         settings: RetrieveSettings | None = None) -> FastAPI:  # fmt: skip
     """The FastAPI app serving ``retriever`` in this process; the batching worker stops with the app."""
@@ -188,6 +207,9 @@ def create_retrieve_app(retriever: Retriever, version: str, config: ServerConfig
     problems = settings.problems()
     if problems:
         raise ValueError("retrieve settings: " + "; ".join(problems))
+    retriever.version = version  # tags the history cache's entries; a reload brings its own
+    if retriever.cache is not None and retriever.cache.version != version:
+        retriever.cache.invalidate(version)
     runner = RetrieveRunner(retriever, config.scheduler)
     registry = CollectorRegistry()
     metrics = RetrieveMetrics(runner, registry)
@@ -235,12 +257,14 @@ def create_retrieve_app(retriever: Retriever, version: str, config: ServerConfig
         started = request.scope.get("state", {}).get("arrival", time.monotonic())
         deadline = started + _timeout_ms(request, config) / 1e3
         body = models.parse(await request.body())
+        live = runner.retriever  # encodes and runs this request, even if a reload comes in between
         try:
-            encoded = retriever.encode(RetrieveRequest(body.history, body.k, body.allowed_items, body.exclude_history))
+            encoded = live.encode(RetrieveRequest(body.history, body.k, body.allowed_items, body.exclude_history,
+                                                  body.user_id))  # fmt: skip
         except ValueError as err:
             raise RequestError(str(err)) from None
         try:
-            future = runner.submit(encoded, deadline=deadline)
+            future = runner.submit(encoded, deadline=deadline, retriever=live)
         except OverloadedError as err:
             raise HTTPException(503, str(err), headers={"Retry-After": str(int(err.retry_after))}) from err
         try:
@@ -254,20 +278,22 @@ def create_retrieve_app(retriever: Retriever, version: str, config: ServerConfig
         seconds = time.monotonic() - started
         metrics.latency.observe(seconds)
         return RetrieveResponseOut(user_id=body.user_id, items=result.items, scores=result.scores,
-                                   model_version=version, latency_ms=seconds * 1e3)  # fmt: skip
+                                   model_version=live.version, latency_ms=seconds * 1e3)  # fmt: skip
 
     @app.get("/health", responses={503: {"description": "the batching worker is dead or stuck"}})
     async def health() -> JSONResponse:
         worker = runner.health()
+        retriever = runner.retriever
         c = retriever.config
         report: dict[str, Any] = {
-            "status": "ok" if worker["healthy"] else "unhealthy", "model_version": version,
+            "status": "ok" if worker["healthy"] else "unhealthy", "model_version": retriever.version,
             "device": str(retriever.device), "dtype": str(next(retriever.model.parameters()).dtype).removeprefix("torch."),
             "catalogue_items": int(retriever.trie.num_items), "sid_levels": int(retriever.item_codes.shape[1]),
             "queue_depth": worker["queue_depth"], "worker": worker,
             "limits": {"beam": c.beam, "max_k": c.max_k, "max_batch": c.max_batch, "max_history": c.max_history,
                        "model_history_items": retriever.max_items, "max_allowed": c.max_allowed,
                        "request_timeout_ms": config.request_timeout_ms, "max_queue_ms": config.scheduler.max_queue_ms},
+            "history_cache": _cache_report(runner),
         }  # fmt: skip
         return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
 

@@ -6,7 +6,10 @@ sequence of prefill chunks): a batch waits at most ``max_wait_ms`` for more requ
 ``Retriever.config.max_batch`` are queued); admission is bounded in time (``OverloadedError``, HTTP 503,
 when the batches queued ahead would take longer than ``max_queue_ms`` or than the request's own
 deadline); requests past their deadline (``DeadlineExceeded``, 504) or whose future was cancelled (the
-client went away) are dropped before their batch runs. A batch that raises is rerun one request at a
+client went away) are dropped before their batch runs. ``reload`` serves another ``Retriever`` from the
+next batch on: requests queued before it still run on the model that encoded them (their item indices
+are that catalogue's), and the retriever's history cache moves to the new one, emptied and tagged with
+its version (a late write of the old model is refused). A batch that raises is rerun one request at a
 time, so a failing request fails alone; an unexpected worker error fails the batch and the loop goes on.
 
 Example:
@@ -35,6 +38,7 @@ class Pending:
 
     req: EncodedRetrieve
     deadline: float  # time.monotonic() after which the answer is useless
+    retriever: Retriever  # the model that encoded it (and runs it)
     arrival: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future)
 
@@ -59,17 +63,28 @@ class RetrieveRunner(GuardedWorker):
         self._pass_seconds = 0.0  # seconds per batch, exponentially weighted (0 before the first)
         self._start_worker()
 
-    def submit(self, req: EncodedRetrieve, deadline: float | None = None) -> Future:
+    def submit(self, req: EncodedRetrieve, deadline: float | None = None, retriever: Retriever | None = None) -> Future:
         """Queue an encoded request; the future resolves to a ``RetrieveResult`` or raises (``DeadlineExceeded``,
-        the engine's error). Cancelling the future drops the request. ``OverloadedError`` when refused."""
+        the engine's error). Cancelling the future drops the request. ``OverloadedError`` when refused.
+        ``retriever``: the one that encoded ``req`` (default: the live one), which runs it."""
         now = time.monotonic()
         deadline = math.inf if deadline is None else deadline
         with self._cond:
             self._admit(now, deadline, self._pass_seconds)
-            item = Pending(req, deadline, now)
+            item = Pending(req, deadline, retriever or self.retriever, now)
             self._incoming.append(item)
             self._cond.notify()
         return item.future
+
+    def reload(self, retriever: Retriever) -> None:
+        """Serve ``retriever`` (a new model, with its own ``version``) from the next batch on; the live one's
+        history cache moves to it, emptied for the new version (see the module docstring)."""
+        with self._cond:
+            cache = self.retriever.cache
+            if cache is not None and retriever.cache is None:
+                cache.invalidate(retriever.version)
+                retriever.cache = cache
+            self.retriever = retriever
 
     def pending(self) -> int:
         """Requests waiting or running."""
@@ -120,10 +135,16 @@ class RetrieveRunner(GuardedWorker):
         for item in batch:
             self._waited(start, item.arrival)
         t0 = time.perf_counter()
-        try:
-            outcomes: list[RetrieveResult | Exception] = list(self.retriever.run([item.req for item in batch]))
-        except Exception:  # noqa: BLE001 - isolate: rerun each request alone, fail only those that raise
-            outcomes = [self._run_alone(item) for item in batch]
+        outcomes: list[RetrieveResult | Exception] = []
+        groups: dict[int, list[Pending]] = {}  # one group per model; one group unless a reload came in between
+        for item in batch:
+            groups.setdefault(id(item.retriever), []).append(item)
+        batch = [item for group in groups.values() for item in group]
+        for group in groups.values():
+            try:
+                outcomes += group[0].retriever.run([item.req for item in group])
+            except Exception:  # noqa: BLE001 - isolate: rerun each request alone, fail only those that raise
+                outcomes += [self._run_alone(item) for item in group]
         seconds = time.perf_counter() - t0
         self.last_beat = time.monotonic()
         self._pass_seconds = seconds if not self._pass_seconds else 0.8 * self._pass_seconds + 0.2 * seconds
@@ -137,7 +158,7 @@ class RetrieveRunner(GuardedWorker):
 
     def _run_alone(self, item: Pending) -> RetrieveResult | Exception:
         try:
-            return self.retriever.run([item.req])[0]
+            return item.retriever.run([item.req])[0]
         except Exception as err:  # noqa: BLE001 - reported on this request only
             return err
 
