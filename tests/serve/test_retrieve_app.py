@@ -199,6 +199,13 @@ def test_health_metrics_and_docs_example(loaded) -> None:
         assert "recforge_retrieve_latency_seconds_count 1.0" in metrics and "recforge_queue_depth 0.0" in metrics
 
 
+def test_load_retriever_attaches_a_history_cache_unless_cache_mb_is_zero(run_dir: Path) -> None:
+    retriever, version = load_retriever(run_dir, RetrieveSettings(cache_mb=2), device="cpu")
+    assert retriever.version == version and retriever.cache.version == version
+    assert retriever.cache.max_bytes == 2 << 20 and not retriever.cache.entries  # the probe names no user
+    assert load_retriever(run_dir, RetrieveSettings(cache_mb=0), device="cpu")[0].cache is None
+
+
 def test_cli_serves_a_generative_run_in_one_process(run_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture) -> None:  # fmt: skip
     from recforge.serve import server
