@@ -3,8 +3,11 @@
 Usage:
     python benchmarks/serve_retrieve.py --quick --out benchmarks/results/serve_retrieve-cpu-2core.json
     python benchmarks/serve_retrieve.py --device cuda --dtype bfloat16 --out benchmarks/results/serve_retrieve-h200.json
+    python benchmarks/serve_retrieve.py --model sid_hstu --device cuda --dtype bfloat16 \
+        --out benchmarks/results/serve_retrieve-hstu-h200.json
 
-A randomly initialised ``SIDSeq2Seq`` (as ``benchmarks/beam_search.py``: weights do not change the work)
+A randomly initialised ``SIDSeq2Seq`` (``--model tiger``) or decoder-only ``SIDHSTU`` (``--model sid_hstu``)
+(as ``benchmarks/beam_search.py``: weights do not change the work)
 over a random catalogue of ``--items`` items, 3 digits of ``--vocab`` + a collision digit. The server
 (``recforge.serve.retrieve_app``, what `recforge serve` runs for a generative run: uvicorn, transport
 limits, strict JSON, the batching worker) runs in a child process on loopback. Each round sends
@@ -17,6 +20,13 @@ items back; the worker batches them into one search (``--max-wait-ms``).
 - engine: ``Retriever.retrieve_requests`` of the same requests in this process (no HTTP), after the
   server has stopped; the difference to ``http`` is the HTTP/JSON/batching overhead.
 - the responses' items are compared with the engine's for the same requests (``same_items_fraction``).
+- returning users (the history cache, ``generate.HistoryCache``), in this process: ``--batch`` users whose
+  histories start at ``--history`` items and grow by 1-2 events every round; each round runs the batch
+  cold (``returning_cold``: no cache), then cached (``returning_cached``: the decoder-only model extends
+  each user's cached keys/values with the new events' tokens; the encoder-decoder must re-encode a
+  changed history, so this is a miss for it), then the same requests again (``repeat_cached``: identical
+  histories, a hit for both models). Cached answers must equal the cold ones (same items; checked).
+  The HTTP rows send a new ``user_id`` every round, so they stay cold (the server's cache is on).
 """
 
 from __future__ import annotations
@@ -38,7 +48,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _machine import cpu_model  # noqa: E402
 
-from recforge.generate import RetrieveConfig, RetrieveRequest, Retriever, SidTrie  # noqa: E402
+from recforge.generate import HistoryCache, RetrieveConfig, RetrieveRequest, Retriever, SidTrie  # noqa: E402
+from recforge.models.sid_hstu import SIDHSTU, SIDHSTUConfig  # noqa: E402
 from recforge.models.sid_seq2seq import Seq2SeqConfig, SIDSeq2Seq  # noqa: E402
 from recforge.models.sid_tokenizer import add_collision_level  # noqa: E402
 
@@ -50,13 +61,55 @@ def build(args: argparse.Namespace) -> Retriever:
     codes = add_collision_level(torch.randint(args.vocab, (args.items, 3)))
     vocab = max(args.vocab, int(codes.max()) + 1)
     trie = SidTrie.build(codes, vocab, args.trie).to(device)
-    model = SIDSeq2Seq(Seq2SeqConfig(num_levels=codes.shape[1], vocab_size=vocab, dim=args.dim, encoder_layers=args.layers,
-                                     decoder_layers=args.layers, num_heads=args.heads, ffn_dim=4 * args.dim, dropout=0.0,
-                                     max_items=args.history))  # fmt: skip
+    window = max_items(args)
+    if args.model == "tiger":
+        model = SIDSeq2Seq(Seq2SeqConfig(num_levels=codes.shape[1], vocab_size=vocab, dim=args.dim,
+                                         encoder_layers=args.layers, decoder_layers=args.layers, num_heads=args.heads,
+                                         ffn_dim=4 * args.dim, dropout=0.0, max_items=window))  # fmt: skip
+    else:
+        model = SIDHSTU(SIDHSTUConfig(num_levels=codes.shape[1], vocab_size=vocab, dim=args.dim, num_blocks=args.layers,
+                                      num_heads=args.heads, dropout=0.0, max_items=window))  # fmt: skip
     model = model.to(device=device, dtype=dtype).eval()
-    config = RetrieveConfig(beam=args.beam, max_k=args.k, max_batch=args.batch, max_history=args.history,
+    config = RetrieveConfig(beam=args.beam, max_k=args.k, max_batch=args.batch, max_history=window,
                             max_allowed=max(args.allowed, 1))  # fmt: skip
-    return Retriever(model, torch.arange(args.items + 1).numpy(), torch.cat([codes[:1] * 0, codes]), trie, args.history, config)
+    retriever = Retriever(model, torch.arange(args.items + 1).numpy(), torch.cat([codes[:1] * 0, codes]), trie, window,
+                          config)  # fmt: skip
+    retriever.version = "bench"
+    return retriever
+
+
+def max_items(args: argparse.Namespace) -> int:
+    """The model's history window: room for the returning users' growth (at most 2 events a round)."""
+    return args.history + 2 * (args.warmup + args.rounds)
+
+
+def returning_users(args: argparse.Namespace) -> dict:
+    """Cold vs cached ``Retriever.run`` of returning users whose histories grow by 1-2 events a round."""
+    cold = build(args)
+    cached = build(args)
+    cached.cache = HistoryCache(int(args.cache_mb * 2**20), "bench")
+    g = torch.Generator().manual_seed(2)
+    histories = [torch.randint(1, args.items + 1, (args.history,), generator=g).tolist() for _ in range(args.batch)]
+    times: dict[str, list[float]] = {"returning_cold": [], "returning_cached": [], "repeat_cached": []}
+    same = total = 0
+    for round_index in range(args.warmup + args.rounds):
+        for h in histories:
+            h += torch.randint(1, args.items + 1, (int(torch.randint(1, 3, (1,), generator=g)),), generator=g).tolist()
+        requests = [RetrieveRequest(list(h), args.k, user_id=f"u{i}") for i, h in enumerate(histories)]
+        outcomes = {}
+        for name, retriever in (("returning_cold", cold), ("returning_cached", cached), ("repeat_cached", cached)):
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outcomes[name] = retriever.run([retriever.encode(r) for r in requests])
+            if round_index >= args.warmup:
+                times[name].append((time.perf_counter() - t0) * 1e3)
+        for name in ("returning_cached", "repeat_cached"):
+            same += sum(a.items == b.items for a, b in zip(outcomes[name], outcomes["returning_cold"], strict=True))
+            total += len(requests)
+    report = cached.cache.report()
+    return {"summary": {name: summary(t) for name, t in times.items()}, "same_items_fraction": same / total,
+            "cache": report, "history_items": [args.history, max(len(h) for h in histories)]}  # fmt: skip
 
 
 def serve_child(args: argparse.Namespace, port: int) -> None:
@@ -66,7 +119,9 @@ def serve_child(args: argparse.Namespace, port: int) -> None:
 
     retriever = build(args)
     settings = RetrieveSettings(beam=args.beam, default_k=args.k, max_k=args.k, max_batch=args.batch,
-                                max_history=args.history, max_allowed=max(args.allowed, 1))  # fmt: skip
+                                max_history=max_items(args), max_allowed=max(args.allowed, 1), cache_mb=args.cache_mb)  # fmt: skip
+    if args.cache_mb:
+        retriever.cache = HistoryCache(int(args.cache_mb * 2**20), "bench")
     config = ServerConfig(scheduler=SchedulerConfig(max_wait_ms=args.max_wait_ms, max_queue_ms=60_000),
                           request_timeout_ms=60_000.0)  # fmt: skip
     serve(create_retrieve_app(retriever, "bench", config, settings), config, port=port)
@@ -95,6 +150,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--model", default="tiger", choices=("tiger", "sid_hstu"), help="encoder-decoder or decoder-only")
+    p.add_argument("--cache-mb", type=float, default=1024.0, help="history cache bound (server and cached rows)")
     p.add_argument("--quick", action="store_true", help="tiny shapes for a CPU check")
     p.add_argument("--batch", type=int, default=8, help="concurrent requests per round (and the server's max_batch)")
     p.add_argument("--history", type=int, default=1250, help="history items per request (x 4 SID tokens)")
@@ -128,7 +185,10 @@ def main() -> None:
         if args.allowed:
             body["allowed_items"] = (torch.randperm(args.items, generator=g)[: args.allowed] + 1).tolist()
         bodies.append(body)
-    raw = [json.dumps(b).encode() for b in bodies]
+
+    def raw(round_index: int) -> list[bytes]:  # a new user_id each round: the HTTP rows stay cold
+        return [json.dumps({**b, "user_id": f"{b['user_id']}-{round_index}"}).encode() for b in bodies]
+
     try:
         conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=120) for _ in bodies]
         deadline = time.monotonic() + 600
@@ -146,11 +206,11 @@ def main() -> None:
                 time.sleep(0.5)
         per_request, per_round, answers = [], [], [None] * len(bodies)
         for round_index in range(args.warmup + args.rounds):
-            barrier, times = threading.Barrier(len(bodies)), [0.0] * len(bodies)
+            barrier, times, payloads = threading.Barrier(len(bodies)), [0.0] * len(bodies), raw(round_index)
 
             def one(i: int) -> None:
                 barrier.wait()
-                times[i], answers[i] = post(conns[i], raw[i])
+                times[i], answers[i] = post(conns[i], payloads[i])
 
             threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
             for t in threads:
@@ -179,10 +239,16 @@ def main() -> None:
     # the engine's batch of the same requests, so near-tied items deep in the list may swap
     top10 = sum(len(set(a["items"][:10]) & set(r.items[:10])) / max(1, min(10, len(r.items)))
                 for a, r in zip(answers, engine_results, strict=True)) / len(bodies)  # fmt: skip
-    rows = {"http": summary(per_request), "round": summary(per_round), "engine": summary(engine_times)}
-    print(f"{'part':<10}{'p50 ms':>10}{'p99 ms':>10}{'runs':>6}")
+    returning = returning_users(args)
+    rows = {"http": summary(per_request), "round": summary(per_round), "engine": summary(engine_times),
+            **returning["summary"]}  # fmt: skip
+    print(f"{'part':<18}{'p50 ms':>10}{'p99 ms':>10}{'runs':>6}")
     for name, row in rows.items():
-        print(f"{name:<10}{row['p50_ms']:>10.2f}{row['p99_ms']:>10.2f}{row['runs']:>6}")
+        print(f"{name:<18}{row['p50_ms']:>10.2f}{row['p99_ms']:>10.2f}{row['runs']:>6}")
+    cache = returning["cache"]
+    print(f"returning users ({returning['history_items'][0]}-{returning['history_items'][1]} items): cached answers "
+          f"equal the cold ones for {returning['same_items_fraction']:.0%} of requests; cache hits {cache['hits']}, "
+          f"extends {cache['extends']}, misses {cache['misses']}, {cache['bytes_used'] / 2**20:.1f} MiB")  # fmt: skip
     print(f"HTTP answers equal the engine's items for {same:.0%} of requests (top-10 overlap {top10:.1%}); "
           "server-side latency of the last "
           f"round {min(server_ms):.1f}-{max(server_ms):.1f} ms")  # fmt: skip
@@ -192,7 +258,7 @@ def main() -> None:
         "benchmark": "serve_retrieve", "machine": machine, "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "command": "python " + " ".join(sys.argv), "torch": torch.__version__, "args": vars(args),
         "sid_tokens_per_request": args.history * 4, "summary": rows, "same_items_fraction": same,
-        "top10_overlap": top10, "last_round_server_latency_ms": server_ms,
+        "top10_overlap": top10, "last_round_server_latency_ms": server_ms, "returning_users": returning,
     }  # fmt: skip
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -200,6 +266,8 @@ def main() -> None:
         print(f"wrote {args.out}")
     if same < 1.0 and args.dtype == "float32":  # exact in float32 (checked: 100% on the H200); see top10 above
         raise SystemExit("HTTP answers differ from the engine's (see same_items_fraction)")
+    if returning["same_items_fraction"] < 1.0 and args.dtype == "float32":
+        raise SystemExit("cached answers differ from the cold ones (see returning_users.same_items_fraction)")
 
 
 if __name__ == "__main__":

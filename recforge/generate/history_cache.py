@@ -65,7 +65,7 @@ class CacheStats:
     hits: int = 0  # the whole history was cached
     extends: int = 0  # a prefix was cached; only the new items were encoded
     misses: int = 0
-    stale: int = 0  # an entry was found but is not a prefix of the request (counted in misses too)
+    stale: int = 0  # an entry was found but is not reusable for the request (counted in misses too)
     evicted: int = 0
     too_large: int = 0
     stale_writes: int = 0  # write-backs refused: the entry or the model changed since the lookup

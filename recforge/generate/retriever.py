@@ -39,8 +39,8 @@ from recforge.generate.history_cache import HistoryCache
 from recforge.generate.requests import Catalogue, EncodedRetrieve, RetrieveConfig, RetrieveRequest, RetrieveResult
 from recforge.generate.sid_run import load_sid_run
 from recforge.generate.trie import SidTrie
-from recforge.models.sid_hstu import SIDHSTU
-from recforge.models.sid_seq2seq import SIDSeq2Seq
+from recforge.models.sid_hstu import SIDHSTU, HSTUMemory
+from recforge.models.sid_seq2seq import Memory, SIDSeq2Seq
 from recforge.ops.dispatch import resolve_device
 
 
@@ -160,7 +160,7 @@ class Retriever:
                                           row_scores[: req.k][present].tolist()))  # fmt: skip
         return results
 
-    def _memory(self, batch: Sequence[EncodedRetrieve]):
+    def _memory(self, batch: Sequence[EncodedRetrieve]) -> Memory | HSTUMemory:
         """The batch's encoded histories: from the cache where a request's user has them, else computed
         (and written back, once per user: the batch's last request of each user)."""
         cache = self.cache
@@ -185,9 +185,10 @@ class Retriever:
             new = [self.item_codes[torch.from_numpy(windows[b][found[b].reused :]).to(self.device)] for b in grow]
             for b, piece in zip(grow, encodings.extend_hstu(self.model, [pieces[b] for b in grow], new), strict=True):
                 pieces[b] = piece
+        computed = {*cold, *grow}
         last_of_user = {r.user: b for b, r in enumerate(batch) if r.user is not None}
-        for b in last_of_user.values():
-            if b in cold or b in grow:
+        for b in last_of_user.values():  # same-user requests of one batch: the latest one's history is kept
+            if b in computed:
                 cache.put(batch[b].user, windows[b], pieces[b], self.version, found[b].generation)
         if len(cold) == len(batch):
             return memory  # all computed in one pass: the cold layout itself

@@ -42,7 +42,7 @@ def test_returning_users_hit_the_cache_counted_in_health_and_metrics() -> None:
     config = ServerConfig(scheduler=SchedulerConfig(max_wait_ms=1.0))
     history = [1001, 1007, 1003]
     with TestClient(create_retrieve_app(retriever, "v1", config, RetrieveSettings(max_k=10, max_batch=8))) as client:
-        for step, grown in enumerate([history, history, [*history, 1010], [*history, 1010, 1020, 1002]]):
+        for grown in [history, history, [*history, 1010], [*history, 1010, 1020, 1002]]:
             out = client.post("/v1/retrieve", json={"user_id": 7, "history": grown, "k": 5})
             assert out.status_code == 200, out.text
             want = _cold(retriever, RetrieveRequest(grown, 5))
