@@ -17,7 +17,7 @@ from recforge.models.sid_tokenizer import add_collision_level
 ITEMS, MAX_ITEMS, ATOL = 60, 10, 1e-4  # scores: float32 rounding of another summation order (cached vs one pass)
 
 
-def _retriever(kind: str, seed: int = 0, cache_bytes: int = 64 << 20) -> Retriever:
+def _retriever(kind: str, seed: int = 0, cache_bytes: int = 64 << 20, device: str = "cpu") -> Retriever:
     torch.manual_seed(seed)
     codes = add_collision_level(torch.randint(6, (ITEMS, 2), generator=torch.Generator().manual_seed(7)))
     vocab = max(6, int(codes.max()) + 1)
@@ -27,8 +27,9 @@ def _retriever(kind: str, seed: int = 0, cache_bytes: int = 64 << 20) -> Retriev
                                          num_heads=2, ffn_dim=32, dropout=0.0, max_items=MAX_ITEMS))  # fmt: skip
     else:
         model = SIDHSTU(SIDHSTUConfig(num_levels=L, vocab_size=vocab, dim=16, num_blocks=2, num_heads=2, dropout=0.0,
-                                      max_items=MAX_ITEMS, kernel="pytorch"))  # fmt: skip
-    trie = SidTrie.build(codes, vocab, "dense")
+                                      max_items=MAX_ITEMS, kernel="pytorch" if device == "cpu" else "auto"))  # fmt: skip
+    model.to(device)
+    trie = SidTrie.build(codes, vocab, "dense").to(device)
     retriever = Retriever(model, np.arange(100, 101 + ITEMS).astype(np.int64), torch.cat([codes[:1] * 0, codes]), trie,
                           MAX_ITEMS, RetrieveConfig(beam=16, max_k=20, max_batch=32))  # fmt: skip
     retriever.cache = HistoryCache(cache_bytes) if cache_bytes else None
@@ -41,10 +42,10 @@ def _cold(retriever: Retriever) -> Retriever:
     return twin  # same model, no cache
 
 
-def _same(got, want) -> None:
+def _same(got, want, atol: float = ATOL) -> None:
     for g, w in zip(got, want, strict=True):
         assert g.items == w.items
-        np.testing.assert_allclose(g.scores, w.scores, rtol=0, atol=ATOL)
+        np.testing.assert_allclose(g.scores, w.scores, rtol=0, atol=atol)
 
 
 def _grow(history: list[int], g: np.random.Generator) -> list[int]:
@@ -56,7 +57,18 @@ def _grow(history: list[int], g: np.random.Generator) -> list[int]:
 
 @pytest.mark.parametrize("kind", ["tiger", "sid_hstu"])
 def test_cached_answers_equal_cold_ones_over_random_extensions(kind: str) -> None:
-    cached = _retriever(kind)
+    _check_random_extensions(_retriever(kind), ATOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["tiger", "sid_hstu"])
+def test_cached_answers_equal_cold_ones_on_the_gpu(kind: str, cuda_device: torch.device) -> None:
+    """The Triton kernels (``hstu_attention`` cold, ``cached_hstu_attention`` extending) in float32."""
+    _check_random_extensions(_retriever(kind, device=str(cuda_device)), 1e-3)
+
+
+def _check_random_extensions(cached: Retriever, atol: float) -> None:
+    kind = "sid_hstu" if encodings.extendable(cached.model) else "tiger"
     cold = _cold(cached)
     g = np.random.default_rng(int(torch.randint(1 << 30, (1,))))
     histories = {f"u{i}": (100 + 1 + g.integers(ITEMS, size=int(g.integers(1, 6)))).tolist() for i in range(5)}
@@ -67,7 +79,7 @@ def test_cached_answers_equal_cold_ones_over_random_extensions(kind: str) -> Non
             histories[user] = _grow(histories[user], g)
             batch.append(RetrieveRequest(histories[user], k=int(g.integers(1, 12)), user_id=user,
                                          exclude_history=bool(g.random() < 0.7)))  # fmt: skip
-        _same(cached.run([cached.encode(r) for r in batch]), cold.run([cold.encode(r) for r in batch]))
+        _same(cached.run([cached.encode(r) for r in batch]), cold.run([cold.encode(r) for r in batch]), atol)
     report = cached.cache.report()
     assert report["hits"] > 0 and report["misses"] > 0, report  # some windows slide past MAX_ITEMS: misses
     assert (report["extends"] > 0) == (kind == "sid_hstu"), report  # a bidirectional encoder never extends
@@ -75,7 +87,7 @@ def test_cached_answers_equal_cold_ones_over_random_extensions(kind: str) -> Non
         want = encodings.split(cached.model, cached.model.start(*cold.history_batch([cold.encode(
             RetrieveRequest((entry.items + 100).tolist()))])), [entry.items.size * 3])[0]  # fmt: skip
         for a, b in zip(entry.tensors, want, strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+            torch.testing.assert_close(a, b, rtol=0, atol=atol)
 
 
 def test_extending_a_decoder_only_piece_equals_encoding_the_whole_history() -> None:
