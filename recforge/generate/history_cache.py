@@ -10,7 +10,8 @@ keys/values of every history token, an encoder-decoder's cross-attention keys/va
 ``lookup`` says how much of a request's history an entry covers: all of it (a hit: nothing to compute),
 a prefix (``extendable`` models only: the causal decoder computes just the new items' tokens), or
 nothing usable (a miss; ``stale`` when the user has an entry that is not a prefix: history rewritten,
-or the model's window slid past its oldest items).
+or the model's window slid past its oldest items). An entry that extends the request's history (a late
+request of an earlier history) is ``superseded``: the request does not replace it.
 
 The rules of the ranking server's KV pool (``recforge.serve.kv_pool``) hold here too:
 
@@ -57,6 +58,7 @@ class Lookup:
     entry: CacheEntry | None
     reused: int
     generation: int  # of the user's entry at lookup (0: none); ``put`` needs it unchanged
+    superseded: bool = False  # the entry extends this request's history (a later request's): keep it, write nothing
 
 
 @dataclass
@@ -113,7 +115,9 @@ class HistoryCache:
                 self.stats.misses += 1
                 self.stats.stale += entry is not None and entry.version == self.version
                 self.stats.computed_items += items.size
-                return Lookup(None, 0, generation)
+                superseded = (entry is not None and entry.version == self.version and n > items.size
+                              and np.array_equal(entry.items[: items.size], items))  # fmt: skip
+                return Lookup(None, 0, generation, superseded)
             self.entries.move_to_end(user)
             if n == items.size:
                 self.stats.hits += 1

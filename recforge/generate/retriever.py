@@ -188,7 +188,7 @@ class Retriever:
         computed = {*cold, *grow}
         last_of_user = {r.user: b for b, r in enumerate(batch) if r.user is not None}
         for b in last_of_user.values():  # same-user requests of one batch: the latest one's history is kept
-            if b in computed:
+            if b in computed and not found[b].superseded:
                 cache.put(batch[b].user, windows[b], pieces[b], self.version, found[b].generation)
         if len(cold) == len(batch):
             return memory  # all computed in one pass: the cold layout itself

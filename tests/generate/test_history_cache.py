@@ -133,6 +133,8 @@ def test_a_stale_writer_never_overwrites_a_newer_entry() -> None:
     assert cache.put("u", new, (torch.ones(3),), "0", fast.generation)
     assert not cache.put("u", old, (torch.zeros(3),), "0", slow.generation)  # refused: the entry changed
     assert np.array_equal(cache.entries["u"].items, new) and cache.report()["stale_writes"] == 1
+    late = cache.lookup("u", old, "0", True)  # a late request of the earlier history: the entry is newer
+    assert late.entry is None and late.superseded and not cache.lookup("u", np.arange(2, 4), "0", True).superseded
     found = cache.lookup("u", np.arange(1, 8), "0", True)  # a prefix of a longer history: extendable
     assert found.reused == 5 and cache.lookup("u", np.arange(1, 8), "0", False).entry is None
     cache.invalidate("1")  # a reload: nothing of version 0 is read or written any more
