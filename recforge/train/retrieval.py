@@ -6,7 +6,9 @@
 
 Every step re-seeds the RNGs from (seed, global step), and the epoch's user order is
 derived from (seed, epoch): a resumed run replays exactly the steps an uninterrupted
-run would have taken, with no RNG state to save.
+run would have taken, with no RNG state to save. The sampled negatives are drawn before
+each step from their own generator, seeded from the step's seed (``_draw``,
+``recforge.train.step_draws``), so a pipelined step can draw and look them up a step ahead.
 
 With ``train.loader=pipeline`` the sample engine streams the training samples instead, built
 by its reader workers as it reads them (``retrieval_sample_source``; nothing is written to

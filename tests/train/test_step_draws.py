@@ -23,13 +23,19 @@ def test_negatives_drawn_before_the_loss_give_the_loss_drawn_in_it(negatives: st
     user = F.normalize(torch.randn(positions, 6, dtype=torch.float64), dim=-1).requires_grad_()
     table = torch.randn(num_items + 1, 6, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(1, num_items + 1, (positions,))
-    kw = dict(negatives=negatives, num_negatives=7, in_batch_negatives=in_batch, chunk_size=chunk_size, exact_distinct=exact_distinct)
+    kw = dict(
+        negatives=negatives,
+        num_negatives=7,
+        in_batch_negatives=in_batch,
+        chunk_size=chunk_size,
+        exact_distinct=exact_distinct,
+    )
     runs = []
     seed = int(torch.randint(0, 2**31, ()))
     for predrawn in (False, True):
         looked_up = []
 
-        def item_vectors(ids):
+        def item_vectors(ids, looked_up=looked_up):
             looked_up.append(None if ids is None else ids.clone())
             return F.normalize(table if ids is None else table[ids], dim=-1)
 
@@ -51,7 +57,9 @@ def test_the_loss_refuses_draws_made_for_other_settings() -> None:
     with pytest.raises(ValueError, match="chunk_size=4"):
         sampled_softmax_loss(user, targets, item_vectors, 30, num_negatives=5, chunk_size=4, sampled=unchunked)
     with pytest.raises(ValueError, match="in_batch_negatives=True"):
-        sampled_softmax_loss(user, targets, item_vectors, 30, num_negatives=5, in_batch_negatives=True, sampled=unchunked)
+        sampled_softmax_loss(
+            user, targets, item_vectors, 30, num_negatives=5, in_batch_negatives=True, sampled=unchunked
+        )
 
 
 def _run(first_step: int, steps: int, reseed: bool, ahead: bool) -> tuple[list[int], int]:
