@@ -3,12 +3,15 @@
 Usage (one GPU, NCCL at world size 1: the collectives and the sharded tables' all-to-alls run):
     python benchmarks/dist_step.py --device cuda --out benchmarks/results/dist_step-h200.json
     torchrun --nproc-per-node 8 benchmarks/dist_step.py --device cuda      # several GPUs (rank 0 reports)
-    python benchmarks/dist_step.py --device cpu --steps 6 --warmup 2 --users 400 --items 800   # gloo smoke run
+    python benchmarks/dist_step.py --device cpu --steps 6 --warmup 2 --blocks 1 --users 400 --items 800 --cache-fraction 1   # gloo smoke run
 
 The retrieval recipe (configs/ml1m-hstu.yaml's model) on a synthetic dataset, with
 ``model.embedding=dynamic`` tables sharded by ``ShardedDynamicEmbedding`` and tiered: the item
 table lives in host memory with ``--cache-fraction`` of its rows cached on the device. The modes
-run in alternating blocks (off, on, off, on ...). Per step:
+run in alternating blocks (off, on, on_negatives_at_step, off, ...): ``on`` stages the next batch's IDs and its
+sampled negatives (drawn by the sparse worker a step ahead, ``recforge.train.step_draws``), ``on_negatives_at_step``
+stages only the batch's own IDs (its negatives drawn and looked up at the step, as before issue 15's change;
+the same negatives either way). Per step:
 
 - ``fetch_s``, ``build_s``, ``h2d_s``: the input stages (sample ids -> JaggedBatch -> device copy,
   on a side CUDA stream when the pipeline is on), measured where they run;
@@ -24,12 +27,14 @@ main thread's calls (``sparse`` in the JSON): ``main_distribute_s`` (dedup + ID 
 the rows, admission when IDs are new, the embeddings' all-to-all), ``main_read_s`` (the same for the
 lookups the worker staged: with no new IDs only the read), ``main_wait_s`` (the main thread
 waiting for the sparse worker); and the worker's own ``worker_distribute_s``/``worker_stage_s``
-(pipeline on: the next step's staged lookups, history and targets; sampled negatives are made in
-the loss and stay on the main thread). Then
+(pipeline on: the next step's staged lookups: history, targets and, in ``on``, the sampled negatives;
+``worker_draw_s``: the worker drawing those negatives, reported apart, not in ``work``). Then
 
     work    = h2d_s + main_(distribute + stage + lookup + read)_s + worker_(distribute + stage)_s
     exposed = (h2d_s off, or exposed_input_s on) + main_(distribute + stage + lookup + read + wait)_s
     hidden  = 1 - exposed / work        (issue 15: >= 80% with the pipeline on)
+
+The summary line compares ``hidden`` of ``on`` with ``on_negatives_at_step`` (negatives staged vs not).
 
 ``--warm-table`` (default) admits the whole catalogue before timing, so lookups find their IDs as
 in a long run; a lookup of new IDs redoes the owner's part at use (``staged_reads`` counts the
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -62,6 +68,8 @@ from recforge.train.runtime import prepare_runtime
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("fetch_s", "build_s", "h2d_s", "exposed_input_s", "step_s", "wall_s")
+MODES = {"off": (False, False), "on": (True, True), "on_negatives_at_step": (True, False)}  # (pipeline, negatives staged)
+STEP_SEEDS = itertools.count(1)  # every step re-seeds, as the training loop does: the negatives' seeds follow
 
 
 def _join_world_of_one() -> None:
@@ -80,7 +88,9 @@ def _profile(s, inputs: StepInputs, steps: int) -> dict[str, float]:
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            s.runner(next(inputs).micro)
+            micro = next(inputs).micro
+            torch.manual_seed(next(STEP_SEEDS))
+            s.runner(micro)
         torch.cuda.synchronize()
     comm = h2d = 0.0
     for event in prof.key_averages():
@@ -149,16 +159,17 @@ def _tables(s) -> list:
     return list(sharded_tables(s.model).values())
 
 
-def sparse_block(s, samples: torch.Tensor, pipeline: bool, steps: int) -> dict[str, float]:
+def sparse_block(s, samples: torch.Tensor, mode: str, steps: int) -> dict[str, float]:
     """Per-step sparse-input times of one timed block (see the module docstring)."""
     ahead = s.runner.ahead
+    pipeline = MODES[mode][0]
     before = len(ahead.stats) if ahead is not None else 0
     with StageTimer(s) as timer:
-        rows = run_block(s, samples, pipeline, steps, 0)
+        rows = run_block(s, samples, mode, steps, 0)
     out = {k: 0.0 for k in ("main_distribute_s", "main_stage_s", "main_lookup_s", "main_read_s", "main_wait_s")}
     out.update({k: v / steps for k, v in timer.totals.items()})
     staged = ahead.stats[before:] if ahead is not None and pipeline else []
-    for key in ("distribute_s", "stage_s"):
+    for key in ("draw_s", "distribute_s", "stage_s"):
         out[f"worker_{key}"] = sum(t[key] for t in staged) / steps
     out["h2d_s"] = statistics.median(r["h2d_s"] for r in rows)
     out["exposed_input_s"] = statistics.median(r["exposed_input_s"] for r in rows)
@@ -169,8 +180,11 @@ def sparse_block(s, samples: torch.Tensor, pipeline: bool, steps: int) -> dict[s
     return out
 
 
-def run_block(s, samples: torch.Tensor, pipeline: bool, steps: int, start: int) -> list[dict[str, float]]:
+def run_block(s, samples: torch.Tensor, mode: str, steps: int, start: int) -> list[dict[str, float]]:
     bs, device = s.cfg.train.batch_size, s.device
+    pipeline, staged_negatives = MODES[mode]
+    if s.runner.ahead is not None:
+        s.runner.ahead.stage_draws = staged_negatives
 
     def raw():
         i = start
@@ -188,6 +202,7 @@ def run_block(s, samples: torch.Tensor, pipeline: bool, steps: int, start: int) 
             t0 = time.perf_counter()
             item = next(inputs)
             t1 = time.perf_counter()
+            torch.manual_seed(next(STEP_SEEDS))
             s.runner(item.micro)  # its loss all-reduce reads the loss: the step is finished on return
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -221,13 +236,13 @@ def main() -> dict:
             table.warm_start(torch.randn(ids.numel(), table.dim, generator=gen) * table.cfg.init_std, ids)
     samples = s.seqs.training_samples(s.holdout, cfg.data.max_seq_len, cfg.data.train_windows)
     samples = samples[torch.randperm(samples.shape[0], generator=torch.Generator().manual_seed(0))]
-    for pipeline in (False, True):  # warm-up: kernels, caches, allocator
-        run_block(s, samples, pipeline, args.warmup, 0)
-    per_mode: dict[str, list[dict]] = {"off": [], "on": []}
+    for mode in MODES:  # warm-up: kernels, caches, allocator
+        run_block(s, samples, mode, args.warmup, 0)
+    per_mode: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for block in range(args.blocks):
-        for mode in ("off", "on"):
-            per_mode[mode] += run_block(s, samples, mode == "on", args.steps, block * args.steps)
-    sparse = {mode: sparse_block(s, samples, mode == "on", args.steps) for mode in ("off", "on")}
+        for mode in MODES:
+            per_mode[mode] += run_block(s, samples, mode, args.steps, block * args.steps)
+    sparse = {mode: sparse_block(s, samples, mode, args.steps) for mode in MODES}
     result = {"modes": {}, "sparse": sparse}
     for mode, rows in per_mode.items():
         summary = {k: statistics.median(r[k] for r in rows) for k in STAGES}
@@ -242,23 +257,28 @@ def main() -> dict:
     # lookups whose ID all-to-all was started during the previous step (pipeline on only)
     result["lookups_ahead"] = {n: t.lookups_ahead for n, t in s.runner.ahead.tables.items()} if s.runner.ahead else {}
     result["staged_reads"] = {n: t.ahead_reads for n, t in s.runner.ahead.tables.items()} if s.runner.ahead else {}
+    result["staged_paths"] = {n: [".".join(p) for p in ps] for n, ps in (s.runner.ahead.paths or {}).items()} if s.runner.ahead else {}
+    result["negatives_drawn_ahead"] = s.runner.draws.reused if s.runner.draws is not None else 0
     if not ctx.is_main:  # under torchrun with several ranks: rank 0 reports
         shutdown_distributed()
         return result
-    print(f"{'mode':<6}" + "".join(f"{k:>16}" for k in (*STAGES, "comm_kernel_s", "h2d_copy_s")))
+    print(f"{'mode':<21}" + "".join(f"{k:>16}" for k in (*STAGES, "comm_kernel_s", "h2d_copy_s")))
     for mode, summary in result["modes"].items():
         cells = [summary.get(k) for k in (*STAGES, "comm_kernel_s", "h2d_copy_s")]
-        print(f"{mode:<6}" + "".join(f"{c * 1e3:>14.3f}ms" if c is not None else f"{'-':>16}" for c in cells))
-    keys = ("h2d_s", "main_distribute_s", "main_stage_s", "main_lookup_s", "main_read_s", "main_wait_s", "worker_distribute_s",
-            "worker_stage_s", "work_s", "exposed_s")  # fmt: skip
+        print(f"{mode:<21}" + "".join(f"{c * 1e3:>14.3f}ms" if c is not None else f"{'-':>16}" for c in cells))
+    keys = ("h2d_s", "main_distribute_s", "main_stage_s", "main_lookup_s", "main_read_s", "main_wait_s", "worker_draw_s",
+            "worker_distribute_s", "worker_stage_s", "work_s", "exposed_s")  # fmt: skip
     print("sparse input per step (stream-synchronised main-thread timers; worker: its own clock)")
-    print(f"{'mode':<6}" + "".join(f"{k[:-2]:>17}" for k in keys) + f"{'hidden':>9}")
+    print(f"{'mode':<21}" + "".join(f"{k[:-2]:>20}" for k in keys) + f"{'hidden':>9}")
     for mode, row in sparse.items():
-        print(f"{mode:<6}" + "".join(f"{row[k] * 1e3:>15.3f}ms" for k in keys) + f"{max(row['hidden_fraction'], 0.0):>9.1%}")
-    print(f"pipeline on hides {sparse['on']['hidden_fraction']:.1%} of H2D + ID distribution + lookup "
+        print(f"{mode:<21}" + "".join(f"{row[k] * 1e3:>18.3f}ms" for k in keys) + f"{max(row['hidden_fraction'], 0.0):>9.1%}")
+    print(f"pipeline on hides {sparse['on']['hidden_fraction']:.1%} of H2D + ID distribution + lookup with the negatives staged, "
+          f"{sparse['on_negatives_at_step']['hidden_fraction']:.1%} with them at the step "
           f"(off: {max(sparse['off']['hidden_fraction'], 0.0):.1%}) and {result['hidden_input_fraction']:.1%} of the input stages; "
-          f"step wall time off/on = {result['speedup_on_vs_off']:.3f}x")  # fmt: skip
-    print(f"lookups staged a step ahead: {result['lookups_ahead']}; of them read with no host sync: {result['staged_reads']}")
+          f"step wall time off/on = {result['speedup_on_vs_off']:.3f}x, off/on_negatives_at_step = "
+          f"{result['modes']['off']['wall_s'] / result['modes']['on_negatives_at_step']['wall_s']:.3f}x")  # fmt: skip
+    print(f"lookups staged a step ahead: {result['lookups_ahead']} ({result['staged_paths']}); of them read with no host sync: "
+          f"{result['staged_reads']}; negatives drawn a step ahead and used: {result['negatives_drawn_ahead']}")  # fmt: skip
     result.update(
         config={"users": args.users, "items": args.items, "batch_size": args.batch_size, "cache_rows": cache_rows,
                 "steps_per_block": args.steps, "blocks": args.blocks, "warm_table": args.warm_table, "set": args.set, "world_size": ctx.world_size,

@@ -126,13 +126,13 @@ class Objective(nn.Module):
     where DDP prepares its gradient buckets and FSDP2 gathers the weights.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[[Any], tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
 
-    def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.loss_fn(batch)  # (objective, loss to log)
+    def forward(self, batch: Any, *draws: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.loss_fn(batch, *draws)  # (objective, loss to log); draws: the step's (recforge.train.step_draws)
 
 
 def wrap_dense(objective: Objective, cfg: RunConfig, ctx: DistContext, device: torch.device, *,

@@ -14,6 +14,7 @@ next-token losses stay methods of those models (``model.loss``), where their log
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,57 @@ from torch import Tensor
 from recforge.data.ranking_samples import TokenReference
 from recforge.jagged.index import offsets_from_lengths, sequence_ids
 from recforge.train.chunked_softmax import chunked_softmax_cross_entropy
+
+
+@dataclass
+class SampledNegatives:
+    """A batch's sampled negatives, drawn before its step (``draw_negatives``): exactly the id tensors the loss
+    looks up, so a pipeline can look them up a step ahead (``recforge.train.pipeline_step``)."""
+
+    ids: Tensor | None = None  # (T, K) per position or (K,) shared: the sampled items (masks accidental hits)
+    distinct: Tensor | None = None  # chunked per-position: (M,) the distinct sampled items looked up...
+    rows: Tensor | None = None  # ... and (T, K) each draw's row of them
+    in_batch: Tensor | None = None  # (U,) the batch's distinct targets (in_batch_negatives)
+    shared: Tensor | None = None  # chunked: (S,) every shared column's item (sampled shared set, then in-batch)
+
+
+def draw_negatives(targets: Tensor, num_items: int, *, negatives: str = "per_position", num_negatives: int = 128,
+                   in_batch_negatives: bool = False, chunk_size: int = 0, exact_distinct: bool = False,
+                   generator: torch.Generator | None = None) -> SampledNegatives:  # fmt: skip
+    """The negatives ``sampled_softmax_loss`` scores for ``targets`` (T,), drawn uniformly from 1..num_items.
+
+    Arguments as ``sampled_softmax_loss``'s. ``generator``: where the draws come from (on ``targets``' device);
+    None: the default generator (what the loss does when given no negatives). Chunked per-position negatives
+    are also reduced to their distinct items here (``exact_distinct``: ``torch.unique``, one host sync), so
+    the loss does no sampling work and a pipeline can do this a step ahead.
+
+    Example:
+        >>> gen = torch.Generator(targets.device).manual_seed(seed)
+        >>> sampled = draw_negatives(targets, num_items, num_negatives=128, generator=gen)
+        >>> loss = sampled_softmax_loss(user, targets, model.item_vectors, num_items, sampled=sampled)
+    """
+    device, out = targets.device, SampledNegatives()
+    if negatives == "full":
+        return out
+    if negatives == "per_position":
+        out.ids = torch.randint(1, num_items + 1, (targets.shape[0], num_negatives), device=device, generator=generator)  # (T, K)
+    elif negatives == "shared":
+        out.ids = torch.randint(1, num_items + 1, (num_negatives,), device=device, generator=generator)  # (K,)
+    else:
+        raise ValueError(f"negatives={negatives!r}: expected per_position, shared or full")
+    if in_batch_negatives:
+        out.in_batch = torch.unique(targets)  # (U,)
+    if not 0 < chunk_size < targets.shape[0]:
+        return out
+    shared = [out.ids] if negatives == "shared" else []
+    shared += [out.in_batch] if in_batch_negatives else []
+    out.shared = torch.cat(shared) if shared else None
+    if negatives == "per_position":
+        if exact_distinct:  # a counting table: no padding repeats (one host sync)
+            out.distinct, out.rows = torch.unique(out.ids, return_inverse=True)  # (M,), (T, K)
+        else:
+            out.distinct, out.rows = _distinct_rows(out.ids, num_items + 1)  # (M,), (T, K)
+    return out
 
 
 def sampled_softmax_loss(
@@ -36,6 +88,7 @@ def sampled_softmax_loss(
     temperature: float = 0.05,
     chunk_size: int = 0,
     exact_distinct: bool = False,
+    sampled: SampledNegatives | None = None,
 ) -> Tensor:
     """Softmax cross-entropy of each position's next item against negatives.
 
@@ -58,6 +111,8 @@ def sampled_softmax_loss(
             stats): chunked per-position negatives are looked up as their exact distinct ids
             (``torch.unique``, one host sync), so no padding repeat is counted. Such a table counts
             each distinct sampled negative once per batch, not once per draw as unchunked.
+        sampled: the negatives, drawn before the step by ``draw_negatives`` with the same settings;
+            None: drawn here, from the default generator.
 
     Sampled negatives equal to the target ("accidental hits") are masked out.
 
@@ -67,74 +122,60 @@ def sampled_softmax_loss(
     """
     with torch.autocast(user.device.type, enabled=False):
         dtype = torch.promote_types(user.dtype, torch.float32)  # bf16/fp16 -> float32
-        return _sampled_softmax_loss(user.to(dtype), targets, lambda ids: item_vectors(ids).to(dtype), num_items,
-                                     negatives, num_negatives, in_batch_negatives, temperature, chunk_size,
-                                     exact_distinct)
+        if sampled is None:  # the draws come first, as they always did: the default generator's order is unchanged
+            sampled = draw_negatives(targets, num_items, negatives=negatives, num_negatives=num_negatives,
+                                     in_batch_negatives=in_batch_negatives, chunk_size=chunk_size,
+                                     exact_distinct=exact_distinct)  # fmt: skip
+        elif negatives != "full" and (sampled.ids is None or (in_batch_negatives and sampled.in_batch is None)):
+            raise ValueError(f"sampled_softmax_loss: the sampled negatives given do not match negatives={negatives!r}, "
+                             f"in_batch_negatives={in_batch_negatives}; draw them with draw_negatives and these settings")  # fmt: skip
+        vectors = lambda ids: item_vectors(ids).to(dtype)  # noqa: E731
+        if 0 < chunk_size < user.shape[0]:
+            return _chunked_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, chunk_size)
+        return _sampled_softmax_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature)
 
 
-def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor | None], Tensor], num_items: int,
-                          negatives: str, num_negatives: int, in_batch_negatives: bool, temperature: float,
-                          chunk_size: int = 0, exact_distinct: bool = False) -> Tensor:  # fmt: skip
-    if 0 < chunk_size < user.shape[0]:
-        return _chunked_loss(user, targets, item_vectors, num_items, negatives, num_negatives, in_batch_negatives,
-                             temperature, chunk_size, exact_distinct)  # fmt: skip
+def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor | None], Tensor], negatives: str,
+                          sampled: SampledNegatives, temperature: float) -> Tensor:  # fmt: skip
     if negatives == "full":
         logits = user @ item_vectors(None).T / temperature  # (T, N+1)
         logits[:, 0] = float("-inf")  # padding row is not an item
         return F.cross_entropy(logits, targets)
     pos = (user * item_vectors(targets)).sum(-1, keepdim=True) / temperature  # (T, 1)
     parts = [pos]
-    if negatives == "per_position":
-        neg_ids = torch.randint(1, num_items + 1, (user.shape[0], num_negatives), device=user.device)  # (T, K)
+    neg_ids = sampled.ids
+    if negatives == "per_position":  # neg_ids (T, K)
         neg_logits = torch.einsum("td,tkd->tk", user, item_vectors(neg_ids)) / temperature
         parts.append(neg_logits.masked_fill(neg_ids == targets[:, None], float("-inf")))
-    elif negatives == "shared":
-        neg_ids = torch.randint(1, num_items + 1, (num_negatives,), device=user.device)  # (K,)
+    else:  # shared: neg_ids (K,)
         neg_logits = user @ item_vectors(neg_ids).T / temperature  # (T, K)
         parts.append(neg_logits.masked_fill(neg_ids[None, :] == targets[:, None], float("-inf")))
-    else:
-        raise ValueError(f"negatives={negatives!r}: expected per_position, shared or full")
-    if in_batch_negatives:
-        batch_ids = torch.unique(targets)  # (U,)
+    if sampled.in_batch is not None:
+        batch_ids = sampled.in_batch  # (U,)
         batch_logits = user @ item_vectors(batch_ids).T / temperature  # (T, U)
         parts.append(batch_logits.masked_fill(batch_ids[None, :] == targets[:, None], float("-inf")))
     logits = torch.cat(parts, dim=1)
     return -F.log_softmax(logits, dim=1)[:, 0].mean()
 
 
-def _chunked_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor | None], Tensor], num_items: int,
-                  negatives: str, num_negatives: int, in_batch_negatives: bool, temperature: float, chunk: int,
-                  exact_distinct: bool = False) -> Tensor:
-    """``_sampled_softmax_loss`` in chunks of positions: the same negatives (drawn in the same order), the
-    positive / shared / per-position columns handed to ``chunked_softmax_cross_entropy``."""
-    device = user.device
+def _chunked_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor | None], Tensor], negatives: str,
+                  sampled: SampledNegatives, temperature: float, chunk: int) -> Tensor:
+    """``_sampled_softmax_loss`` in chunks of positions: the same negatives, the positive / shared / per-position
+    columns handed to ``chunked_softmax_cross_entropy``."""
     if negatives == "full":  # the catalogue is the shared columns; item 0 (padding) is masked there
         table = item_vectors(None)  # (N+1, d)
         return chunked_softmax_cross_entropy(user, table[targets], targets, shared=table,
-                                             shared_ids=torch.arange(table.shape[0], device=device),
+                                             shared_ids=torch.arange(table.shape[0], device=user.device),
                                              temperature=temperature, chunk=chunk)  # fmt: skip
-    shared_ids, own_ids = [], None
-    if negatives == "per_position":
-        own_ids = torch.randint(1, num_items + 1, (user.shape[0], num_negatives), device=device)  # (T, K)
-    elif negatives == "shared":
-        shared_ids.append(torch.randint(1, num_items + 1, (num_negatives,), device=device))  # (K,)
-    else:
-        raise ValueError(f"negatives={negatives!r}: expected per_position, shared or full")
-    if in_batch_negatives:
-        shared_ids.append(torch.unique(targets))  # (U,)
-    shared = own = own_rows = None
-    if shared_ids:
-        shared_ids = torch.cat(shared_ids)
-        shared = item_vectors(shared_ids)  # (S, d)
-    if own_ids is not None:
-        if exact_distinct:  # a counting table: no padding repeats (one host sync)
-            distinct, own_rows = torch.unique(own_ids, return_inverse=True)  # (M,), (T, K)
-        else:
-            distinct, own_rows = _distinct_rows(own_ids, num_items + 1)  # (M,), (T, K)
-        own = item_vectors(distinct)  # (M, d): one lookup per distinct sampled item, not T x K
-    return chunked_softmax_cross_entropy(user, item_vectors(targets), targets, shared=shared,
-                                         shared_ids=shared_ids if shared is not None else None, own=own,
-                                         own_rows=own_rows, own_ids=own_ids, temperature=temperature, chunk=chunk)  # fmt: skip
+    if sampled.distinct is None and sampled.shared is None:
+        raise ValueError(f"sampled_softmax_loss: chunk_size={chunk} needs negatives drawn with that chunk_size "
+                         "(draw_negatives(..., chunk_size=...))")  # fmt: skip
+    shared = item_vectors(sampled.shared) if sampled.shared is not None else None  # (S, d)
+    own = item_vectors(sampled.distinct) if sampled.distinct is not None else None  # (M, d): once per distinct item
+    own_ids = sampled.ids if negatives == "per_position" else None
+    return chunked_softmax_cross_entropy(user, item_vectors(targets), targets, shared=shared, shared_ids=sampled.shared,
+                                         own=own, own_rows=sampled.rows, own_ids=own_ids, temperature=temperature,
+                                         chunk=chunk)  # fmt: skip
 
 
 def _distinct_rows(ids: Tensor, bound: int) -> tuple[Tensor, Tensor]:

@@ -21,17 +21,19 @@ waits only for forward(i).
 
 Which batch tensors feed which table is learned on the first step: every ID tensor a table's
 ``forward`` receives that *is* a tensor of the batch (``batch.item_ids``, ``batch.labels[...]``,
-passed unchanged) is staged ahead from then on; IDs made inside the model (sampled negatives) take
-the usual path. Every rank stages the same lookups in the same order (a rank without data stages
-its stand-in batch), so the collectives match; handles no lookup used are dropped after the step's
-first forward.
+passed unchanged) or of its draws (``recforge.train.step_draws``: the sampled negatives, drawn
+before the step, at path ``("draws", field)``) is staged ahead from then on; IDs made inside the
+model take the usual path. The next batch's draws are made by the worker too, first, on its stream
+(``stage_draws``; off: they are drawn and looked up at the step). Every rank stages the same lookups
+in the same order (a rank without data stages its stand-in batch), so the collectives match;
+handles no lookup used are dropped after the step's first forward.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -73,8 +75,9 @@ class AheadTable(ShardedDynamicEmbedding):
         return super().forward(ids, tags, admit)
 
 
-def named_tensors(batch: Any) -> Iterator[tuple[Path, Tensor]]:
-    """The tensors of a batch and their paths: attributes, and values of dict attributes."""
+def named_tensors(batch: Any, draws: Any = None) -> Iterator[tuple[Path, Tensor]]:
+    """The tensors of a batch and their paths: attributes, and values of dict attributes; then those of its
+    draws (``draws`` an object with attributes, e.g. ``SampledNegatives``) under ``("draws", ...)``."""
     for name, value in vars(batch).items():
         if torch.is_tensor(value):
             yield (name,), value
@@ -82,6 +85,12 @@ def named_tensors(batch: Any) -> Iterator[tuple[Path, Tensor]]:
             for key, item in value.items():
                 if torch.is_tensor(item):
                     yield (name, key), item
+    if draws is not None:
+        for path, item in named_tensors(draws):
+            yield ("draws", *path), item
+
+
+Drawn = tuple[Any, int, Any]  # (batch, seed, draws): what ``StepDraws.ahead``'s function returns
 
 
 class LookAhead:
@@ -102,7 +111,8 @@ class LookAhead:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="recforge-sparse-dist")
         self._job: Future | None = None
-        self.stats: list[dict[str, float]] = []  # per staged batch: worker distribute_s, stage_s; main wait_s
+        self.stage_draws = True  # the worker also makes the next batch's draws and stages their lookups
+        self.stats: list[dict[str, float]] = []  # per staged batch: worker draw_s, distribute_s, stage_s; main wait_s
 
     def learning(self) -> bool:
         return self.paths is None
@@ -111,9 +121,9 @@ class LookAhead:
         for table in self.tables.values():
             table._seen = []
 
-    def end(self, batch: Any) -> None:
-        """After the first forward: keep the lookups whose IDs were the batch's own tensors."""
-        by_id = {id(t): path for path, t in named_tensors(batch)}
+    def end(self, batch: Any, draws: Any = None) -> None:
+        """After the first forward: keep the lookups whose IDs were the batch's (or its draws') own tensors."""
+        by_id = {id(t): path for path, t in named_tensors(batch, draws)}
         self.paths = {}
         for name, table in self.tables.items():
             seen, table._seen = table._seen or [], None
@@ -122,62 +132,70 @@ class LookAhead:
             staged = {n: [".".join(p) for p in ps] for n, ps in self.paths.items() if ps}
             log.info("sparse input staged one step ahead: %s", staged or "none")
 
-    def start(self, batch: Any, standin: bool) -> None:
+    def start(self, batch: Any, standin: bool, draw: Callable[[], Drawn] | None = None) -> None:
         """Begin distributing and staging ``batch``'s lookups in the worker (after this step's forward).
 
-        ``standin``: the batch is this rank's stand-in (its IDs are sent with 0 occurrences).
+        ``standin``: the batch is this rank's stand-in (its IDs are sent with 0 occurrences). ``draw``: makes the
+        batch's draws (``StepDraws.ahead``), run first by the worker (with ``stage_draws``); ``wait`` returns them.
         """
         assert self._job is None, "a staged batch was neither used nor dropped"
-        if not any((self.paths or {}).values()):
+        draw = draw if self.stage_draws else None
+        paths = {name: [p for p in ps if draw is not None or p[0] != "draws"] for name, ps in (self.paths or {}).items()}
+        if not any(paths.values()):
             return
-        tensors = dict(named_tensors(batch))
-        work = [(table, tensors[path]) for name, table in self.tables.items() for path in self.paths[name]]
         ready = None
         if self.stream is not None:  # the worker's stream waits for this step's forward, not for its backward
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        self._job = self._pool.submit(self._stage, work, standin, ready)
+        self._job = self._pool.submit(self._stage, batch, paths, draw, standin, ready)
 
-    def _stage(self, work: list[tuple[AheadTable, Tensor]], standin: bool, ready: torch.cuda.Event | None):
-        """The worker: every lookup's ID all-to-all first (all in flight), then each owner's staging."""
+    def _stage(self, batch: Any, paths: dict[str, list[Path]], draw: Callable[[], Drawn] | None, standin: bool,
+               ready: torch.cuda.Event | None):  # fmt: skip
+        """The worker: the draws, then every lookup's ID all-to-all (all in flight), then each owner's staging."""
         if self.stream is None:
-            return self._run(work, standin)
+            return self._run(batch, paths, draw, standin)
         torch.cuda.set_device(self.device)
         ready.synchronize()  # this worker's clock starts when forward(i) is done
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
-            out = self._run(work, standin)
+            out = self._run(batch, paths, draw, standin)
         self.stream.synchronize()
         return out
 
-    def _run(self, work: list[tuple[AheadTable, Tensor]], standin: bool):
+    def _run(self, batch: Any, paths: dict[str, list[Path]], draw: Callable[[], Drawn] | None, standin: bool):
         with torch.no_grad():
             t0 = time.perf_counter()
-            handles = [(table, ids, table.distribute(ids, group=self.group, standin=standin)) for table, ids in work]
+            drawn = draw() if draw is not None else None
+            tensors = dict(named_tensors(batch, drawn[2] if drawn is not None else None))
+            work = [(table, tensors[path]) for name, table in self.tables.items() for path in paths[name]]
             t1 = time.perf_counter()
+            handles = [(table, ids, table.distribute(ids, group=self.group, standin=standin)) for table, ids in work]
+            t2 = time.perf_counter()
             for table, _, handle in handles:
                 table.stage(handle)
-            t2 = time.perf_counter()
-        return handles, {"distribute_s": t1 - t0, "stage_s": t2 - t1}
+            t3 = time.perf_counter()
+        return handles, drawn, {"draw_s": t1 - t0, "distribute_s": t2 - t1, "stage_s": t3 - t2}
 
-    def wait(self) -> None:
+    def wait(self) -> Drawn | None:
         """Main thread: finish the staging in flight and hand its handles to the tables (before the sparse
-        optimizer touches them). Raises what the worker raised."""
+        optimizer touches them); return the batch's draws if the worker made them. Raises what the worker raised."""
         if self._job is None:
-            return
+            return None
         t0 = time.perf_counter()
         job, self._job = self._job, None
-        handles, times = job.result()
+        handles, drawn, times = job.result()
         if self.stream is not None:
             main = torch.cuda.current_stream(self.device)
             main.wait_stream(self.stream)
-            for _, _, handle in handles:  # memory made on the worker's stream is used on the compute stream
-                for t in handle.tensors():
-                    if t.is_cuda:
-                        t.record_stream(main)
+            made = [t for _, _, handle in handles for t in handle.tensors()]
+            made += [t for _, t in named_tensors(drawn[2])] if drawn is not None else []
+            for t in made:  # memory made on the worker's stream is used on the compute stream
+                if t.is_cuda:
+                    t.record_stream(main)
         for table, ids, handle in handles:
             table._ahead.append((ids, handle))
         self.stats.append({**times, "wait_s": time.perf_counter() - t0})
+        return drawn
 
     def drop(self) -> None:
         """Finish any staging in flight and forget every handle no lookup used."""

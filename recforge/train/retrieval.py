@@ -6,7 +6,9 @@
 
 Every step re-seeds the RNGs from (seed, global step), and the epoch's user order is
 derived from (seed, epoch): a resumed run replays exactly the steps an uninterrupted
-run would have taken, with no RNG state to save.
+run would have taken, with no RNG state to save. The sampled negatives are drawn before
+each step from their own generator, seeded from the step's seed (``_draw``,
+``recforge.train.step_draws``), so a pipelined step can draw and look them up a step ahead.
 
 With ``train.loader=pipeline`` the sample engine streams the training samples instead, built
 by its reader workers as it reads them (``retrieval_sample_source``; nothing is written to
@@ -37,10 +39,11 @@ from recforge.train.distributed import DistContext, init_distributed, shard_dyna
 from recforge.train.evaluate import evaluate_ranking, model_scorer
 from recforge.train.flops import step_flops_counter
 from recforge.train.loop import prepare_run_dir, run_loop, run_lr_scale
-from recforge.train.losses import sampled_softmax_loss, token_loss_scale
+from recforge.train.losses import SampledNegatives, draw_negatives, sampled_softmax_loss, token_loss_scale
 from recforge.train.run_files import check_eval_split, invoked_command, write_eval
 from recforge.train.runtime import prepare_runtime
 from recforge.train.step import StepResult, StepRunner
+from recforge.train.step_draws import rank_seed
 
 
 @dataclass
@@ -69,9 +72,9 @@ def setup(cfg: RunConfig, ctx: DistContext | None = None, device: torch.device |
     shard_dynamic_tables(model, cfg, ctx)
     sparse = SparseOptimizer([model]) if cfg.model.embedding == "dynamic" else None
     s = Setup(cfg, seqs, model, None, device, PROTOCOL_HOLDOUT[cfg.data.protocol], sparse, ctx)
-    s.runner = StepRunner(cfg, model, device, ctx, loss_fn=lambda batch: _loss(s, batch),
+    s.runner = StepRunner(cfg, model, device, ctx, loss_fn=lambda batch, *draws: _loss(s, batch, *draws),
                           units_fn=lambda batch: batch.labels["next_item"].numel(), summed=bool(cfg.train.token_budget),
-                          sparse_optimizer=sparse)  # fmt: skip
+                          sparse_optimizer=sparse, draw=None if cfg.loss.negatives == "full" else lambda b, seed: _draw(s, b, seed))  # fmt: skip
     s.optimizer = s.runner.optimizer  # dense parameters; a dynamic item table steps with its own optimizer
     return s
 
@@ -95,8 +98,27 @@ def _evaluate_whole(s: Setup, target_from_end: int) -> dict[str, float]:
     return metrics
 
 
-def _loss(s: Setup, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(objective to minimise, mean loss per target) of ``batch`` (already on the device)."""
+def _draw(s: Setup, batch: JaggedBatch, seed: int) -> SampledNegatives:
+    """The sampled negatives of ``batch`` (on the device), drawn before its step from ``seed``
+    (``recforge.train.step_draws``): per-position negatives differ per rank, a shared set is the same on every
+    rank (so N ranks score the set one process would)."""
+    cfg = s.cfg.loss
+    targets = batch.labels["next_item"]
+    if cfg.negatives == "per_position":
+        seed = rank_seed(seed, s.ctx.rank)
+    return draw_negatives(targets, s.seqs.num_items, negatives=cfg.negatives, num_negatives=cfg.num_negatives,
+                          in_batch_negatives=cfg.in_batch_negatives, chunk_size=cfg.chunk_size,
+                          exact_distinct=_counts_lookups(s), generator=torch.Generator(targets.device).manual_seed(seed))  # fmt: skip
+
+
+def _counts_lookups(s: Setup) -> bool:
+    """The item table counts the ids it is given (a dynamic table: admission, LFU, stats)."""
+    return not isinstance(s.model.prefix.item_embedding, torch.nn.Embedding)
+
+
+def _loss(s: Setup, batch: JaggedBatch, sampled: SampledNegatives | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(objective to minimise, mean loss per target) of ``batch`` (already on the device); ``sampled``: its
+    negatives drawn before the step (``_draw``), None: drawn in the loss."""
     cfg = s.cfg
     user_vectors = s.model(batch)  # (T, d)
     loss = sampled_softmax_loss(
@@ -109,7 +131,8 @@ def _loss(s: Setup, batch: JaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         in_batch_negatives=cfg.loss.in_batch_negatives,
         temperature=cfg.loss.temperature,
         chunk_size=cfg.loss.chunk_size,
-        exact_distinct=not isinstance(s.model.prefix.item_embedding, torch.nn.Embedding),  # a dynamic table counts lookups
+        exact_distinct=_counts_lookups(s),
+        sampled=sampled,
     )  # mean over the batch's T targets
     if not cfg.train.token_budget:
         return loss, loss

@@ -43,6 +43,7 @@ from recforge.train.compiled import compile_objective
 from recforge.train.distributed import DistContext, Objective, unused_parameters, wrap_dense
 from recforge.train.pipeline_step import AheadTable, LookAhead
 from recforge.train.runtime import autocast, make_optimizer
+from recforge.train.step_draws import DrawFn, StepDraws
 
 log = logging.getLogger(__name__)
 LossFn = Callable[[Any], tuple[torch.Tensor, torch.Tensor]]  # device batch -> (objective, loss to log)
@@ -67,10 +68,13 @@ class StepRunner:
         units_fn: loss units of a batch (host-side count, no device sync).
         summed: the objective is already a sum with global weights (token-budget batches).
         sparse_optimizer: the dynamic tables' optimizer, stepped after the dense one.
+        draw: ``(batch, seed) -> draws`` (e.g. sampled negatives), drawn before each micro-batch's forward
+            (``recforge.train.step_draws``) and given to ``loss_fn(batch, draws)``; None: ``loss_fn(batch)``.
     """
 
     def __init__(self, cfg: RunConfig, model: nn.Module, device: torch.device, ctx: DistContext, *, loss_fn: LossFn,
-                 units_fn: UnitsFn, summed: bool = False, sparse_optimizer: SparseOptimizer | None = None) -> None:  # fmt: skip
+                 units_fn: UnitsFn, summed: bool = False, sparse_optimizer: SparseOptimizer | None = None,
+                 draw: DrawFn | None = None) -> None:  # fmt: skip
         self.cfg, self.model, self.device, self.ctx = cfg, model, device, ctx
         self.objective: nn.Module = compile_objective(Objective(model, loss_fn), cfg, device)  # train.compile
         # DDP waits for the first batch: it tells whether DDP must search for unused parameters each step
@@ -84,6 +88,7 @@ class StepRunner:
         tables = {n: m for n, m in model.named_modules() if isinstance(m, AheadTable)}
         self.ahead = LookAhead(tables, device, announce=ctx.is_main) if tables else None
         self.upcoming: Callable[[], list] | None = None  # the next step's micro-batches (StepInputs.peek)
+        self.draws = StepDraws(draw) if draw is not None else None
 
     def set_upcoming(self, peek: Callable[[], list] | None) -> None:
         """Where the next step's batches can be seen early (the loop's prefetched inputs), or None."""
@@ -100,8 +105,8 @@ class StepRunner:
         upcoming = self.upcoming()
         last = next((b for b in reversed(upcoming) if b is not None), self._last)
         first = upcoming[0] if upcoming[0] is not None else last
-        if first is not None:
-            self.ahead.start(first, standin=upcoming[0] is None)  # stand-in IDs: 0 occurrences
+        if first is not None:  # stand-in IDs: 0 occurrences
+            self.ahead.start(first, standin=upcoming[0] is None, draw=self.draws.ahead(first) if self.draws else None)
 
     @contextlib.contextmanager
     def full_weights(self):
@@ -137,6 +142,8 @@ class StepRunner:
             return None
         if global_needy:
             self._borrow_standin(micro)
+        if self.draws is not None:
+            self.draws.begin_step()
         if any(has):
             self._last = next(b for b in reversed(micro) if b is not None)
         if self._wrap_later:  # the first step: every rank probes its first (or stand-in) batch
@@ -159,8 +166,10 @@ class StepRunner:
         if self.cfg.optim.grad_clip > 0:  # gradients are already reduced: this is the norm over all ranks
             torch.nn.utils.clip_grad_norm_(self.objective.parameters(), self.cfg.optim.grad_clip)
         self.optimizer.step()
-        if self.ahead is not None:
-            self.ahead.wait()  # the next step's staging (overlapping backward and the dense update) is done
+        if self.ahead is not None:  # the next step's staging (overlapping backward and the dense update) is done
+            drawn = self.ahead.wait()
+            if self.draws is not None:
+                self.draws.keep(drawn)
         if self.sparse_optimizer is not None:
             self.sparse_optimizer.step(lr_scale=lr_scale)
         if not self.ctx.initialized:  # the loss stays on the device: the loop reads it once per log interval
@@ -174,13 +183,14 @@ class StepRunner:
         weight = 0.0 if batch is None else (world if self.summed else world * units / max(global_units, 1e-12))
         inputs = batch if batch is not None else self._last
         learn = i == 0 and self.ahead is not None and self.ahead.learning()
+        draws = self.draws(inputs, i) if self.draws is not None else None
         with self._no_sync(last=last):
             if learn:
                 self.ahead.begin()
             with autocast(self.cfg, self.device):
-                objective, loss = self.objective(inputs)
+                objective, loss = self.objective(inputs) if draws is None else self.objective(inputs, draws)
             if learn:
-                self.ahead.end(inputs)
+                self.ahead.end(inputs, draws)
             if i == 0 and self.ahead is not None:
                 self.ahead.drop()  # what this step's forward did not use
             if last and self.upcoming is not None:

@@ -1,5 +1,6 @@
 """The sparse pipeline (``recforge.train.pipeline_step``): a step's lookups staged during the previous step train
-exactly as unstaged ones, on 1 and 2 gloo ranks, with heavily overlapping IDs, a host tier, admission and eviction."""
+exactly as unstaged ones, on 1 and 2 gloo ranks, with heavily overlapping IDs, a host tier, admission and eviction;
+also the sampled negatives drawn before the step (``recforge.train.step_draws``), staged with the batch's IDs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sparse"))
@@ -19,8 +21,10 @@ from recforge.config import RunConfig  # noqa: E402
 from recforge.sparse import AdmissionConfig, EvictionConfig, SparseOptimConfig, SparseOptimizer, TableConfig  # noqa: E402
 from recforge.train.distributed import DistContext  # noqa: E402
 from recforge.train.inputs import StepInputs  # noqa: E402
+from recforge.train.losses import SampledNegatives, draw_negatives, sampled_softmax_loss  # noqa: E402
 from recforge.train.pipeline_step import AheadTable  # noqa: E402
 from recforge.train.step import StepRunner  # noqa: E402
+from recforge.train.step_draws import rank_seed  # noqa: E402
 
 D, POOL, STEPS, NEG = 8, 40, 24, 6
 
@@ -40,16 +44,35 @@ class Batch:
         return Batch({k: v.to(device) for k, v in self.features.items()}, {k: v.to(device) for k, v in self.labels.items()})
 
 
+# sampled negatives drawn before the step: (negatives, chunk_size); None: drawn in the loss from the pool, unstaged
+DRAWN = {"in-loss": None, "shared": ("shared", 0), "per-position-chunked": ("per_position", 3)}
+
+
 class Tiny(nn.Module):
-    def __init__(self, cfg: TableConfig) -> None:
+    def __init__(self, cfg: TableConfig, drawn: tuple[str, int] | None = None, rank: int = 0) -> None:
         super().__init__()
         self.table = AheadTable(cfg)
         self.table.shard.clock = lambda: 0.0  # TTL/last_time: the same in both runs
         self.proj = nn.Linear(D, D)
-        self.pool = torch.randint(0, 2**62, (POOL,), generator=torch.Generator().manual_seed(3))
+        self.pool = _pool(drawn)
+        self.drawn, self.rank = drawn, rank
 
-    def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def draw(self, batch: Batch, seed: int) -> SampledNegatives:
+        """Negatives from the pool's ids 1..POOL (as the retrieval recipe draws them), with in-batch negatives."""
+        negatives, chunk = self.drawn
+        seed = rank_seed(seed, self.rank) if negatives == "per_position" else seed
+        return draw_negatives(batch.labels["next_item"], POOL, negatives=negatives, num_negatives=NEG, in_batch_negatives=True,
+                              chunk_size=chunk, exact_distinct=True, generator=torch.Generator().manual_seed(seed))  # fmt: skip
+
+    def loss(self, batch: Batch, sampled: SampledNegatives | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         history = self.table(batch.features["item_ids"])  # (B, L, D): staged a step ahead
+        if sampled is not None:  # every lookup of the loss (targets, negatives, in-batch) staged a step ahead
+            negatives, chunk = self.drawn
+            user = F.normalize(self.proj(history.mean(1)), dim=-1)  # (B, D)
+            loss = sampled_softmax_loss(user, batch.labels["next_item"], lambda ids: F.normalize(self.table(ids), dim=-1),
+                                        POOL, negatives=negatives, num_negatives=NEG, in_batch_negatives=True, temperature=0.2,
+                                        chunk_size=chunk, exact_distinct=True, sampled=sampled)  # fmt: skip
+            return loss, loss
         target = self.table(batch.labels["next_item"])  # (B, D): staged a step ahead
         negatives = self.table(self.pool[torch.randint(0, POOL, (NEG,))])  # (NEG, D): made here, looked up at use
         user = self.proj(history.mean(1))  # (B, D)
@@ -58,11 +81,18 @@ class Tiny(nn.Module):
         return loss, loss
 
 
-def _batches(rank: int, world_size: int) -> list[Batch | None]:
+def _pool(drawn: tuple[str, int] | None) -> torch.Tensor:
+    """The IDs the batches draw from: random 62-bit keys, or items 1..POOL where negatives are drawn as items."""
+    if drawn is not None:
+        return torch.arange(1, POOL + 1)
+    return torch.randint(0, 2**62, (POOL,), generator=torch.Generator().manual_seed(3))
+
+
+def _batches(rank: int, world_size: int, drawn: tuple[str, int] | None) -> list[Batch | None]:
     """Zipf-like draws from a pool of 40 IDs: most IDs recur within a step, across ranks and in consecutive steps.
     The last rank's data ends a step early (a stand-in step)."""
     gen = torch.Generator().manual_seed(100 + rank)
-    pool = torch.randint(0, 2**62, (POOL,), generator=torch.Generator().manual_seed(3))
+    pool = _pool(drawn)
     weights = 1.0 / torch.arange(1, POOL + 1).double()
     out: list[Batch | None] = []
     for step in range(STEPS):
@@ -75,22 +105,25 @@ def _batches(rank: int, world_size: int) -> list[Batch | None]:
     return out
 
 
-def _train(cfg_table: TableConfig, pipeline: bool, rank: int, world_size: int) -> tuple[list[float], Tiny, StepRunner]:
+def _train(cfg_table: TableConfig, drawn: tuple[str, int] | None, pipeline: bool, rank: int,
+           world_size: int) -> tuple[list[float], Tiny, StepRunner]:  # fmt: skip
     torch.manual_seed(0)
-    model = Tiny(cfg_table)
+    model = Tiny(cfg_table, drawn, rank)
     cfg = RunConfig()
     cfg.optim.lr = 0.01
     ctx = DistContext(rank, world_size, rank, initialized=True)
     runner = StepRunner(cfg, model, torch.device("cpu"), ctx, loss_fn=model.loss, units_fn=lambda b: float(b.labels["next_item"].numel()),
-                        sparse_optimizer=SparseOptimizer([model]))  # fmt: skip
-    batches = _batches(rank, world_size)
+                        sparse_optimizer=SparseOptimizer([model]), draw=model.draw if drawn else None)  # fmt: skip
+    batches = _batches(rank, world_size, drawn)
     inputs = StepInputs(iter([[b] for b in batches] + [[None]] * 2), build=lambda b: b, device=torch.device("cpu"),
                         snapshot=None, prefetch=pipeline)  # fmt: skip
     runner.set_upcoming(inputs.peek if pipeline else None)
     losses = []
-    torch.manual_seed(1)  # the negatives
+    torch.manual_seed(1)  # the in-loss negatives
     try:
-        for _ in range(STEPS):
+        for step in range(STEPS):
+            if drawn:
+                torch.manual_seed(1000 + step)  # as the training loop re-seeds every step: the drawn negatives' seeds
             result = runner(next(inputs).micro)
             losses.append(result.loss)
     finally:
@@ -108,9 +141,9 @@ def _table_state(table: AheadTable) -> dict[int, tuple]:
             for i, key in enumerate(shard.row_key[live].tolist())}  # fmt: skip
 
 
-def _equal_worker(rank: int, world_size: int, cfg_table: TableConfig) -> None:
-    off_losses, off, _ = _train(cfg_table, False, rank, world_size)
-    on_losses, on, runner = _train(cfg_table, True, rank, world_size)
+def _equal_worker(rank: int, world_size: int, cfg_table: TableConfig, drawn: tuple[str, int] | None) -> None:
+    off_losses, off, off_runner = _train(cfg_table, drawn, False, rank, world_size)
+    on_losses, on, runner = _train(cfg_table, drawn, True, rank, world_size)
     assert on_losses == off_losses, (on_losses, off_losses)  # bitwise
     for (name, p_on), p_off in zip(on.named_parameters(), off.parameters(), strict=True):
         assert torch.equal(p_on, p_off), name
@@ -121,9 +154,17 @@ def _equal_worker(rank: int, world_size: int, cfg_table: TableConfig) -> None:
             assert torch.equal(a, b), key
     names = ("lookups", "ids", "admitted", "not_admitted", "evicted", "updated_rows")
     assert {n: on.table.stats[n] for n in names} == {n: off.table.stats[n] for n in names}
-    # the pipeline really ran ahead: history and target lookups of every step but the first used staged handles
-    assert runner.ahead.paths == {"table": [("features", "item_ids"), ("labels", "next_item")]}
-    assert on.table.lookups_ahead == 2 * (STEPS - 1)
+    # the pipeline really ran ahead: history and target lookups (and the drawn negatives') of every step but the
+    # first used staged handles, and the negatives the worker drew
+    paths = [("features", "item_ids"), ("labels", "next_item")]
+    if drawn == ("shared", 0):  # unchunked: the targets, the sampled set, the in-batch negatives
+        paths += [("draws", "ids"), ("draws", "in_batch")]
+    elif drawn:  # chunked: the shared columns (in-batch), the distinct per-position negatives, then the targets
+        paths[1:] = [("draws", "shared"), ("draws", "distinct"), ("labels", "next_item")]
+    assert runner.ahead.paths == {"table": paths}
+    assert on.table.lookups_ahead == len(paths) * (STEPS - 1)
+    if drawn:
+        assert runner.draws.reused == STEPS - 1 and off_runner.draws.reused == 0
     reads = torch.tensor([on.table.staged_reads])
     dist.all_reduce(reads)
     assert int(reads) > 0, "no staged lookup was read without redoing it"
@@ -141,5 +182,6 @@ EVICTING = dataclasses.replace(
 
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("cfg_table", [TIERED, EVICTING], ids=["host-tier", "count-admission-lru-eviction"])
-def test_pipelined_training_equals_unpipelined(world_size: int, cfg_table: TableConfig) -> None:
-    spawn(_equal_worker, world_size, cfg_table)
+@pytest.mark.parametrize("drawn", DRAWN.values(), ids=DRAWN.keys())
+def test_pipelined_training_equals_unpipelined(world_size: int, cfg_table: TableConfig, drawn: tuple[str, int] | None) -> None:
+    spawn(_equal_worker, world_size, cfg_table, drawn)
