@@ -199,7 +199,7 @@ class Pipeline:
             units, keep = [units[i] for i in order], [keep[i] for i in order]
         mode = resolve_mode(self.worker_mode)
         run = TaskRunner(self.source, units, keep, self.rules, plan, (self.seed, state.epoch, state.resumes, self.rank),
-                         use_threads=mode == "thread")  # fmt: skip
+                         use_threads=mode == "thread", seed_globals=mode == "process")  # fmt: skip
         done: list = []
         results = run_tasks(run, make_tasks(keep, plan.task_rows), self.num_workers, mode)
         stream: Iterator[Item] = task_items(results, plan, self.bad_rows, done)
