@@ -143,9 +143,16 @@ class Pipeline:
         return out
 
     # -- the chain ---------------------------------------------------------------------
-    def map(self, fn: MapFn) -> Pipeline:
-        """Vectorised RecordBatch -> RecordBatch transform; must keep the ``__row_id__`` column."""
-        return self._with(Stage("map", fn))
+    def map(self, fn: MapFn, *, token_lengths: Callable[[dict], dict] | None = None) -> Pipeline:
+        """Vectorised RecordBatch -> RecordBatch transform; must keep the ``__row_id__`` column.
+
+        ``token_lengths`` (default: ``fn.token_lengths``, which ``truncate_lists`` and
+        ``next_item_targets`` carry) says how ``fn`` changes list lengths: a dict of per-row lengths
+        by column name -> the same after ``fn`` (columns it leaves alone passed through). With
+        ``batch(token_budget=...)`` ranks' shares are balanced on the lengths after the maps; a map
+        that changes lengths without saying how is balanced on the lengths before it.
+        """
+        return self._with(Stage("map", fn, token_lengths if token_lengths is not None else getattr(fn, "token_lengths", None)))
 
     def filter(self, fn: FilterFn) -> Pipeline:
         """Keep the rows where ``fn(batch)`` (a boolean array) is True."""
@@ -192,7 +199,8 @@ class Pipeline:
         if state.share_done or (state.complete and state.num_rows):
             state.next_epoch()
         plan = WorkerPlan.split(self.stages)
-        units, keep = state.plan(self.source, self.rank, self.world_size, token_column=self._token_column())
+        units, keep = state.plan(self.source, self.rank, self.world_size, token_column=self._token_column(),
+                                 token_maps=self._token_maps())  # fmt: skip
         rng = np.random.default_rng([self.seed, state.epoch, state.resumes, self.rank])
         if any(s.kind == "shuffle" for s in self.stages):
             order = rng.permutation(len(units))
@@ -221,6 +229,23 @@ class Pipeline:
         if batch is None or batch.arg[1] is None:
             return None
         return self.source.token_column(batch.arg[2])
+
+    def _token_maps(self) -> tuple[Callable[[dict], dict], ...]:
+        """The declared length effects of the maps before the batch (see ``map``), ending with the pick of
+        the batch's length column; () when no map declares one."""
+        batch = next((i for i, s in enumerate(self.stages) if s.kind == "batch"), len(self.stages))
+        maps = tuple(s.token_lengths for s in self.stages[:batch] if s.kind == "map" and s.token_lengths is not None)
+        return (*maps, _pick(self.stages[batch].arg[2])) if maps and batch < len(self.stages) else ()
+
+
+def _pick(length_column: str) -> Callable[[dict], dict]:
+    """The last step of a token-lengths chain: the batch's length column (or, made by a map that did not
+    declare it, the files' column that stands in for it: see ``ParquetSource.token_column``)."""
+
+    def pick(lengths: dict) -> dict:
+        return {length_column: lengths[length_column] if length_column in lengths else next(iter(lengths.values()))}
+
+    return pick
 
 
 class PipelineSource:

@@ -52,6 +52,7 @@ class Stage:
 
     kind: str  # map | filter | shuffle | batch | collate | prefetch | take
     arg: Any = None
+    token_lengths: Any = None  # a map's effect on per-row list lengths (see ``Pipeline.map``), for rank shares
 
 
 def apply_row_stages(rb: pa.RecordBatch, stages: tuple[Stage, ...]) -> pa.RecordBatch:
