@@ -98,11 +98,15 @@ class Pipeline:
                 (Linux) and this is not a daemonic process, else threads (logged once). Output is
                 the same. Processes are opt-in: they are forked from this process every epoch, so
                 in a trainer holding large host tables every page written during the epoch is
-                copied (copy-on-write), and map functions with random state repeat their draws.
+                copied (copy-on-write). Randomness in map/filter functions: draw from
+                ``task_rng()`` (``recforge.data.stages``; the same draws in both modes); in
+                processes the global ``random``/``numpy.random``/``torch`` generators are also
+                seeded per task from ``(seed, epoch, resumes, rank, task)``.
             rules: malformed-row checks and policy (see ``recforge.data.bad_rows``).
             seed: shuffle seed.
             rank, world_size: this rank's even share of the (unconsumed) rows: by rows, or by tokens
-                with ``batch(token_budget=...)`` (ranks' batch counts then differ by about 1 at most).
+                with ``batch(token_budget=...)`` (ranks' batch counts then differ by about 1 at most),
+                counted after the maps that declare how they change lengths (see ``map``).
             state: a saved ``state_dict()`` (or several ranks' states merged) to resume from.
         """
         if num_workers < 1:

@@ -10,8 +10,8 @@ Arrow IPC streams in memfds over Unix sockets, credit-based flow control, memfd 
       b"r"+id when its batches are freed ─► the memfd is free for a later task
 
 Bounded resources: a consumer's mapping holds no file descriptor (so batches kept by the caller
-cost no descriptors); a worker keeps at most ``keep`` descriptors of memfds lent to the consumer
-and ``keep`` free ones, shrinks a reused memfd to what its task needs, and closes its free ones
+cost no descriptors); a worker keeps at most ``LENT_MAX`` descriptors of memfds lent to the
+consumer and ``keep`` free ones, shrinks a reused memfd to what its task needs, and closes its free ones
 once the consumer has been idle for ``IDLE_RELEASE_S``. Workers forked for one iteration close
 the sockets of every other iteration still running in this process (an eval pipeline next to the
 training one, a new epoch while the old one drains), so each iteration's workers see its end.
@@ -41,6 +41,7 @@ _MESSAGE = struct.Struct("qqqq")  # memfd id, header bytes, offset of the IPC st
 _ID = struct.Struct("q")
 _ALIGN = 64  # the IPC stream starts aligned, so its (8-byte padded) buffers are read in place, zero-copy
 IDLE_RELEASE_S = 1.0  # a worker that heard nothing from its consumer for this long closes its free memfds
+LENT_MAX = 32  # memfds lent to the consumer that a worker keeps open for reuse (the rest are closed once sent)
 _OPEN: set[socket.socket] = set()  # this process's sockets of running iterations (closed in forked workers)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -64,7 +65,8 @@ class _Mapping:
             err = ctypes.get_errno()
             raise OSError(err, f"mapping a pipeline worker's result ({size} bytes) failed: {os.strerror(err)}")
         self.address, self.size = address, size
-        weakref.finalize(self, _unmap, address, size, sock, key)
+        # not at exit: a batch still alive then may be read by later exit code; the process's end unmaps it
+        weakref.finalize(self, _unmap, address, size, sock, key).atexit = False
 
     def buffer(self) -> pa.Buffer:
         return pa.foreign_buffer(self.address, self.size, base=self)
@@ -87,7 +89,7 @@ class _WorkerChannel:
     def __init__(self, sock: socket.socket, parent_pid: int, keep: int) -> None:
         self.sock, self.parent_pid, self.keep = sock, parent_pid, keep
         self.credits = 0
-        self.lent: dict[int, int] = {}  # memfd id -> fd, mapped by the consumer (at most ``keep``)
+        self.lent: dict[int, int] = {}  # memfd id -> fd, mapped by the consumer (at most ``LENT_MAX``)
         self.free: list[tuple[int, int, int]] = []  # (id, fd, size) ready for reuse (at most ``keep``)
         self.next_id = 0
         sock.settimeout(IDLE_RELEASE_S)
@@ -98,7 +100,7 @@ class _WorkerChannel:
         else:
             key = _ID.unpack(msg[1:])[0]
             fd = self.lent.pop(key, None)
-            if fd is None:  # not kept for reuse (the consumer held more than ``keep``): already closed
+            if fd is None:  # not kept for reuse (the consumer held more than ``LENT_MAX``): already closed
                 return
             if len(self.free) < self.keep:
                 self.free.append((key, fd, os.fstat(fd).st_size))
@@ -173,7 +175,7 @@ class _WorkerChannel:
         if body is not None:
             _write_all(fd, memoryview(body), start)
         socket.send_fds(self.sock, [_MESSAGE.pack(key, len(header), start, size)], [fd])
-        if len(self.lent) < self.keep:
+        if len(self.lent) < LENT_MAX:
             self.lent[key] = fd
         else:  # the consumer holds many results: this one's memory is freed with its mapping, not reused
             os.close(fd)
