@@ -2,6 +2,7 @@
 
 Usage:
     python benchmarks/pipeline_token_budget.py --ranks 4 --out benchmarks/results/pipeline_token_budget-cpu-2core.json
+    python benchmarks/pipeline_token_budget.py --ranks 4 --max-len 50 --out benchmarks/results/pipeline_token_budget-trunc-cpu-2core.json
 
 Reads the same synthetic sample files (history lengths uniform in 1..2*mean, or heavy-tailed lognormal) through the
 pipeline on ``--ranks`` ranks (in one process, rank by rank), once with fixed batches of
@@ -12,6 +13,11 @@ most tokens, so the step costs max-over-ranks tokens while the work done is the 
 factor is sum(max) / sum(mean) over steps (1.0 = perfectly balanced). It is a data statistic
 (what a cost linear in tokens would lose), not a measured training speed-up. Also the
 pipeline's rows/s for both modes on rank 0.
+
+With ``--max-len`` the histories are truncated by a map (``truncate_lists``) before batching, and
+a third mode shows the same token budget with shares balanced on the files' lengths (the map
+wrapped so it does not declare its effect): what ranks' shares were before they used the lengths
+after the maps.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import pyarrow.parquet as pq
 
 from recforge.data.collate import JaggedCollate
 from recforge.data.pipeline import Pipeline
+from recforge.data.transforms import truncate_lists
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _machine import cpu_model
@@ -48,12 +55,15 @@ def make_lognormal_samples(directory: Path, rows: int, mean_len: int, files: int
         pq.write_table(pa.table({"item_ids": items}), directory / f"part-{f:03d}.parquet", row_group_size=8192)
 
 
-def rank_tokens(paths: list[str], ranks: int, batch: dict) -> tuple[list[np.ndarray], float]:
+def rank_tokens(paths: list[str], ranks: int, batch: dict, max_len: int = 0, declared: bool = True) -> tuple[list[np.ndarray], float]:
     per_rank, rows_per_s = [], 0.0
+    truncate = truncate_lists(["item_ids"], max_len)
     for rank in range(ranks):
+        pipe = Pipeline.from_parquet(paths, columns=["item_ids"], num_workers=2, rank=rank, world_size=ranks, seed=1)
+        if max_len:
+            pipe = pipe.map(truncate if declared else lambda rb: truncate(rb))
         pipe = (
-            Pipeline.from_parquet(paths, columns=["item_ids"], num_workers=2, rank=rank, world_size=ranks, seed=1)
-            .shuffle(8192)
+            pipe.shuffle(8192)
             .batch(**batch)
             .collate(JaggedCollate({"item_ids": "item_ids"}))
         )
@@ -87,6 +97,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--lengths", default="uniform,lognormal", help="history-length distributions to run")
+    p.add_argument("--max-len", type=int, default=0, help="truncate histories to this many items by a map (0: no map)")
     p.add_argument("--out", default="")
     args = p.parse_args()
     load_at_start = os.getloadavg()[0]
@@ -100,13 +111,19 @@ def main() -> None:
             else:
                 raise ValueError(f"--lengths: unknown distribution {dist!r} (uniform, lognormal)")
             paths = sorted(str(x) for x in Path(tmp).glob("*.parquet"))
-            fixed, fixed_rate = rank_tokens(paths, args.ranks, {"batch_size": args.batch_size})
+            fixed, fixed_rate = rank_tokens(paths, args.ranks, {"batch_size": args.batch_size}, args.max_len)
             budget = round(float(np.concatenate(fixed).mean()))
-            balanced, balanced_rate = rank_tokens(paths, args.ranks, {"token_budget": budget, "length_column": "item_ids"})
+            spec = {"token_budget": budget, "length_column": "item_ids"}
+            if args.max_len:
+                blind, blind_rate = rank_tokens(paths, args.ranks, spec, args.max_len, declared=False)
+            balanced, balanced_rate = rank_tokens(paths, args.ranks, spec, args.max_len)
         rows.append({"lengths": dist, "mode": f"fixed {args.batch_size} rows", "rank0_rows_per_s": fixed_rate, **summarise(fixed)})
+        if args.max_len:
+            rows.append({"lengths": dist, "mode": f"budget {budget}, pre-map", "rank0_rows_per_s": blind_rate, **summarise(blind)})
         rows.append({"lengths": dist, "mode": f"token budget {budget}", "rank0_rows_per_s": balanced_rate, **summarise(balanced)})
     machine = f"{cpu_model()}, {os.cpu_count()} cores"
-    print(f"\n{args.rows} rows, mean history ~{args.mean_len} (uniform 1..{2 * args.mean_len - 1} or lognormal), {args.ranks} ranks; {machine}; "
+    trunc = f", truncated to {args.max_len} by a map" if args.max_len else ""
+    print(f"\n{args.rows} rows, mean history ~{args.mean_len} (uniform 1..{2 * args.mean_len - 1} or lognormal){trunc}, {args.ranks} ranks; {machine}; "
           f"1-min load average at start {load_at_start:.2f}")  # fmt: skip
     print(f"{'lengths':10s} {'mode':22s} {'mean tokens':>11s} {'CV tokens':>9s} {'straggler':>9s} {'batches/rank':>16s} {'rows/s (rank 0)':>15s}")
     for r in rows:

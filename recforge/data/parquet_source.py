@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 ROW_ID = "__row_id__"
@@ -170,18 +171,24 @@ class ParquetSource:
             return column
         return next((name for name, t in fields.items() if _is_list(t)), None)
 
-    def row_tokens(self, column: str) -> list[list[np.ndarray]]:
+    def row_tokens(self, column: str, per_row: bool = False) -> list[list[np.ndarray]]:
         """Per file, per row group: the tokens of each row, to balance ranks' shares.
 
         For a list column, a 0-d array: the row group's mean list length, from the value count in
-        the Parquet footer (no data is decoded). For an integer column (per-row token counts), the
-        (rows,) column itself, read once and cached.
+        the Parquet footer (no data is decoded), or with ``per_row`` (for lengths that maps change
+        row by row, e.g. a truncation) each row's length, from the column read once and cached. For
+        an integer column (per-row token counts), the (rows,) column itself, read once and cached.
         """
-        if column not in self._tokens:
+        key = f"{column}/rows" if per_row else column
+        if key not in self._tokens:
             out = []
             for path in self.paths:
                 pf = self._open(path)
                 meta = pf.metadata
+                if per_row and not pa.types.is_integer(self.schema.field(column).type):
+                    out.append([pc.fill_null(pc.list_value_length(pf.read_row_group(g, columns=[column]).column(0)), 0)
+                                .to_numpy().astype(np.float64) for g in range(meta.num_row_groups)])  # fmt: skip
+                    continue
                 if pa.types.is_integer(self.schema.field(column).type):
                     out.append([pf.read_row_group(g, columns=[column]).column(0).to_numpy().astype(np.float64)
                                 for g in range(meta.num_row_groups)])  # fmt: skip
@@ -189,8 +196,8 @@ class ParquetSource:
                 leaf = next(j for j in range(meta.num_columns) if meta.schema.column(j).path.split(".")[0] == column)
                 out.append([np.array(meta.row_group(g).column(leaf).num_values / max(meta.row_group(g).num_rows, 1))
                             for g in range(meta.num_row_groups)])  # fmt: skip
-            self._tokens[column] = out
-        return self._tokens[column]
+            self._tokens[key] = out
+        return self._tokens[key]
 
     def location(self, row_id: int) -> str:
         """'path row N' for messages."""

@@ -98,11 +98,15 @@ class Pipeline:
                 (Linux) and this is not a daemonic process, else threads (logged once). Output is
                 the same. Processes are opt-in: they are forked from this process every epoch, so
                 in a trainer holding large host tables every page written during the epoch is
-                copied (copy-on-write), and map functions with random state repeat their draws.
+                copied (copy-on-write). Randomness in map/filter functions: draw from
+                ``task_rng()`` (``recforge.data.stages``; the same draws in both modes); in
+                processes the global ``random``/``numpy.random``/``torch`` generators are also
+                seeded per task from ``(seed, epoch, resumes, rank, task)``.
             rules: malformed-row checks and policy (see ``recforge.data.bad_rows``).
             seed: shuffle seed.
             rank, world_size: this rank's even share of the (unconsumed) rows: by rows, or by tokens
-                with ``batch(token_budget=...)`` (ranks' batch counts then differ by about 1 at most).
+                with ``batch(token_budget=...)`` (ranks' batch counts then differ by about 1 at most),
+                counted after the maps that declare how they change lengths (see ``map``).
             state: a saved ``state_dict()`` (or several ranks' states merged) to resume from.
         """
         if num_workers < 1:
@@ -143,9 +147,16 @@ class Pipeline:
         return out
 
     # -- the chain ---------------------------------------------------------------------
-    def map(self, fn: MapFn) -> Pipeline:
-        """Vectorised RecordBatch -> RecordBatch transform; must keep the ``__row_id__`` column."""
-        return self._with(Stage("map", fn))
+    def map(self, fn: MapFn, *, token_lengths: Callable[[dict], dict] | None = None) -> Pipeline:
+        """Vectorised RecordBatch -> RecordBatch transform; must keep the ``__row_id__`` column.
+
+        ``token_lengths`` (default: ``fn.token_lengths``, which ``truncate_lists`` and
+        ``next_item_targets`` carry) says how ``fn`` changes list lengths: a dict of per-row lengths
+        by column name -> the same after ``fn`` (columns it leaves alone passed through). With
+        ``batch(token_budget=...)`` ranks' shares are balanced on the lengths after the maps; a map
+        that changes lengths without saying how is balanced on the lengths before it.
+        """
+        return self._with(Stage("map", fn, token_lengths if token_lengths is not None else getattr(fn, "token_lengths", None)))
 
     def filter(self, fn: FilterFn) -> Pipeline:
         """Keep the rows where ``fn(batch)`` (a boolean array) is True."""
@@ -192,14 +203,15 @@ class Pipeline:
         if state.share_done or (state.complete and state.num_rows):
             state.next_epoch()
         plan = WorkerPlan.split(self.stages)
-        units, keep = state.plan(self.source, self.rank, self.world_size, token_column=self._token_column())
+        units, keep = state.plan(self.source, self.rank, self.world_size, token_column=self._token_column(),
+                                 token_maps=self._token_maps())  # fmt: skip
         rng = np.random.default_rng([self.seed, state.epoch, state.resumes, self.rank])
         if any(s.kind == "shuffle" for s in self.stages):
             order = rng.permutation(len(units))
             units, keep = [units[i] for i in order], [keep[i] for i in order]
         mode = resolve_mode(self.worker_mode)
         run = TaskRunner(self.source, units, keep, self.rules, plan, (self.seed, state.epoch, state.resumes, self.rank),
-                         use_threads=mode == "thread")  # fmt: skip
+                         use_threads=mode == "thread", seed_globals=mode == "process")  # fmt: skip
         done: list = []
         results = run_tasks(run, make_tasks(keep, plan.task_rows), self.num_workers, mode)
         stream: Iterator[Item] = task_items(results, plan, self.bad_rows, done)
@@ -221,6 +233,23 @@ class Pipeline:
         if batch is None or batch.arg[1] is None:
             return None
         return self.source.token_column(batch.arg[2])
+
+    def _token_maps(self) -> tuple[Callable[[dict], dict], ...]:
+        """The declared length effects of the maps before the batch (see ``map``), ending with the pick of
+        the batch's length column; () when no map declares one."""
+        batch = next((i for i, s in enumerate(self.stages) if s.kind == "batch"), len(self.stages))
+        maps = tuple(s.token_lengths for s in self.stages[:batch] if s.kind == "map" and s.token_lengths is not None)
+        return (*maps, _pick(self.stages[batch].arg[2])) if maps and batch < len(self.stages) else ()
+
+
+def _pick(length_column: str) -> Callable[[dict], dict]:
+    """The last step of a token-lengths chain: the batch's length column (or, made by a map that did not
+    declare it, the files' column that stands in for it: see ``ParquetSource.token_column``)."""
+
+    def pick(lengths: dict) -> dict:
+        return {length_column: lengths[length_column] if length_column in lengths else next(iter(lengths.values()))}
+
+    return pick
 
 
 class PipelineSource:

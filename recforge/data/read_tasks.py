@@ -11,12 +11,17 @@ consumer turns task results back into a stream of items.
 The leading ``map``/``filter`` stages, the first ``shuffle`` right after them and the first
 ``batch`` right after those run in the workers; the rest of the chain runs in the consumer.
 A task's shuffle is seeded by ``(seed, epoch, resumes, rank, task index)``: the order does not
-depend on the number or kind of workers.
+depend on the number or kind of workers. So is its ``task_rng()`` (``recforge.data.stages``) for
+map/filter functions and, in worker processes, the global ``random``/``numpy.random``/``torch``
+generators: a forked worker would otherwise start every epoch from the parent's state and draw
+the same "random" augmentation every epoch, and in every worker.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +32,7 @@ import pyarrow as pa
 from recforge.data.bad_rows import BadRowReport, RowRules, check_rows
 from recforge.data.collate import row_ids_of
 from recforge.data.parquet_source import ParquetSource, ReadUnit, one_batch
-from recforge.data.stages import Batcher, Item, Stage, apply_row_stages, full_batch_cuts
+from recforge.data.stages import CURRENT_TASK, Batcher, Item, Stage, apply_row_stages, full_batch_cuts
 from recforge.data.workers import Task, TaskResult
 
 DEFAULT_TASK_ROWS = 8192  # without a shuffle window, tasks still group row groups to amortise hand-over costs
@@ -88,8 +93,23 @@ class TaskRunner:
     plan: WorkerPlan
     shuffle_seed: tuple[int, ...]  # (seed, epoch, resumes, rank); the task index is appended
     use_threads: bool = True  # Arrow's decode threads; off in worker processes (one core each)
+    seed_globals: bool = False  # in a worker process: seed random, numpy.random and torch per task too
 
     def __call__(self, task: Task) -> TaskResult:
+        seeds = np.random.SeedSequence([*self.shuffle_seed, task.index, 1])  # apart from the shuffle's stream
+        CURRENT_TASK.rng = np.random.default_rng(seeds)
+        if self.seed_globals:
+            a, b = (int(x) for x in seeds.generate_state(2))
+            random.seed(a << 32 | b)
+            np.random.seed(a)  # noqa: NPY002 - maps written against the legacy global generator
+            if "torch" in sys.modules:  # the CPU generator only: CUDA is never touched in a forked worker
+                sys.modules["torch"].default_generator.manual_seed(a << 32 | b)
+        try:
+            return self._run(task)
+        finally:
+            CURRENT_TASK.rng = None
+
+    def _run(self, task: Task) -> TaskResult:
         report = BadRowReport()
         parts = []
         for i in task.units:

@@ -61,6 +61,18 @@ def _positions(free_rows: list[list[np.ndarray]], tokens: list[list[np.ndarray]]
     return positions, seen
 
 
+def _after_maps(column: str, lengths: np.ndarray, maps: tuple) -> np.ndarray:
+    """Per-row ``lengths`` of ``column`` through the maps' declared effects (the last one picks one column)."""
+    columns = {column: lengths}
+    for fn in maps:
+        columns = fn(dict(columns))
+    (out,) = columns.values()
+    out = np.asarray(out, np.float64)
+    if out.shape != lengths.shape:
+        raise ValueError(f"a map's token_lengths turned {lengths.shape} row lengths into {out.shape}: it must keep one length per row")
+    return out
+
+
 @dataclass
 class PipelineState:
     """Rows consumed per file this epoch, plus what seeds the shuffle.
@@ -117,8 +129,8 @@ class PipelineState:
             c[:] = False
 
     # -- splitting ---------------------------------------------------------------------
-    def plan(self, source: ParquetSource, rank: int = 0, world_size: int = 1,
-             token_column: str | None = None) -> tuple[list[ReadUnit], list[np.ndarray]]:  # fmt: skip
+    def plan(self, source: ParquetSource, rank: int = 0, world_size: int = 1, token_column: str | None = None,
+             token_maps: tuple = ()) -> tuple[list[ReadUnit], list[np.ndarray]]:  # fmt: skip
         """This rank's share of the unconsumed rows as read units, with a keep-mask per unit.
 
         Shares are contiguous runs of the unconsumed rows, in file/row order, of equal row counts
@@ -126,6 +138,9 @@ class PipelineState:
         integer column of per-row counts, or its row group's mean list length (from the Parquet
         footer) for a list column (``ParquetSource.row_tokens``). Token-budget batching then gives
         every rank about the same number of batches even when history lengths differ between files.
+        ``token_maps`` (``Pipeline._token_maps``): the maps' declared effects on the lengths, applied in
+        order to each row's length (read per row then, once per source); shares are then balanced on
+        the lengths the batches are cut by, e.g. histories after truncation.
 
         Returns:
             (units, keep): ``keep[i]`` is a bool mask over unit i's rows (False = already consumed).
@@ -137,7 +152,12 @@ class PipelineState:
             [np.flatnonzero(~self.consumed[f][first : first + n]) for first, n in zip(np.cumsum(rg) - rg, rg, strict=True)]
             for f, rg in enumerate(source.row_group_rows)
         ]
-        positions, total = _positions(free_rows, None if token_column is None else source.row_tokens(token_column))
+        tokens = None
+        if token_column is not None:
+            tokens = source.row_tokens(token_column, per_row=bool(token_maps))
+            if token_maps:
+                tokens = [[_after_maps(token_column, t, token_maps) for t in groups] for groups in tokens]
+        positions, total = _positions(free_rows, tokens)
         if token_column is None:  # integer bounds on row counts: the historical even split (±1 row)
             remaining = int(total)
             lo, hi = remaining * rank // world_size, remaining * (rank + 1) // world_size

@@ -64,7 +64,7 @@ def retrieval_sample_source(seqs: UserSequences, samples: torch.Tensor, max_seq_
     build = functools.partial(_rows, seqs, samples, max_seq_len)
     # ranks' token shares weigh rows as a file of these rows did (its item_ids lengths, a mean per row group)
     lengths = (sample_tokens(samples, max_seq_len) + 1).numpy()
-    return SampleSource("retrieval", samples.shape[0], build, tokens=lengths, group_mean_tokens=True,
+    return SampleSource("retrieval", samples.shape[0], build, tokens=lengths, group_mean_tokens=True, tokens_of="item_ids",
                         identity=(samples.numpy(), np.array([max_seq_len])))  # fmt: skip
 
 

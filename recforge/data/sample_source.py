@@ -51,6 +51,9 @@ class SampleSource:
             token-budget batching (``PipelineState.plan``).
         group_mean_tokens: weigh each row by its group's mean ``tokens``, as ``ParquetSource`` does for
             a list column (from the file footer): the shares of the same rows in a file, exactly.
+        tokens_of: the list column of the rows that ``tokens`` counts (e.g. ``item_ids``), so maps'
+            declared length changes (``Pipeline.map``) apply to it as they do to that column of a
+            file; None: ``tokens`` are already what the batches are cut by.
         identity: arrays that identify the samples (fingerprinted into the name).
         group_rows: rows per read group (the unit of shuffling and of a worker's read).
 
@@ -60,7 +63,7 @@ class SampleSource:
     """
 
     def __init__(self, kind: str, num_rows: int, build: Callable[[np.ndarray], pa.Table], *,
-                 tokens: np.ndarray | None = None, group_mean_tokens: bool = False,
+                 tokens: np.ndarray | None = None, group_mean_tokens: bool = False, tokens_of: str | None = None,
                  identity: tuple[np.ndarray, ...] = (), group_rows: int = GROUP_ROWS) -> None:  # fmt: skip
         if num_rows < 1:
             raise ValueError(f"a {kind} sample source needs at least one sample, got {num_rows}")
@@ -76,6 +79,7 @@ class SampleSource:
         self.row_group_rows = [np.array([group_rows] * full + ([rest] if rest else []), np.int64)]
         self.tokens = None if tokens is None else np.asarray(tokens, np.float64)
         self.group_mean_tokens = group_mean_tokens
+        self.tokens_of = tokens_of
         self.schema = build(np.arange(1, dtype=np.int64)).schema  # one row built now: the schema, and any error early
         self.file_schemas = [self.schema]
 
@@ -105,16 +109,16 @@ class SampleSource:
         return one_batch(table.append_column(ROW_ID, pa.array(encode_row_ids(0, rows))))
 
     def token_column(self, column: str) -> str | None:
-        """Rows are weighed by their exact ``tokens`` (whatever column batches are cut by); None without."""
-        return None if self.tokens is None else column
+        """Rows are weighed by their ``tokens`` (of ``tokens_of``, else of whatever column batches are cut by); None without."""
+        return None if self.tokens is None else self.tokens_of or column
 
-    def row_tokens(self, column: str) -> list[list[np.ndarray]]:
-        """Per group, the (rows,) tokens of each row, or (``group_mean_tokens``) their 0-d mean."""
+    def row_tokens(self, column: str, per_row: bool = False) -> list[list[np.ndarray]]:
+        """Per group, the (rows,) tokens of each row, or (``group_mean_tokens`` without ``per_row``) their 0-d mean."""
         if self.tokens is None:
             raise ValueError(f"{self.kind} samples were given no tokens per row")
         cuts = np.r_[0, np.cumsum(self.row_group_rows[0])]
         groups = [self.tokens[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
-        return [[np.array(g.mean()) for g in groups] if self.group_mean_tokens else groups]
+        return [[np.array(g.mean()) for g in groups] if self.group_mean_tokens and not per_row else groups]
 
     def location(self, row_id: int) -> str:
         """'<kind> sample N' for messages."""

@@ -21,6 +21,23 @@ from recforge.data.collate import row_ids_of
 from recforge.data.token_batching import token_budget_cuts
 
 
+CURRENT_TASK = threading.local()  # the random generator of the task running in this thread (see ``task_rng``)
+
+
+def task_rng() -> np.random.Generator:
+    """The random generator of the reader task running now, for randomness in ``map``/``filter`` functions
+    (augmentation, sampling). Seeded by ``(seed, epoch, resumes, rank, task index)``: different every
+    epoch, the same for the same seed and resumed state, whatever the number or kind of workers.
+
+    Raises:
+        RuntimeError: called outside a pipeline's map or filter function.
+    """
+    rng = getattr(CURRENT_TASK, "rng", None)
+    if rng is None:
+        raise RuntimeError("task_rng() is only available inside a Pipeline map/filter function while it runs in a reader task")
+    return rng
+
+
 @dataclass
 class Item:
     """What flows between stages: the payload and the row ids it carries (for exactly-once marking)."""
@@ -35,6 +52,7 @@ class Stage:
 
     kind: str  # map | filter | shuffle | batch | collate | prefetch | take
     arg: Any = None
+    token_lengths: Any = None  # a map's effect on per-row list lengths (see ``Pipeline.map``), for rank shares
 
 
 def apply_row_stages(rb: pa.RecordBatch, stages: tuple[Stage, ...]) -> pa.RecordBatch:

@@ -43,6 +43,7 @@ def truncate_lists(columns: list[str], max_len: int, keep: str = "last") -> Call
             rb = _replace(rb, name, list_type.from_arrays(offsets, values, mask=col.is_null() if col.null_count else None))
         return rb
 
+    fn.token_lengths = lambda lengths: {c: np.minimum(v, max_len) if c in columns else v for c, v in lengths.items()}
     return fn
 
 
@@ -113,4 +114,11 @@ def next_item_targets(
         rb = rb.append_column(inputs, pa.LargeListArray.from_arrays(offsets, col.values.take(index)))
         return rb.append_column(targets, pa.LargeListArray.from_arrays(offsets, col.values.take(pc.add(index, 1))))
 
+    def token_lengths(lengths: dict) -> dict:
+        if column not in lengths:
+            return lengths
+        shorter = np.maximum(lengths[column] - 1, 0)
+        return {**lengths, **{name: shorter for name in aligned if name in lengths}, inputs: shorter, targets: shorter}
+
+    fn.token_lengths = token_lengths
     return fn
