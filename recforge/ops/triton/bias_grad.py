@@ -76,12 +76,20 @@ def pos_grad_tile(dsT, i, j, i_start, j0, he, P, dpos, acc_first, acc_last,
     else:
         sums = diagonal_sums(a, BLOCK_N, BLOCK_M, W)
         d = d0 + tl.arange(0, W)
-        first = d <= 0
-        last = (d >= P - 1) & ~first
-        acc_first += tl.sum(tl.where(first, sums, 0.0))
-        acc_last += tl.sum(tl.where(last, sums, 0.0))
-        tl.atomic_add(dpos + d, sums, mask=~first & ~last & (sums != 0.0))
+        if (d0 <= 0) | (d0 + (BLOCK_N + BLOCK_M - 2) >= P - 1):  # the tile straddles weight 0 or P - 1
+            first = d <= 0
+            last = (d >= P - 1) & ~first
+            acc_first += tl.sum(tl.where(first, sums, 0.0))
+            acc_last += tl.sum(tl.where(last, sums, 0.0))
+            tl.atomic_add(dpos + d, sums, mask=~first & ~last & (sums != 0.0))
+        else:
+            tl.atomic_add(dpos + d, sums, mask=(tl.arange(0, W) < BLOCK_N + BLOCK_M - 1) & (sums != 0.0))
     return acc_first, acc_last
+
+
+@triton.jit
+def _max_and_min(hi0, lo0, hi1, lo1):
+    return tl.maximum(hi0, hi1), tl.minimum(lo0, lo1)
 
 
 @triton.jit
@@ -96,8 +104,8 @@ def time_grad_tile(dsT, bucket, events, hist, dtime, NB_PAD: tl.constexpr, STEPS
     atomics directly.
     """
     bucket = tl.where(events & (dsT != 0.0), bucket, -1)
-    b_hi = tl.max(bucket)
-    b_lo = tl.min(tl.where(bucket >= 0, bucket, NB_PAD))
+    b_hi, b_lo = tl.reduce((bucket, tl.where(bucket >= 0, bucket, NB_PAD)), 1, _max_and_min)  # both in one pass
+    b_hi, b_lo = tl.reduce((b_hi, b_lo), 0, _max_and_min)
     slots = tl.arange(0, NB_PAD)
     if DYNAMIC:
         for b in range(b_lo, b_hi + 1):
