@@ -4,6 +4,8 @@
 Usage (one H200, ~5 minutes):
     PYTHONPATH=. python benchmarks/attention_bias_grad.py --out benchmarks/results/attention_bias_grad-h200.json
     PYTHONPATH=. python benchmarks/attention_bias_grad.py --lengths 1024 --dims 64 --tokens 8192   # quick
+    TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/attention_bias_grad.py --device cpu --lengths 40 --dims 16 \
+        --tokens 100 --reference-lengths 30 7 1 --reps 1   # smoke test of the script on a CPU
 
 1. Correctness: on a small jagged batch (contextual tokens, targets, distances past P, long and
    short time gaps) the Triton gradients of q, k, v, pos_weights and time_weights, float32 and
@@ -46,16 +48,17 @@ def timestamps(gen: torch.Generator, total: int) -> torch.Tensor:
     return 1_700_000_000 + torch.cumsum(torch.randint(1, 3600, (total,), generator=gen), 0)
 
 
-def reference_check(dim: int, device: torch.device, seed: int) -> list[dict]:
-    """Relative errors of every gradient against the float64 reference, fp32 and bf16."""
+def reference_check(dim: int, device: torch.device, seed: int, lengths: list[int]) -> list[dict]:
+    """Relative errors of every gradient against the float64 reference, fp32 and bf16 (CUDA only)."""
     gen = torch.Generator().manual_seed(seed)
-    lengths = [700, 333, 1, 512, 90]
     total, max_len = sum(lengths), max(lengths)
     offsets = offsets_from_lengths(torch.tensor(lengths))
-    mask = AttentionMask(num_contextual=torch.tensor([3, 0, 0, 5, 1]), num_targets=torch.tensor([7, 2, 0, 0, 4]))
+    contextual = [min(n, [3, 0, 5, 1][s % 4]) for s, n in enumerate(lengths)]
+    targets = [min(n - c, [7, 2, 0, 4][s % 4]) for s, (n, c) in enumerate(zip(lengths, contextual))]
+    mask = AttentionMask(num_contextual=torch.tensor(contextual), num_targets=torch.tensor(targets))
     ts = timestamps(gen, total)
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
         q, k, v, grad = (torch.randn(total, 2, dim, generator=gen) for _ in range(4))
         pos_w, time_w = torch.randn(300, generator=gen), torch.randn(NUM_BUCKETS + 1, generator=gen)
         low = [x.to(device, dtype if n < 3 else torch.float32).requires_grad_() for n, x in enumerate((q, k, v, pos_w, time_w))]
@@ -75,35 +78,43 @@ def reference_check(dim: int, device: torch.device, seed: int) -> list[dict]:
     return rows
 
 
-def time_backward(run, reps: int, budget_s: float) -> tuple[float, int]:
+def time_backward(run, reps: int, budget_s: float, device: torch.device) -> tuple[float, int]:
     """Median ms of run() (one backward), at least one call, at most ``reps`` or ``budget_s`` seconds."""
     run()  # compile / autotune / warm up
     times = []
     start = time.perf_counter()
     while len(times) < reps and (not times or time.perf_counter() - start < budget_s):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2], len(times)
 
 
-def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budget_s: float) -> list[dict]:
-    device = torch.device("cuda")
+def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budget_s: float,
+                device: torch.device) -> list[dict]:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter's bf16 is wrong
     gen = torch.Generator().manual_seed(seed + max_len + dim)
     lengths = make_lengths(max_len, tokens, seed)
     total = sum(lengths)
     offsets = offsets_from_lengths(torch.tensor(lengths)).to(device)
-    q, k, v, grad = (torch.randn(total, HEADS, dim, generator=gen).to(device, torch.bfloat16) for _ in range(4))
+    q, k, v, grad = (torch.randn(total, HEADS, dim, generator=gen).to(device, dtype) for _ in range(4))
     ts = timestamps(gen, total).to(device)
     pos_w = (torch.randn(max_len, generator=gen) * 0.1).to(device)
     time_w = (torch.randn(NUM_BUCKETS + 1, generator=gen) * 0.1).to(device)
     fl_fwd, fl_all = flops(lengths, dim)
     head = {"max_len": max_len, "head_dim": dim, "sequences": len(lengths), "tokens": total, "heads": HEADS}
     rows, bias_grads = [], {}
-    for variant in VARIANTS:
+
+    def backward_of(variant: str) -> tuple[float, int, list[torch.Tensor]]:
+        """(median ms, calls timed, bias gradients) of one variant's backward."""
         hstu_kernels.pair_atomics = variant == "per-pair"
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         weights = [w.detach().requires_grad_(variant != "no bias grad") for w in (pos_w, time_w)]
@@ -115,13 +126,14 @@ def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budge
         def run():
             grads[:] = torch.autograd.grad(out, wanted, grad, retain_graph=True)
 
-        ms, calls = time_backward(run, reps if variant != "per-pair" else 3, budget_s)
-        if variant != "no bias grad":
-            bias_grads[variant] = [g.float() for g in grads[3:]]
+        ms, calls = time_backward(run, reps if variant != "per-pair" else min(reps, 3), budget_s, device)
+        return ms, calls, [g.float() for g in grads[3:]]
+
+    for variant in VARIANTS:
+        ms, calls, bias_grads[variant] = backward_of(variant)
         rows.append({**head, "variant": variant, "backward_ms": ms, "calls_timed": calls,
                      "backward_tflops": (fl_all - fl_fwd) / ms / 1e9})
         print(rows[-1], flush=True)
-        del out, grads
     hstu_kernels.pair_atomics = False
     new, old = bias_grads["per-tile"], bias_grads["per-pair"]
     agree = {name: float((a - b).norm() / b.norm().clamp_min(1e-30)) for name, a, b in zip(("pos", "time"), new, old)}
@@ -148,17 +160,21 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=10, help="timed backward calls (per-pair: 3)")
     p.add_argument("--budget", type=float, default=5.0, help="seconds of timed calls per case and variant")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda", help="cuda; cpu: a smoke test under TRITON_INTERPRET=1")
+    p.add_argument("--reference-lengths", type=int, nargs="+", default=[700, 333, 1, 512, 90],
+                   help="the jagged batch checked against the reference")
     p.add_argument("--autotune", action="store_true", help="autotune tiles over the whole candidate lists")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU (the Triton kernels)", file=sys.stderr)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1 for a smoke test)", file=sys.stderr)
         return 2
     if not args.autotune:
         pin_tiles()
-    checks = reference_check(args.dims[0], torch.device("cuda"), args.seed)
+    checks = reference_check(args.dims[0], device, args.seed, args.reference_lengths)
     rows = [row for L in args.lengths for dim in args.dims
-            for row in timing_case(L, dim, args.tokens, args.seed, args.reps, args.budget)]
+            for row in timing_case(L, dim, args.tokens, args.seed, args.reps, args.budget, device)]
     print(f"\n{'L':>6} {'D':>4} {'variant':>13} {'bwd ms':>9} {'TFLOP/s':>8} {'vs per-pair':>11} {'agree':>6}")
     for r in rows:
         print(f"{r['max_len']:>6} {r['head_dim']:>4} {r['variant']:>13} {r['backward_ms']:>9.2f} "
@@ -166,7 +182,7 @@ def main() -> int:
     correct = all(c["ok"] for c in checks) and all(r["agree"] for r in rows)
     result = {
         "benchmark": "attention_bias_grad", "date": datetime.datetime.now(datetime.UTC).isoformat(),
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": __import__("triton").__version__,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)", "torch": torch.__version__, "triton": __import__("triton").__version__,
         "command": " ".join(sys.argv), "autotuned": args.autotune, "time_steps": hstu_kernels.TIME_STEPS, "reference_checks": checks,
         "rows": rows, "correct": correct,
     }  # fmt: skip
