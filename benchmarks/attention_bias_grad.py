@@ -1,7 +1,7 @@
 """HSTU attention backward with learned position and time biases: the per-tile bias-gradient sums
 (``recforge.ops.triton.bias_grad``) against the per-pair atomics of earlier releases, one run.
 
-Usage (one H200, ~5 minutes):
+Usage (one H200; mostly compiling, estimated under 10 minutes on a machine with a cold Triton cache):
     PYTHONPATH=. python benchmarks/attention_bias_grad.py --out benchmarks/results/attention_bias_grad-h200.json
     PYTHONPATH=. python benchmarks/attention_bias_grad.py --lengths 1024 --dims 64 --tokens 8192   # quick
     TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/attention_bias_grad.py --device cpu --lengths 40 --dims 16 \
@@ -10,8 +10,9 @@ Usage (one H200, ~5 minutes):
 1. Correctness: on a small jagged batch (contextual tokens, targets, distances past P, long and
    short time gaps) the Triton gradients of q, k, v, pos_weights and time_weights, float32 and
    bfloat16, against the float64 PyTorch reference (relative error, explicit tolerances).
-2. Timing, per max length L and head dim: a jagged causal batch of ~``--tokens`` tokens (one
-   sequence of L, the rest N(0.6 L, 0.25 L), as ``benchmarks/attention.py``), bf16, 4 heads,
+2. Timing, per max length L (256: the one-loop fixed-tile launch of short sequences, as ML-1M)
+   and head dim: a jagged causal batch of ~``--tokens`` tokens (one sequence of L, the rest
+   N(0.6 L, 0.25 L), as ``benchmarks/attention.py``), bf16, 4 heads,
    P = L position weights and 128 + 1 time buckets (as ``models.hstu``), timestamps 1 s - 1 h
    apart (as ``benchmarks/long_seq.py``). One backward (the dQ and dK/dV kernels) is timed:
    ``per-tile`` (this release), ``per-pair`` (``hstu.pair_atomics``: earlier releases) and
@@ -154,7 +155,8 @@ def pin_tiles() -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384], help="max tokens per sequence")
+    p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096, 16384],
+                   help="max tokens per sequence (<= 256: the fixed-tile, one-loop launch, as ML-1M training)")
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128], help="head dims")
     p.add_argument("--tokens", type=int, default=65536, help="tokens per batch")
     p.add_argument("--reps", type=int, default=10, help="timed backward calls (per-pair: 3)")
