@@ -15,7 +15,9 @@ Usage (one H200; mostly compiling, estimated under 10 minutes on a machine with 
    N(0.6 L, 0.25 L), as ``benchmarks/attention.py``), bf16, 4 heads,
    P = L position weights and 128 + 1 time buckets (as ``models.hstu``), timestamps 1 s - 1 h
    apart (as ``benchmarks/long_seq.py``). One backward (the dQ and dK/dV kernels) is timed:
-   ``per-tile`` (this release), ``per-pair`` (``hstu.pair_atomics``: earlier releases) and
+   ``per-tile`` (this release), ``per-tile, unrolled`` (``hstu.time_loop_in_masked_tiles`` off: the
+   masked tiles' time buckets also unrolled, every tile loop software-pipelined), ``per-pair``
+   (``hstu.pair_atomics``: earlier releases) and
    ``no bias grad`` (the weights frozen: POS_GRAD/TIME_GRAD off, the lower bound). Per-tile and
    per-pair bias gradients must agree (float32 sums in another order). Every kernel takes the
    first tile of its autotuning list (one compile per kernel and variant; ``--autotune``: the
@@ -42,7 +44,7 @@ from recforge.ops.triton import tuning
 
 NUM_BUCKETS = 128
 TOL = {torch.float32: {"qkv": 2e-5, "weights": 2e-4}, torch.bfloat16: {"qkv": 2e-2, "weights": 2e-2}}
-VARIANTS = ("per-tile", "per-pair", "no bias grad")
+VARIANTS = ("per-tile", "per-tile, unrolled", "per-pair", "no bias grad")
 
 
 def timestamps(gen: torch.Generator, total: int) -> torch.Tensor:
@@ -117,6 +119,7 @@ def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budge
     def backward_of(variant: str) -> tuple[float, int, list[torch.Tensor]]:
         """(median ms, calls timed, bias gradients) of one variant's backward."""
         hstu_kernels.pair_atomics = variant == "per-pair"
+        hstu_kernels.time_loop_in_masked_tiles = variant != "per-tile, unrolled"
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         weights = [w.detach().requires_grad_(variant != "no bias grad") for w in (pos_w, time_w)]
         out = hstu_attention(*leaves, offsets, max_len, AttentionMask(), scale=1 / max_len, pos_weights=weights[0],
@@ -135,9 +138,11 @@ def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budge
         rows.append({**head, "variant": variant, "backward_ms": ms, "calls_timed": calls,
                      "backward_tflops": (fl_all - fl_fwd) / ms / 1e9})
         print(rows[-1], flush=True)
-    hstu_kernels.pair_atomics = False
-    new, old = bias_grads["per-tile"], bias_grads["per-pair"]
-    agree = {name: float((a - b).norm() / b.norm().clamp_min(1e-30)) for name, a, b in zip(("pos", "time"), new, old)}
+    hstu_kernels.pair_atomics, hstu_kernels.time_loop_in_masked_tiles = False, True
+    old = bias_grads["per-pair"]
+    agree = {f"{variant}: {name}": float((a - b).norm() / b.norm().clamp_min(1e-30))
+             for variant in ("per-tile", "per-tile, unrolled")
+             for name, a, b in zip(("pos", "time"), bias_grads[variant], old)}
     by = {r["variant"]: r["backward_ms"] for r in rows}
     for r in rows:
         r["per_tile_vs_per_pair_relative_diff"] = agree
@@ -177,9 +182,9 @@ def main() -> int:
     checks = reference_check(args.dims[0], device, args.seed, args.reference_lengths)
     rows = [row for L in args.lengths for dim in args.dims
             for row in timing_case(L, dim, args.tokens, args.seed, args.reps, args.budget, device)]
-    print(f"\n{'L':>6} {'D':>4} {'variant':>13} {'bwd ms':>9} {'TFLOP/s':>8} {'vs per-pair':>11} {'agree':>6}")
+    print(f"\n{'L':>6} {'D':>4} {'variant':>18} {'bwd ms':>9} {'TFLOP/s':>8} {'vs per-pair':>11} {'agree':>6}")
     for r in rows:
-        print(f"{r['max_len']:>6} {r['head_dim']:>4} {r['variant']:>13} {r['backward_ms']:>9.2f} "
+        print(f"{r['max_len']:>6} {r['head_dim']:>4} {r['variant']:>18} {r['backward_ms']:>9.2f} "
               f"{r['backward_tflops']:>8.1f} {r['speedup_vs_per_pair']:>10.1f}x {str(r['agree']):>6}")
     correct = all(c["ok"] for c in checks) and all(r["agree"] for r in rows)
     result = {

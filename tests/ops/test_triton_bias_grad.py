@@ -96,22 +96,30 @@ def _lengths(gen: torch.Generator, longest: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("kind", "num_pos", "spread", "steps"),
+    ("kind", "num_pos", "spread", "steps", "walk"),
     [
-        ("context_targets", 9, "one", 4),  # distances far past P; nearly all pairs in one time bucket
-        ("context_targets", 300, "many", 1),  # no distance clamped; many buckets, the lower by atomics
-        ("full", 7, "many", 1),  # negative distances clamp to 0
-        pytest.param("causal", 5, "one", 4, marks=pytest.mark.slow),
-        pytest.param("context_targets", 40, "many", 4, marks=pytest.mark.slow),
+        ("context_targets", 9, "one", 4, "split"),  # distances far past P; nearly all pairs in one time bucket
+        ("context_targets", 300, "many", 1, "split"),  # no distance clamped; many buckets, the lower by atomics
+        ("full", 7, "many", 1, "unrolled"),  # negative distances clamp to 0; masked tiles unrolled too
+        ("context_targets", 40, "many", 2, "merged"),  # one tile loop (GPU fixed-tile launches)
+        pytest.param("causal", 5, "one", 4, "split", marks=pytest.mark.slow),
+        pytest.param("context_targets", 40, "many", 4, "unrolled", marks=pytest.mark.slow),
     ],
 )
-def test_interpreter_bias_grads(interpreter, monkeypatch, kind: str, num_pos: int, spread: str, steps: int) -> None:
+def test_interpreter_bias_grads(interpreter, monkeypatch, kind: str, num_pos: int, spread: str, steps: int,
+                                walk: str) -> None:
+    """``walk``: two tile loops, the masked tiles' buckets in a loop (autotuned GPU launches); the
+    same with every tile's buckets unrolled (``time_loop_in_masked_tiles`` off); one loop."""
+    from recforge.ops.triton import tuning
+
     monkeypatch.setattr(interpreter, "TIME_STEPS", steps)
+    monkeypatch.setattr(interpreter, "time_loop_in_masked_tiles", walk != "unrolled")
+    monkeypatch.setattr(tuning, "split_loops", lambda fixed_tile: walk != "merged")
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     lengths = _lengths(torch.Generator().manual_seed(seed), 96)
     errors = bias_grad_errors(kind, num_pos, spread, torch.float32, "cpu", seed, lengths)
     bad = {k: e for k, e in errors.items() if not e <= TOL[torch.float32]}
-    assert not bad, f"{kind} P={num_pos} {spread} steps={steps} seed {seed}: relative errors {bad}"
+    assert not bad, f"{kind} P={num_pos} {spread} steps={steps} {walk} seed {seed}: relative errors {bad}"
 
 
 @pytest.mark.slow

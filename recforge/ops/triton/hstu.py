@@ -209,7 +209,7 @@ def _hstu_bwd_dkdv(
     S: tl.constexpr, FULL_BITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr, PAIR_ATOMICS: tl.constexpr,
-    NB_PAD: tl.constexpr, TIME_STEPS: tl.constexpr,
+    NB_PAD: tl.constexpr, TIME_STEPS: tl.constexpr, TIME_LOOP: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
     DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -287,9 +287,9 @@ def _hstu_bwd_dkdv(
                                                         HAS_TARGETS, BLOCK_N, BLOCK_M)
                 if TIME_GRAD:
                     bucket, events = time_index(i, j, c, start_tok, ts_bias, time_thr, NB, (i < n) & (j < n))
-                    # the masked tiles (phase 0 of two loops) bucket by bucket; see time_grad_tile
+                    # the masked tiles (phase 0 of two loops) every bucket in a loop; see time_grad_tile
                     time_hist = time_grad_tile(dsT, bucket, events, time_hist, dtime, NB_PAD, TIME_STEPS,
-                                               SPLIT_LOOPS and phase == 0)
+                                               TIME_LOOP and SPLIT_LOOPS and phase == 0)
     if POS_GRAD and not PAIR_ATOMICS:
         tl.atomic_add(dpos + tl.zeros((1,), dtype=tl.int32), pos_first, mask=pos_first != 0.0)
         tl.atomic_add(dpos + tl.full((1,), P - 1, dtype=tl.int32), pos_last, mask=pos_last != 0.0)
@@ -302,9 +302,13 @@ def _hstu_bwd_dkdv(
              mask=key_ok[:, None] & (dv_[None, :] < DV))
 
 
-# Time buckets a mask-free tile of the dK/dV kernel sums one at a time, from its highest down
-# (``bias_grad.time_grad_tile``); pairs in lower buckets, rare there, take an atomic each.
+# Time buckets a mask-free tile of the dK/dV kernel sums one at a time, from its highest down, and
+# its lowest (``bias_grad.time_grad_tile``); pairs in the others, rare there, take an atomic each.
 TIME_STEPS = 4
+# The masked tiles (the first loop of two) sum every bucket from their lowest to their highest in
+# a loop: the diagonal tiles span many. That loop keeps Triton from software-pipelining the first
+# tile loop (a few tiles per key block); False: the masked tiles as the others (for A/B benchmarks).
+time_loop_in_masked_tiles = True
 # True: the bias gradients by one atomic per pair, as in earlier releases (for A/B benchmarks:
 # serialises on long sequences); read at each backward call.
 pair_atomics = False
@@ -371,7 +375,8 @@ def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
         launch(_bwd_dkdv, "n", batch, heads, max_seq_len,
                 (q, k, v, do, dk, dv, *strides, *dk.stride()[:2], *dv.stride()[:2], *common, dpos, dtime, *scalars),
                 dict(meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad, PAIR_ATOMICS=bool(pair_atomics),
-                     NB_PAD=next_power_of_2(num_buckets + 1) if time_grad else 16, TIME_STEPS=TIME_STEPS))
+                     NB_PAD=next_power_of_2(num_buckets + 1) if time_grad else 16, TIME_STEPS=TIME_STEPS,
+                     TIME_LOOP=bool(time_loop_in_masked_tiles)))
     else:
         dq.zero_(), dk.zero_(), dv.zero_()
     d_pos = dpos.to(pos_w.dtype) if pos_grad else None
