@@ -5,7 +5,7 @@
 One program per (query block or key block, sequence, head); tiles a row block cannot see
 are never visited, and fully visible tiles skip the mask arithmetic (``recforge.ops.triton._common``).
 The bias gradients (position and time-bucket weights, shared by all heads) are summed
-with atomics in float32.
+per tile and weight before any atomic (``recforge.ops.triton.bias_grad``), in float32.
 """
 
 from __future__ import annotations
@@ -26,14 +26,15 @@ from recforge.ops.triton._common import (
     key_tile,
     mask_args,
     max_len_bucket,
+    next_power_of_2,
     padded_dim,
     placeholder,
     query_block_ranges,
     query_tile,
-    time_bucket,
     time_thresholds,
     visible,
 )
+from recforge.ops.triton.bias_grad import pos_grad_tile, time_grad_tile, time_index
 from recforge.ops.triton.tuning import dot_precision, is_interpreting, launch, tuned
 
 
@@ -47,10 +48,8 @@ def _scores(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, 
     if HAS_POS:
         s += tl.load(pos_w + tl.minimum(tl.maximum(tl.minimum(i, he) - tl.minimum(j, he), 0), P - 1)).to(tl.float32)
     if HAS_TIME:
-        ts_i = tl.load(ts_bias + start_tok + i, mask=seq_end_mask & (i >= 0), other=0)
-        ts_j = tl.load(ts_bias + start_tok + j, mask=seq_end_mask & (j >= 0), other=0)
-        tb = tl.load(time_w + time_bucket(ts_i - ts_j, time_thr, NB)).to(tl.float32)
-        s += tl.where((i >= c) & (j >= c), tb, 0.0)
+        bucket, events = time_index(i, j, c, start_tok, ts_bias, time_thr, NB, seq_end_mask)
+        s += tl.where(events, tl.load(time_w + bucket).to(tl.float32), 0.0)
     return s
 
 
@@ -209,7 +208,8 @@ def _hstu_bwd_dkdv(
     scale, window, P, NB, num_heads, len_key,
     S: tl.constexpr, FULL_BITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr, HAS_POS: tl.constexpr,
-    HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
+    HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr, PAIR_ATOMICS: tl.constexpr,
+    NB_PAD: tl.constexpr, TIME_STEPS: tl.constexpr, TIME_LOOP: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
     DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -240,6 +240,9 @@ def _hstu_bwd_dkdv(
     j = offs_n[:, None]  # tiles here are (keys, queries)
     Q_h = Q + h * sq_h
     DO_h = DO + h * so_h
+    pos_first = tl.zeros((1,), dtype=tl.float32)  # this program's dS summed for position weights 0, P - 1
+    pos_last = tl.zeros((1,), dtype=tl.float32)
+    time_hist = tl.zeros((NB_PAD,), dtype=tl.float32)  # and per time bucket
 
     m_lo, m_hi = free_tile_span(lo, free_lo, free_hi, BLOCK_M)
     n_masked = m_lo + tl.cdiv(hi - lo, BLOCK_M) - m_hi
@@ -268,23 +271,47 @@ def _hstu_bwd_dkdv(
                 dsT = tl.where(vis, dsT, 0.0)
             dv += tl.dot(aT.to(doT.dtype), tl.trans(doT), input_precision=DOT_PREC)
             dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
-            if POS_GRAD:
-                dist = tl.minimum(i, he) - tl.minimum(j, he)
-                if tl.min(dist) >= P - 1:  # every pair of the tile uses the last weight
-                    tl.atomic_add(dpos + P - 1, tl.sum(dsT))
-                else:
-                    tl.atomic_add(dpos + tl.minimum(tl.maximum(dist, 0), P - 1), dsT, mask=dsT != 0.0)
-            if TIME_GRAD:
-                in_seq = (i < n) & (j < n)
-                ts_bi = tl.load(ts_bias + start_tok + i, mask=in_seq, other=0)
-                ts_bj = tl.load(ts_bias + start_tok + j, mask=in_seq, other=0)
-                events = (i >= c) & (j >= c)  # contextual tokens carry no time bias
-                tl.atomic_add(dtime + time_bucket(ts_bi - ts_bj, time_thr, NB), dsT, mask=(dsT != 0.0) & events)
+            if PAIR_ATOMICS:  # the per-pair atomics of earlier releases, for A/B benchmarks only
+                if POS_GRAD:
+                    dist = tl.minimum(i, he) - tl.minimum(j, he)
+                    if tl.min(dist) >= P - 1:  # every pair of the tile uses the last weight
+                        tl.atomic_add(dpos + P - 1, tl.sum(dsT))
+                    else:
+                        tl.atomic_add(dpos + tl.minimum(tl.maximum(dist, 0), P - 1), dsT, mask=dsT != 0.0)
+                if TIME_GRAD:
+                    bucket, events = time_index(i, j, c, start_tok, ts_bias, time_thr, NB, (i < n) & (j < n))
+                    tl.atomic_add(dtime + bucket, dsT, mask=(dsT != 0.0) & events)
+            else:
+                if POS_GRAD:
+                    pos_first, pos_last = pos_grad_tile(dsT, i, j, i_start, j0, he, P, dpos, pos_first, pos_last,
+                                                        HAS_TARGETS, BLOCK_N, BLOCK_M)
+                if TIME_GRAD:
+                    bucket, events = time_index(i, j, c, start_tok, ts_bias, time_thr, NB, (i < n) & (j < n))
+                    # the masked tiles (phase 0 of two loops) every bucket in a loop; see time_grad_tile
+                    time_hist = time_grad_tile(dsT, bucket, events, time_hist, dtime, NB_PAD, TIME_STEPS,
+                                               TIME_LOOP and SPLIT_LOOPS and phase == 0)
+    if POS_GRAD and not PAIR_ATOMICS:
+        tl.atomic_add(dpos + tl.zeros((1,), dtype=tl.int32), pos_first, mask=pos_first != 0.0)
+        tl.atomic_add(dpos + tl.full((1,), P - 1, dtype=tl.int32), pos_last, mask=pos_last != 0.0)
+    if TIME_GRAD and not PAIR_ATOMICS:
+        slots = tl.arange(0, NB_PAD)
+        tl.atomic_add(dtime + slots, time_hist, mask=(slots <= NB) & (time_hist != 0.0))
     tl.store(DK + keys * sdk_t + h * sdk_h + dq_[None, :], dk.to(DK.dtype.element_ty),
              mask=key_ok[:, None] & (dq_[None, :] < DQK))
     tl.store(DV_ + keys * sdv_t + h * sdv_h + dv_[None, :], dv.to(DV_.dtype.element_ty),
              mask=key_ok[:, None] & (dv_[None, :] < DV))
 
+
+# Time buckets a mask-free tile of the dK/dV kernel sums one at a time, from its highest down, and
+# its lowest (``bias_grad.time_grad_tile``); pairs in the others, rare there, take an atomic each.
+TIME_STEPS = 4
+# The masked tiles (the first loop of two) sum every bucket from their lowest to their highest in
+# a loop: the diagonal tiles span many. That loop keeps Triton from software-pipelining the first
+# tile loop (a few tiles per key block); False: the masked tiles as the others (for A/B benchmarks).
+time_loop_in_masked_tiles = True
+# True: the bias gradients by one atomic per pair, as in earlier releases (for A/B benchmarks:
+# serialises on long sequences); read at each backward call.
+pair_atomics = False
 
 _fwd = tuned(_hstu_fwd, kind="fwd")
 _bwd_dq = tuned(_hstu_bwd_dq, kind="bwd_dq")
@@ -335,7 +362,7 @@ def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     pos_grad = pos_grad and pos_w is not None
     time_grad = time_grad and time_w is not None
-    # accumulated with atomics when wanted; otherwise never written (POS_GRAD/TIME_GRAD off)
+    # summed by the dK/dV kernel (atomics) when wanted; otherwise never written (POS_GRAD/TIME_GRAD off)
     dpos = (torch.zeros(pos_w.numel(), dtype=torch.float32, device=q.device) if pos_grad
             else placeholder(q.device, torch.float32))
     dtime = (torch.zeros(num_buckets + 1, dtype=torch.float32, device=q.device) if time_grad
@@ -347,7 +374,9 @@ def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
                 (q, k, v, do, dq, *strides, *dq.stride()[:2], *common, *scalars), meta)
         launch(_bwd_dkdv, "n", batch, heads, max_seq_len,
                 (q, k, v, do, dk, dv, *strides, *dk.stride()[:2], *dv.stride()[:2], *common, dpos, dtime, *scalars),
-                dict(meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad))
+                dict(meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad, PAIR_ATOMICS=bool(pair_atomics),
+                     NB_PAD=next_power_of_2(num_buckets + 1) if time_grad else 16, TIME_STEPS=TIME_STEPS,
+                     TIME_LOOP=bool(time_loop_in_masked_tiles)))
     else:
         dq.zero_(), dk.zero_(), dv.zero_()
     d_pos = dpos.to(pos_w.dtype) if pos_grad else None
