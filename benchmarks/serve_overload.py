@@ -229,6 +229,17 @@ def print_engine(name: str, e: dict | None) -> None:
           f"{e['kv_misses_per_lookup']:>6.2f}{e['kv_stale_per_lookup']:>6.2f}{e['kv_evicted_to_host_per_lookup']:>6.2f}")  # fmt: skip
 
 
+def py_spy(args: argparse.Namespace, url: str, server_pid: int, http_workers: int, phase: str, seconds: float):
+    """Start py-spy on the engine process (the server itself when it is one process) for ``seconds``, or None."""
+    if not args.py_spy:
+        return None
+    pid = httpx.get(f"{url}/health", timeout=30).json().get("frontend", {}).get("engine_pid") or server_pid
+    out = f"{args.py_spy}-{http_workers}-{phase}.txt"
+    cmd = ["py-spy", "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))), "--rate", "250", "--format",
+           "raw", "--threads", "--nonblocking", "--output", out]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def summarize(rows: list, seconds: float, deadline_s: float) -> dict:
     lat = np.array([r[1] for r in rows]) if rows else np.zeros(0)
     status = np.array([r[2] for r in rows]) if rows else np.zeros(0, dtype=int)
@@ -300,6 +311,9 @@ def main() -> None:
     parser.add_argument("--server-src", default=None,
                         help="run the server from this source tree (e.g. a `git worktree` of an older commit), for a "
                              "before/after comparison with the same client")  # fmt: skip
+    parser.add_argument("--py-spy", default=None, metavar="PREFIX",
+                        help="record the engine process with py-spy (installed separately) during the saturation and "
+                             "burst phases: collapsed stacks in PREFIX-<workers>-<phase>.txt")  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     variants = [int(v) for v in args.http_workers.split(",")]
@@ -359,6 +373,7 @@ def run_variant(args: argparse.Namespace, http_workers: int) -> dict:
                     run_phase(pool, url, args.client_procs, "prefill", args.concurrency, 0, timeout, opts)
                 run_phase(pool, url, args.client_procs, "closed", args.concurrency, 3, timeout, opts)  # warm-up
                 counters = engine_counters(url)
+                spy = py_spy(args, url, server.pid, http_workers, "saturation", args.saturation_seconds - 2)
                 sat_rows = run_phase(pool, url, args.client_procs, "closed", args.concurrency, args.saturation_seconds,
                                      timeout, opts)  # fmt: skip
                 saturation = summarize(sat_rows, args.saturation_seconds, deadline_s)
@@ -374,6 +389,7 @@ def run_variant(args: argparse.Namespace, http_workers: int) -> dict:
                 rss_before = samples[-1][1]
                 hist_before = server_latency(url)
                 burst_start = time.time()
+                spy = py_spy(args, url, server.pid, http_workers, "burst", args.burst_seconds - 5) or spy
                 burst_rows = run_phase(pool, url, args.client_procs, "open", args.overload * rate, args.burst_seconds,
                                        timeout, opts)  # fmt: skip
                 burst = summarize(burst_rows, args.burst_seconds, deadline_s)
@@ -393,12 +409,14 @@ def run_variant(args: argparse.Namespace, http_workers: int) -> dict:
                 after_rows = run_phase(pool, url, args.client_procs, "closed", args.concurrency, args.saturation_seconds,
                                        timeout, opts)  # fmt: skip
                 saturation_after = summarize(after_rows, args.saturation_seconds, deadline_s)
-                engine["saturation after"] = engine_phase(counters, engine_counters(url), saturation_after["statuses"])
+                engine["sat. after"] = engine_phase(counters, engine_counters(url), saturation_after["statuses"])
             rec_t0 = min(r[0] for r in rec_rows) if rec_rows else time.perf_counter()
             windows = window_p99(rec_rows, rec_t0, args.recovery_seconds)
             normal = 1.5 * baseline["p99_ms"]
             back = next((w for w, p in enumerate(windows) if p <= normal), None)
             health = httpx.get(f"{url}/health").json()
+            if spy is not None:
+                spy.wait(timeout=60)
         except Exception:
             print(f"server output (last 3000 characters):\n{log_path.read_text()[-3000:]}", file=sys.stderr)
             raise
