@@ -25,6 +25,24 @@ new user. Phases, one after the other against the same server:
    *hung* (goal: 0). The server's RSS is sampled every 0.5 s throughout.
 4. recovery: open loop at 0.5 R; the time from the burst's end until a 1-second window's p99
    is back within 1.5x the baseline p99 (goal <= 5 s).
+5. saturation after: the closed loop of phase 1 again, on the cache state the burst left (the
+   recovery phase adds few users). The goodput ratio is also reported against this rate R'. R
+   stays the headline: phase 1 runs on a filling cache (the first visit of every returning user is
+   a miss, but the device tier is not yet full), while the burst runs on a full one (every new
+   user evicts one to the host tier, and host hits are copied back); R' says how much of the gap
+   is the cache state rather than overload itself. ``--warm-users`` first sends one request per
+   returning user (before the warm-up), so phase 1 no longer pays their first visits; it still
+   does not fill the cache with the burst's one-time users.
+
+After each phase the engine's cumulative counters (``/health`` ``counters`` and ``kv_cache``) are
+read and differenced, and a table says where the engine's time went: the batching worker's CPU,
+engine-pass and idle shares of wall time, the I/O thread's busy and CPU shares and its decode time
+per rank message (front-end processes only), requests and tokens per engine pass, 503s sent by the
+front ends (shed before reading the body) and by the engine, and KV-cache lookups by outcome.
+``--py-spy PREFIX`` also records the engine process's stacks during phases 1 and 3 (py-spy must
+be installed; it reads the process from outside). ``--server-src DIR`` runs the server from
+another source tree (``git worktree add /tmp/old COMMIT``) with this client, for before/after
+comparisons; a server without the counters prints none.
 
 Every request carries the server's default deadline (``--deadline-ms``). Latency counts from the
 moment the client sends a request; the client's lag behind its schedule is reported apart

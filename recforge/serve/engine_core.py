@@ -3,12 +3,16 @@ ZeroMQ sockets that the HTTP front ends talk to (message formats in ``transport.
 
 Its I/O thread (``EngineCore.serve``) receives already-validated, encoded requests and submits them to
 the runner, whose admission control (``OverloadedError`` -> the front end's 503) and per-user
-scheduling are the in-process server's own; finished futures are answered from the same thread
+scheduling are the in-process server's own. Admission is asked first, from the message's sizes
+(``BatchRunner.check_admission``), so a request refused under overload costs no decoding or range
+checks (work that would take the GIL from the batching worker); finished futures are answered from the same thread
 (ZeroMQ sockets belong to one thread; the worker only appends to a deque and wakes it through a pipe).
 A ``cancel`` cancels the request's future, so the worker drops it before it is computed; a request
 whose deadline passes in the queue is dropped by the worker (504). Every ``STATUS_INTERVAL_S`` the
 engine publishes its heartbeat, estimated queue delay and model version, which the front ends use
-to refuse requests before parsing them and to notice a dead or stuck engine.
+to refuse requests before parsing them and to notice a dead or stuck engine. ``/health`` carries the
+cumulative ``counters`` of the worker (``BatchRunner.stats``) and of the I/O thread (``EngineCore.io``),
+which ``benchmarks/serve_overload.py`` differences per phase to show where the engine's time goes.
 
 Example:
     >>> core = EngineCore(RankEngine.from_run("runs/rank"), ServerConfig(), Endpoints("/tmp/rf"))

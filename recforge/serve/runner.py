@@ -7,7 +7,9 @@ request that fails fails alone, an unexpected error fails the requests in flight
 goes on, and a dead thread is restarted. Admission is bounded in time: a request is refused
 (``OverloadedError``, HTTP 503) when the work queued ahead of it would take longer than
 ``max_queue_ms`` or than its own deadline. Requests past their deadline or whose future was
-cancelled (the client went away) are dropped before every pass.
+cancelled (the client went away) are dropped before every pass. ``check_admission`` asks the same
+question from a request's sizes alone (the engine process refuses before decoding); ``stats`` reads
+cumulative counters (admissions, refusals, passes, tokens, the worker's CPU, pass and idle seconds).
 
 A reload builds a new engine: ``reload`` loads and probes a complete ``RankEngine`` of the new
 model on the calling thread, beside the live one, which it never touches (so a failure changes
