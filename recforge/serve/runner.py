@@ -120,8 +120,11 @@ class BatchRunner(GuardedWorker):
 
     def _tokens_estimate(self, events: int, candidates: int) -> float:
         pool = self.engine.pool
-        miss = 1.0 - (pool.report()["token_hit_rate"] if pool is not None else 0.0)
-        return events * miss + candidates
+        if pool is None:
+            return events + candidates
+        s = pool.stats  # report()'s token_hit_rate, without building the whole report on every admission
+        tokens = s.reused_tokens + s.computed_tokens
+        return events * (s.computed_tokens / tokens if tokens else 1.0) + candidates
 
     def stats(self) -> dict[str, float]:
         """The cumulative ``counters`` (a copy) with ``t``, the ``time.monotonic()`` they were read at: the
