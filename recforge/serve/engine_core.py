@@ -3,12 +3,16 @@ ZeroMQ sockets that the HTTP front ends talk to (message formats in ``transport.
 
 Its I/O thread (``EngineCore.serve``) receives already-validated, encoded requests and submits them to
 the runner, whose admission control (``OverloadedError`` -> the front end's 503) and per-user
-scheduling are the in-process server's own; finished futures are answered from the same thread
+scheduling are the in-process server's own. Admission is asked first, from the message's sizes
+(``BatchRunner.check_admission``), so a request refused under overload costs no decoding or range
+checks (work that would take the GIL from the batching worker); finished futures are answered from the same thread
 (ZeroMQ sockets belong to one thread; the worker only appends to a deque and wakes it through a pipe).
 A ``cancel`` cancels the request's future, so the worker drops it before it is computed; a request
 whose deadline passes in the queue is dropped by the worker (504). Every ``STATUS_INTERVAL_S`` the
 engine publishes its heartbeat, estimated queue delay and model version, which the front ends use
-to refuse requests before parsing them and to notice a dead or stuck engine.
+to refuse requests before parsing them and to notice a dead or stuck engine. ``/health`` carries the
+cumulative ``counters`` of the worker (``BatchRunner.stats``) and of the I/O thread (``EngineCore.io``),
+which ``benchmarks/serve_overload.py`` differences per phase to show where the engine's time goes.
 
 Example:
     >>> core = EngineCore(RankEngine.from_run("runs/rank"), ServerConfig(), Endpoints("/tmp/rf"))
@@ -45,6 +49,7 @@ from recforge.serve.transport import (
     request_from_wire,
     result_to_wire,
     unpack,
+    wire_sizes,
 )
 
 if TYPE_CHECKING:
@@ -53,8 +58,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def engine_report(engine: RankEngine, runner: BatchRunner, config: ServerConfig) -> dict[str, Any]:
-    """The ``/health`` body: worker liveness and queue, model, limits, KV cache and CUDA graphs."""
+def engine_report(engine: RankEngine, runner: BatchRunner, config: ServerConfig,
+                  io: dict[str, float] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The ``/health`` body: worker liveness and queue, model, limits, KV cache, CUDA graphs and the cumulative
+    ``counters`` of the batching worker (``BatchRunner.stats``) and of the engine's I/O thread (``io``)."""
     worker = runner.health()
     return {
         "status": "ok" if worker["healthy"] else "unhealthy",
@@ -71,6 +78,7 @@ def engine_report(engine: RankEngine, runner: BatchRunner, config: ServerConfig)
                    "max_queue_ms": config.scheduler.max_queue_ms},  # fmt: skip
         "kv_cache": engine.pool.report() if engine.pool is not None else None,
         "cuda_graphs": engine.graphs.report() if engine.graphs is not None else None,
+        "counters": {**runner.stats(), **(io or {})},
     }
 
 
@@ -96,6 +104,10 @@ class EngineCore:
         os.set_blocking(self._wake_w, False)
         self._wake_pending = threading.Event()
         self._reloading = False
+        # the I/O thread's cumulative work (in /health's counters): rank messages, those refused before decoding
+        # them, seconds spent decoding/checking, and its busy (not polling) wall and CPU seconds
+        self.io = {"io_rank_messages": 0, "io_refused_before_decode": 0, "io_refused_at_submit": 0,
+                   "io_decode_s": 0.0, "io_busy_s": 0.0, "io_cpu_s": 0.0}  # fmt: skip
 
     @property
     def engine(self) -> RankEngine:
@@ -141,6 +153,7 @@ class EngineCore:
                     pub.send(pack(self._status(now)))
                     next_status = now + STATUS_INTERVAL_S
                 events = dict(poller.poll(max(1, int((next_status - time.monotonic()) * 1e3) + 1)))
+                busy, cpu = time.perf_counter(), time.thread_time()
                 if self._wake_r in events:
                     os.read(self._wake_r, 4096)
                     self._wake_pending.clear()
@@ -154,6 +167,8 @@ class EngineCore:
                         except zmq.Again:
                             break
                         self._handle(router, ident, frame)
+                self.io["io_busy_s"] += time.perf_counter() - busy
+                self.io["io_cpu_s"] += time.thread_time() - cpu
         finally:
             pub.send(pack({**self._status(time.monotonic()), "closing": True}))
             self.runner.close()  # in-flight requests finish within drain_timeout_s, the rest fail
@@ -184,7 +199,7 @@ class EngineCore:
             elif op == "spec":
                 router.send_multipart([ident, self._live_spec()[2]])
             elif op == "health":
-                report = engine_report(self.engine, self.runner, self.config)
+                report = engine_report(self.engine, self.runner, self.config, dict(self.io))
                 router.send_multipart([ident, pack({"op": "health", "id": rid, "report": report})])
             elif op == "metrics":
                 router.send_multipart([ident, pack({"op": "metrics", "id": rid, "text": generate_latest(self.registry)})])
@@ -197,6 +212,8 @@ class EngineCore:
             router.send_multipart([ident, pack({"op": "error", "id": rid, "status": 500, "detail": f"engine: {err}"})])
 
     def _rank(self, router: zmq.Socket, ident: bytes, rid: int, msg: dict) -> None:
+        io = self.io
+        io["io_rank_messages"] += 1
         engine, spec, _ = self._live_spec()
         if msg.get("spec") != spec.version:
             router.send_multipart([ident, pack({"op": "stale", "id": rid, "version": spec.version})])
@@ -204,17 +221,30 @@ class EngineCore:
         deadline = msg.get("deadline")
         if not isinstance(deadline, float):
             raise WireError("deadline: expected a float (time.monotonic() of this host)")
+        try:  # admission first, from the message's sizes: a refused request costs no decoding
+            self.runner.check_admission(*wire_sizes(msg), deadline=deadline)
+        except OverloadedError as err:
+            io["io_refused_before_decode"] += 1
+            self._refuse(router, ident, rid, err)
+            return
+        t0 = time.perf_counter()
         req = request_from_wire(msg)
         check_ranges(req, spec)  # a malformed message fails alone here, never inside a shared engine pass
+        io["io_decode_s"] += time.perf_counter() - t0
         req.encoding = engine.encoding  # encoded for this engine: the worker refuses it if a swap comes first
         try:
             future = self.runner.submit(req, deadline=deadline)
         except OverloadedError as err:
-            router.send_multipart([ident, pack({"op": "error", "id": rid, "status": 503, "detail": str(err),
-                                                "retry_after": err.retry_after})])  # fmt: skip
+            io["io_refused_at_submit"] += 1
+            self._refuse(router, ident, rid, err)
             return
         self._inflight[(ident, rid)] = future
         future.add_done_callback(partial(self._finished, ident, rid, msg["spec"]))
+
+    @staticmethod
+    def _refuse(router: zmq.Socket, ident: bytes, rid: int, err: OverloadedError) -> None:
+        router.send_multipart([ident, pack({"op": "error", "id": rid, "status": 503, "detail": str(err),
+                                            "retry_after": err.retry_after})])  # fmt: skip
 
     def _reload(self, router: zmq.Socket, ident: bytes, rid: int, run_dir: Any) -> None:
         if self._reloading:

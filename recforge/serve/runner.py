@@ -7,7 +7,9 @@ request that fails fails alone, an unexpected error fails the requests in flight
 goes on, and a dead thread is restarted. Admission is bounded in time: a request is refused
 (``OverloadedError``, HTTP 503) when the work queued ahead of it would take longer than
 ``max_queue_ms`` or than its own deadline. Requests past their deadline or whose future was
-cancelled (the client went away) are dropped before every pass.
+cancelled (the client went away) are dropped before every pass. ``check_admission`` asks the same
+question from a request's sizes alone (the engine process refuses before decoding); ``stats`` reads
+cumulative counters (admissions, refusals, passes, tokens, the worker's CPU, pass and idle seconds).
 
 A reload builds a new engine: ``reload`` loads and probes a complete ``RankEngine`` of the new
 model on the calling thread, beside the live one, which it never touches (so a failure changes
@@ -38,7 +40,7 @@ from recforge.serve.cache_manager import successor_pool
 from recforge.serve.engine import RankEngine, RankResult
 from recforge.serve.kv_pool import KVCachePool
 from recforge.serve.layout import EncodedRequest
-from recforge.serve.scheduler import Plan, Scheduler, SchedulerConfig, Sequence, StaleEncoding
+from recforge.serve.scheduler import OverloadedError, Plan, Scheduler, SchedulerConfig, Sequence, StaleEncoding
 from recforge.serve.worker import GuardedWorker, _internal_error, _resolve
 
 
@@ -78,6 +80,10 @@ class BatchRunner(GuardedWorker):
         self._cost = _PassCost()
         self._reload: tuple[RankEngine, KVCachePool | None, Future] | None = None
         self._reload_lock = threading.Lock()  # one reload at a time, from its build to its swap
+        # cumulative, for telling where the time goes under load (``stats``): admissions, engine passes, and the
+        # worker thread's CPU seconds, idle seconds (no work) and batching seconds (waiting max_wait_ms for more)
+        self.counters = {"admitted": 0, "refused": 0, "passes": 0, "pass_requests": 0, "pass_tokens": 0,
+                         "pass_s": 0.0, "worker_cpu_s": 0.0, "idle_s": 0.0, "batch_wait_s": 0.0}  # fmt: skip
         self._start_worker()
 
     # ------------------------------------------------------------------------------- callers' side
@@ -89,18 +95,42 @@ class BatchRunner(GuardedWorker):
         now = time.monotonic()
         deadline = math.inf if deadline is None else deadline
         with self._cond:
-            own = self._tokens_estimate(req)
-            self._admit(now, deadline, self._cost.estimate(own))
+            own = self._tokens_estimate(req.items.numel(), req.num_candidates)
+            self._admit_counted(now, deadline, own)
             seq = Sequence(req, Future(), now, deadline)
             self._incoming.append(seq)
             self._incoming_tokens += own
             self._cond.notify()
         return seq.future
 
-    def _tokens_estimate(self, req: EncodedRequest) -> float:
+    def check_admission(self, events: int, candidates: int, deadline: float | None = None) -> None:
+        """``OverloadedError`` when a request of ``events`` history events and ``candidates`` candidates would be
+        refused now: what ``submit`` checks, without the request (a caller can refuse before decoding it).
+        ``submit`` checks again, so a request admitted here may still be refused there."""
+        with self._cond:
+            self._admit_counted(time.monotonic(), math.inf if deadline is None else deadline,
+                                self._tokens_estimate(events, candidates))  # fmt: skip
+
+    def _admit_counted(self, now: float, deadline: float, own_tokens: float) -> None:
+        try:
+            self._admit(now, deadline, self._cost.estimate(own_tokens))
+        except OverloadedError:
+            self.counters["refused"] += 1
+            raise
+
+    def _tokens_estimate(self, events: int, candidates: int) -> float:
         pool = self.engine.pool
-        miss = 1.0 - (pool.report()["token_hit_rate"] if pool is not None else 0.0)
-        return req.items.numel() * miss + req.num_candidates
+        if pool is None:
+            return events + candidates
+        s = pool.stats  # report()'s token_hit_rate, without building the whole report on every admission
+        tokens = s.reused_tokens + s.computed_tokens
+        return events * (s.computed_tokens / tokens if tokens else 1.0) + candidates
+
+    def stats(self) -> dict[str, float]:
+        """The cumulative ``counters`` (a copy) with ``t``, the ``time.monotonic()`` they were read at: the
+        difference of two readings over their ``t`` gives rates and busy shares."""
+        with self._cond:
+            return {**self.counters, "t": time.monotonic()}
 
     def queued_seconds(self) -> float:
         """How long a new request would wait before its first pass: the larger of the queued work's estimated
@@ -148,25 +178,37 @@ class BatchRunner(GuardedWorker):
 
     def _iteration(self) -> bool:
         """One round: wait for work, admit arrivals, run one pass. False when the worker should exit."""
-        sched, wait_s = self.scheduler, self.config.max_wait_ms / 1e3
+        cpu = time.thread_time()
+        try:
+            return self._round()
+        finally:
+            self.counters["worker_cpu_s"] += time.thread_time() - cpu
+
+    def _round(self) -> bool:
+        sched, wait_s, counters = self.scheduler, self.config.max_wait_ms / 1e3, self.counters
         with self._cond:
+            t0 = time.monotonic()
             while not self._incoming and not len(sched) and self._reload is None and not self._closing:
                 self._cond.wait(timeout=1.0)
                 self.last_beat = time.monotonic()
-            if self._closing and (time.monotonic() > self._drain_until or not (self._incoming or len(sched))):
+            t1 = time.monotonic()
+            counters["idle_s"] += t1 - t0
+            if self._closing and (t1 > self._drain_until or not (self._incoming or len(sched))):
                 return False
             if not len(sched) and self._reload is None:  # a fresh batch: let others join for max_wait
-                deadline = time.monotonic() + wait_s
+                deadline = t1 + wait_s
                 while self._incoming_tokens < self.config.token_budget and not self._closing:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
                     self._cond.wait(left)
+                counters["batch_wait_s"] += time.monotonic() - t1
             # read once under the lock: a reload arriving after this point waits for the next round, so
             # arrivals taken here are always admitted (only the worker clears ``_reload``)
             reloading = self._reload is not None
             arrivals = [] if reloading else list(self._incoming)
             if arrivals:
+                counters["admitted"] += len(arrivals)
                 self._incoming.clear()
                 self._backlog_tokens += self._incoming_tokens  # still queued work, until the scheduler recounts it
                 self._incoming_tokens = 0
@@ -221,6 +263,7 @@ class BatchRunner(GuardedWorker):
         seconds = time.perf_counter() - t0
         tokens = seq.req.items.numel() + seq.req.num_candidates
         self._cost.observe(tokens, seconds)
+        self._count_pass(1, tokens, seconds)
         result.timings_ms["queue_and_compute"] = (time.monotonic() - seq.arrival) * 1e3
         _resolve(seq.future, result)
         if self.on_pass is not None:
@@ -253,13 +296,22 @@ class BatchRunner(GuardedWorker):
                 _resolve(seq.future, error=out)
         done = sched.update(Plan([pair for pair, _ in ok]), [out for _, out in ok])
         self._resolve_failed()
+        requests = len({id(seq) for seq, _ in plan.work})
+        self._count_pass(requests, plan.num_tokens, seconds)
         if self.on_pass is not None:
-            self.on_pass(len({id(seq) for seq, _ in plan.work}), plan.num_tokens, seconds)
+            self.on_pass(requests, plan.num_tokens, seconds)
         for seq in done:
             result = RankResult(torch.cat(seq.scores), self.engine.tasks, seq.reused, seq.state.length - seq.reused,
                                 seq.req.truncated, {"queue_and_compute": (time.monotonic() - seq.arrival) * 1e3},
                                 seq.state.version)  # fmt: skip
             _resolve(seq.future, result)
+
+    def _count_pass(self, requests: int, tokens: int, seconds: float) -> None:
+        counters = self.counters
+        counters["passes"] += 1
+        counters["pass_requests"] += requests
+        counters["pass_tokens"] += tokens
+        counters["pass_s"] += seconds
 
     def _apply_reload(self) -> None:
         """The swap, on the worker with nothing in flight: nothing here can fail halfway."""

@@ -191,7 +191,7 @@ def test_a_reload_requested_after_arrivals_were_taken_never_drops_them(tmp_path,
     armed, reloaded = threading.Event(), {}
 
     class _Time:  # interleaves the reload right after the worker released its lock with the arrivals taken
-        perf_counter = staticmethod(time.perf_counter)
+        perf_counter, thread_time = staticmethod(time.perf_counter), staticmethod(time.thread_time)
 
         @staticmethod
         def monotonic() -> float:
