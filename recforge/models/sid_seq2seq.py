@@ -69,9 +69,10 @@ def _kernels():
 
 def pad_keys(x: Tensor, key_mask: Tensor) -> tuple[Tensor, Tensor]:
     """``x`` (B, S, ...) and its key mask (B, 1, 1, S) left-padded to a multiple of ``KEY_ALIGN`` keys
-    (zeros, masked out): the real tokens stay right-aligned."""
+    (zeros, masked out): the real tokens stay right-aligned. Not under ``torch.compile`` (``train.compile``
+    traces dynamic lengths; the compiled graph picks its own kernels)."""
     extra = -x.shape[1] % KEY_ALIGN
-    if not extra:
+    if torch.compiler.is_compiling() or not extra:
         return x, key_mask
     x = torch.cat([x.new_zeros(x.shape[0], extra, *x.shape[2:]), x], 1)
     return x, torch.cat([key_mask.new_zeros(*key_mask.shape[:3], extra), key_mask], 3)

@@ -109,3 +109,14 @@ def test_cuda_padded_batch_skips_cudnn_and_matches_alone(cuda_device: torch.devi
         for b, n in enumerate(lengths):
             alone = model.next_token_logprobs(model.start(codes[b : b + 1, -n:], None), beams[b : b + 1])
             torch.testing.assert_close(together[b : b + 1], alone, rtol=0.05, atol=0.05)  # bf16 rounding
+
+
+@pytest.mark.slow
+def test_compiled_loss_with_dynamic_lengths_equals_eager() -> None:
+    """``train.compile`` (dynamic shapes) traces the padded encoder: same loss as eager for two lengths."""
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    model = _model(torch.float32)
+    compiled = torch.compile(model.loss, dynamic=True)
+    for b in (5, 3):
+        codes, mask, target, _ = _requests(g, b=b)
+        torch.testing.assert_close(compiled(codes, mask, target), model.loss(codes, mask, target), rtol=1e-5, atol=1e-5)
