@@ -28,6 +28,7 @@ from torch import Tensor
 from recforge.jagged.index import offsets_from_lengths
 from recforge.jagged.mask import AttentionMask
 from recforge.models.sid_hstu import SIDHSTU, HSTUMemory
+from recforge.models import sid_seq2seq
 from recforge.models.sid_seq2seq import Memory, SIDSeq2Seq
 from recforge.ops.cached_attention import cached_hstu_attention
 
@@ -64,7 +65,7 @@ def assemble(model: SIDSeq2Seq | SIDHSTU, pieces: Sequence[Piece]) -> Memory | H
         return HSTUMemory(tensors[0::2], tensors[1::2], torch.tensor(lengths, device=device),
                           torch.stack([p[0] for p in pieces]))  # fmt: skip
     lengths = [p[0].shape[1] for p in pieces]
-    width = max(lengths)
+    width = max(lengths) + -max(lengths) % sid_seq2seq.KEY_ALIGN  # as SIDSeq2Seq.encode pads a masked batch
     tensors = []
     for i in range(len(pieces[0])):  # (B, H, S, dh) right-aligned, zeros before
         out = pieces[0][i].new_zeros(len(pieces), pieces[0][i].shape[0], width, pieces[0][i].shape[2])

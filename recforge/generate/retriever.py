@@ -99,9 +99,13 @@ class Retriever:
         """Check one request against the engine's limits and map its IDs (``ValueError`` says what is wrong)."""
         return self.catalogue.encode_request(request, self.config)
 
-    def history_batch(self, batch: Sequence[EncodedRetrieve]) -> tuple[Tensor, Tensor]:
-        """((B, T, L) SID digits of each request's last ``max_items`` history items, right-aligned; (B, T) mask)."""
+    def history_batch(self, batch: Sequence[EncodedRetrieve]) -> tuple[Tensor, Tensor | None]:
+        """((B, T, L) SID digits of each request's last ``max_items`` history items, right-aligned; (B, T) mask,
+        None when every request fills the T items: no padding, so attention runs without a mask)."""
         width = min(self.max_items, max(r.history.size for r in batch))
+        if all(r.history.size >= width for r in batch):
+            rows = np.stack([r.history[-width:] for r in batch])
+            return self.item_codes[torch.from_numpy(rows).to(self.device)], None
         items = np.zeros((len(batch), width), dtype=np.int64)
         for row, req in enumerate(batch):
             recent = req.history[-width:]

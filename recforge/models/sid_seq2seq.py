@@ -9,6 +9,14 @@ Beam search shares each request's encoding across its beams: ``encode`` runs onc
 once, and the ``W`` beams' decoder queries attend to them as ``W * t`` query rows of the same
 request (no per-beam copy of the history: decode state is O(B * W * L * d), not O(B * W * S * d)).
 
+Attention kernels: histories of different lengths are left-padded, so the encoder and the
+cross-attention take a key mask. Every attention runs under ``SDPA_BACKENDS`` (flash, memory-efficient,
+math: not cuDNN), because PyTorch's first choice on H100/H200 (cuDNN attention, when its cuDNN is new
+enough) builds an execution plan for every new shape (tens of ms each), and serving and training see a
+new key length (and batch size) in nearly every batch. Masked key lengths are padded to a multiple of
+``KEY_ALIGN`` with masked zero tokens, so the memory-efficient kernel takes the (B, 1, 1, S) mask as a
+broadcast bias without copying it. Both only change float rounding (tested: padded == unpadded).
+
 Example:
     >>> model = SIDSeq2Seq(Seq2SeqConfig(num_levels=4, vocab_size=256))
     >>> loss = model.loss(history_codes, history_mask, target_codes)       # (B, H, L), (B, H), (B, L)
@@ -18,11 +26,17 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# The kernels SIDSeq2Seq's attention may use (None: PyTorch's default dispatch, cuDNN first on H100/H200).
+SDPA_BACKENDS: list[SDPBackend] | None = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+KEY_ALIGN = 16  # masked key lengths are padded to a multiple of this (1: no padding)
 
 
 @dataclass
@@ -46,6 +60,22 @@ def _split_heads(x: Tensor, heads: int) -> Tensor:
 def _merge_heads(x: Tensor) -> Tensor:
     b, h, n, dh = x.shape
     return x.transpose(1, 2).reshape(b, n, h * dh)
+
+
+def _kernels():
+    """The attention kernel choice of the module docstring (a context for the model's SDPA calls)."""
+    return sdpa_kernel(SDPA_BACKENDS) if SDPA_BACKENDS is not None else contextlib.nullcontext()
+
+
+def pad_keys(x: Tensor, key_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``x`` (B, S, ...) and its key mask (B, 1, 1, S) left-padded to a multiple of ``KEY_ALIGN`` keys
+    (zeros, masked out): the real tokens stay right-aligned. Not under ``torch.compile`` (``train.compile``
+    traces dynamic lengths; the compiled graph picks its own kernels)."""
+    extra = -x.shape[1] % KEY_ALIGN
+    if torch.compiler.is_compiling() or not extra:
+        return x, key_mask
+    x = torch.cat([x.new_zeros(x.shape[0], extra, *x.shape[2:]), x], 1)
+    return x, torch.cat([key_mask.new_zeros(*key_mask.shape[:3], extra), key_mask], 3)
 
 
 class _FFN(nn.Sequential):
@@ -136,7 +166,10 @@ class SIDSeq2Seq(nn.Module):
         return 1 + levels * self.cfg.vocab_size + codes
 
     def encode(self, history_codes: Tensor, history_mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """(memory (B, H*L, d), key mask (B, 1, 1, H*L) or None) of right-aligned histories.
+        """(memory (B, S, d), key mask (B, 1, 1, S) or None) of right-aligned histories.
+
+        ``S`` is ``H * L``, or with a mask ``H * L`` rounded up to a multiple of ``KEY_ALIGN`` (masked
+        tokens on the left).
 
         Args:
             history_codes: (B, H, L) SIDs of each request's last H items, most recent last.
@@ -152,8 +185,10 @@ class SIDSeq2Seq(nn.Module):
         key_mask = None
         if history_mask is not None:
             key_mask = history_mask[:, :, None].expand(b, h, L).reshape(b, 1, 1, h * L)
-        for block in self.encoder:
-            x = block(x, key_mask)
+            x, key_mask = pad_keys(x, key_mask)
+        with _kernels():
+            for block in self.encoder:
+                x = block(x, key_mask)
         return self.encoder_norm(x), key_mask
 
     def start(self, history_codes: Tensor, history_mask: Tensor | None) -> Memory:
@@ -167,8 +202,9 @@ class SIDSeq2Seq(nn.Module):
         bos = torch.zeros(b, w, 1, dtype=torch.long, device=codes.device)
         tokens = torch.cat([bos, self._token_ids(codes)], 2)  # (B, W, t+1)
         x = self.drop(self.decoder_embedding(tokens) + self.decoder_position.weight[: t + 1])
-        for block, kv in zip(self.decoder, memory.kv, strict=True):
-            x = block(x, kv, memory.key_mask)
+        with _kernels():
+            for block, kv in zip(self.decoder, memory.kv, strict=True):
+                x = block(x, kv, memory.key_mask)
         return self.decoder_norm(x)
 
     def next_token_logprobs(self, memory: Memory, codes: Tensor) -> Tensor:
