@@ -37,6 +37,7 @@ from recforge.config import RunConfig, save_config
 from recforge.io import atomic_write_json
 from recforge.sparse.sharded import sharded_tables
 from recforge.sparse.sharded_checkpoint import save_sharded_checkpoint
+from recforge.train.async_save import BackgroundWriter, host_snapshot
 from recforge.train.distributed import DistContext, any_rank, full_dense_state, merged_data_state
 from recforge.train.inputs import StepInputs
 from recforge.train.flops import matmul_precision, peak_tflops
@@ -165,6 +166,7 @@ def run_loop(
                       log_seconds=cfg.train.log_seconds, max_minutes=cfg.train.max_minutes)  # fmt: skip
     log = StepLog(steps_log, writer, cfg.train.log_every, peak, main, on_interval=report.interval)
     started = time.monotonic()
+    writer_thread = BackgroundWriter()  # checkpoints of a single process are written off the training thread
     stop = False
     stop_reason = "epochs"
     trained_state: dict | None = None  # the source's state after the last step trained (prefetch runs ahead)
@@ -179,14 +181,16 @@ def run_loop(
             sharded = save_sharded_checkpoint(run_dir / "checkpoints" / f".sparse-{state['global_step']:08d}", tables)
         weights, optimizer_state = full_dense_state(model, optimizer)  # FSDP2: gathered on every rank
         if main:
-            save_checkpoint(
-                run_dir, step=state["global_step"], model=model, optimizer=optimizer,
-                manifest={"train_state": dict(state), "config": cfg.to_dict(), "world_size": ctx.world_size,
-                          **manifest, **data},
-                keep=cfg.train.keep_checkpoints, best=best, sharded_sparse=sharded, weights=weights,
-                optimizer_state=optimizer_state,
-            )  # fmt: skip
-        ctx.barrier()  # no rank runs ahead of a checkpoint that is not complete yet
+            save = dict(run_dir=run_dir, step=state["global_step"], model=model, optimizer=optimizer,
+                        manifest={"train_state": dict(state), "config": cfg.to_dict(), "world_size": ctx.world_size,
+                                  **manifest, **data},
+                        keep=cfg.train.keep_checkpoints, best=best, sharded_sparse=sharded)  # fmt: skip
+            if ctx.initialized or sharded is not None:
+                save_checkpoint(**save, weights=weights, optimizer_state=optimizer_state)
+            else:  # one process: written in the background from a host copy taken now (async_save.py)
+                weights, optimizer_state = host_snapshot(model, optimizer)
+                writer_thread.submit(lambda: save_checkpoint(**save, weights=weights, optimizer_state=optimizer_state))
+        ctx.barrier()  # no rank runs ahead of a checkpoint that is not complete yet (one process: being written)
         log.reset()  # the next interval's rate counts training only, not the checkpoint write
 
     def raw_steps(epoch: int) -> Iterator[list]:
@@ -287,6 +291,7 @@ def run_loop(
             best = log_eval()
             model.train()
         checkpoint(best=best)  # resets the throughput interval: the next rate counts training only
+    writer_thread.wait()  # every checkpoint is on disk before the loop returns (an error in one is raised here)
     log.flush()
     if writer is not None:
         writer.close()
