@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
-from torch.utils.tensorboard import SummaryWriter
 
 from recforge.checkpoint import save_checkpoint
 from recforge.config import RunConfig, save_config
@@ -160,6 +159,9 @@ def run_loop(
     total_steps = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
+    if main:  # imported here: recipes start importing it in the background (runtime.preload_modules)
+        from torch.utils.tensorboard import SummaryWriter
+
     writer = SummaryWriter(str(run_dir / "tb")) if main else None
     peak = cfg.train.peak_tflops or peak_tflops(device, matmul_precision(cfg.train.precision))
     report = Progress(progress_mode(progress, main), epochs=cfg.train.epochs, total_steps=total_steps,
