@@ -159,7 +159,7 @@ def run_loop(
     total_steps = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
-    if main:  # imported here: recipes start importing it in the background (runtime.preload_modules)
+    if main:  # imported here, not at module import: only the training loop of the main rank writes TensorBoard
         from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(run_dir / "tb")) if main else None

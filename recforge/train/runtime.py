@@ -3,40 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
-import logging
 import os
-import threading
 
 import torch
 
 from recforge.config import RunConfig
 from recforge.ops.dispatch import resolve_device as resolve_any_device
-
-log = logging.getLogger(__name__)
-# Imported by every training run, but reached only after the device, data and model are set up: torch._dynamo
-# (torch.optim imports it when the first optimizer is made; 1-5 s of Python) and TensorBoard's writer (the loop's).
-PRELOAD = ("torch._dynamo", "torch.utils.tensorboard")
-_preload: threading.Thread | None = None
-
-
-def preload_modules() -> None:
-    """Import ``PRELOAD`` on a background thread (once per process), so that it overlaps the device's start, the
-    data loading and the model's construction; an import that needs a module still loading there waits for it
-    (Python's per-module import locks). A failure there is only logged: the main thread then imports it itself."""
-    global _preload
-    if _preload is not None:
-        return
-
-    def run() -> None:
-        for name in PRELOAD:
-            try:
-                importlib.import_module(name)
-            except Exception as err:  # noqa: BLE001 - the main thread's own import reports a real problem
-                log.debug("background import of %s failed (%s); it is imported when first used", name, err)
-
-    _preload = threading.Thread(target=run, name="recforge-preload", daemon=True)
-    _preload.start()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -57,9 +29,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def prepare_runtime(cfg: RunConfig) -> torch.device:
-    """Apply ``train.threads``, resolve ``train.device`` (TF32 matmuls on CUDA) and return it; start importing
-    what the first step needs in the background (``preload_modules``)."""
-    preload_modules()
+    """Apply ``train.threads``, resolve ``train.device`` (TF32 matmuls on CUDA) and return it."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device)
