@@ -24,6 +24,7 @@ for the GPU).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -231,68 +232,73 @@ def run_loop(
         return is_best
 
     model.train()
-    while state["epoch"] < cfg.train.epochs and not stop:
-        epoch = state["epoch"]
-        snapshot = source.state_dict if source is not None else None
-        inputs = StepInputs(raw_steps(epoch), build=build, device=device, snapshot=snapshot, prefetch=cfg.dist.pipeline,
-                            count=flops)  # fmt: skip
-        if lookahead is not None and cfg.dist.pipeline:
-            lookahead(inputs.peek)  # the step may start the next step's input distribution early
-        report.start_epoch(epoch, steps_per_epoch, state["step_in_epoch"], state["global_step"])
-        exhausted = False
-        try:
-            while True:
-                t0 = time.perf_counter()
-                item = next(inputs)  # a source hands out batches here: from now on their rows count as consumed
-                data_wait_s = time.perf_counter() - t0
-                torch.manual_seed(cfg.train.seed * 1_000_003 + state["global_step"])
-                lr = lr_at(cfg, state["global_step"], total_steps)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                t0 = time.perf_counter()
-                result = step(item.micro, run_lr_scale(cfg, optimizer))
-                step_s = time.perf_counter() - t0
-                if item.data_state is not None:
-                    trained_state = item.data_state
-                if result is None:  # no rank had data left
-                    exhausted = True
-                    break
-                state["global_step"] += 1
-                state["step_in_epoch"] += 1
-                # the loss may be a device scalar: read (and checked) with the interval's others, see step_log.py
-                log.add({"step": state["global_step"], "epoch": epoch, "lr": lr, "tokens": result.tokens, "step_s": step_s,
-                         "data_wait_s": data_wait_s, **item.times}, result.loss, result.tokens, item.flops)  # fmt: skip
-                report.step(state["global_step"], state["step_in_epoch"], result.tokens)
-                if cfg.train.max_steps and state["global_step"] >= cfg.train.max_steps:
-                    stop, stop_reason = True, "max_steps"
-                elif cfg.train.max_minutes and any_rank(ctx, time.monotonic() - started >= cfg.train.max_minutes * 60):
-                    stop, stop_reason = True, "max_minutes"
-                if stop:
-                    break
-                if cfg.train.checkpoint_every and state["global_step"] % cfg.train.checkpoint_every == 0:
-                    checkpoint()
-        except BaseException:
-            log.salvage()  # the rows of the steps that did run
-            raise
-        finally:  # also on an exception: no prefetch or read-ahead thread outlives the loop
-            report.close()
-            if lookahead is not None:
-                lookahead(None)
-            inputs.close()  # rows prefetched but not trained stay unconsumed in the saved state
-        # memory: the epoch's step count is known, so a budget stop on its last step also ends the epoch (as before)
-        if exhausted or (source is None and state["step_in_epoch"] >= steps_per_epoch):
-            state["epoch"] += 1
-            state["step_in_epoch"] = 0
-        log.flush()  # the epoch's losses, for its summary line
-        report.end_epoch(state["global_step"], completed=state["step_in_epoch"] == 0)
-        finished = stop or state["epoch"] >= cfg.train.epochs
-        due = cfg.train.eval_every and state["epoch"] % cfg.train.eval_every == 0
-        best = False
-        if finished or due:
-            model.eval()
-            best = log_eval()
-            model.train()
-        checkpoint(best=best)  # resets the throughput interval: the next rate counts training only
+    try:
+        while state["epoch"] < cfg.train.epochs and not stop:
+            epoch = state["epoch"]
+            snapshot = source.state_dict if source is not None else None
+            inputs = StepInputs(raw_steps(epoch), build=build, device=device, snapshot=snapshot, prefetch=cfg.dist.pipeline,
+                                count=flops)  # fmt: skip
+            if lookahead is not None and cfg.dist.pipeline:
+                lookahead(inputs.peek)  # the step may start the next step's input distribution early
+            report.start_epoch(epoch, steps_per_epoch, state["step_in_epoch"], state["global_step"])
+            exhausted = False
+            try:
+                while True:
+                    t0 = time.perf_counter()
+                    item = next(inputs)  # a source hands out batches here: from now on their rows count as consumed
+                    data_wait_s = time.perf_counter() - t0
+                    torch.manual_seed(cfg.train.seed * 1_000_003 + state["global_step"])
+                    lr = lr_at(cfg, state["global_step"], total_steps)
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr
+                    t0 = time.perf_counter()
+                    result = step(item.micro, run_lr_scale(cfg, optimizer))
+                    step_s = time.perf_counter() - t0
+                    if item.data_state is not None:
+                        trained_state = item.data_state
+                    if result is None:  # no rank had data left
+                        exhausted = True
+                        break
+                    state["global_step"] += 1
+                    state["step_in_epoch"] += 1
+                    # the loss may be a device scalar: read (and checked) with the interval's others, see step_log.py
+                    log.add({"step": state["global_step"], "epoch": epoch, "lr": lr, "tokens": result.tokens, "step_s": step_s,
+                             "data_wait_s": data_wait_s, **item.times}, result.loss, result.tokens, item.flops)  # fmt: skip
+                    report.step(state["global_step"], state["step_in_epoch"], result.tokens)
+                    if cfg.train.max_steps and state["global_step"] >= cfg.train.max_steps:
+                        stop, stop_reason = True, "max_steps"
+                    elif cfg.train.max_minutes and any_rank(ctx, time.monotonic() - started >= cfg.train.max_minutes * 60):
+                        stop, stop_reason = True, "max_minutes"
+                    if stop:
+                        break
+                    if cfg.train.checkpoint_every and state["global_step"] % cfg.train.checkpoint_every == 0:
+                        checkpoint()
+            except BaseException:
+                log.salvage()  # the rows of the steps that did run
+                raise
+            finally:  # also on an exception: no prefetch or read-ahead thread outlives the loop
+                report.close()
+                if lookahead is not None:
+                    lookahead(None)
+                inputs.close()  # rows prefetched but not trained stay unconsumed in the saved state
+            # memory: the epoch's step count is known, so a budget stop on its last step also ends the epoch (as before)
+            if exhausted or (source is None and state["step_in_epoch"] >= steps_per_epoch):
+                state["epoch"] += 1
+                state["step_in_epoch"] = 0
+            log.flush()  # the epoch's losses, for its summary line
+            report.end_epoch(state["global_step"], completed=state["step_in_epoch"] == 0)
+            finished = stop or state["epoch"] >= cfg.train.epochs
+            due = cfg.train.eval_every and state["epoch"] % cfg.train.eval_every == 0
+            best = False
+            if finished or due:
+                model.eval()
+                best = log_eval()
+                model.train()
+            checkpoint(best=best)  # resets the throughput interval: the next rate counts training only
+    except BaseException:
+        with contextlib.suppress(Exception):  # the error being raised is the one to report
+            writer_thread.wait()  # a checkpoint being written when training failed is complete on disk
+        raise
     writer_thread.wait()  # every checkpoint is on disk before the loop returns (an error in one is raised here)
     log.flush()
     if writer is not None:
