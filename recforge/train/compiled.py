@@ -5,8 +5,8 @@ The objective (model + loss, see ``train.distributed.Objective``) is compiled in
 same object) with dynamic shapes, so jagged batches of any token count reuse one graph; the
 backward is compiled by AOTAutograd with it. Inductor fuses the norms, activations, splits and
 the loss's elementwise work into a few kernels; the Triton HSTU attention stays one custom op per
-block (``recforge.ops.custom_ops``). With it, the dense optimizer is the fused AdamW (one kernel
-group per step instead of one per parameter chunk).
+block (``recforge.ops.custom_ops``). The dense optimizer is the fused AdamW on CUDA, compiled or not
+(``runtime.make_optimizer``).
 
 CUDA only: on a CPU device the setting is ignored (logged once) and the eager step runs, since
 Inductor's CPU code needs a C++ toolchain and buys little for recforge's CPU uses (tests, smoke

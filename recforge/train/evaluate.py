@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -12,6 +12,7 @@ from recforge.models.retrieval import RetrievalModel
 from recforge.train.distributed import DistContext, even_batches
 from recforge.train.metrics import retrieval_metrics, target_ranks
 
+_CACHE_MAX_TOKENS = 1 << 24  # history tokens up to which evaluation batches are kept on the device between evaluations
 ScoreFn = Callable[[EvalBatch], Tensor]  # EvalBatch -> (B, N+1) scores
 
 
@@ -25,6 +26,7 @@ def evaluate_ranking(
     batch_size: int,
     device: torch.device | str = "cpu",
     ctx: DistContext | None = None,
+    cache: dict | None = None,
 ) -> tuple[dict[str, float], Tensor]:
     """Rank every evaluable user's held-out item over all items, seen items excluded.
 
@@ -37,6 +39,9 @@ def evaluate_ranking(
         batch_size: users per batch.
         ctx: several ranks: each ranks its contiguous share of the users, and the ranks are
             gathered in user order, so the metrics equal a single process's.
+        cache: a dict the caller keeps between evaluations of the same ``seqs`` (e.g. every few
+            epochs of a run): the evaluation batches are built and moved to ``device`` once, the
+            first time, when all users' histories hold at most ``_CACHE_MAX_TOKENS`` tokens.
 
     Returns:
         (metrics, ranks): metrics dict (plus ``num_users``) and each user's 0-based rank.
@@ -44,20 +49,33 @@ def evaluate_ranking(
     everyone = seqs.evaluable_users(target_from_end)
     ctx = ctx or DistContext()
     lo, hi = ctx.shard(everyone.numel())
-    users = everyone[lo:hi]
+    key = (target_from_end, max_seq_len, batch_size, str(device), lo, hi)
+    batches = cache.get(key) if cache is not None else None
+    if batches is None:
+        batches = _eval_batches(seqs, everyone, lo, hi, target_from_end, max_seq_len, batch_size, device, ctx)
+        if cache is not None and int(seqs.lengths[everyone].sum()) <= _CACHE_MAX_TOKENS:
+            batches = cache[key] = list(batches)
     ranks = []
     with torch.no_grad():
-        for start in range(0, even_batches(everyone.numel(), batch_size, ctx) * batch_size, batch_size):
-            chunk = users[start : start + batch_size]
-            stand_in = chunk.numel() == 0  # this rank is done: score a stand-in so sharded tables' collectives match
-            batch = seqs.eval_batch(everyone[:1] if stand_in else chunk, max_seq_len, target_from_end).to(device)
+        for batch, stand_in in batches:
             scores = score_fn(batch)
-            if not stand_in:
-                ranks.append(target_ranks(scores, batch.targets, batch.seen_index, batch.seen_offsets).cpu())
-    all_ranks = ctx.gather_rows(torch.cat(ranks) if ranks else torch.zeros(0, dtype=torch.int64))
+            if not stand_in:  # ranks stay on the device: one host copy at the end, no sync per batch
+                ranks.append(target_ranks(scores, batch.targets, batch.seen_index, batch.seen_offsets))
+    all_ranks = ctx.gather_rows(torch.cat(ranks).cpu() if ranks else torch.zeros(0, dtype=torch.int64))
     metrics = retrieval_metrics(all_ranks, ks)
     metrics["num_users"] = int(all_ranks.numel())
     return metrics, all_ranks
+
+
+def _eval_batches(seqs: UserSequences, everyone: Tensor, lo: int, hi: int, target_from_end: int, max_seq_len: int,
+                  batch_size: int, device: torch.device | str, ctx: DistContext) -> Iterator[tuple[EvalBatch, bool]]:
+    """This rank's evaluation batches on ``device``, each with whether it is a stand-in (a rank out of users
+    scores one so that sharded tables' collectives match; its ranks are not counted)."""
+    users = everyone[lo:hi]
+    for start in range(0, even_batches(everyone.numel(), batch_size, ctx) * batch_size, batch_size):
+        chunk = users[start : start + batch_size]
+        stand_in = chunk.numel() == 0
+        yield seqs.eval_batch(everyone[:1] if stand_in else chunk, max_seq_len, target_from_end).to(device), stand_in
 
 
 def model_scorer(model: RetrievalModel) -> ScoreFn:

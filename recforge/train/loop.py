@@ -24,19 +24,20 @@ for the GPU).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
-from torch.utils.tensorboard import SummaryWriter
 
 from recforge.checkpoint import save_checkpoint
 from recforge.config import RunConfig, save_config
 from recforge.io import atomic_write_json
 from recforge.sparse.sharded import sharded_tables
 from recforge.sparse.sharded_checkpoint import save_sharded_checkpoint
+from recforge.train.async_save import BackgroundWriter, host_snapshot
 from recforge.train.distributed import DistContext, any_rank, full_dense_state, merged_data_state
 from recforge.train.inputs import StepInputs
 from recforge.train.flops import matmul_precision, peak_tflops
@@ -159,12 +160,16 @@ def run_loop(
     total_steps = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
+    if main:  # imported here, not at module import: only the training loop of the main rank writes TensorBoard
+        from torch.utils.tensorboard import SummaryWriter
+
     writer = SummaryWriter(str(run_dir / "tb")) if main else None
     peak = cfg.train.peak_tflops or peak_tflops(device, matmul_precision(cfg.train.precision))
     report = Progress(progress_mode(progress, main), epochs=cfg.train.epochs, total_steps=total_steps,
                       log_seconds=cfg.train.log_seconds, max_minutes=cfg.train.max_minutes)  # fmt: skip
     log = StepLog(steps_log, writer, cfg.train.log_every, peak, main, on_interval=report.interval)
     started = time.monotonic()
+    writer_thread = BackgroundWriter()  # checkpoints of a single process are written off the training thread
     stop = False
     stop_reason = "epochs"
     trained_state: dict | None = None  # the source's state after the last step trained (prefetch runs ahead)
@@ -179,14 +184,16 @@ def run_loop(
             sharded = save_sharded_checkpoint(run_dir / "checkpoints" / f".sparse-{state['global_step']:08d}", tables)
         weights, optimizer_state = full_dense_state(model, optimizer)  # FSDP2: gathered on every rank
         if main:
-            save_checkpoint(
-                run_dir, step=state["global_step"], model=model, optimizer=optimizer,
-                manifest={"train_state": dict(state), "config": cfg.to_dict(), "world_size": ctx.world_size,
-                          **manifest, **data},
-                keep=cfg.train.keep_checkpoints, best=best, sharded_sparse=sharded, weights=weights,
-                optimizer_state=optimizer_state,
-            )  # fmt: skip
-        ctx.barrier()  # no rank runs ahead of a checkpoint that is not complete yet
+            save = dict(run_dir=run_dir, step=state["global_step"], model=model, optimizer=optimizer,
+                        manifest={"train_state": dict(state), "config": cfg.to_dict(), "world_size": ctx.world_size,
+                                  **manifest, **data},
+                        keep=cfg.train.keep_checkpoints, best=best, sharded_sparse=sharded)  # fmt: skip
+            if ctx.initialized or sharded is not None:
+                save_checkpoint(**save, weights=weights, optimizer_state=optimizer_state)
+            else:  # one process: written in the background from a host copy taken now (async_save.py)
+                weights, optimizer_state = host_snapshot(model, optimizer)
+                writer_thread.submit(lambda: save_checkpoint(**save, weights=weights, optimizer_state=optimizer_state))
+        ctx.barrier()  # no rank runs ahead of a checkpoint that is not complete yet (one process: being written)
         log.reset()  # the next interval's rate counts training only, not the checkpoint write
 
     def raw_steps(epoch: int) -> Iterator[list]:
@@ -225,68 +232,74 @@ def run_loop(
         return is_best
 
     model.train()
-    while state["epoch"] < cfg.train.epochs and not stop:
-        epoch = state["epoch"]
-        snapshot = source.state_dict if source is not None else None
-        inputs = StepInputs(raw_steps(epoch), build=build, device=device, snapshot=snapshot, prefetch=cfg.dist.pipeline,
-                            count=flops)  # fmt: skip
-        if lookahead is not None and cfg.dist.pipeline:
-            lookahead(inputs.peek)  # the step may start the next step's input distribution early
-        report.start_epoch(epoch, steps_per_epoch, state["step_in_epoch"], state["global_step"])
-        exhausted = False
-        try:
-            while True:
-                t0 = time.perf_counter()
-                item = next(inputs)  # a source hands out batches here: from now on their rows count as consumed
-                data_wait_s = time.perf_counter() - t0
-                torch.manual_seed(cfg.train.seed * 1_000_003 + state["global_step"])
-                lr = lr_at(cfg, state["global_step"], total_steps)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                t0 = time.perf_counter()
-                result = step(item.micro, run_lr_scale(cfg, optimizer))
-                step_s = time.perf_counter() - t0
-                if item.data_state is not None:
-                    trained_state = item.data_state
-                if result is None:  # no rank had data left
-                    exhausted = True
-                    break
-                state["global_step"] += 1
-                state["step_in_epoch"] += 1
-                # the loss may be a device scalar: read (and checked) with the interval's others, see step_log.py
-                log.add({"step": state["global_step"], "epoch": epoch, "lr": lr, "tokens": result.tokens, "step_s": step_s,
-                         "data_wait_s": data_wait_s, **item.times}, result.loss, result.tokens, item.flops)  # fmt: skip
-                report.step(state["global_step"], state["step_in_epoch"], result.tokens)
-                if cfg.train.max_steps and state["global_step"] >= cfg.train.max_steps:
-                    stop, stop_reason = True, "max_steps"
-                elif cfg.train.max_minutes and any_rank(ctx, time.monotonic() - started >= cfg.train.max_minutes * 60):
-                    stop, stop_reason = True, "max_minutes"
-                if stop:
-                    break
-                if cfg.train.checkpoint_every and state["global_step"] % cfg.train.checkpoint_every == 0:
-                    checkpoint()
-        except BaseException:
-            log.salvage()  # the rows of the steps that did run
-            raise
-        finally:  # also on an exception: no prefetch or read-ahead thread outlives the loop
-            report.close()
-            if lookahead is not None:
-                lookahead(None)
-            inputs.close()  # rows prefetched but not trained stay unconsumed in the saved state
-        # memory: the epoch's step count is known, so a budget stop on its last step also ends the epoch (as before)
-        if exhausted or (source is None and state["step_in_epoch"] >= steps_per_epoch):
-            state["epoch"] += 1
-            state["step_in_epoch"] = 0
-        log.flush()  # the epoch's losses, for its summary line
-        report.end_epoch(state["global_step"], completed=state["step_in_epoch"] == 0)
-        finished = stop or state["epoch"] >= cfg.train.epochs
-        due = cfg.train.eval_every and state["epoch"] % cfg.train.eval_every == 0
-        best = False
-        if finished or due:
-            model.eval()
-            best = log_eval()
-            model.train()
-        checkpoint(best=best)  # resets the throughput interval: the next rate counts training only
+    try:
+        while state["epoch"] < cfg.train.epochs and not stop:
+            epoch = state["epoch"]
+            snapshot = source.state_dict if source is not None else None
+            inputs = StepInputs(raw_steps(epoch), build=build, device=device, snapshot=snapshot, prefetch=cfg.dist.pipeline,
+                                count=flops)  # fmt: skip
+            if lookahead is not None and cfg.dist.pipeline:
+                lookahead(inputs.peek)  # the step may start the next step's input distribution early
+            report.start_epoch(epoch, steps_per_epoch, state["step_in_epoch"], state["global_step"])
+            exhausted = False
+            try:
+                while True:
+                    t0 = time.perf_counter()
+                    item = next(inputs)  # a source hands out batches here: from now on their rows count as consumed
+                    data_wait_s = time.perf_counter() - t0
+                    torch.manual_seed(cfg.train.seed * 1_000_003 + state["global_step"])
+                    lr = lr_at(cfg, state["global_step"], total_steps)
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr
+                    t0 = time.perf_counter()
+                    result = step(item.micro, run_lr_scale(cfg, optimizer))
+                    step_s = time.perf_counter() - t0
+                    if item.data_state is not None:
+                        trained_state = item.data_state
+                    if result is None:  # no rank had data left
+                        exhausted = True
+                        break
+                    state["global_step"] += 1
+                    state["step_in_epoch"] += 1
+                    # the loss may be a device scalar: read (and checked) with the interval's others, see step_log.py
+                    log.add({"step": state["global_step"], "epoch": epoch, "lr": lr, "tokens": result.tokens, "step_s": step_s,
+                             "data_wait_s": data_wait_s, **item.times}, result.loss, result.tokens, item.flops)  # fmt: skip
+                    report.step(state["global_step"], state["step_in_epoch"], result.tokens)
+                    if cfg.train.max_steps and state["global_step"] >= cfg.train.max_steps:
+                        stop, stop_reason = True, "max_steps"
+                    elif cfg.train.max_minutes and any_rank(ctx, time.monotonic() - started >= cfg.train.max_minutes * 60):
+                        stop, stop_reason = True, "max_minutes"
+                    if stop:
+                        break
+                    if cfg.train.checkpoint_every and state["global_step"] % cfg.train.checkpoint_every == 0:
+                        checkpoint()
+            except BaseException:
+                log.salvage()  # the rows of the steps that did run
+                raise
+            finally:  # also on an exception: no prefetch or read-ahead thread outlives the loop
+                report.close()
+                if lookahead is not None:
+                    lookahead(None)
+                inputs.close()  # rows prefetched but not trained stay unconsumed in the saved state
+            # memory: the epoch's step count is known, so a budget stop on its last step also ends the epoch (as before)
+            if exhausted or (source is None and state["step_in_epoch"] >= steps_per_epoch):
+                state["epoch"] += 1
+                state["step_in_epoch"] = 0
+            log.flush()  # the epoch's losses, for its summary line
+            report.end_epoch(state["global_step"], completed=state["step_in_epoch"] == 0)
+            finished = stop or state["epoch"] >= cfg.train.epochs
+            due = cfg.train.eval_every and state["epoch"] % cfg.train.eval_every == 0
+            best = False
+            if finished or due:
+                model.eval()
+                best = log_eval()
+                model.train()
+            checkpoint(best=best)  # resets the throughput interval: the next rate counts training only
+    except BaseException:
+        with contextlib.suppress(Exception):  # the error being raised is the one to report
+            writer_thread.wait()  # a checkpoint being written when training failed is complete on disk
+        raise
+    writer_thread.wait()  # every checkpoint is on disk before the loop returns (an error in one is raised here)
     log.flush()
     if writer is not None:
         writer.close()

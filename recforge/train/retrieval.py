@@ -57,6 +57,7 @@ class Setup:
     sparse_optimizer: SparseOptimizer | None = None  # the dynamic item table's (model.embedding=dynamic)
     ctx: DistContext = field(default_factory=DistContext)
     runner: StepRunner | None = None  # the training step (dense wrapper + optimizers)
+    eval_cache: dict = field(default_factory=dict)  # evaluation batches on the device, built once (evaluate_ranking)
 
 
 def setup(cfg: RunConfig, ctx: DistContext | None = None, device: torch.device | None = None) -> Setup:
@@ -94,6 +95,7 @@ def _evaluate_whole(s: Setup, target_from_end: int) -> dict[str, float]:
         batch_size=s.cfg.eval.batch_size,
         device=s.device,
         ctx=s.ctx,
+        cache=s.eval_cache,
     )
     return metrics
 
