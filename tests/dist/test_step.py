@@ -57,7 +57,7 @@ def test_grad_accum_micro_batches_equal_one_batch(tmp_path: Path, data_dir: Path
         parts = torch.arange(10).tensor_split(accum)
         micro = [s.seqs.training_batch(samples[ids], cfg.data.max_seq_len) for ids in parts]
         result = s.runner(micro)
-        runs[accum] = (result.loss, result.tokens, [p.detach().clone() for p in s.model.parameters()])
+        runs[accum] = (float(result.loss), result.tokens, [p.detach().clone() for p in s.model.parameters()])
     assert runs[3][0] == pytest.approx(runs[1][0], rel=1e-5)
     assert runs[3][1] == runs[1][1]
     for a, b in zip(runs[1][2], runs[3][2], strict=True):
