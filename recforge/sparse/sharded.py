@@ -55,7 +55,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -282,19 +282,20 @@ class ShardedDynamicEmbedding(nn.Module):
         group = group or self.group
         standin = self.standin_here if standin is None else standin
         if flat_tags is None:
-            send, position, owner_counts, smallest = self._sorted_send(flat, part_of)
+            send, position, owner_counts, smallest = self._sorted_send(flat, part_of)  # send: (u) -> (u, 4)
         else:
             keys, key_tags, inverse, occurrences = unique_keys(flat, flat_tags)
             owner = self.owners(keys, key_tags)  # (U,)
             order = torch.argsort(owner, stable=True)
-            send = torch.stack([keys[order], key_tags[order], occurrences[order], torch.zeros_like(keys)], 1)  # (U, 4)
+            rows = torch.stack([keys[order], key_tags[order], occurrences[order], torch.zeros_like(keys)], 1)  # (U, 4)
+            send = lambda u: rows  # noqa: E731
             position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))[inverse]
             owner_counts = torch.bincount(owner, minlength=self.world_size)
             smallest = keys.min().view(1) if keys.numel() else keys.new_zeros(1)
         send_splits, recv_splits, smallest = self._exchange_splits(owner_counts, smallest, group)
         if smallest < 0:
             raise_negative(flat)
-        send = send[: sum(send_splits)]
+        send = send(sum(send_splits))  # the distinct keys' rows, by owner
         if standin:
             send[:, 2] = 0  # (send is this call's own tensor)
         received = send.new_empty(sum(recv_splits), 4)
@@ -302,29 +303,35 @@ class ShardedDynamicEmbedding(nn.Module):
         return DistributedIds(shape, parts, bounds, has_tags=tags is not None, position=position, send_splits=send_splits,
                               recv_splits=recv_splits, received=received, work=work)  # fmt: skip
 
-    def _sorted_send(self, flat: Tensor, part_of: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Local dedup without a host sync: (send (N, 4) whose first U rows are the distinct (key, 0, occurrences,
-        first part) ordered by owner then key, each id's index among them (N,), distinct keys per owner (W,),
-        smallest id (1,)). ``part_of`` (N,): each id's part in a combined lookup (None: all part 0)."""
+    def _sorted_send(self, flat: Tensor, part_of: Tensor | None = None) -> tuple[Callable[[int], Tensor], Tensor, Tensor, Tensor]:
+        """Local dedup without a host sync: (``send(U)``: the (U, 4) rows (key, 0, occurrences, first part) of the U
+        distinct keys ordered by owner then key, each id's index among them (N,), distinct keys per owner (W,),
+        smallest id (1,)). ``part_of`` (N,): each id's part in a combined lookup (None: all part 0). The rows
+        are gathered only once U is known (the split sizes' sync): U, not N, of them."""
         n, w = flat.numel(), self.world_size
         if n == 0:
             empty = flat.new_zeros(0)
-            return flat.new_zeros(0, 4), empty, flat.new_zeros(w), flat.new_zeros(1)
+            return lambda u: flat.new_zeros(0, 4), empty, flat.new_zeros(w), flat.new_zeros(1)
         sorted_ids, sort_order = torch.sort(flat)
         start = torch.ones(n, dtype=torch.bool, device=flat.device)
         start[1:] = sorted_ids[1:] != sorted_ids[:-1]
         group = torch.cumsum(start, 0) - 1  # (N,) distinct-key index of each sorted id
         occurrences = torch.zeros(n, dtype=torch.int64, device=flat.device).index_add_(0, group, torch.ones_like(group))
-        if part_of is None:
-            first_part = torch.zeros_like(sorted_ids)
-        else:  # the lowest part each key occurs in
-            first_part = torch.full_like(sorted_ids, n).scatter_reduce_(0, group, part_of[sort_order], "amin")[group]
+        first_part = None  # (N,) per distinct key: the lowest part it occurs in
+        if part_of is not None:
+            first_part = torch.full_like(sorted_ids, n).scatter_reduce_(0, group, part_of[sort_order], "amin")
         owner = torch.where(start, self.owners(sorted_ids, torch.zeros_like(sorted_ids)), w)  # (N,) repeats: past the ranks
         order = torch.argsort(owner, stable=True)  # distinct keys by owner (ascending keys within), then the repeats
         index_of = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=flat.device))  # sorted id -> its row in send
         first = torch.cummax(torch.where(start, torch.arange(n, device=flat.device), 0), 0).values  # its key's first sorted id
         position = torch.empty_like(order).index_copy_(0, sort_order, index_of[first])  # (N,) in the ids' order
-        send = torch.stack([sorted_ids, torch.zeros_like(sorted_ids), occurrences[group], first_part], 1)[order]  # (N, 4)
+
+        def send(u: int) -> Tensor:
+            at = order[:u]  # the distinct keys' sorted positions, by owner
+            key = group[at]
+            part = torch.zeros_like(at) if first_part is None else first_part[key]
+            return torch.stack([sorted_ids[at], torch.zeros_like(at), occurrences[key], part], 1)  # (U, 4)
+
         return send, position, torch.bincount(owner, minlength=w + 1)[:w], sorted_ids[:1]
 
     def _exchange_splits(self, send_counts: Tensor, smallest: Tensor, group: dist.ProcessGroup | None = None,
