@@ -39,8 +39,10 @@ distinct ID found, counted and touched once, its occurrences summed over the par
 gradient per ID, the parts' gradients summed, sent to the owner once), except that new IDs are
 admitted part by part, in the order of the first part that asks for them (``first`` column), so
 rows, their initial values and admission draws are those of separate lookups whenever no ID
-is in two parts (see ``DynamicEmbedding._admit_in_order`` for what differs otherwise). Gradient accumulation: several forward/backward passes before one ``apply_gradients``
-sum their row gradients on the owner (``DynamicEmbedding`` keeps one pending list per step).
+is in two parts (see ``DynamicEmbedding._admit_in_order`` for what differs otherwise).
+
+Gradient accumulation: several forward/backward passes before one ``apply_gradients`` sum their
+row gradients on the owner (``DynamicEmbedding`` keeps one pending list per step).
 
 Every rank must call ``forward`` (or ``distribute`` + ``lookup``), ``backward`` and
 ``apply_gradients`` the same number of times in the same order: they are collectives. A rank with

@@ -321,18 +321,21 @@ class DynamicEmbedding(nn.Module):
         one refused). Pressure eviction never takes a row this step uses (the combined lookup touched every
         part's rows before admitting; separately, an earlier part could evict a later part's row).
         """
-        parts = [None] if first is None or keys.numel() == 0 else torch.unique(first).tolist()
-        out = torch.full_like(keys, -1) if len(parts) > 1 else None
+        parts = [] if first is None or keys.numel() == 0 else torch.unique(first).tolist()
+        if len(parts) <= 1:
+            return self._admit_touched(keys, tags, occurrences)
+        out = torch.full_like(keys, -1)
         for part in parts:
-            idx = None if len(parts) == 1 else (first == part).nonzero().squeeze(1)
-            pick = (lambda t: t) if idx is None else (lambda t: t[idx])  # noqa: E731
-            new_rows = self._admit(pick(keys), None if tags is None else pick(tags), pick(occurrences))
-            taken = new_rows >= 0
-            self._touch(new_rows[taken], pick(occurrences)[taken])  # before the next part's admission may evict
-            if idx is None:
-                return new_rows
-            out[idx] = new_rows
+            idx = (first == part).nonzero().squeeze(1)
+            out[idx] = self._admit_touched(keys[idx], None if tags is None else tags[idx], occurrences[idx])
         return out
+
+    def _admit_touched(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor) -> Tensor:
+        """``_admit``, then count the new rows' use (before a later part's admission may evict)."""
+        new_rows = self._admit(keys, tags, occurrences)
+        taken = new_rows >= 0
+        self._touch(new_rows[taken], occurrences[taken])
+        return new_rows
 
     def _admit(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor) -> Tensor:
         cfg = self.cfg.admission

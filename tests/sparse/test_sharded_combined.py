@@ -54,7 +54,7 @@ def _worker(rank: int, world_size: int, cfg: TableConfig, overlap: bool, staged:
             expected = [e.view(*p.shape, D) for e, p in zip(expected, parts, strict=True)]
         else:  # separate lookups, in order
             expected = [plain(p) for p in parts]
-        for k, (out, exp, p) in enumerate(zip(outs, expected, parts, strict=True)):
+        for k, (out, exp) in enumerate(zip(outs, expected, strict=True)):
             share = exp.view(world_size, -1, *exp.shape[1:])[rank]
             torch.testing.assert_close(out, share, rtol=1e-6, atol=1e-7, msg=f"step {step} part {k}")
             assert out.shape == (*mine[k].shape, D)
@@ -79,7 +79,8 @@ TIERED = dataclasses.replace(CFG, cache_rows=80)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize(("cfg", "staged"), [(CFG, False), (COUNT, False), (TIERED, True)], ids=["always", "count", "host-tier-staged"])
+@pytest.mark.parametrize(("cfg", "staged"), [(CFG, False), (COUNT, False), (TIERED, True)],
+                         ids=["always", "count", "host-tier-staged"])  # fmt: skip
 def test_disjoint_parts_equal_separate_lookups(world_size: int, cfg: TableConfig, staged: bool) -> None:
     """One rank: new rows get the initial values of separate lookups (the same draws in the same order); two: shards
     other than 0 draw their own rows, so new rows start at 0 (``init_std=0``) as in ``test_sharded``."""
