@@ -210,3 +210,31 @@ EVICTING = dataclasses.replace(
 @pytest.mark.parametrize("drawn", DRAWN.values(), ids=DRAWN.keys())
 def test_pipelined_training_equals_unpipelined(world_size: int, cfg_table: TableConfig, drawn: tuple[str, int] | None) -> None:
     spawn(_equal_worker, world_size, cfg_table, drawn)
+
+
+class _Skipping(Tiny):
+    """Looks the targets up on the first step only: from the third step on they are no longer combined."""
+
+    calls = 0
+
+    def loss(self, batch: Batch, sampled: SampledNegatives | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        if self.calls <= 2:  # DDP's probe and the first step: history, targets, in-loss negatives
+            return super().loss(batch, sampled)
+        loss = self.proj(self.table(batch.features["item_ids"]).mean(1)).pow(2).mean()
+        return loss, loss
+
+
+def _skipping_worker(rank: int, world_size: int) -> None:
+    model = _Skipping(TIERED)
+    ctx = DistContext(rank, world_size, rank, initialized=True)
+    runner = StepRunner(RunConfig(), model, torch.device("cpu"), ctx, loss_fn=model.loss, units_fn=lambda b: 1.0,
+                        sparse_optimizer=SparseOptimizer([model]))  # fmt: skip
+    for batch in _batches(rank, world_size, None)[:4]:
+        runner([batch])
+    assert runner.ahead.paths == {"table": [("features", "item_ids")]}  # the targets, unread on step 2, dropped
+    assert model.table.combined_lookups == 3  # steps 2, 3, 4: the history
+
+
+def test_a_combined_path_no_lookup_reads_is_dropped() -> None:
+    spawn(_skipping_worker, 1)
