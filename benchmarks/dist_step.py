@@ -35,7 +35,6 @@ reported apart, not in ``work``). Then
     exposed = (h2d_s off, or exposed_input_s on) + main_(distribute + stage + lookup + read + wait)_s
     hidden  = 1 - exposed / work        (issue 15: >= 80% with the pipeline on)
 
-
 ``--warm-table`` (default) admits the whole catalogue before timing, so lookups find their IDs as
 in a long run; a lookup of new IDs redoes the owner's part at use (``staged_reads`` counts the
 combined lookups staged ahead that did not). ``distributes_per_step`` counts each table's ID
