@@ -8,10 +8,11 @@ Usage (one GPU, NCCL at world size 1: the collectives and the sharded tables' al
 The retrieval recipe (configs/ml1m-hstu.yaml's model) on a synthetic dataset, with
 ``model.embedding=dynamic`` tables sharded by ``ShardedDynamicEmbedding`` and tiered: the item
 table lives in host memory with ``--cache-fraction`` of its rows cached on the device. The modes
-run in alternating blocks (off, on, on_negatives_at_step, off, ...): ``on`` stages the next batch's IDs and its
-sampled negatives (drawn by the sparse worker a step ahead, ``recforge.train.step_draws``), ``on_negatives_at_step``
-stages only the batch's own IDs (its negatives drawn and looked up at the step, as before issue 15's change;
-the same negatives either way). Per step:
+run in alternating blocks (off, on, off, ...). Both make ONE combined lookup per table and step
+(``recforge.train.pipeline_step``: the item table's history, targets and sampled negatives in one
+ID all-to-all and one staging); ``on`` makes the next batch's in the sparse worker a step ahead
+(its negatives drawn there too, ``recforge.train.step_draws``), ``off`` at the step on the main
+thread. Per step:
 
 - ``fetch_s``, ``build_s``, ``h2d_s``: the input stages (sample ids -> JaggedBatch -> device copy,
   on a side CUDA stream when the pipeline is on), measured where they run;
@@ -24,21 +25,23 @@ the same negatives either way). Per step:
 The sparse input per step, in an extra block per mode with stream-synchronised timers around the
 main thread's calls (``sparse`` in the JSON): ``main_distribute_s`` (dedup + ID all-to-all),
 ``main_stage_s`` (owner dedup, index lookup, host tier -> device cache), ``main_lookup_s`` (reading
-the rows, admission when IDs are new, the embeddings' all-to-all), ``main_read_s`` (the same for the
-lookups the worker staged: with no new IDs only the read), ``main_wait_s`` (the main thread
+the rows, admission when IDs are new, the embeddings' all-to-all), ``main_read_s`` (the same for
+staged lookups, the combined ones: with no new IDs only the read), ``main_wait_s`` (the main thread
 waiting for the sparse worker); and the worker's own ``worker_distribute_s``/``worker_stage_s``
-(pipeline on: the next step's staged lookups: history, targets and, in ``on``, the sampled negatives;
-``worker_draw_s``: the worker drawing those negatives, reported apart, not in ``work``). Then
+(pipeline on: the next step's combined lookups; ``worker_draw_s``: the worker drawing its negatives,
+reported apart, not in ``work``). Then
 
     work    = h2d_s + main_(distribute + stage + lookup + read)_s + worker_(distribute + stage)_s
     exposed = (h2d_s off, or exposed_input_s on) + main_(distribute + stage + lookup + read + wait)_s
     hidden  = 1 - exposed / work        (issue 15: >= 80% with the pipeline on)
 
-The summary line compares ``hidden`` of ``on`` with ``on_negatives_at_step`` (negatives staged vs not).
+and ``hidden_vs_off`` = 1 - exposed(on) / work(off): how much of the sparse input made at the step
+the pipeline takes off the main thread (``hidden`` alone falls when the worker gets faster).
 
 ``--warm-table`` (default) admits the whole catalogue before timing, so lookups find their IDs as
 in a long run; a lookup of new IDs redoes the owner's part at use (``staged_reads`` counts the
-staged lookups that did not).
+combined lookups staged ahead that did not). ``distributes_per_step`` counts each table's ID
+all-to-alls per step, by thread (one per table and step, in the worker when ``on``).
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from recforge.train.runtime import prepare_runtime
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("fetch_s", "build_s", "h2d_s", "exposed_input_s", "step_s", "wall_s")
-MODES = {"off": (False, False), "on": (True, True), "on_negatives_at_step": (True, False)}  # (pipeline, negatives staged)
+MODES = ("off", "on")  # the sparse input (and the batch's fetch, build, H2D) made at the step, or a step ahead
 STEP_SEEDS = itertools.count(1)  # every step re-seeds, as the training loop does: the negatives' seeds follow
 
 
@@ -106,10 +109,12 @@ class StageTimer:
     """Stream-synchronised wall time of the main thread's sparse-input calls (the worker's are in ``LookAhead.stats``).
 
     Used only in extra blocks (the synchronisations cost overlap): it says which part of the sparse input
-    runs on the main thread, where it is exposed. Nested calls (``lookup`` calling ``stage``) count once."""
+    runs on the main thread, where it is exposed. Nested calls (``lookup`` calling ``stage``) count once.
+    ``distributes`` counts the tables' ID all-to-alls by thread."""
 
     def __init__(self, s) -> None:
         self.s, self.totals, self.saved, self.stack = s, {}, [], []
+        self.distributes = {"main": 0, "worker": 0}
 
     def _wrap(self, obj, attr: str, stage: str) -> None:
         real = getattr(obj, attr)
@@ -117,7 +122,10 @@ class StageTimer:
         sync = (lambda: torch.cuda.current_stream().synchronize()) if cuda else (lambda: None)
 
         def timed(*a, **kw):
-            if threading.current_thread() is not threading.main_thread():
+            main = threading.current_thread() is threading.main_thread()
+            if attr == "distribute":
+                self.distributes["main" if main else "worker"] += 1
+            if not main:
                 return real(*a, **kw)
             bucket = stage
             if attr == "lookup" and a and getattr(a[0], "staged", None) is not None:
@@ -162,7 +170,7 @@ def _tables(s) -> list:
 def sparse_block(s, samples: torch.Tensor, mode: str, steps: int) -> dict[str, float]:
     """Per-step sparse-input times of one timed block (see the module docstring)."""
     ahead = s.runner.ahead
-    pipeline = MODES[mode][0]
+    pipeline = mode == "on"
     before = len(ahead.stats) if ahead is not None else 0
     with StageTimer(s) as timer:
         rows = run_block(s, samples, mode, steps, 0)
@@ -177,14 +185,13 @@ def sparse_block(s, samples: torch.Tensor, mode: str, steps: int) -> dict[str, f
     out["work_s"] = out["h2d_s"] + main + out["worker_distribute_s"] + out["worker_stage_s"]
     out["exposed_s"] = (min(out["h2d_s"], out["exposed_input_s"]) if pipeline else out["h2d_s"]) + main + out["main_wait_s"]
     out["hidden_fraction"] = 1 - out["exposed_s"] / out["work_s"] if out["work_s"] else float("nan")
+    out["distributes_per_step"] = {k: v / steps for k, v in timer.distributes.items()}  # all tables
     return out
 
 
 def run_block(s, samples: torch.Tensor, mode: str, steps: int, start: int) -> list[dict[str, float]]:
     bs, device = s.cfg.train.batch_size, s.device
-    pipeline, staged_negatives = MODES[mode]
-    if s.runner.ahead is not None:
-        s.runner.ahead.stage_draws = staged_negatives
+    pipeline = mode == "on"
 
     def raw():
         i = start
@@ -243,6 +250,9 @@ def main() -> dict:
         for mode in MODES:
             per_mode[mode] += run_block(s, samples, mode, args.steps, block * args.steps)
     sparse = {mode: sparse_block(s, samples, mode, args.steps) for mode in MODES}
+    # the exposed sparse input with the pipeline on against all of it at the step (off): the share the pipeline
+    # takes off the critical path (``hidden_fraction`` shrinks when the worker's hidden part gets faster)
+    sparse["on"]["hidden_vs_off"] = 1 - sparse["on"]["exposed_s"] / sparse["off"]["work_s"] if sparse["off"]["work_s"] else float("nan")
     result = {"modes": {}, "sparse": sparse}
     for mode, rows in per_mode.items():
         summary = {k: statistics.median(r[k] for r in rows) for k in STAGES}
@@ -254,11 +264,12 @@ def main() -> dict:
     stages = on["fetch_s"] + on["build_s"] + on["h2d_s"]
     result["hidden_input_fraction"] = 1 - on["exposed_input_s"] / stages if stages else float("nan")
     result["speedup_on_vs_off"] = result["modes"]["off"]["wall_s"] / on["wall_s"]
-    # lookups whose ID all-to-all was started during the previous step (pipeline on only)
+    # lookups that read a combined lookup made during the previous step (pipeline on only)
     result["lookups_ahead"] = {n: t.lookups_ahead for n, t in s.runner.ahead.tables.items()} if s.runner.ahead else {}
     result["staged_reads"] = {n: t.ahead_reads for n, t in s.runner.ahead.tables.items()} if s.runner.ahead else {}
     result["staged_paths"] = {n: [".".join(p) for p in ps] for n, ps in (s.runner.ahead.paths or {}).items()} if s.runner.ahead else {}
     result["negatives_drawn_ahead"] = s.runner.draws.reused if s.runner.draws is not None else 0
+    result["remade"] = s.runner.ahead.remade if s.runner.ahead else 0
     if not ctx.is_main:  # under torchrun with several ranks: rank 0 reports
         shutdown_distributed()
         return result
@@ -272,13 +283,14 @@ def main() -> dict:
     print(f"{'mode':<21}" + "".join(f"{k[:-2]:>20}" for k in keys) + f"{'hidden':>9}")
     for mode, row in sparse.items():
         print(f"{mode:<21}" + "".join(f"{row[k] * 1e3:>18.3f}ms" for k in keys) + f"{max(row['hidden_fraction'], 0.0):>9.1%}")
-    print(f"pipeline on hides {sparse['on']['hidden_fraction']:.1%} of H2D + ID distribution + lookup with the negatives staged, "
-          f"{sparse['on_negatives_at_step']['hidden_fraction']:.1%} with them at the step "
-          f"(off: {max(sparse['off']['hidden_fraction'], 0.0):.1%}) and {result['hidden_input_fraction']:.1%} of the input stages; "
-          f"step wall time off/on = {result['speedup_on_vs_off']:.3f}x, off/on_negatives_at_step = "
-          f"{result['modes']['off']['wall_s'] / result['modes']['on_negatives_at_step']['wall_s']:.3f}x")  # fmt: skip
-    print(f"lookups staged a step ahead: {result['lookups_ahead']} ({result['staged_paths']}); of them read with no host sync: "
-          f"{result['staged_reads']}; negatives drawn a step ahead and used: {result['negatives_drawn_ahead']}")  # fmt: skip
+    print(f"pipeline on hides {sparse['on']['hidden_fraction']:.1%} of H2D + ID distribution + lookup "
+          f"(off: {max(sparse['off']['hidden_fraction'], 0.0):.1%}; exposed on vs all of it off: "
+          f"{sparse['on']['hidden_vs_off']:.1%} hidden) and {result['hidden_input_fraction']:.1%} of the input stages; "
+          f"step wall time off/on = {result['speedup_on_vs_off']:.3f}x; ID all-to-alls per step (all tables): "
+          f"off {sparse['off']['distributes_per_step']}, on {sparse['on']['distributes_per_step']}")  # fmt: skip
+    print(f"lookups read from a combined lookup staged a step ahead: {result['lookups_ahead']} ({result['staged_paths']}); "
+          f"combined lookups staged ahead and read with no host sync: {result['staged_reads']}; made again at the step: "
+          f"{result['remade']}; negatives drawn a step ahead and used: {result['negatives_drawn_ahead']}")  # fmt: skip
     result.update(
         config={"users": args.users, "items": args.items, "batch_size": args.batch_size, "cache_rows": cache_rows,
                 "steps_per_block": args.steps, "blocks": args.blocks, "warm_table": args.warm_table, "set": args.set, "world_size": ctx.world_size,

@@ -11,7 +11,7 @@ One lookup on rank r, ids of any shape (N in all)::
 
     distribute  ids (N,) --sort, local dedup--> keys (U,) with occurrences, each id's position (N,)
                 keys --by owner--> split sizes --all_to_all--> receive sizes (the sender's one host sync)
-                (key, tag, occurrences) (U, 3) --all_to_all_single (async)--> received (R, 3)
+                (key, tag, occurrences, first part) (U, 4) --all_to_all_single (async)--> received (R, 4)
     stage       received --dedup across senders--> global keys (G,), occurrences summed
                 --index lookup (read only)--> rows (G,) --host tier: missing rows -> device cache, slots
                 held ("staged")--> (the owner's one host sync; no table state changes)
@@ -29,8 +29,20 @@ makes ``lookup`` redo the owner's part the ordinary way, so a staged lookup equa
 
 Admission counts an ID's occurrences over the whole global batch (each sender sends its local
 count), so count admission and the updated rows equal those of one process on the concatenated
-batches. Gradient accumulation: several forward/backward passes before one ``apply_gradients``
-sum their row gradients on the owner (``DynamicEmbedding`` keeps one pending list per step).
+batches.
+
+A combined lookup (``distribute([ids_a, ids_b, ...])``, TorchRec's one lookup per table of all its
+features) moves the union of several lookups' IDs once: one dedup, one ID all-to-all, one staging,
+one owner lookup, one embedding all-to-all; ``lookup(handle, part=k)`` reads part k's rows through
+its slice of the inverse index. Semantics: it is one lookup of the parts' concatenated IDs (each
+distinct ID found, counted and touched once, its occurrences summed over the parts; one row
+gradient per ID, the parts' gradients summed, sent to the owner once), except that new IDs are
+admitted part by part, in the order of the first part that asks for them (``first`` column), so
+rows, their initial values and admission draws are those of separate lookups whenever no ID
+is in two parts (see ``DynamicEmbedding._admit_in_order`` for what differs otherwise).
+
+Gradient accumulation: several forward/backward passes before one ``apply_gradients`` sum their
+row gradients on the owner (``DynamicEmbedding`` keeps one pending list per step).
 
 Every rank must call ``forward`` (or ``distribute`` + ``lookup``), ``backward`` and
 ``apply_gradients`` the same number of times in the same order: they are collectives. A rank with
@@ -45,7 +57,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -122,16 +134,19 @@ class DistributedIds:
     local dedup, the owner order and the in-flight all-to-all of unique keys.
     """
 
-    shape: torch.Size  # the ids' shape
+    shape: torch.Size  # the ids' shape (a combined lookup: (N,), all parts' ids flat, back to back)
+    parts: list[torch.Size] | None = None  # a combined lookup: each part's shape
+    bounds: list[int] | None = None  # ... and where each part starts in the flat ids (then N)
     ids: Tensor | None = None  # local: the ids themselves
     tags: Tensor | None = None  # local: their tags (or None)
     has_tags: bool = False
     position: Tensor | None = None  # (N,) each id's row in the owner-sorted unique keys
     send_splits: list[int] | None = None  # unique keys sent to each rank
     recv_splits: list[int] | None = None  # keys received from each rank
-    received: Tensor | None = None  # (R, 3) int64: key, tag, occurrences (valid after ``wait``)
+    received: Tensor | None = None  # (R, 4) int64: key, tag, occurrences, first part (valid after ``wait``)
     work: dist.Work | None = None
     staged: StagedRows | None = None  # the owner's part, once ``stage`` ran
+    rows: Tensor | None = None  # (U, d) this rank's distinct keys' embeddings, once the first part is read (autograd)
 
     def tensors(self) -> list[Tensor]:
         """The device tensors this handle holds (a pipeline hands them from a side stream to the compute stream)."""
@@ -234,60 +249,91 @@ class ShardedDynamicEmbedding(nn.Module):
         """
         return self.lookup(self.distribute(ids, tags), admit)
 
-    def distribute(self, ids: Tensor, tags: Tensor | None = None, *, group: dist.ProcessGroup | None = None,
+    def distribute(self, ids: Tensor | Sequence[Tensor], tags: Tensor | None = None, *, group: dist.ProcessGroup | None = None,
                    standin: bool | None = None) -> DistributedIds:  # fmt: skip
         """Phase 1: local dedup and the all-to-all of unique IDs to their owners (started, not awaited).
 
-        ``group``: the process group of the ID all-to-all (default: the table's; a pipeline passes its own, so
-        the exchange never queues behind the dense all-reduce). ``standin``: this rank's IDs are a stand-in
-        (sent with 0 occurrences; default: ``standin_lookups``' setting). One host synchronisation.
+        ``ids``: one tensor, or a list of them (a combined lookup, untagged: read each with ``lookup(handle,
+        part=k)``; see the module docstring). ``group``: the process group of the ID all-to-all (default: the
+        table's; a pipeline passes its own, so the exchange never queues behind the dense all-reduce). ``standin``:
+        this rank's IDs are a stand-in (sent with 0 occurrences; default: ``standin_lookups``' setting). One host
+        synchronisation.
         """
-        ids = check_ids(ids, negatives=False)  # negative IDs are caught at the split sizes' host sync
-        flat = ids.reshape(-1).to(self.device)
+        parts = bounds = part_of = None
+        if isinstance(ids, (list, tuple)):
+            if tags is not None:
+                raise ValueError("ShardedDynamicEmbedding.distribute: a combined lookup (a list of id tensors) takes no tags")
+            parts = [check_ids(t, negatives=False) for t in ids]
+            flat = torch.cat([t.reshape(-1).to(self.device) for t in parts]) if parts else torch.zeros(0, dtype=torch.int64,
+                                                                                                      device=self.device)  # fmt: skip
+            bounds = [0]
+            for t in parts:
+                bounds.append(bounds[-1] + t.numel())
+            if len(parts) > 1:  # each id's part: (N,) on the device, no host copy
+                part_of = torch.cat([torch.full((t.numel(),), k, dtype=torch.int64, device=self.device) for k, t in enumerate(parts)])
+            shape, parts = flat.shape, [t.shape for t in parts]
+        else:
+            ids = check_ids(ids, negatives=False)  # negative IDs are caught at the split sizes' host sync
+            flat, shape = ids.reshape(-1).to(self.device), ids.shape
         flat_tags = None if tags is None else tags.reshape(-1).to(self.device, torch.int64)
         if not self.collective:
-            return DistributedIds(ids.shape, ids=flat, tags=flat_tags, has_tags=tags is not None)
+            if parts is not None:
+                raise ValueError("ShardedDynamicEmbedding.distribute: a combined lookup needs a process group (without one the "
+                                 "table is a plain DynamicEmbedding: look each tensor up with forward)")  # fmt: skip
+            return DistributedIds(shape, ids=flat, tags=flat_tags, has_tags=tags is not None)
         group = group or self.group
         standin = self.standin_here if standin is None else standin
         if flat_tags is None:
-            send, position, owner_counts, smallest = self._sorted_send(flat)
+            send, position, owner_counts, smallest = self._sorted_send(flat, part_of)  # send: (u) -> (u, 4)
         else:
             keys, key_tags, inverse, occurrences = unique_keys(flat, flat_tags)
             owner = self.owners(keys, key_tags)  # (U,)
             order = torch.argsort(owner, stable=True)
-            send = torch.stack([keys[order], key_tags[order], occurrences[order]], 1)  # (U, 3)
+            rows = torch.stack([keys[order], key_tags[order], occurrences[order], torch.zeros_like(keys)], 1)  # (U, 4)
+            send = lambda u: rows  # noqa: E731
             position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))[inverse]
             owner_counts = torch.bincount(owner, minlength=self.world_size)
             smallest = keys.min().view(1) if keys.numel() else keys.new_zeros(1)
         send_splits, recv_splits, smallest = self._exchange_splits(owner_counts, smallest, group)
         if smallest < 0:
             raise_negative(flat)
-        send = send[: sum(send_splits)]
+        send = send(sum(send_splits))  # the distinct keys' rows, by owner
         if standin:
-            send = torch.stack([send[:, 0], send[:, 1], torch.zeros_like(send[:, 2])], 1)
-        received = send.new_empty(sum(recv_splits), 3)
+            send[:, 2] = 0  # (send is this call's own tensor)
+        received = send.new_empty(sum(recv_splits), 4)
         work = dist.all_to_all_single(received, send, recv_splits, send_splits, group=group, async_op=True)
-        return DistributedIds(ids.shape, has_tags=tags is not None, position=position, send_splits=send_splits,
+        return DistributedIds(shape, parts, bounds, has_tags=tags is not None, position=position, send_splits=send_splits,
                               recv_splits=recv_splits, received=received, work=work)  # fmt: skip
 
-    def _sorted_send(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Local dedup without a host sync: (send (N, 3) whose first U rows are the distinct (key, 0, occurrences)
-        ordered by owner then key, each id's index among them (N,), distinct keys per owner (W,), smallest id (1,))."""
+    def _sorted_send(self, flat: Tensor, part_of: Tensor | None = None) -> tuple[Callable[[int], Tensor], Tensor, Tensor, Tensor]:
+        """Local dedup without a host sync: (``send(U)``: the (U, 4) rows (key, 0, occurrences, first part) of the U
+        distinct keys ordered by owner then key, each id's index among them (N,), distinct keys per owner (W,),
+        smallest id (1,)). ``part_of`` (N,): each id's part in a combined lookup (None: all part 0). The rows
+        are gathered only once U is known (the split sizes' sync): U, not N, of them."""
         n, w = flat.numel(), self.world_size
         if n == 0:
             empty = flat.new_zeros(0)
-            return flat.new_zeros(0, 3), empty, flat.new_zeros(w), flat.new_zeros(1)
+            return lambda u: flat.new_zeros(0, 4), empty, flat.new_zeros(w), flat.new_zeros(1)
         sorted_ids, sort_order = torch.sort(flat)
         start = torch.ones(n, dtype=torch.bool, device=flat.device)
         start[1:] = sorted_ids[1:] != sorted_ids[:-1]
         group = torch.cumsum(start, 0) - 1  # (N,) distinct-key index of each sorted id
         occurrences = torch.zeros(n, dtype=torch.int64, device=flat.device).index_add_(0, group, torch.ones_like(group))
+        first_part = None  # (N,) per distinct key: the lowest part it occurs in
+        if part_of is not None:
+            first_part = torch.full_like(sorted_ids, n).scatter_reduce_(0, group, part_of[sort_order], "amin")
         owner = torch.where(start, self.owners(sorted_ids, torch.zeros_like(sorted_ids)), w)  # (N,) repeats: past the ranks
         order = torch.argsort(owner, stable=True)  # distinct keys by owner (ascending keys within), then the repeats
         index_of = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=flat.device))  # sorted id -> its row in send
         first = torch.cummax(torch.where(start, torch.arange(n, device=flat.device), 0), 0).values  # its key's first sorted id
         position = torch.empty_like(order).index_copy_(0, sort_order, index_of[first])  # (N,) in the ids' order
-        send = torch.stack([sorted_ids, torch.zeros_like(sorted_ids), occurrences[group]], 1)[order]  # (N, 3)
+
+        def send(u: int) -> Tensor:
+            at = order[:u]  # the distinct keys' sorted positions, by owner
+            key = group[at]
+            part = torch.zeros_like(at) if first_part is None else first_part[key]
+            return torch.stack([sorted_ids[at], torch.zeros_like(at), occurrences[key], part], 1)  # (U, 4)
+
         return send, position, torch.bincount(owner, minlength=w + 1)[:w], sorted_ids[:1]
 
     def _exchange_splits(self, send_counts: Tensor, smallest: Tensor, group: dist.ProcessGroup | None = None,
@@ -311,7 +357,7 @@ class ShardedDynamicEmbedding(nn.Module):
         handle.wait()
         shard, store = self.shard, self.shard.store
         with torch.no_grad():
-            recv_keys, recv_tags, recv_occ = handle.received.unbind(1)  # (R,) each
+            recv_keys, recv_tags, recv_occ, _ = handle.received.unbind(1)  # (R,) each
             r = recv_keys.numel()
             if handle.has_tags or r == 0:  # tagged (a collection's shared table): unique_keys, a sync of its own
                 keys, tags, inverse, _ = unique_keys(recv_keys, recv_tags if handle.has_tags else None)
@@ -346,12 +392,14 @@ class ShardedDynamicEmbedding(nn.Module):
         ready = n_absent == 0 and smallest_occ > 0 and cached
         handle.staged = StagedRows(keys, tags, occ, inverse, found, slots, ready, n_ids, (shard.stage_epoch, store.generation))
 
-    def lookup(self, handle: DistributedIds, admit: bool = True) -> Tensor:
+    def lookup(self, handle: DistributedIds, admit: bool = True, part: int | None = None) -> Tensor:
         """Phase 2b: the owner's lookup (admission in training, as ``DynamicEmbedding``) and the embeddings' way back.
 
         A lookup staged earlier (``stage``) whose rows all exist, are cached and are still theirs reads them
         with no host sync; any other goes through the shard's full lookup. Outside training (``eval()`` or
         no_grad) an unstaged lookup is not staged: it reads the rows in place and leaves the device cache alone.
+        ``part``: of a combined lookup, the embeddings of part ``part`` (its shape + (dim,)); the first call does the
+        owner's lookup and the embedding all-to-all for every part, later ones only read (None: all ids, flat).
         """
         if handle.ids is not None:
             ids, tags = handle.ids.view(handle.shape), None if handle.tags is None else handle.tags.view(handle.shape)
@@ -363,53 +411,66 @@ class ShardedDynamicEmbedding(nn.Module):
                     finally:
                         self.shard.train()
             return self.shard(ids, tags, admit)
-        if handle.staged is None and not (self.training and torch.is_grad_enabled()):
-            return self._direct_lookup(handle, admit)  # evaluation: no staging, the cache keeps its training rows
-        self.stage(handle)
-        staged, shard = handle.staged, self.shard
-        current = staged.epoch == (shard.stage_epoch, shard.store.generation)
-        if staged.ready and current and self.training and torch.is_grad_enabled():
-            self.staged_reads += 1
-            if staged.rows.numel():  # as DynamicEmbedding._rows, which counts only lookups with keys
-                shard._stats["lookups"] += 1
-                shard._stats["ids"] += staged.n_ids
-            shard._touch(staged.rows, staged.occurrences)  # what the full lookup counts for the eviction policy
-            shard.store.claim_staged(staged.slots)  # held until this step's optimizer update, as ensure(pin=True)
-            unique_emb = _GatherRows.apply(shard._anchor, shard, staged.slots, staged.rows)  # (G, d)
-        else:
-            if current:
-                shard.store.unstage(staged.slots)
-            else:  # the slots may hold other rows now: drop every hold (a step stages one batch)
-                shard.store.release_staged()
-            unique_emb = self._owner_rows(staged.keys, staged.tags, staged.occurrences, admit)  # (G, d)
-        sent_back = F.embedding(staged.inverse, unique_emb)  # (R, d): each sender's keys, in the order it sent them
-        out = _AllToAll.apply(sent_back, handle.send_splits, handle.recv_splits, self.group)  # (U, d); backward: to the owners
-        return F.embedding(handle.position, out).view(*handle.shape, self.dim)
+        if handle.rows is None:
+            handle.rows = self._exchange(handle, admit)  # (U, d); backward: to the owners, once per key
+        if part is None:
+            return F.embedding(handle.position, handle.rows).view(*handle.shape, self.dim)
+        lo, hi = handle.bounds[part], handle.bounds[part + 1]
+        return F.embedding(handle.position[lo:hi], handle.rows).view(*handle.parts[part], self.dim)
 
-    def _direct_lookup(self, handle: DistributedIds, admit: bool) -> Tensor:
-        """The owner's lookup without staging (evaluation, no_grad): reads host-tier rows in place."""
+    def _exchange(self, handle: DistributedIds, admit: bool) -> Tensor:
+        """The owner's part of a lookup and the embedding all-to-all: this rank's distinct keys' rows (U, d)."""
+        if handle.staged is None and not (self.training and torch.is_grad_enabled()):
+            unique_emb, inverse = self._direct_rows(handle, admit)  # evaluation: no staging, the cache keeps its training rows
+        else:
+            self.stage(handle)
+            staged, shard = handle.staged, self.shard
+            current = staged.epoch == (shard.stage_epoch, shard.store.generation)
+            if staged.ready and current and self.training and torch.is_grad_enabled():
+                self.staged_reads += 1
+                if staged.rows.numel():  # as DynamicEmbedding._rows, which counts only lookups with keys
+                    shard._stats["lookups"] += 1
+                    shard._stats["ids"] += staged.n_ids
+                shard._touch(staged.rows, staged.occurrences)  # what the full lookup counts for the eviction policy
+                shard.store.claim_staged(staged.slots)  # held until this step's optimizer update, as ensure(pin=True)
+                unique_emb = _GatherRows.apply(shard._anchor, shard, staged.slots, staged.rows)  # (G, d)
+            else:
+                if current:
+                    shard.store.unstage(staged.slots)
+                else:  # the slots may hold other rows now: drop every hold (a step stages one batch)
+                    shard.store.release_staged()
+                first = None
+                if handle.parts is not None and len(handle.parts) > 1:  # each key's first part, over all senders
+                    first = torch.full_like(staged.keys, len(handle.parts)).scatter_reduce_(0, staged.inverse,
+                                                                                           handle.received[:, 3], "amin")  # fmt: skip
+                unique_emb = self._owner_rows(staged.keys, staged.tags, staged.occurrences, admit, first)  # (G, d)
+            inverse = staged.inverse
+        sent_back = F.embedding(inverse, unique_emb)  # (R, d): each sender's keys, in the order it sent them
+        return _AllToAll.apply(sent_back, handle.send_splits, handle.recv_splits, self.group)  # (U, d); backward: to the owners
+
+    def _direct_rows(self, handle: DistributedIds, admit: bool) -> tuple[Tensor, Tensor]:
+        """The owner's rows without staging (evaluation, no_grad; reads host-tier rows in place): (G, d), inverse (R,)."""
         handle.wait()
-        recv_keys, recv_tags, recv_occ = handle.received.unbind(1)  # (R,) each
+        recv_keys, recv_tags, recv_occ, _ = handle.received.unbind(1)  # (R,) each
         if handle.has_tags:
             keys, tags, inverse, _ = unique_keys(recv_keys, recv_tags)
         else:  # the order DynamicEmbedding admits in (sorted keys)
             keys, inverse = torch.unique(recv_keys, return_inverse=True)
             tags = None
         occurrences = torch.zeros(keys.numel(), dtype=torch.int64, device=keys.device).index_add_(0, inverse, recv_occ)
-        unique_emb = self._owner_rows(keys, tags, occurrences, admit)  # (G, d)
-        sent_back = F.embedding(inverse, unique_emb)  # (R, d): each sender's keys, in the order it sent them
-        out = _AllToAll.apply(sent_back, handle.send_splits, handle.recv_splits, self.group)  # (U, d)
-        return F.embedding(handle.position, out).view(*handle.shape, self.dim)
+        return self._owner_rows(keys, tags, occurrences, admit), inverse
 
-    def _owner_rows(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor, admit: bool) -> Tensor:
+    def _owner_rows(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor, admit: bool, first: Tensor | None = None) -> Tensor:
         """The owner's rows of distinct ``keys`` (G, d): a training lookup, except for keys whose occurrences
-        sum to 0 (only stand-in batches asked for them), which are read without admission, counters or gradient."""
+        sum to 0 (only stand-in batches asked for them), which are read without admission, counters or gradient.
+        ``first`` (G,): each key's first part in a combined lookup (new keys are admitted part by part)."""
         if not (self.standin_anywhere and self.training):
-            rows, absent = self.shard._rows(keys, tags, occurrences, self.training, admit)
+            rows, absent = self.shard._rows(keys, tags, occurrences, self.training, admit, first=first)
             return self.shard._gather(rows, absent)
         live = occurrences > 0
         real, idle = live.nonzero().squeeze(1), (~live).nonzero().squeeze(1)
-        rows, absent = self.shard._rows(keys[real], None if tags is None else tags[real], occurrences[real], True, admit)
+        rows, absent = self.shard._rows(keys[real], None if tags is None else tags[real], occurrences[real], True, admit,
+                                        first=None if first is None else first[real])  # fmt: skip
         emb = self.shard._gather(rows, absent)  # (G_real, d), gradients flow to these rows only
         idle_rows = self.shard.index.lookup(keys[idle], None if tags is None else tags[idle])
         with torch.no_grad():

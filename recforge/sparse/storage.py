@@ -324,9 +324,11 @@ class TieredStore:
         self.counts["rows_loaded"] += rows.numel()
 
     def _h2d(self, host: Tensor, rows_cpu: Tensor) -> Tensor:
-        picked = host.index_select(0, rows_cpu)
-        if self.pin:  # gathered into pinned memory so the copy can be asynchronous
-            picked = picked.pin_memory()
+        if not self.pin:
+            return host.index_select(0, rows_cpu).to(self.device)
+        # gathered straight into pinned memory (no pageable copy first), so the copy is asynchronous
+        picked = torch.empty((rows_cpu.numel(), *host.shape[1:]), dtype=host.dtype, pin_memory=True)
+        torch.index_select(host, 0, rows_cpu, out=picked)
         return picked.to(self.device, non_blocking=True)
 
     def mark_dirty(self, slots: Tensor) -> None:

@@ -266,10 +266,12 @@ class DynamicEmbedding(nn.Module):
         return keys, inverse, occurrences, (rows, facts[1])
 
     def _rows(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor, train: bool, admit: bool, check: bool = False,
-              looked_up: tuple[Tensor, int] | None = None, n_ids: int | None = None, touched: bool = False):  # fmt: skip
+              looked_up: tuple[Tensor, int] | None = None, n_ids: int | None = None, touched: bool = False,
+              first: Tensor | None = None):  # fmt: skip
         """(rows, how many are -1). One host synchronisation when every key has a row (the usual step).
 
-        ``touched``: the lookup already counted the rows it found (``plan_lookup``).
+        ``touched``: the lookup already counted the rows it found (``plan_lookup``). ``first``: each key's first
+        part in a combined lookup (``_admit_in_order``).
         """
         if looked_up is not None:
             rows, n_absent = looked_up
@@ -296,9 +298,8 @@ class DynamicEmbedding(nn.Module):
             self._touch(rows[hit], occurrences[hit])
         missing = absent.nonzero().squeeze(1)
         if admit:
-            new_rows = self._admit(keys[missing], None if tags is None else tags[missing], occurrences[missing])
-            rows[missing] = new_rows
-            self._touch(new_rows[new_rows >= 0], occurrences[missing][new_rows >= 0])
+            rows[missing] = self._admit_in_order(keys[missing], None if tags is None else tags[missing], occurrences[missing],
+                                                 None if first is None else first[missing])  # fmt: skip
         absent = rows < 0
         self._stats["not_admitted"] += int(occurrences[absent].sum())
         return rows, int(absent.sum())
@@ -309,6 +310,32 @@ class DynamicEmbedding(nn.Module):
         self.counters.last_time.index_fill_(0, rows, self.clock())
 
     # ------------------------------------------------------------------------------- admission
+
+    def _admit_in_order(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor, first: Tensor | None) -> Tensor:
+        """Admit new ``keys`` and count their rows' use: at once, or (``first``: each key's first part in a combined
+        lookup) part by part in ascending order, as separate lookups of the parts would.
+
+        Rows, initial values and admission draws are then those of separate lookups whenever no key is in two
+        parts. A key in several parts is admitted (or not) once, at its first part, on its occurrences summed
+        over all parts (separately: each lookup on its own count, so a later part could admit a key an earlier
+        one refused). Pressure eviction never takes a row this step uses (the combined lookup touched every
+        part's rows before admitting; separately, an earlier part could evict a later part's row).
+        """
+        parts = [] if first is None or keys.numel() == 0 else torch.unique(first).tolist()
+        if len(parts) <= 1:
+            return self._admit_touched(keys, tags, occurrences)
+        out = torch.full_like(keys, -1)
+        for part in parts:
+            idx = (first == part).nonzero().squeeze(1)
+            out[idx] = self._admit_touched(keys[idx], None if tags is None else tags[idx], occurrences[idx])
+        return out
+
+    def _admit_touched(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor) -> Tensor:
+        """``_admit``, then count the new rows' use (before a later part's admission may evict)."""
+        new_rows = self._admit(keys, tags, occurrences)
+        taken = new_rows >= 0
+        self._touch(new_rows[taken], occurrences[taken])
+        return new_rows
 
     def _admit(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor) -> Tensor:
         cfg = self.cfg.admission

@@ -285,8 +285,8 @@ def shard_dynamic_tables(model: nn.Module, cfg: RunConfig, ctx: DistContext) -> 
     for name, table in found:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        # AheadTable: a ShardedDynamicEmbedding that also takes an input distribution started a step ahead
-        setattr(parent, attr, plan.build(table.cfg, table.device, cls=AheadTable if cfg.dist.pipeline else None))
+        # AheadTable: a ShardedDynamicEmbedding whose step lookups read one combined lookup (made a step ahead with dist.pipeline)
+        setattr(parent, attr, plan.build(table.cfg, table.device, cls=AheadTable))
     if ctx.is_main:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         plan.save(cfg.run_dir / "sharding_plan.json")

@@ -95,7 +95,7 @@ class StepRunner:
         self.upcoming = peek if self.ahead is not None else None
         if peek is None and self.ahead is not None:
             self.ahead.drop()  # e.g. started for a step a step budget (train.max_steps) then skipped
-            if self.ctx.is_main and any((self.ahead.paths or {}).values()):
+            if self.ctx.is_main and self.ahead.started:
                 used = {name: t.lookups_ahead for name, t in self.ahead.tables.items()}
                 log.info("lookups staged a step ahead, so far: %s", used)
 
@@ -187,12 +187,14 @@ class StepRunner:
         with self._no_sync(last=last):
             if learn:
                 self.ahead.begin()
+            elif self.ahead is not None:
+                self.ahead.prepare(inputs, draws)  # each table's one combined lookup of the batch's (and draws') IDs
             with autocast(self.cfg, self.device):
                 objective, loss = self.objective(inputs) if draws is None else self.objective(inputs, draws)
             if learn:
                 self.ahead.end(inputs, draws)
-            if i == 0 and self.ahead is not None:
-                self.ahead.drop()  # what this step's forward did not use
+            if self.ahead is not None:
+                self.ahead.finish()
             if last and self.upcoming is not None:
                 self._start_next()  # the next step's sparse input overlaps this backward and the dense update
             (objective * weight).backward()

@@ -1,11 +1,13 @@
-"""The sparse pipeline (``recforge.train.pipeline_step``): a step's lookups staged during the previous step train
-exactly as unstaged ones, on 1 and 2 gloo ranks, with heavily overlapping IDs, a host tier, admission and eviction;
-also the sampled negatives drawn before the step (``recforge.train.step_draws``), staged with the batch's IDs."""
+"""The sparse pipeline (``recforge.train.pipeline_step``): a step's lookups of one table made as ONE combined lookup
+(one ID all-to-all, one staging) during the previous step train exactly as the same combined lookup made at the step,
+on 1 and 2 gloo ranks, with heavily overlapping IDs, a host tier, admission and eviction; also the sampled negatives
+drawn before the step (``recforge.train.step_draws``), staged with the batch's IDs."""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from recforge.train.step import StepRunner  # noqa: E402
 from recforge.train.step_draws import rank_seed  # noqa: E402
 
 D, POOL, STEPS, NEG = 8, 40, 24, 6
+JUMP = 12  # the step whose seed jumps
 
 
 @dataclasses.dataclass
@@ -114,6 +117,15 @@ def _train(cfg_table: TableConfig, drawn: tuple[str, int] | None, pipeline: bool
     ctx = DistContext(rank, world_size, rank, initialized=True)
     runner = StepRunner(cfg, model, torch.device("cpu"), ctx, loss_fn=model.loss, units_fn=lambda b: float(b.labels["next_item"].numel()),
                         sparse_optimizer=SparseOptimizer([model]), draw=model.draw if drawn else None)  # fmt: skip
+    distributes = {"main": 0, "worker": 0}  # ID all-to-alls of the table, by the thread that started them
+    real = model.table.distribute
+
+    def counted(*args, **kwargs):
+        distributes["main" if threading.current_thread() is threading.main_thread() else "worker"] += 1
+        return real(*args, **kwargs)
+
+    model.table.distribute = counted
+    runner.distributes = distributes
     batches = _batches(rank, world_size, drawn)
     inputs = StepInputs(iter([[b] for b in batches] + [[None]] * 2), build=lambda b: b, device=torch.device("cpu"),
                         snapshot=None, prefetch=pipeline)  # fmt: skip
@@ -123,7 +135,9 @@ def _train(cfg_table: TableConfig, drawn: tuple[str, int] | None, pipeline: bool
     try:
         for step in range(STEPS):
             if drawn:
-                torch.manual_seed(1000 + step)  # as the training loop re-seeds every step: the drawn negatives' seeds
+                # as the training loop re-seeds every step: the drawn negatives' seeds; one jump (as on a resume) makes
+                # the worker's draws, and so its combined lookup, for the wrong seed: the step makes them again
+                torch.manual_seed(1000 + step + (50 if step >= JUMP else 0))
             result = runner(next(inputs).micro)
             losses.append(result.loss)
     finally:
@@ -161,13 +175,24 @@ def _equal_worker(rank: int, world_size: int, cfg_table: TableConfig, drawn: tup
         paths += [("draws", "ids"), ("draws", "in_batch")]
     elif drawn:  # chunked: the shared columns (in-batch), the distinct per-position negatives, then the targets
         paths[1:] = [("draws", "shared"), ("draws", "distinct"), ("labels", "next_item")]
-    assert runner.ahead.paths == {"table": paths}
-    assert on.table.lookups_ahead == len(paths) * (STEPS - 1)
+    assert runner.ahead.paths == off_runner.ahead.paths == {"table": paths}
+    remade = 2 if drawn else 0  # the jump's step, and the next (the worker repeats the jump: StepDraws' guess)
+    assert on.table.combined_lookups == off.table.combined_lookups == len(paths) * (STEPS - 1)
+    assert on.table.lookups_ahead == len(paths) * (STEPS - 1 - remade) and runner.ahead.remade == remade
+    assert off.table.lookups_ahead == 0 and not off_runner.ahead.started
+    # one ID all-to-all per step for all of the table's batch lookups (the first step learns them one by one, after
+    # DDP's probe forward; the in-loss negatives, made inside the model, have their own): off on the main thread, on
+    # in the worker (which also stages a stand-in for the step after the last, dropped)
+    own = 0 if drawn else 1  # per step: lookups made inside the model
+    first = 3 + len(paths) + own  # DDP's probe: Tiny.loss without draws (history, targets, in-loss negatives)
+    assert off_runner.distributes == {"main": first + (STEPS - 1) * (1 + own), "worker": 0}
+    assert runner.distributes == {"main": first + (STEPS - 1) * own + remade, "worker": STEPS}
     if drawn:
-        assert runner.draws.reused == STEPS - 1 and off_runner.draws.reused == 0
-    reads = torch.tensor([on.table.staged_reads])
+        assert runner.draws.reused == STEPS - 1 - remade and off_runner.draws.reused == 0
+    reads = torch.tensor([on.table.ahead_reads])
     dist.all_reduce(reads)
-    assert int(reads) > 0, "no staged lookup was read without redoing it"
+    if cfg_table is TIERED:  # (evictions and unadmitted IDs make the other config's lookups redo the owner's part)
+        assert int(reads) > 0, "no staged lookup was read without redoing it"
     stats = runner.ahead.stats
     assert len(stats) == STEPS and all(s["stage_s"] > 0 for s in stats)
 
@@ -185,3 +210,31 @@ EVICTING = dataclasses.replace(
 @pytest.mark.parametrize("drawn", DRAWN.values(), ids=DRAWN.keys())
 def test_pipelined_training_equals_unpipelined(world_size: int, cfg_table: TableConfig, drawn: tuple[str, int] | None) -> None:
     spawn(_equal_worker, world_size, cfg_table, drawn)
+
+
+class _Skipping(Tiny):
+    """Looks the targets up on the first step only: from the third step on they are no longer combined."""
+
+    calls = 0
+
+    def loss(self, batch: Batch, sampled: SampledNegatives | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        if self.calls <= 2:  # DDP's probe and the first step: history, targets, in-loss negatives
+            return super().loss(batch, sampled)
+        loss = self.proj(self.table(batch.features["item_ids"]).mean(1)).pow(2).mean()
+        return loss, loss
+
+
+def _skipping_worker(rank: int, world_size: int) -> None:
+    model = _Skipping(TIERED)
+    ctx = DistContext(rank, world_size, rank, initialized=True)
+    runner = StepRunner(RunConfig(), model, torch.device("cpu"), ctx, loss_fn=model.loss, units_fn=lambda b: 1.0,
+                        sparse_optimizer=SparseOptimizer([model]))  # fmt: skip
+    for batch in _batches(rank, world_size, None)[:4]:
+        runner([batch])
+    assert runner.ahead.paths == {"table": [("features", "item_ids")]}  # the targets, unread on step 2, dropped
+    assert model.table.combined_lookups == 3  # steps 2, 3, 4: the history
+
+
+def test_a_combined_path_no_lookup_reads_is_dropped() -> None:
+    spawn(_skipping_worker, 1)

@@ -3,6 +3,7 @@ after an uneven epoch-end step the shards equal one process that saw only the re
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _dist import assert_same_rows, spawn
 
@@ -28,7 +29,15 @@ STEP2 = [[_ids(3, 0, 40), _ids(4, 0, 40)], [_ids(5, 30, 80), None]]  # rank 1's 
 WEIGHT = torch.randn(12, D, generator=torch.Generator().manual_seed(9))
 
 
-def _worker(rank: int, world_size: int) -> None:
+def _look_up(table: ShardedDynamicEmbedding, ids: torch.Tensor, combined: bool) -> torch.Tensor:
+    """``table(ids)``, or a combined lookup of its two halves (one ID all-to-all; ``sharded.py``)."""
+    if not combined:
+        return table(ids)
+    handle = table.distribute([ids[:6], ids[6:]])
+    return torch.cat([table.lookup(handle, part=0), table.lookup(handle, part=1)])
+
+
+def _worker(rank: int, world_size: int, combined: bool) -> None:
     plain = [DynamicEmbedding(cfg) for cfg in _cfgs()]
     for table in plain:  # one process: the real batches only
         (table(torch.cat(STEP1)) * WEIGHT.repeat(2, 1)).sum().backward()
@@ -39,17 +48,18 @@ def _worker(rank: int, world_size: int) -> None:
     sharded = [ShardedDynamicEmbedding(cfg) for cfg in _cfgs()]
     holder = torch.nn.ModuleList(sharded)
     for table in sharded:
-        (table(STEP1[rank]) * WEIGHT).sum().backward()
+        (_look_up(table, STEP1[rank], combined) * WEIGHT).sum().backward()
         table.apply_gradients()
         for i, ids in enumerate(STEP2[rank]):
             with standin_lookups(holder, here=ids is None, anywhere=i == 1):
                 weight = 0.0 if ids is None else 1.0
-                (table(STEP2[rank][0] if ids is None else ids) * WEIGHT * weight).sum().backward()
+                (_look_up(table, STEP2[rank][0] if ids is None else ids, combined) * WEIGHT * weight).sum().backward()
         table.apply_gradients()
     for table, expected in zip(sharded, plain, strict=True):
         assert_same_rows(table, expected)
     assert not sharded[0].standin_here and not sharded[0].standin_anywhere  # the context restores the flags
 
 
-def test_standin_lookups_change_no_table_state() -> None:
-    spawn(_worker, 2)
+@pytest.mark.parametrize("combined", [False, True], ids=["lookup", "combined-lookup"])
+def test_standin_lookups_change_no_table_state(combined: bool) -> None:
+    spawn(_worker, 2, combined)
