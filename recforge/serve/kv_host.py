@@ -21,6 +21,8 @@ the CPU, so nothing waits for a copy.
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 from torch import Tensor
 
@@ -47,7 +49,7 @@ class HostPages:
         self.page_bytes = self._times_bytes + self._key_bytes + self._value_bytes
         self.per_chunk = max(1, CHUNK_BYTES // self.page_bytes)
         self.chunks: list[tuple[Tensor, Tensor, Tensor]] = []  # (times, keys, values) of each chunk
-        self.free: list[int] = []
+        self.free: list[int] = []  # a heap: the lowest ids first, so a user's pages tend to be consecutive
         self.allocated_bytes = 0
 
     @property
@@ -70,16 +72,18 @@ class HostPages:
         values = raw[b : b + rows * self._value_bytes].view(self.dtype).view(rows, *self.value_shape)
         base = len(self.chunks) * self.per_chunk
         self.chunks.append((times, keys, values))
-        self.free.extend(range(base + rows - 1, base - 1, -1))
+        for page in range(base, base + rows):
+            heapq.heappush(self.free, page)
         self.allocated_bytes += nbytes
         return True
 
     def take(self, count: int) -> list[int]:
         """``count`` free pages (the caller made sure there are enough)."""
-        return [self.free.pop() for _ in range(count)]
+        return [heapq.heappop(self.free) for _ in range(count)]
 
     def release(self, pages: list[int]) -> None:
-        self.free.extend(pages)
+        for page in pages:
+            heapq.heappush(self.free, page)
 
     def store(self, pages: list[int], times: Tensor, keys: Tensor, values: Tensor, blocks: list[int]) -> None:
         """Copy device pages ``blocks`` of ``(times, keys, values)`` into host ``pages`` (asynchronously)."""

@@ -32,6 +32,7 @@ entry lacks (an older request, served from a prefix of a newer entry) writes not
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections import OrderedDict
@@ -112,7 +113,8 @@ class KVCachePool:
         self.times = torch.zeros(self.num_blocks, bs, dtype=torch.int64, device=device)
         self.keys = torch.zeros(self.num_blocks, num_layers, bs, heads, dqk, dtype=dtype, device=device)
         self.values = torch.zeros(self.num_blocks, num_layers, bs, heads, dv, dtype=dtype, device=device)
-        self.free: list[int] = list(range(self.num_blocks - 1, -1, -1))
+        self.free: list[int] = list(range(self.num_blocks))  # a heap: the lowest ids first, so an entry's pages
+        # tend to be consecutive, and its copies to and from the host tier few
         self.entries: OrderedDict[str, _Entry] = OrderedDict()
         self.host: OrderedDict[str, _Entry] = OrderedDict()
         self.host_limit = int(self.config.host_mb * 2**20)
@@ -234,7 +236,7 @@ class KVCachePool:
             self._release(entry.blocks)
             self.stats.too_large += 1
             return False
-        entry.blocks += [self.free.pop() for _ in range(needed - len(entry.blocks))]
+        entry.blocks += [heapq.heappop(self.free) for _ in range(needed - len(entry.blocks))]
         if entry.index is None or len(entry.blocks) != blocks:
             entry.index = self._device_index(entry.blocks)
         pos = torch.arange(start, n, device=self.device)
@@ -292,7 +294,10 @@ class KVCachePool:
             spare = limit - hp.allocated_bytes - self.host_metadata_bytes - meta
             if len(hp.free) >= pages and spare >= 0:
                 return True
-            if len(hp.free) < pages and hp.grow(spare):
+            # a new chunk leaves room for the metadata of the entries its pages will hold (judged by this one's)
+            per_page = meta / pages
+            rows = (limit - hp.allocated_bytes - hp.num_pages * per_page) // (hp.page_bytes + per_page)
+            if len(hp.free) < pages and hp.grow(min(spare, int(rows) * hp.page_bytes)):
                 continue
             if not self.host:
                 return False
@@ -306,7 +311,7 @@ class KVCachePool:
         self.host_metadata_bytes -= meta
         pages = entry.blocks
         self._reserve(len(pages))  # always succeeds: the entry came from the device tier
-        blocks = [self.free.pop() for _ in pages]
+        blocks = [heapq.heappop(self.free) for _ in pages]
         self.host_pages.load(pages, self.times, self.keys, self.values, blocks)
         self.host_pages.release(pages)  # reused only by copies issued after this one on the same stream
         entry.blocks, entry.index = blocks, self._device_index(blocks)
@@ -314,7 +319,8 @@ class KVCachePool:
         self.metadata_bytes += meta
 
     def _release(self, blocks: list[int]) -> None:
-        self.free.extend(blocks)
+        for block in blocks:
+            heapq.heappush(self.free, block)
 
     def _drop_host(self, user: str) -> None:
         entry = self.host.pop(user)

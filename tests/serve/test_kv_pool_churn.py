@@ -49,7 +49,9 @@ def _history(rng: random.Random, n: int, seed: int) -> torch.Tensor:
 
 
 def test_churn_reuses_exact_prefixes_and_keeps_every_bound() -> None:
-    rng = random.Random(torch.randint(0, 2**31, ()).item())
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")  # shown when the test fails
+    rng = random.Random(seed)
     pool = KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"),
                        PoolConfig(device_mb=0.02, host_mb=0.04, block_size=8))  # fmt: skip
     cache = CacheManager(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"), "0", pool)
@@ -87,10 +89,10 @@ def test_churn_reuses_exact_prefixes_and_keeps_every_bound() -> None:
         assert pool.host_bytes <= pool.host_limit
     report = pool.report()
     assert report["older"] > 0 and report["diverged"] > 0 and report["host_hits"] > 0 and report["dropped"] > 0
-    for user in list(pool.entries) + list(pool.host):  # whatever stayed cached is the user's latest history's
-        identity = histories[user]
-        reused, _ = _serve(cache, user, identity)
-        assert reused > 0
+    for user in list(pool.entries) + list(pool.host):  # every entry still cached serves its user exactly
+        if user in pool.entries or user in pool.host:  # (serving one may have dropped another)
+            reused, _ = _serve(cache, user, histories[user])
+            assert reused >= CTX
 
 
 def test_host_pages_are_reused_not_reallocated() -> None:
