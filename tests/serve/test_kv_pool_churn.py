@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from recforge.serve.cache_manager import CacheManager
@@ -32,11 +33,12 @@ def _serve(cache: CacheManager, user: str, identity: torch.Tensor) -> tuple[int,
     state = cache.acquire(user, _tokens(identity), CTX)
     k, n = state.length, identity.shape[0]
     keys, values = _keys_values(identity)
-    torch.testing.assert_close(state.keys[:, :k], keys[:, :k], rtol=0, atol=0)
-    torch.testing.assert_close(state.values[:, :k], values[:, :k], rtol=0, atol=0)
-    assert torch.equal(state.timestamps[:k], identity[:k, 3]) and torch.equal(state.tokens[:k], identity[:k])
-    state.keys[:, k:n], state.values[:, k:n] = keys[:, k:], values[:, k:]
-    state.timestamps[k:n], state.tokens[k:n], state.length = identity[k:, 3], identity[k:], n
+    torch.testing.assert_close(state.keys[:, :k].cpu(), keys[:, :k], rtol=0, atol=0)
+    torch.testing.assert_close(state.values[:, :k].cpu(), values[:, :k], rtol=0, atol=0)
+    assert torch.equal(state.timestamps[:k].cpu(), identity[:k, 3]) and torch.equal(state.tokens[:k], identity[:k])
+    device = state.keys.device
+    state.keys[:, k:n], state.values[:, k:n] = keys[:, k:].to(device), values[:, k:].to(device)
+    state.timestamps[k:n], state.tokens[k:n], state.length = identity[k:, 3].to(device), identity[k:], n
     return k, cache.release(user, state, k)
 
 
@@ -49,12 +51,21 @@ def _history(rng: random.Random, n: int, seed: int) -> torch.Tensor:
 
 
 def test_churn_reuses_exact_prefixes_and_keeps_every_bound() -> None:
+    _churn(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_churn_on_cuda_with_pinned_pages_and_asynchronous_copies(cuda_device) -> None:
+    _churn(cuda_device)
+
+
+def _churn(device: torch.device) -> None:
     seed = random.randrange(2**31)
     print(f"seed {seed}")  # shown when the test fails
     rng = random.Random(seed)
-    pool = KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"),
+    pool = KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, device,
                        PoolConfig(device_mb=0.02, host_mb=0.04, block_size=8))  # fmt: skip
-    cache = CacheManager(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"), "0", pool)
+    cache = CacheManager(LAYERS, HEADS, DQK, DV, torch.float32, device, "0", pool)
     histories: dict[str, torch.Tensor] = {}
     seen: dict[str, list[torch.Tensor]] = {}  # every request a user made: older ones are resent out of order
     for step in range(600):
