@@ -3,12 +3,15 @@
 ``KVCachePool`` (``kv_pool.py``) stores prefixes; this module decides what a request may reuse
 and what it may write back:
 
-- ``acquire``: a working ``PrefixState`` for a request, starting from the user's cached prefix when
-  that is a prefix of the request's tokens (prefix match), else empty; a cached entry that no
-  longer matches (history rewritten, other features) is dropped as stale. The state is tagged with
-  the model version computing it and the pool entry's generation it was read from.
+- ``acquire``: a working ``PrefixState`` for a request, starting from the longest prefix of the
+  request's tokens that the user's entry holds (prefix match: the whole entry when the request
+  extends it; the request's own prefix when it is an older request, arriving after a newer one was
+  cached; the common part when the histories diverge), else empty. The entry itself is left as it
+  is. The state is tagged with the model version computing it and the pool entry's generation it
+  was read from.
 - ``release``: write the request's new tokens back. The pool refuses it when the entry changed
-  since the lookup (a newer request wrote it) or the pool now serves another model version.
+  since the lookup (a newer request wrote it) or the pool now serves another model version, and
+  writes nothing when the request computed nothing the entry lacks (an older request).
 
 A manager serves one engine (one model version). A pool whose version is not the engine's (the
 engine was retired by a reload) is never read or written by it, so entries of two models never
@@ -29,7 +32,7 @@ import torch
 from torch import Tensor
 
 from recforge.serve.kv_pool import KVCachePool
-from recforge.serve.state import PrefixState, copy_state
+from recforge.serve.state import PrefixState, copy_state, token_identity
 
 if TYPE_CHECKING:
     from recforge.serve.engine import RankEngine
@@ -69,13 +72,11 @@ class CacheManager:
         return state
 
     def acquire(self, user: str, tokens: dict[str, Tensor], num_contextual: int) -> PrefixState:
-        """A working state for a prefix of ``tokens`` (room for all of them): ``user``'s cached prefix when it
-        is a prefix of ``tokens`` (``length`` tokens already computed), else an empty one."""
+        """A working state for a prefix of ``tokens`` (room for all of them): the longest prefix of ``tokens``
+        that ``user``'s entry holds (``length`` tokens already computed; ``KVCachePool.lookup``), else an
+        empty one."""
         pool, total = self.pool, tokens["item_ids"].numel()
-        state = pool.get(user, total) if pool is not None else None
-        if state is not None and not state.is_prefix_of(tokens, num_contextual):
-            pool.mark_stale(user)
-            state = None
+        state = pool.lookup(user, token_identity(tokens), num_contextual, total) if pool is not None else None
         state = self._with_room(state, num_contextual, total)
         state.version = self.version
         state.generation = pool.generation_of(user) if pool is not None else 0

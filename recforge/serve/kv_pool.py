@@ -1,29 +1,38 @@
 """Per-user KV-cache pool: paged blocks on the device, LRU eviction to a bounded host-memory tier.
 
-Each cached user holds the per-block keys/values of its prefix (contextual + history tokens) in
-fixed-size pages of ``block_size`` tokens::
+Each cached user holds the per-block keys/values (and times) of its prefix (contextual + history
+tokens) in fixed-size pages of ``block_size`` tokens::
 
-    device tier   keys   (num_blocks, layers, block_size, H, Dqk)   one preallocated buffer:
-                  values (num_blocks, layers, block_size, H, Dv)    the memory bound
+    device tier   times  (num_blocks, block_size)            one preallocated buffer each:
+                  keys   (num_blocks, layers, block_size, H, Dqk)   the memory bound
+                  values (num_blocks, layers, block_size, H, Dv)
                   user -> [block ids], length, token identities      LRU order
-    host tier     user -> contiguous CPU copy (pinned on CUDA)       bounded by host_bytes, LRU
+    host tier     pages of the same shape in a reused slab (kv_host.py; pinned on CUDA), LRU,
+                  bounded by host_mb (the slab's bytes + the host entries' token identities)
 
-A device entry evicted for room goes to the host tier (copied on a side CUDA stream; the copy
-is waited for only when the entry is read back), or is dropped when there is no host tier. A
-request looks its user up (``get``), the scheduler's ``CacheManager`` checks that the cached
-tokens are a prefix of the request's and were computed under the same context
-(``PrefixState.is_prefix_of``), only the new tokens are computed, and ``put`` writes back just those. ``invalidate`` drops everything when
-the model version changes; entries also carry their version.
+A device entry evicted for room has its pages copied into free host pages, or is dropped when the
+host tier cannot hold it. Every copy is asynchronous and issued on the current stream, so
+nothing on the serving thread waits for one (``kv_host.py``). A host hit is promoted: device
+pages are reserved (evicting others), its pages copied back, its host pages freed.
+
+A request looks its user up with its own tokens (``lookup``): the pool compares them with the
+entry's token identities on the CPU and returns a working copy of the longest reusable prefix
+(the whole entry when it is a prefix of the request; the request's own tokens when the request
+is an older one, a prefix of the entry; a common prefix when the histories diverge). Only the
+rest is computed, and ``put`` writes back just that. ``invalidate`` drops everything when the
+model version changes; entries also carry their version.
 
 Writers never mix: every entry has a *generation*, new on each write. A state read from the
 pool remembers the generation it saw (``generation_of`` at lookup, 0 for none) and the model
 version it was computed with; ``put`` writes only when both still hold, so a slower request for
 the same user, or one computed under a model since replaced, never overwrites a newer entry
-(and never appends its tokens to keys another request wrote).
+(and never appends its tokens to keys another request wrote). A state that computed nothing the
+entry lacks (an older request, served from a prefix of a newer entry) writes nothing.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections import OrderedDict
@@ -32,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from recforge.serve.kv_host import HostPages
 from recforge.serve.state import PrefixState
 
 
@@ -39,8 +49,8 @@ from recforge.serve.state import PrefixState
 class PoolConfig:
     """KV-cache pool bounds."""
 
-    device_mb: float = 256.0  # device tier size (keys + values pages); fixes the number of blocks
-    host_mb: float = 1024.0  # host tier bound; 0 disables the tier (evicted users are dropped)
+    device_mb: float = 256.0  # device tier size (keys + values + times pages); fixes the number of blocks
+    host_mb: float = 1024.0  # host tier bound (pages + token identities); 0 disables the tier (evicted users are dropped)
     block_size: int = 64  # tokens per page
 
     def problems(self) -> list[str]:
@@ -55,32 +65,14 @@ class PoolConfig:
 
 
 @dataclass
-class _DeviceEntry:
-    blocks: list[int]
+class _Entry:
+    blocks: list[int]  # device block ids, or host page ids while on the host tier
     length: int
     tokens: Tensor  # (n, 4) CPU token identities
-    timestamps: Tensor  # (n,) device
     num_contextual: int
     version: str
     generation: int
-
-
-@dataclass
-class _HostEntry:
-    keys: Tensor  # (layers, n, H, Dqk) CPU
-    values: Tensor
-    timestamps: Tensor
-    tokens: Tensor
-    num_contextual: int
-    version: str
-    generation: int
-    ready: object = None  # torch.cuda.Event of the copy, None when complete
-    key_bytes: int = 0  # the user key, counted in the host bound too
-
-    @property
-    def nbytes(self) -> int:
-        tensors = sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.timestamps, self.tokens))
-        return tensors + self.key_bytes + ENTRY_OVERHEAD
+    index: Tensor | None = None  # device tier: ``blocks`` as a device tensor (the pages' gather/scatter index)
 
 
 @dataclass
@@ -89,7 +81,9 @@ class PoolStats:
     device_hits: int = 0
     host_hits: int = 0
     misses: int = 0
-    stale: int = 0  # found but not reusable (other model version, history changed)
+    stale: int = 0  # found but nothing reusable (other model version or features, history changed from the start)
+    older: int = 0  # the request was a prefix of its entry (an older request arriving late): served read-only
+    diverged: int = 0  # the request shared only a common prefix with its entry: that prefix reused
     evicted_to_host: int = 0
     dropped: int = 0
     too_large: int = 0
@@ -113,71 +107,87 @@ class KVCachePool:
         self.config.validate()
         bs = self.config.block_size
         elem = torch.empty((), dtype=dtype).element_size()
-        self.block_bytes = num_layers * bs * heads * (dqk + dv) * elem
+        self.block_bytes = num_layers * bs * heads * (dqk + dv) * elem + bs * 8  # keys, values, times
         self.num_blocks = max(1, int(self.config.device_mb * 2**20 // self.block_bytes))
+        self.device = torch.device(device)
+        self.times = torch.zeros(self.num_blocks, bs, dtype=torch.int64, device=device)
         self.keys = torch.zeros(self.num_blocks, num_layers, bs, heads, dqk, dtype=dtype, device=device)
         self.values = torch.zeros(self.num_blocks, num_layers, bs, heads, dv, dtype=dtype, device=device)
-        self.device = torch.device(device)
-        self.free: list[int] = list(range(self.num_blocks - 1, -1, -1))
-        self.entries: OrderedDict[str, _DeviceEntry] = OrderedDict()
-        self.host: OrderedDict[str, _HostEntry] = OrderedDict()
-        self.host_bytes = 0
+        self.free: list[int] = list(range(self.num_blocks))  # a heap: the lowest ids first, so an entry's pages
+        # tend to be consecutive, and its copies to and from the host tier few
+        self.entries: OrderedDict[str, _Entry] = OrderedDict()
+        self.host: OrderedDict[str, _Entry] = OrderedDict()
+        self.host_limit = int(self.config.host_mb * 2**20)
+        self.host_pages = HostPages(((num_layers, bs, heads, dqk), (num_layers, bs, heads, dv)), dtype,
+                                    pin=self.device.type == "cuda")  # fmt: skip
+        self.host_metadata_bytes = 0  # host entries' token identities and user keys (counted in host_mb)
+        self.metadata_bytes = 0  # device entries' token identities and user keys (host memory)
         self.version = version
         self.stats = PoolStats()
-        self.metadata_bytes = 0  # device entries' token identities, timestamps and user keys (host memory)
         self._generations = itertools.count(1)
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @classmethod
     def for_engine(cls, engine, config: PoolConfig | None = None) -> KVCachePool:
         cfg = engine.model.encoder.cfg
         return cls(cfg.num_blocks, cfg.num_heads, cfg.dqk, cfg.dv, engine.dtype, engine.device, config, engine.version)
 
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the host tier holds: its slab (allocated pages, used or free) and its entries' metadata."""
+        return self.host_pages.allocated_bytes + self.host_metadata_bytes
+
     # ------------------------------------------------------------------------------- reads
 
-    def get(self, user: str, capacity: int = 0) -> PrefixState | None:
-        """A working copy of ``user``'s cached prefix with room for ``capacity`` tokens, or None."""
-        self.stats.lookups += 1
-        entry = self.entries.get(user)
-        if entry is not None and entry.version == self.version:
-            self.entries.move_to_end(user)
-            self.stats.device_hits += 1
-            return self._materialize(entry, capacity)
-        host = self.host.get(user)
-        if host is not None and host.version == self.version:
-            self.stats.host_hits += 1
-            if host.ready is not None:
-                host.ready.synchronize()
-            state = self._state_from_host(host, capacity)
-            self._drop_host(user)
-            self._write(user, state, 0, host.generation)  # promote: back into device pages, same content
-            return state
-        self.stats.misses += 1
-        return None
+    def lookup(self, user: str, identity: Tensor | None = None, num_contextual: int = 0,
+               capacity: int = 0) -> PrefixState | None:  # fmt: skip
+        """A working copy of the longest prefix of a request's tokens that ``user``'s entry holds, with room
+        for ``capacity`` tokens; None when nothing is reusable.
 
-    def _materialize(self, entry: _DeviceEntry, capacity: int) -> PrefixState:
-        n, idx = entry.length, torch.tensor(entry.blocks, device=self.device)
-        layers, heads, dqk, dv = self.keys.shape[1], self.keys.shape[3], self.keys.shape[4], self.values.shape[4]
+        Args:
+            identity: (n, 4) the request's prefix token identities (``state.token_identity``); None: the whole entry.
+            num_contextual: the request's contextual tokens (an entry computed with other ones is not reusable,
+                nor a common prefix that ends inside them: they attend to each other both ways).
+        """
+        self.stats.lookups += 1
+        entry, on_device = self.entries.get(user), True
+        if entry is None or entry.version != self.version:
+            entry, on_device = self.host.get(user), False
+            if entry is None or entry.version != self.version:
+                self.stats.misses += 1
+                return None
+        if on_device:
+            self.stats.device_hits += 1
+        else:
+            self.stats.host_hits += 1
+        n = entry.length if identity is None else _common_prefix(entry, identity, num_contextual)
+        if n == 0:
+            self.stats.stale += 1
+            return None
+        if n < entry.length:
+            if n == identity.shape[0]:
+                self.stats.older += 1
+            else:
+                self.stats.diverged += 1
+        if on_device:
+            self.entries.move_to_end(user)
+        else:
+            self._promote(user, entry)
+        return self._materialize(entry, n, capacity)
+
+    def _materialize(self, entry: _Entry, n: int, capacity: int) -> PrefixState:
+        """A new state holding the first ``n`` tokens of device ``entry``."""
+        layers, bs, heads, dqk = self.keys.shape[1:]
+        dv = self.values.shape[4]
         state = PrefixState(layers, max(capacity, n), heads, dqk, dv, entry.num_contextual, self.keys.dtype,
                             self.device)  # fmt: skip
+        idx = entry.index[: math.ceil(n / bs)]
+        # pages (b, layers, bs, H, D) -> (layers, b * bs, H, D)
         state.keys[:, :n] = self.keys[idx].transpose(0, 1).reshape(layers, -1, heads, dqk)[:, :n]
         state.values[:, :n] = self.values[idx].transpose(0, 1).reshape(layers, -1, heads, dv)[:, :n]
-        state.timestamps[:n] = entry.timestamps
-        state.tokens[:n] = entry.tokens
+        state.timestamps[:n] = self.times[idx].reshape(-1)[:n]
+        state.tokens[:n] = entry.tokens[:n]
         state.length = n
         state.version, state.generation = entry.version, entry.generation
-        return state
-
-    def _state_from_host(self, host: _HostEntry, capacity: int) -> PrefixState:
-        layers, n, heads, dqk = host.keys.shape
-        state = PrefixState(layers, max(capacity, n), heads, dqk, host.values.shape[3], host.num_contextual,
-                            self.keys.dtype, self.device)  # fmt: skip
-        state.keys[:, :n] = host.keys.to(self.device, non_blocking=True)
-        state.values[:, :n] = host.values.to(self.device, non_blocking=True)
-        state.timestamps[:n] = host.timestamps.to(self.device)
-        state.tokens[:n] = host.tokens
-        state.length = n
-        state.version, state.generation = host.version, host.generation
         return state
 
     def generation_of(self, user: str) -> int:
@@ -191,10 +201,16 @@ class KVCachePool:
         """Cache ``state`` for ``user``; when the cached entry already holds its first ``start`` tokens,
         only tokens ``[start, length)`` are written. Returns False when the write is refused: ``state``
         was computed with another model version, ``user``'s entry changed since ``state.generation``
-        was read (a newer request wrote it), or the prefix does not fit at all."""
+        was read (a newer request wrote it), or the prefix does not fit at all. A state that computed
+        nothing the entry lacks (``start == length <=`` the entry's length) keeps the entry as it is."""
         if state.version != self.version or self.generation_of(user) != state.generation:
             self.stats.stale_writes += 1
             return False
+        entry = self.entries.get(user) or self.host.get(user)
+        if entry is not None and state.length <= start and state.length <= entry.length:
+            if user in self.entries:
+                self.entries.move_to_end(user)
+            return True
         state.generation = next(self._generations)
         return self._write(user, state, start, state.generation)
 
@@ -206,34 +222,43 @@ class KVCachePool:
             self.discard(user)
             return False
         entry = self.entries.get(user)
-        if entry is None or entry.version != self.version or entry.length != start or start == 0:
+        if entry is None or entry.version != self.version or start == 0 or entry.length < start:
             self.discard(user)
-            entry = _DeviceEntry([], 0, state.tokens[:0], state.timestamps[:0], state.num_contextual,
-                                 self.version, generation)  # fmt: skip
+            entry = _Entry([], 0, state.tokens[:0], state.num_contextual, self.version, generation)
             start = 0
-        else:
+        else:  # out of the LRU order while reserving, so never its own victim
             self._pop_entry(user)
-        grow = needed - len(entry.blocks)
-        if not self._reserve(grow):
+        blocks = len(entry.blocks)
+        if blocks > needed:  # a diverged request's shorter history: the pages past it are free again
+            self._release(entry.blocks[needed:])
+            entry.blocks = entry.blocks[:needed]
+        if not self._reserve(needed - len(entry.blocks)):
             self._release(entry.blocks)
             self.stats.too_large += 1
             return False
-        entry.blocks += [self.free.pop() for _ in range(grow)]
+        entry.blocks += [heapq.heappop(self.free) for _ in range(needed - len(entry.blocks))]
+        if entry.index is None or len(entry.blocks) != blocks:
+            entry.index = self._device_index(entry.blocks)
         pos = torch.arange(start, n, device=self.device)
-        blocks = torch.tensor(entry.blocks, device=self.device)[pos // bs]
-        slots = pos % bs
+        pages, slots = entry.index[pos // bs], pos % bs
         # (layers, m, H, D) -> pages[block, layer, slot]
-        self.keys[blocks, :, slots] = state.keys[:, start:n].transpose(0, 1)
-        self.values[blocks, :, slots] = state.values[:, start:n].transpose(0, 1)
+        self.keys[pages, :, slots] = state.keys[:, start:n].transpose(0, 1)
+        self.values[pages, :, slots] = state.values[:, start:n].transpose(0, 1)
+        self.times[pages, slots] = state.timestamps[start:n]
         entry.length = n
         entry.tokens = state.tokens[:n].clone()
-        entry.timestamps = state.timestamps[:n].clone()
         entry.generation = generation
         self.entries[user] = entry
         self.metadata_bytes += _metadata_bytes(user, entry)
         return True
 
-    def _pop_entry(self, user: str) -> _DeviceEntry | None:
+    def _device_index(self, blocks: list[int]) -> Tensor:
+        index = torch.tensor(blocks, dtype=torch.int64)
+        if self.device.type == "cuda":  # from pinned memory: an asynchronous copy, no wait for the stream
+            return index.pin_memory().to(self.device, non_blocking=True)
+        return index.to(self.device)
+
+    def _pop_entry(self, user: str) -> _Entry | None:
         entry = self.entries.pop(user, None)
         if entry is not None:
             self.metadata_bytes -= _metadata_bytes(user, entry)
@@ -245,48 +270,62 @@ class KVCachePool:
             self._evict(victim, self._pop_entry(victim))
         return len(self.free) >= blocks
 
-    def _evict(self, user: str, entry: _DeviceEntry) -> None:
-        if self.config.host_mb > 0:
-            state = self._materialize(entry, 0)
-            host = self._to_host(state, entry)
-            host.key_bytes = len(user.encode())
-            if host.nbytes <= self.config.host_mb * 2**20:
-                while self.host and self.host_bytes + host.nbytes > self.config.host_mb * 2**20:
-                    self._drop_host(next(iter(self.host)))
-                    self.stats.dropped += 1
-                self.host[user] = host
-                self.host_bytes += host.nbytes
-                self.stats.evicted_to_host += 1
-            else:
-                self.stats.dropped += 1
+    def _evict(self, user: str, entry: _Entry) -> None:
+        """Move device ``entry`` to the host tier (its pages copied asynchronously), or drop it."""
+        blocks, meta = entry.blocks, _metadata_bytes(user, entry)
+        if self._host_room(len(blocks), meta):
+            pages = self.host_pages.take(len(blocks))
+            self.host_pages.store(pages, self.times, self.keys, self.values, blocks)
+            entry.blocks, entry.index = pages, None
+            self.host[user] = entry
+            self.host_metadata_bytes += meta
+            self.stats.evicted_to_host += 1
         else:
             self.stats.dropped += 1
-        self._release(entry.blocks)
+        self._release(blocks)
 
-    def _to_host(self, state: PrefixState, entry: _DeviceEntry) -> _HostEntry:
-        n = state.length
-        keys, values = state.keys[:, :n], state.values[:, :n]
-        ready = None
-        if self._stream is not None:  # copy back asynchronously; readers wait on the event
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                host_k = torch.empty(keys.shape, dtype=keys.dtype, pin_memory=True).copy_(keys, non_blocking=True)
-                host_v = torch.empty(values.shape, dtype=values.dtype, pin_memory=True).copy_(values, non_blocking=True)
-                keys.record_stream(self._stream)
-                values.record_stream(self._stream)
-                ready = torch.cuda.Event()
-                ready.record(self._stream)
-        else:
-            host_k, host_v = keys.clone(), values.clone()
-        return _HostEntry(host_k, host_v, state.timestamps[:n].cpu(), state.tokens[:n].clone(), entry.num_contextual,
-                          entry.version, entry.generation, ready)  # fmt: skip
+    def _host_room(self, pages: int, meta: int) -> bool:
+        """Make ``pages`` free host pages and ``meta`` bytes of metadata fit the host bound: grow the slab while
+        the bound allows, else drop least recently used host entries. False when it cannot."""
+        hp, limit = self.host_pages, self.host_limit
+        if pages * hp.page_bytes + meta > limit:
+            return False
+        while True:
+            spare = limit - hp.allocated_bytes - self.host_metadata_bytes - meta
+            if len(hp.free) >= pages and spare >= 0:
+                return True
+            # a new chunk leaves room for the metadata of the entries its pages will hold (judged by this one's)
+            per_page = meta / pages
+            rows = (limit - hp.allocated_bytes - hp.num_pages * per_page) // (hp.page_bytes + per_page)
+            if len(hp.free) < pages and hp.grow(min(spare, int(rows) * hp.page_bytes)):
+                continue
+            if not self.host:
+                return False
+            self._drop_host(next(iter(self.host)))
+            self.stats.dropped += 1
+
+    def _promote(self, user: str, entry: _Entry) -> None:
+        """Host ``entry`` back into device pages (evicting others for room), its host pages freed."""
+        meta = _metadata_bytes(user, entry)
+        del self.host[user]  # out of the host LRU order: its pages are never dropped while they are read
+        self.host_metadata_bytes -= meta
+        pages = entry.blocks
+        self._reserve(len(pages))  # always succeeds: the entry came from the device tier
+        blocks = [heapq.heappop(self.free) for _ in pages]
+        self.host_pages.load(pages, self.times, self.keys, self.values, blocks)
+        self.host_pages.release(pages)  # reused only by copies issued after this one on the same stream
+        entry.blocks, entry.index = blocks, self._device_index(blocks)
+        self.entries[user] = entry
+        self.metadata_bytes += meta
 
     def _release(self, blocks: list[int]) -> None:
-        self.free.extend(blocks)
+        for block in blocks:
+            heapq.heappush(self.free, block)
 
     def _drop_host(self, user: str) -> None:
-        host = self.host.pop(user)
-        self.host_bytes -= host.nbytes
+        entry = self.host.pop(user)
+        self.host_pages.release(entry.blocks)
+        self.host_metadata_bytes -= _metadata_bytes(user, entry)
 
     def discard(self, user: str) -> None:
         """Forget ``user`` in both tiers."""
@@ -311,29 +350,27 @@ class KVCachePool:
         self.stats.reused_tokens += reused
         self.stats.computed_tokens += computed
 
-    def mark_stale(self, user: str) -> None:
-        """The entry found for ``user`` was not a prefix of its request (history rewritten, other
-        request time or features): drop it; the request computes from scratch."""
-        self.stats.stale += 1
-        self.discard(user)
-
     def report(self) -> dict[str, float]:
         s = self.stats
         hits = s.device_hits + s.host_hits - s.stale
         tokens = s.reused_tokens + s.computed_tokens
+        hp = self.host_pages
         return {
             "users_device": len(self.entries),
             "users_host": len(self.host),
             "device_bytes_capacity": self.num_blocks * self.block_bytes,
             "device_bytes_used": (self.num_blocks - len(self.free)) * self.block_bytes,
-            "host_bytes_capacity": int(self.config.host_mb * 2**20),
+            "host_bytes_capacity": self.host_limit,
             "host_bytes_used": self.host_bytes,
+            "host_pages_bytes_used": (hp.num_pages - len(hp.free)) * hp.page_bytes,
             "metadata_bytes": self.metadata_bytes,
             "lookups": s.lookups,
             "device_hits": s.device_hits,
             "host_hits": s.host_hits,
             "misses": s.misses,
             "stale": s.stale,
+            "older": s.older,
+            "diverged": s.diverged,
             "hit_rate": hits / s.lookups if s.lookups else 0.0,
             "token_hit_rate": s.reused_tokens / tokens if tokens else 0.0,
             "evicted_to_host": s.evicted_to_host,
@@ -346,9 +383,20 @@ class KVCachePool:
 ENTRY_OVERHEAD = 512  # bytes of Python objects per cached user (dict slot, dataclass, tensor headers), counted
 
 
-def _metadata_bytes(user: str, entry: _DeviceEntry) -> int:
-    """Host memory of a device entry besides its pages: token identities, timestamps, the user key."""
-    return entry.tokens.numel() * 8 + entry.timestamps.numel() * 8 + len(user.encode()) + ENTRY_OVERHEAD
+def _metadata_bytes(user: str, entry: _Entry) -> int:
+    """Host memory of an entry besides its pages: token identities, block ids, the user key."""
+    return entry.tokens.numel() * 8 + len(entry.blocks) * 8 + len(user.encode()) + ENTRY_OVERHEAD
+
+
+def _common_prefix(entry: _Entry, identity: Tensor, num_contextual: int) -> int:
+    """How many first tokens of ``identity`` the entry holds with the same keys/values: the common prefix of
+    their token identities, 0 when it ends inside the contextual tokens (or they differ in number)."""
+    if entry.num_contextual != num_contextual:
+        return 0
+    k = min(entry.length, identity.shape[0])
+    differ = (entry.tokens[:k] != identity[:k]).any(1).nonzero()
+    n = int(differ[0]) if differ.numel() else k
+    return n if n >= num_contextual else 0
 
 
 __all__ = ["KVCachePool", "PoolConfig", "PoolStats"]

@@ -19,8 +19,9 @@ class PrefixState:
 
     def __init__(self, num_layers: int, capacity: int, heads: int, dqk: int, dv: int, num_contextual: int,
                  dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
-        self.keys = torch.zeros(num_layers, capacity, heads, dqk, dtype=dtype, device=device)
-        self.values = torch.zeros(num_layers, capacity, heads, dv, dtype=dtype, device=device)
+        # rows past ``length`` are never read (every reader takes [:length]): no zero fill, one kernel less each
+        self.keys = torch.empty(num_layers, capacity, heads, dqk, dtype=dtype, device=device)
+        self.values = torch.empty(num_layers, capacity, heads, dv, dtype=dtype, device=device)
         self.timestamps = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(capacity, 4, dtype=torch.int64)
         self.length = 0

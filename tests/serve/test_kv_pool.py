@@ -49,12 +49,52 @@ def test_a_changed_history_is_recomputed_and_a_later_request_reuses_the_cache(tm
     engine.rank_encoded(engine.encode("u1", hist, CANDS, timestamp=now))
     rewritten = {**hist, "actions": ["buy"] * 30}
     req = engine.encode("u1", rewritten, CANDS, timestamp=now)
-    assert engine.rank_encoded(req).cached_tokens == 0
+    assert engine.rank_encoded(req).cached_tokens == 2  # only the contextual tokens are still the same
+    assert engine.pool.report()["diverged"] == 1
+    other = engine.encode("u1", rewritten, CANDS, user_features={"user_id": "u1"}, timestamp=now)
+    assert engine.rank_encoded(other).cached_tokens == 0  # other contextual tokens: nothing is reusable
     assert engine.pool.report()["stale"] == 1
+    engine.rank_encoded(req)  # back to the features of ``later`` below
     later = engine.encode("u1", rewritten, CANDS, timestamp=now + 86400)  # the same user a day later
     result = engine.rank_encoded(later)
     assert result.cached_tokens == prefix_tokens(later, engine.action_encoding)["item_ids"].numel()  # the whole prefix
     torch.testing.assert_close(result.scores, _scratch(engine, later), rtol=1e-5, atol=1e-5)
+
+
+def test_an_older_request_reuses_its_prefix_of_a_newer_entry_and_leaves_it(tmp_path) -> None:
+    """Same user, out of order: the request for the first 30 events arrives after the one for 45 was cached.
+    It reuses its own 32-token prefix of the entry (nothing computed), scores as a cold request, and the
+    newer entry stays (same length and generation), so the next newer request is a full hit again."""
+    engine = _engine(tmp_path, PoolConfig(device_mb=1, block_size=8), prefill_chunk=16)
+    hist = random_history(45, seed=int(torch.randint(0, 1000, ())))
+    now = hist["timestamps"][-1] + 5
+    newer = engine.encode("u3", hist, CANDS, user_features={"user_id": "u1"}, timestamp=now)
+    older = engine.encode("u3", {k: v[:30] for k, v in hist.items()}, CANDS, user_features={"user_id": "u1"},
+                          timestamp=hist["timestamps"][29] + 5)  # fmt: skip
+    engine.rank_encoded(newer)
+    generation = engine.pool.generation_of("u3")
+    result = engine.rank_encoded(older)
+    assert result.cached_tokens == 32 and result.computed_tokens == 0
+    torch.testing.assert_close(result.scores, _scratch(engine, older), rtol=1e-5, atol=1e-5)
+    assert engine.pool.generation_of("u3") == generation and engine.pool.entries["u3"].length == 47
+    assert engine.pool.report()["older"] == 1 and engine.pool.report()["stale"] == 0
+    again = engine.rank_encoded(newer)
+    assert again.cached_tokens == 47 and again.computed_tokens == 0
+
+
+def test_a_diverged_history_reuses_the_common_prefix_exactly(tmp_path) -> None:
+    """The cached history and the request's agree on their first 20 events only: those 22 tokens are reused,
+    the rest computed, the scores are a cold request's, and the entry is now the request's history."""
+    engine = _engine(tmp_path, PoolConfig(device_mb=1, block_size=8), prefill_chunk=16)
+    hist = random_history(40, seed=int(torch.randint(0, 1000, ())))
+    engine.rank_encoded(engine.encode("u4", hist, CANDS, timestamp=hist["timestamps"][-1] + 5))
+    rewritten = {k: v[:20] + v[25:] for k, v in hist.items()}  # five events removed from the middle
+    req = engine.encode("u4", rewritten, CANDS, timestamp=hist["timestamps"][-1] + 5)
+    result = engine.rank_encoded(req)
+    assert result.cached_tokens == 22 and result.computed_tokens == 15
+    torch.testing.assert_close(result.scores, _scratch(engine, req), rtol=1e-5, atol=1e-5)
+    assert engine.pool.report()["diverged"] == 1 and engine.pool.entries["u4"].length == 37
+    assert engine.rank_encoded(req).cached_tokens == 37
 
 
 def _history(seed: int, events: int = 50) -> tuple[dict, int]:

@@ -1,0 +1,133 @@
+"""KV-cache pool under churn: many users through a small device tier and a small host tier, requests out of
+order and rewritten histories; every reused prefix holds exactly the keys/values written for it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from recforge.serve.cache_manager import CacheManager
+from recforge.serve.kv_host import HostPages
+from recforge.serve.kv_pool import KVCachePool, PoolConfig
+
+LAYERS, HEADS, DQK, DV, CTX = 2, 2, 4, 3, 2
+
+
+def _keys_values(identity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-ins for a prefix's keys/values: token i's depend on tokens 0..i (a prefix sum), as real ones do."""
+    mix = (identity[:, 0] * 7 + identity[:, 1] * 3 + identity[:, 3]).cumsum(0) % 9973  # (n,)
+    grid = torch.arange(LAYERS * HEADS * DQK, dtype=torch.float32).view(LAYERS, 1, HEADS, DQK)
+    keys = mix.float().view(1, -1, 1, 1) + grid / 64  # (layers, n, H, Dqk)
+    values = -mix.float().view(1, -1, 1, 1) - grid[..., :DV] / 32
+    return keys, values
+
+
+def _tokens(identity: torch.Tensor) -> dict[str, torch.Tensor]:
+    return dict(zip(("item_ids", "actions", "context_ids", "timestamps"), identity.unbind(1)))
+
+
+def _serve(cache: CacheManager, user: str, identity: torch.Tensor) -> tuple[int, bool]:
+    """One request: acquire, check what was reused, compute the rest, release. (reused, written)."""
+    state = cache.acquire(user, _tokens(identity), CTX)
+    k, n = state.length, identity.shape[0]
+    keys, values = _keys_values(identity)
+    torch.testing.assert_close(state.keys[:, :k].cpu(), keys[:, :k], rtol=0, atol=0)
+    torch.testing.assert_close(state.values[:, :k].cpu(), values[:, :k], rtol=0, atol=0)
+    assert torch.equal(state.timestamps[:k].cpu(), identity[:k, 3]) and torch.equal(state.tokens[:k], identity[:k])
+    device = state.keys.device
+    state.keys[:, k:n], state.values[:, k:n] = keys[:, k:].to(device), values[:, k:].to(device)
+    state.timestamps[k:n], state.tokens[k:n], state.length = identity[k:, 3].to(device), identity[k:], n
+    return k, cache.release(user, state, k)
+
+
+def _history(rng: random.Random, n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    ctx = torch.tensor([[0, 0, seed % 5 + 1, 0], [0, 0, 9, 0]])
+    events = torch.stack([torch.randint(1, 90, (n,), generator=gen), torch.randint(0, 3, (n,), generator=gen),
+                          torch.zeros(n, dtype=torch.int64), torch.randint(1, 50, (n,), generator=gen).cumsum(0)], 1)  # fmt: skip
+    return torch.cat([ctx, events])
+
+
+def test_churn_reuses_exact_prefixes_and_keeps_every_bound() -> None:
+    _churn(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_churn_on_cuda_with_pinned_pages_and_asynchronous_copies(cuda_device) -> None:
+    _churn(cuda_device)
+
+
+def _churn(device: torch.device) -> None:
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")  # shown when the test fails
+    rng = random.Random(seed)
+    pool = KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, device,
+                       PoolConfig(device_mb=0.02, host_mb=0.04, block_size=8))  # fmt: skip
+    cache = CacheManager(LAYERS, HEADS, DQK, DV, torch.float32, device, "0", pool)
+    histories: dict[str, torch.Tensor] = {}
+    seen: dict[str, list[torch.Tensor]] = {}  # every request a user made: older ones are resent out of order
+    for step in range(600):
+        user = f"u{rng.randrange(40)}" if rng.random() > 0.1 else f"new{step}"
+        full = histories.get(user)
+        if full is None:
+            full = histories[user] = _history(rng, rng.randrange(5, 40), step)
+        roll = rng.random()
+        if roll < 0.2 and seen.get(user):  # an older request arriving late
+            identity = rng.choice(seen[user])
+        elif roll < 0.3:  # a rewritten tail: the history diverges after a common prefix
+            cut = rng.randrange(CTX, full.shape[0] + 1)
+            tail = _history(rng, rng.randrange(1, 6), step + 10_000)[CTX:]
+            tail[:, 3] += int(full[cut - 1, 3])
+            identity = histories[user] = torch.cat([full[:cut], tail])
+        else:  # 0-2 new events
+            extra = _history(rng, 2, step + 20_000)[CTX : CTX + rng.randrange(0, 3)]
+            extra[:, 3] += int(full[-1, 3])
+            identity = histories[user] = torch.cat([full, extra])
+        seen.setdefault(user, []).append(identity)
+        entry_before = pool.entries.get(user) or pool.host.get(user)
+        longer = entry_before is not None and entry_before.length > identity.shape[0]
+        generation = pool.generation_of(user)
+        reused, written = _serve(cache, user, identity)
+        assert written or identity.shape[0] > pool.num_blocks * 8
+        if longer and reused == identity.shape[0]:  # an older request: the newer entry stays as it was
+            assert pool.generation_of(user) == generation
+        used = sum(len(e.blocks) for e in pool.entries.values())
+        assert used + len(pool.free) == pool.num_blocks and len(set(pool.free)) == len(pool.free)
+        host = sum(len(e.blocks) for e in pool.host.values())
+        assert host + len(pool.host_pages.free) == pool.host_pages.num_pages
+        assert pool.host_bytes <= pool.host_limit
+    report = pool.report()
+    assert report["older"] > 0 and report["diverged"] > 0 and report["host_hits"] > 0 and report["dropped"] > 0
+    for user in list(pool.entries) + list(pool.host):  # every entry still cached serves its user exactly
+        if user in pool.entries or user in pool.host:  # (serving one may have dropped another)
+            reused, _ = _serve(cache, user, histories[user])
+            assert reused >= CTX
+
+
+def test_host_pages_are_reused_not_reallocated() -> None:
+    pool = KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"),
+                       PoolConfig(device_mb=0.01, host_mb=0.05, block_size=8))  # fmt: skip
+    cache = CacheManager(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"), "0", pool)
+    rng = random.Random(0)
+    for i in range(60):  # fill both tiers
+        _serve(cache, f"u{i}", _history(rng, 20, i))
+    chunks, allocated = len(pool.host_pages.chunks), pool.host_pages.allocated_bytes
+    assert pool.report()["evicted_to_host"] > 0 and allocated <= pool.host_limit
+    for i in range(60, 200):
+        _serve(cache, f"u{i}", _history(rng, 20, i))
+    assert len(pool.host_pages.chunks) == chunks and pool.host_pages.allocated_bytes == allocated
+
+
+def test_host_pages_round_trip_and_runs() -> None:
+    pages = HostPages(((LAYERS, 4, HEADS, DQK), (LAYERS, 4, HEADS, DV)), torch.float32, pin=False)
+    assert pages.grow(10 * pages.page_bytes + 3) and pages.num_pages == 10 and not pages.grow(pages.page_bytes - 1)
+    times = torch.randint(0, 100, (6, 4))
+    keys, values = torch.randn(6, LAYERS, 4, HEADS, DQK), torch.randn(6, LAYERS, 4, HEADS, DV)
+    held = pages.take(4)
+    pages.store(held, times, keys, values, [5, 1, 2, 3])
+    out = torch.zeros_like(times), torch.zeros_like(keys), torch.zeros_like(values)
+    pages.load(held, *out, [0, 4, 3, 2])
+    for got, want in zip(out, (times, keys, values)):
+        assert torch.equal(got[[0, 4, 3, 2]], want[[5, 1, 2, 3]])
