@@ -22,9 +22,12 @@ the CPU, so nothing waits for a copy.
 from __future__ import annotations
 
 import heapq
+import logging
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 * 2**20  # largest single allocation of the slab
 
@@ -65,7 +68,11 @@ class HostPages:
         if rows < 1:
             return False
         nbytes = cap if self.pin else rows * self.page_bytes
-        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        try:
+            raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        except RuntimeError as err:  # page-locked memory refused (limits, fragmentation): the tier stops growing
+            log.warning("KV cache host tier: cannot allocate %d MiB more (%s); evicted users are dropped", nbytes >> 20, err)
+            return False
         a, b = rows * self._times_bytes, rows * (self._times_bytes + self._key_bytes)
         times = raw[:a].view(torch.int64).view(rows, self.block_size)
         keys = raw[a:b].view(self.dtype).view(rows, *self.key_shape)

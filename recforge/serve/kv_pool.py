@@ -273,16 +273,18 @@ class KVCachePool:
     def _evict(self, user: str, entry: _Entry) -> None:
         """Move device ``entry`` to the host tier (its pages copied asynchronously), or drop it."""
         blocks, meta = entry.blocks, _metadata_bytes(user, entry)
-        if self._host_room(len(blocks), meta):
-            pages = self.host_pages.take(len(blocks))
-            self.host_pages.store(pages, self.times, self.keys, self.values, blocks)
-            entry.blocks, entry.index = pages, None
-            self.host[user] = entry
-            self.host_metadata_bytes += meta
-            self.stats.evicted_to_host += 1
-        else:
-            self.stats.dropped += 1
-        self._release(blocks)
+        try:
+            if self._host_room(len(blocks), meta):
+                pages = self.host_pages.take(len(blocks))
+                self.host_pages.store(pages, self.times, self.keys, self.values, blocks)
+                entry.blocks, entry.index = pages, None
+                self.host[user] = entry
+                self.host_metadata_bytes += meta
+                self.stats.evicted_to_host += 1
+            else:
+                self.stats.dropped += 1
+        finally:  # the device pages are free again whatever happened to the copy
+            self._release(blocks)
 
     def _host_room(self, pages: int, meta: int) -> bool:
         """Make ``pages`` free host pages and ``meta`` bytes of metadata fit the host bound: grow the slab while
@@ -295,7 +297,7 @@ class KVCachePool:
             if len(hp.free) >= pages and spare >= 0:
                 return True
             # a new chunk leaves room for the metadata of the entries its pages will hold (judged by this one's)
-            per_page = meta / pages
+            per_page = meta / max(pages, 1)  # an empty prefix (no pages) still has metadata
             rows = (limit - hp.allocated_bytes - hp.num_pages * per_page) // (hp.page_bytes + per_page)
             if len(hp.free) < pages and hp.grow(min(spare, int(rows) * hp.page_bytes)):
                 continue
@@ -310,10 +312,12 @@ class KVCachePool:
         del self.host[user]  # out of the host LRU order: its pages are never dropped while they are read
         self.host_metadata_bytes -= meta
         pages = entry.blocks
-        self._reserve(len(pages))  # always succeeds: the entry came from the device tier
-        blocks = [heapq.heappop(self.free) for _ in pages]
-        self.host_pages.load(pages, self.times, self.keys, self.values, blocks)
-        self.host_pages.release(pages)  # reused only by copies issued after this one on the same stream
+        try:
+            self._reserve(len(pages))  # always succeeds: the entry came from the device tier
+            blocks = [heapq.heappop(self.free) for _ in pages]
+            self.host_pages.load(pages, self.times, self.keys, self.values, blocks)
+        finally:  # reused only by copies issued after this one on the same stream; never lost on an error
+            self.host_pages.release(pages)
         entry.blocks, entry.index = blocks, self._device_index(blocks)
         self.entries[user] = entry
         self.metadata_bytes += meta

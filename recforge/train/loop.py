@@ -35,6 +35,7 @@ import torch
 from recforge.checkpoint import save_checkpoint
 from recforge.config import RunConfig, save_config
 from recforge.io import atomic_write_json
+from recforge.sparse.checkpoint import module_tables
 from recforge.sparse.sharded import sharded_tables
 from recforge.sparse.sharded_checkpoint import save_sharded_checkpoint
 from recforge.train.async_save import BackgroundWriter, host_snapshot
@@ -188,9 +189,11 @@ def run_loop(
                         manifest={"train_state": dict(state), "config": cfg.to_dict(), "world_size": ctx.world_size,
                                   **manifest, **data},
                         keep=cfg.train.keep_checkpoints, best=best, sharded_sparse=sharded)  # fmt: skip
-            if ctx.initialized or sharded is not None:
+            # dynamic tables are not in the host snapshot (their rows, keys, free lists and counters change
+            # every step): a run with any is written here, before the next step touches them
+            if ctx.initialized or sharded is not None or module_tables(model):
                 save_checkpoint(**save, weights=weights, optimizer_state=optimizer_state)
-            else:  # one process: written in the background from a host copy taken now (async_save.py)
+            else:  # one process, dense only: written in the background from a host copy taken now (async_save.py)
                 weights, optimizer_state = host_snapshot(model, optimizer)
                 writer_thread.submit(lambda: save_checkpoint(**save, weights=weights, optimizer_state=optimizer_state))
         ctx.barrier()  # no rank runs ahead of a checkpoint that is not complete yet (one process: being written)

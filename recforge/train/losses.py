@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -63,7 +64,7 @@ def draw_negatives(targets: Tensor, num_items: int, *, negatives: str = "per_pos
         raise ValueError(f"negatives={negatives!r}: expected per_position, shared or full")
     if in_batch_negatives:
         out.in_batch = torch.unique(targets)  # (U,)
-    if not 0 < chunk_size < targets.shape[0]:
+    if not use_chunks(chunk_size, targets.shape[0]):
         return out
     shared = [out.ids] if negatives == "shared" else []
     shared += [out.in_batch] if in_batch_negatives else []
@@ -130,9 +131,21 @@ def sampled_softmax_loss(
             raise ValueError(f"sampled_softmax_loss: the sampled negatives given do not match negatives={negatives!r}, "
                              f"in_batch_negatives={in_batch_negatives}; draw them with draw_negatives and these settings")  # fmt: skip
         vectors = lambda ids: item_vectors(ids).to(dtype)  # noqa: E731
-        if 0 < chunk_size < user.shape[0]:
+        if use_chunks(chunk_size, user.shape[0]):
             return _chunked_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, chunk_size)
         return _sampled_softmax_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature)
+
+
+def use_chunks(chunk_size: int, positions: int) -> bool:
+    """Whether the loss runs in chunks: ``chunk_size`` > 0 and fewer than the batch's positions — or, with
+    several ranks, whenever ``chunk_size`` > 0. Which tensors the loss looks up (and so which lookups the
+    pipelined step combines and the collectives every rank issues) must not depend on one rank's batch
+    size; one chunk gives the unchunked value up to float rounding."""
+    if chunk_size <= 0:
+        return False
+    if positions > chunk_size:
+        return True
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor | None], Tensor], negatives: str,

@@ -238,3 +238,22 @@ def _skipping_worker(rank: int, world_size: int) -> None:
 
 def test_a_combined_path_no_lookup_reads_is_dropped() -> None:
     spawn(_skipping_worker, 1)
+
+
+def _chunk_decision_worker(rank: int, world_size: int) -> None:
+    from recforge.train.losses import use_chunks
+
+    positions = 4 + rank  # rank 0: 4 positions (not above the chunk size), rank 1: 5 (above it)
+    decisions = torch.tensor([float(use_chunks(4, positions)), float(use_chunks(0, positions))])
+    gathered = [torch.zeros(2) for _ in range(world_size)]
+    dist.all_gather(gathered, decisions)
+    assert all(torch.equal(g, torch.tensor([1.0, 0.0])) for g in gathered), gathered  # every rank chunks alike
+
+
+def test_every_rank_takes_the_same_loss_path_whatever_its_batch_size() -> None:
+    """Which tensors the loss looks up (so which lookups are combined and which collectives run) must not depend on
+    one rank's batch size: with several ranks the loss is chunked whenever loss.chunk_size > 0."""
+    from recforge.train.losses import use_chunks
+
+    assert not use_chunks(4, 4) and use_chunks(4, 5) and not use_chunks(0, 100)  # one process: only when it helps
+    spawn(_chunk_decision_worker, 2)

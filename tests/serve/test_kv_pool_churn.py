@@ -131,3 +131,42 @@ def test_host_pages_round_trip_and_runs() -> None:
     pages.load(held, *out, [0, 4, 3, 2])
     for got, want in zip(out, (times, keys, values)):
         assert torch.equal(got[[0, 4, 3, 2]], want[[5, 1, 2, 3]])
+
+
+def test_a_refused_host_allocation_loses_no_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Page-locked memory refused while the host tier grows: evicted users are dropped, no device page is lost, and
+    serving goes on (the pool's block accounting stays whole)."""
+    pool = KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"),
+                       PoolConfig(device_mb=0.01, host_mb=0.05, block_size=8))  # fmt: skip
+    cache = CacheManager(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"), "0", pool)
+    real_empty = torch.empty
+
+    def refusing_empty(*args, **kwargs):
+        if kwargs.get("dtype") is torch.uint8:  # the slab's chunks
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", refusing_empty)
+    rng = random.Random(1)
+    for i in range(40):  # many more users than the device tier holds: every eviction needs the host tier
+        _serve(cache, f"u{i}", _history(rng, 20, i))
+        used = sum(len(e.blocks) for e in pool.entries.values())
+        assert used + len(pool.free) == pool.num_blocks and len(set(pool.free)) == len(pool.free)
+    report = pool.report()
+    assert report["dropped"] > 0 and report["evicted_to_host"] == 0 and pool.host_pages.num_pages == 0
+
+
+def test_an_empty_prefix_is_evicted_without_error() -> None:
+    """A user whose cached prefix is empty (no contextual tokens, no events) has no pages; evicting it under a tight
+    host bound must not fail (it once divided by its page count)."""
+    pool = KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"),
+                       PoolConfig(device_mb=0.01, host_mb=0.002, block_size=8))  # fmt: skip
+    from recforge.serve.kv_pool import _Entry
+
+    entry = _Entry([], 0, torch.zeros(0, 4, dtype=torch.int64), 0, pool.version, 1)
+    half = pool.host_limit // 2
+    pool.host_metadata_bytes = half  # other users' metadata: this one's does not fit beside it (spare < 0)
+    assert pool._host_room(0, pool.host_limit - half + 1) is False  # nothing to drop: refused, no ZeroDivisionError
+    pool.host_metadata_bytes = 0
+    pool._evict("empty-user", entry)
+    assert len(pool.free) == pool.num_blocks

@@ -67,6 +67,21 @@ def test_dynamic_item_table_trains_and_resumes_exactly(tmp_path: Path, data_dir:
 
 
 
+def test_a_run_with_dynamic_tables_writes_its_checkpoints_at_the_step(tmp_path: Path, data_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamic tables change every step (rows, keys, free lists, counters) and are not in the background writer's host
+    snapshot, so a run with one writes each checkpoint before the next step, never in the background."""
+    import recforge.train.loop as loop
+
+    def no_snapshot(*args, **kwargs):
+        raise AssertionError("a run with dynamic tables took the background checkpoint path")
+
+    monkeypatch.setattr(loop, "host_snapshot", no_snapshot)
+    cfg = _cfg(tmp_path, data_dir, "sync", "train.epochs=1")
+    train(cfg, progress=False)
+    assert (find_checkpoint(cfg.run_dir) / "sparse" / "manifest.json").is_file()
+
+
 def test_dynamic_tables_follow_the_run_learning_rate_schedule(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """optim.schedule (here a warm-up) scales the sparse tables' learning rate each step, as the dense one's."""
     from recforge.sparse import SparseOptimizer
