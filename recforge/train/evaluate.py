@@ -41,7 +41,7 @@ def evaluate_ranking(
             gathered in user order, so the metrics equal a single process's.
         cache: a dict the caller keeps between evaluations of the same ``seqs`` (e.g. every few
             epochs of a run): the evaluation batches are built and moved to ``device`` once, the
-            first time, when all users' histories hold at most ``_CACHE_MAX_TOKENS`` tokens.
+            first time, while all cached splits' histories hold at most ``_CACHE_MAX_TOKENS`` tokens together.
 
     Returns:
         (metrics, ranks): metrics dict (plus ``num_users``) and each user's 0-based rank.
@@ -50,11 +50,15 @@ def evaluate_ranking(
     ctx = ctx or DistContext()
     lo, hi = ctx.shard(everyone.numel())
     key = (target_from_end, max_seq_len, batch_size, str(device), lo, hi)
-    batches = cache.get(key) if cache is not None else None
+    cached = cache.get(key) if cache is not None else None  # (batches, their history tokens)
+    batches = cached[0] if cached is not None else None
     if batches is None:
         batches = _eval_batches(seqs, everyone, lo, hi, target_from_end, max_seq_len, batch_size, device, ctx)
-        if cache is not None and int(seqs.lengths[everyone].sum()) <= _CACHE_MAX_TOKENS:
-            batches = cache[key] = list(batches)
+        tokens = int(seqs.lengths[everyone].sum())
+        held = sum(t for _, t in cache.values()) if cache is not None else 0  # the other cached splits'
+        if cache is not None and held + tokens <= _CACHE_MAX_TOKENS:  # the bound counts every cached split
+            batches = list(batches)
+            cache[key] = (batches, tokens)
     ranks = []
     with torch.no_grad():
         for batch, stand_in in batches:

@@ -38,3 +38,22 @@ def test_cached_batches_give_the_same_ranks_as_fresh_ones():
     assert fresh == first == second
     valid, _ = evaluate_ranking(seqs, score, **{**kwargs, "target_from_end": 2}, cache=cache)
     assert len(cache) == 2 and valid == evaluate_ranking(seqs, score, **{**kwargs, "target_from_end": 2})[0]
+
+
+def test_the_token_bound_counts_every_cached_split(monkeypatch):
+    import recforge.train.evaluate as evaluate
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    seqs = _seqs(31, 20, g)
+    table = torch.randn(21, 4, generator=g)
+
+    def score(batch):
+        return torch.zeros(batch.inputs.batch_size, 4) @ table.T
+
+    kwargs = dict(max_seq_len=5, ks=[1], batch_size=8)
+    test_tokens = int(seqs.lengths[seqs.evaluable_users(1)].sum())
+    monkeypatch.setattr(evaluate, "_CACHE_MAX_TOKENS", test_tokens + 1)  # room for one split, not two
+    cache: dict = {}
+    evaluate_ranking(seqs, score, target_from_end=1, **kwargs, cache=cache)
+    evaluate_ranking(seqs, score, target_from_end=2, **kwargs, cache=cache)
+    assert len(cache) == 1  # the validation split's batches are built each time instead
