@@ -61,9 +61,11 @@ class HostPages:
 
     def grow(self, max_bytes: int) -> bool:
         """Allocate one more chunk of at most ``max_bytes``; False when not even one page fits."""
-        cap = min(CHUNK_BYTES, max_bytes)
+        cap = min(max(CHUNK_BYTES, self.page_bytes), max_bytes)  # a chunk holds at least one page
         if self.pin and cap > 0:  # the pinned allocator rounds every request up to a power of two: ask for one
             cap = 1 << (cap.bit_length() - 1)
+            if cap < self.page_bytes and cap << 1 <= max_bytes:  # a page past a power of two: the next one up
+                cap <<= 1
         rows = cap // self.page_bytes
         if rows < 1:
             return False

@@ -170,3 +170,15 @@ def test_an_empty_prefix_is_evicted_without_error() -> None:
     pool.host_metadata_bytes = 0
     pool._evict("empty-user", entry)
     assert len(pool.free) == pool.num_blocks
+
+
+def test_a_page_larger_than_a_chunk_still_gets_host_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A big model's page can exceed the slab's chunk size: the chunk then holds one page (the host tier used to stay
+    empty and drop every evicted user)."""
+    import recforge.serve.kv_host as kv_host
+
+    monkeypatch.setattr(kv_host, "CHUNK_BYTES", 256)
+    pages = HostPages(((LAYERS, 4, HEADS, DQK), (LAYERS, 4, HEADS, DV)), torch.float32, pin=False)
+    assert pages.page_bytes > kv_host.CHUNK_BYTES
+    assert pages.grow(3 * pages.page_bytes) and pages.num_pages == 1 and pages.allocated_bytes == pages.page_bytes
+    assert not pages.grow(pages.page_bytes - 1)  # the bound still holds
