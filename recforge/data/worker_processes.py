@@ -228,6 +228,9 @@ def _receive(sock: socket.socket, worker: int) -> TaskResult:
     key, hlen, start, size = _MESSAGE.unpack(msg)
     try:
         mapping = _Mapping(fds[0], start + size, sock, key)
+    except OSError:
+        _release(sock, key)  # never mapped: the worker may reuse (or close) its memfd
+        raise
     finally:
         os.close(fds[0])
     buffer = mapping.buffer()

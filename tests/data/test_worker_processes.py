@@ -234,3 +234,33 @@ def test_token_shares_use_the_lengths_after_the_maps(tmp_path, world):
     blind, rows = _token_batch_counts(tmp_path, world, lambda rb: truncate(rb))
     assert max(blind) - min(blind) > 2, blind
     assert len(np.unique(rows)) == 1200
+
+
+def test_a_result_that_cannot_be_mapped_releases_its_memfd(monkeypatch):
+    """The consumer fails to map a worker's result (e.g. ENOMEM): the error reaches the caller and the worker is told
+    the memfd is free again (it used to stay lent, one descriptor and its memory per failure)."""
+    import ctypes
+    import os
+    import socket
+
+    import recforge.data.worker_processes as wp
+
+    class _FailingLibc:
+        @staticmethod
+        def mmap(*args):
+            ctypes.set_errno(12)
+            return ctypes.c_void_p(-1).value
+
+    consumer, worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    fd = os.memfd_create("result")
+    os.write(fd, b"x" * 64)
+    key = 7 + int.from_bytes(os.urandom(1), "little")
+    socket.send_fds(worker, [wp._MESSAGE.pack(key, 8, 8, 56)], [fd])
+    monkeypatch.setattr(wp, "_libc", _FailingLibc)
+    with pytest.raises(OSError, match="mapping a pipeline worker's result"):
+        wp._receive(consumer, 0)
+    worker.settimeout(5)  # no release sent: fail, not hang
+    assert worker.recv(64) == b"r" + wp._ID.pack(key)
+    os.close(fd)
+    consumer.close()
+    worker.close()
