@@ -146,6 +146,7 @@ class LookAhead:
         self._job: Future | None = None
         self._staged: _Staged | None = None
         self.started = False  # the worker has run (the pipeline is on)
+        self._warned_unread = False
         self.remade = 0  # staged lookups not used (another batch or other draws): made again at the step
         self.stats: list[dict[str, float]] = []  # per staged batch: worker draw_s, distribute_s, stage_s; main wait_s
 
@@ -207,13 +208,22 @@ class LookAhead:
 
     def finish(self) -> None:
         """After a micro-batch's forward: take the combined lookups off the tables. A learned path that no lookup
-        read (the model did not look it up this time) is dropped: its IDs were counted once, for nothing."""
+        read (the model did not look it up this time) is dropped in one process (its IDs were counted once, for
+        nothing); with several ranks it is kept, since every rank must make the same combined lookups."""
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         for name, table in self.tables.items():
             unread = table.uninstall()
-            if unread and self.paths is not None:
-                self.paths[name] = [p for p in self.paths[name] if p not in unread]
-                log.warning("table %r: the step's lookups did not read %s; no longer combined", name,
-                            [".".join(p) for p in unread])  # fmt: skip
+            if not unread or self.paths is None:
+                continue
+            if several:  # every rank must keep combining the same paths (the same collectives): kept, counted
+                if not self._warned_unread:
+                    self._warned_unread = True
+                    log.warning("table %r: the step's lookups did not read %s on this rank; still combined (the "
+                                "ranks' lookups must match)", name, [".".join(p) for p in unread])  # fmt: skip
+                continue
+            self.paths[name] = [p for p in self.paths[name] if p not in unread]
+            log.warning("table %r: the step's lookups did not read %s; no longer combined", name,
+                        [".".join(p) for p in unread])  # fmt: skip
 
     def start(self, batch: Any, standin: bool, draw: Callable[[], Drawn] | None = None) -> None:
         """Begin the worker's combined lookups of ``batch`` (after this step's forward; the next step's first

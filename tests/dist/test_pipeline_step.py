@@ -240,6 +240,23 @@ def test_a_combined_path_no_lookup_reads_is_dropped() -> None:
     spawn(_skipping_worker, 1)
 
 
+def _kept_worker(rank: int, world_size: int) -> None:
+    model = _Skipping(TIERED)  # stops reading the targets after the first step
+    ctx = DistContext(rank, world_size, rank, initialized=True)
+    runner = StepRunner(RunConfig(), model, torch.device("cpu"), ctx, loss_fn=model.loss, units_fn=lambda b: 1.0,
+                        sparse_optimizer=SparseOptimizer([model]))  # fmt: skip
+    for batch in _batches(rank, world_size, None)[:4]:
+        runner([batch])
+    # with several ranks a path one rank might not read is never dropped on its own: every rank keeps combining the
+    # same paths, so the collectives stay paired (one process drops it: test above)
+    assert runner.ahead.paths == {"table": [("features", "item_ids"), ("labels", "next_item")]}
+    assert model.table.combined_lookups == 3
+
+
+def test_with_several_ranks_an_unread_path_stays_combined_on_every_rank() -> None:
+    spawn(_kept_worker, 2)
+
+
 def _chunk_decision_worker(rank: int, world_size: int) -> None:
     from recforge.train.losses import use_chunks
 
