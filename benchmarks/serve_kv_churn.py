@@ -1,8 +1,9 @@
 """KV-cache pool under churn: per-request pool overhead and recomputed tokens, the pool before and after kvburst.
 
-Usage:
-    python benchmarks/serve_kv_churn.py --out benchmarks/results/serve_kv_churn-cpu.json
-    python benchmarks/serve_kv_churn.py --device cuda --out benchmarks/results/serve_kv_churn-h200.json
+Usage (``--before-src``: a source tree of the pool to compare with, e.g. the commit before the kvburst change):
+    mkdir -p /tmp/before && git archive 05e4106 recforge | tar -x -C /tmp/before
+    python benchmarks/serve_kv_churn.py --before-src /tmp/before --out benchmarks/results/serve_kv_churn-cpu.json
+    python benchmarks/serve_kv_churn.py --device cuda --before-src /tmp/before --out benchmarks/results/serve_kv_churn-h200.json
 
 No model runs: the pool path of a request alone (``CacheManager.acquire`` + ``release``, as the scheduler
 calls them), with keys/values shaped like ``serve_overload.py``'s model (2 HSTU blocks x 2 heads of 32,
@@ -14,9 +15,9 @@ about as many again, so every new user evicts one to the host and host hits are 
 
 The same request sequence runs through each variant, side by side:
 
-- before: the pool of commit 05e4106 (``_kv_pool_before.py``): a late older request drops its user's
+- before: the pool of ``--before-src`` (at commit 05e4106: a late older request drops its user's
   newer entry and recomputes the whole prefix; each eviction allocates pinned host memory and reads the
-  times back with a blocking copy; a host hit waits for its copy.
+  times back with a blocking copy; a host hit waits for its copy); left out without ``--before-src``.
 - after: ``recforge.serve.kv_pool``: longest-prefix reuse (the older request reuses its prefix of the
   newer entry, read-only), a reused host page slab, asynchronous copies on the current stream.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import sys
 import time
@@ -41,7 +43,6 @@ import numpy as np
 import torch
 
 from _machine import cpu_model
-import _kv_pool_before
 from recforge.serve.cache_manager import CacheManager
 from recforge.serve.kv_pool import KVCachePool, PoolConfig
 
@@ -64,6 +65,19 @@ class _Before:
             self._pool.mark_stale(user)
             return None
         return state
+
+
+def _pool_module(src: Path):
+    """``recforge/serve/kv_pool.py`` of the tree ``src``, loaded beside the current package (its imports resolve
+    to the current ``recforge``)."""
+    path = src / "recforge" / "serve" / "kv_pool.py"
+    if not path.is_file():
+        raise SystemExit(f"--before-src {src}: no {path}; e.g. `git archive 05e4106 recforge | tar -x -C {src}`")
+    spec = importlib.util.spec_from_file_location("kv_pool_before", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
 
 
 def _tokens(identity: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -160,14 +174,19 @@ def main() -> None:
     parser.add_argument("--check-every", type=int, default=25)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the server's default is 1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--before-src", type=Path, default=None,
+                        help="a source tree (holding recforge/serve/kv_pool.py) whose pool runs as 'before'")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     requests = workload(args)
     config = PoolConfig(device_mb=args.device_mb, host_mb=args.host_mb, block_size=args.block_size)
-    variants = {"before": lambda: _Before(_kv_pool_before.KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, device, config)),
-                "after": lambda: KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, device, config)}  # fmt: skip
+    variants = {"after": lambda: KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, device, config)}
+    if args.before_src is not None:
+        before = _pool_module(args.before_src)
+        variants = {"before": lambda: _Before(before.KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, device, config)),
+                    **variants}  # fmt: skip
     results = []
     for name, make in variants.items():
         run_variant(name, make(), requests[: min(200, len(requests))], args, device)  # warm-up: allocator, kernels
