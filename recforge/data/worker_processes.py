@@ -20,6 +20,7 @@ training one, a new epoch while the old one drains), so each iteration's workers
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import multiprocessing as mp
 import os
@@ -37,6 +38,7 @@ import pyarrow as pa
 
 from recforge.data.workers import Task, TaskResult
 
+log = logging.getLogger(__name__)
 _MESSAGE = struct.Struct("qqqq")  # memfd id, header bytes, offset of the IPC stream, IPC stream bytes
 _ID = struct.Struct("q")
 _ALIGN = 64  # the IPC stream starts aligned, so its (8-byte padded) buffers are read in place, zero-copy
@@ -190,8 +192,9 @@ def _portable(error: BaseException | None) -> BaseException | None:
     try:
         pickle.loads(pickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL))  # noqa: S301 - our own bytes
         return error
-    except Exception:  # noqa: BLE001 - any failure to cross the process boundary
-        pass
+    except Exception as err:  # noqa: BLE001 - any failure to cross the process boundary: sent as text instead
+        log.debug("worker exception %s cannot cross the process boundary (%s: %s); sending a RuntimeError with its "
+                  "type, message and traceback", type(error).__name__, type(err).__name__, err)  # fmt: skip
     try:
         message = str(error)
     except Exception:  # noqa: BLE001 - even str() may fail on a broken exception
