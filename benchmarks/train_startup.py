@@ -27,17 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def _first_rows(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written
-            break
-    return rows
+from time_to_quality import _rows  # a growing JSON-lines file's complete rows
 
 
 def _launch(tree: Path, config: Path, data: Path, overrides: list[str], steps: int, timeout: float) -> dict:
@@ -52,7 +42,7 @@ def _launch(tree: Path, config: Path, data: Path, overrides: list[str], steps: i
     marks: dict[int, float] = {}
     while child.poll() is None and time.perf_counter() - launched < timeout and steps not in marks:
         time.sleep(0.02)
-        for row in _first_rows(run_dir / "train_log.jsonl"):
+        for row in _rows(run_dir / "train_log.jsonl"):
             marks.setdefault(row["step"], time.perf_counter() - launched)
     if child.poll() is None:
         child.kill()

@@ -224,11 +224,9 @@ def test_cli_serves_a_generative_run_in_one_process(run_dir: Path, monkeypatch: 
     assert "retrieve.default_k" in capsys.readouterr().err
 
 
-def test_runner_drops_cancelled_requests_before_their_batch(loaded) -> None:
-    """A request whose client left (its future cancelled) is never computed; the others are answered."""
-    from recforge.serve.retrieve_runner import RetrieveRunner
-
-    retriever, items = loaded[0], _catalogue(loaded)
+def _gate(retriever) -> tuple[threading.Event, list[int]]:
+    """Holds every batch of ``retriever`` until the event is set; the list gets each batch's size as it starts.
+    The caller removes the patch (``del retriever.run``)."""
     gate, seen = threading.Event(), []
     original = retriever.run
 
@@ -238,6 +236,15 @@ def test_runner_drops_cancelled_requests_before_their_batch(loaded) -> None:
         return original(batch, **kw)
 
     retriever.run = gated
+    return gate, seen
+
+
+def test_runner_drops_cancelled_requests_before_their_batch(loaded) -> None:
+    """A request whose client left (its future cancelled) is never computed; the others are answered."""
+    from recforge.serve.retrieve_runner import RetrieveRunner
+
+    retriever, items = loaded[0], _catalogue(loaded)
+    gate, seen = _gate(retriever)
     runner = RetrieveRunner(retriever, SchedulerConfig(max_wait_ms=0.0))
     try:
         first = runner.submit(retriever.encode(RetrieveRequest(items[:2], k=3)))
@@ -260,15 +267,7 @@ def test_requests_left_at_shutdown_are_refused_as_overloaded(loaded) -> None:
     from recforge.serve.scheduler import OverloadedError
 
     retriever, items = loaded[0], _catalogue(loaded)
-    gate, seen = threading.Event(), []
-    original = retriever.run
-
-    def gated(batch, **kw):
-        seen.append(len(batch))
-        gate.wait(5)
-        return original(batch, **kw)
-
-    retriever.run = gated
+    gate, seen = _gate(retriever)
     runner = RetrieveRunner(retriever, SchedulerConfig(max_wait_ms=0.0))
     try:
         first = runner.submit(retriever.encode(RetrieveRequest(items[:2], k=3)))
