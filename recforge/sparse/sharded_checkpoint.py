@@ -46,7 +46,8 @@ from recforge.sparse.checkpoint import load_table_state, save_sparse_checkpoint,
 from recforge.sparse.optim import SparseOptimConfig
 from recforge.sparse.planner import ShardingPlan, TablePlacement, row_bytes
 from recforge.sparse.policies import AdmissionConfig, EvictionConfig, RowCounters, eviction_scores
-from recforge.sparse.sharded import ShardedDynamicEmbedding, shard_config
+from recforge.sparse.routing import shard_config
+from recforge.sparse.sharded import ShardedDynamicEmbedding
 from recforge.sparse.table import DynamicEmbedding, TableConfig
 
 log = logging.getLogger(__name__)

@@ -50,7 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recforge.sparse.sharded import DistributedIds, ShardedDynamicEmbedding
+from recforge.sparse.routing import DistributedIds
+from recforge.sparse.sharded import ShardedDynamicEmbedding
 
 log = logging.getLogger(__name__)
 Path = tuple[str, ...]  # where a tensor sits in a batch: ("features", "item_ids"), ("labels", "next_item")

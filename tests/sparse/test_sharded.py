@@ -11,7 +11,8 @@ from _dist import assert_same_rows, spawn
 from recforge.sparse import AdmissionConfig, DynamicEmbedding, EmbeddingCollection, FeatureConfig, JaggedIds, SparseOptimConfig
 from recforge.sparse import SparseOptimizer, TableConfig, warm_start
 from recforge.sparse.planner import shard_collection
-from recforge.sparse.sharded import ShardedDynamicEmbedding, owner_of
+from recforge.sparse.routing import owner_of
+from recforge.sparse.sharded import ShardedDynamicEmbedding
 
 D, ROWS_PER_RANK, LEN = 8, 2, 6
 RTOL, ATOL = 1e-6, 1e-7  # the same sums in another order (rows summed per rank, then across ranks)
