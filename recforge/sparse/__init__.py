@@ -40,7 +40,8 @@ from recforge.sparse.policies import AdmissionConfig, EvictionConfig
 from recforge.sparse.sharded import ShardedDynamicEmbedding, sharded_tables
 from recforge.sparse.sharded_checkpoint import export_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 from recforge.sparse.sorted_index import SortedIdIndex
-from recforge.sparse.table import DynamicEmbedding, TableConfig
+from recforge.sparse.table import DynamicEmbedding
+from recforge.sparse.table_config import TableConfig
 
 __all__ = [
     "AdmissionConfig", "DynamicEmbedding", "EmbeddingCollection", "EvictionConfig", "FeatureConfig", "IdHashTable",

@@ -35,7 +35,8 @@ from torch import Tensor, nn
 
 from recforge.jagged.index import sequence_ids
 from recforge.sparse.ids import check_ids
-from recforge.sparse.table import DynamicEmbedding, TableConfig
+from recforge.sparse.table import DynamicEmbedding
+from recforge.sparse.table_config import TableConfig
 
 POOLINGS = ("none", "sum", "mean")
 

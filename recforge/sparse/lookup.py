@@ -34,9 +34,13 @@ import functools
 import math
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from recforge.sparse.table import DynamicEmbedding
 
 SEGMENT_MAX = 256  # runs up to this long: one segment-sum pass; longer: pieces of this many positions, then their sum
 _BLOCK = 1024
@@ -136,3 +140,37 @@ def mark_rows(flat: Tensor, index, num_rows: int) -> Tensor:
     rows = index.lookup(flat, None)  # (N,) -1: no row
     mark = torch.zeros(num_rows + 2, dtype=torch.bool, device=flat.device)
     return mark.index_fill_(0, torch.where(flat < 0, 0, rows + 2), True)  # a negative id never marks a row
+
+
+class GatherRows(torch.autograd.Function):
+    """Forward: the cached rows at ``slots``. Backward: hand the (U, d) row gradient to the table."""
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, table: DynamicEmbedding, slots: Tensor, rows: Tensor) -> Tensor:
+        ctx.table, ctx.rows, ctx.slots = table, rows, slots
+        return table.store.weight.index_select(0, slots)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ctx.table._pending.append((ctx.rows, ctx.slots, grad))  # slots stay valid: the step pinned them
+        return None, None, None, None
+
+
+class LookupIds(torch.autograd.Function):
+    """``GatherRows`` + ``F.embedding(inverse, ·)`` in one node (the kernel path, every id with a row).
+
+    Forward: each id's cached row (N, d), read once. Backward: the per-row gradient (U, d), duplicates
+    summed along the lookup's sort (``LookupPlan.row_gradients``), handed to the table.
+    """
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, table: DynamicEmbedding, slots: Tensor, rows: Tensor, plan: LookupPlan, longest: int,
+                id_slots: Tensor) -> Tensor:  # fmt: skip
+        ctx.table, ctx.rows, ctx.slots, ctx.plan, ctx.longest = table, rows, slots, plan, longest
+        return table.store.weight.index_select(0, id_slots)  # (N, d)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad_rows = ctx.plan.row_gradients(grad, ctx.rows.numel(), ctx.longest)  # (U, d)
+        ctx.table._pending.append((ctx.rows, ctx.slots, grad_rows))
+        return None, None, None, None, None, None, None

@@ -31,7 +31,7 @@ from torch import nn
 
 from recforge.io import atomic_write_json
 from recforge.sparse.optim import state_spec
-from recforge.sparse.table import TableConfig
+from recforge.sparse.table_config import TableConfig
 
 KINDS = ("row_wise", "table_wise")
 _COUNTER_BYTES = 8 + 8 + 8 + 4 + 4  # count, last_step, last_time, show, click (policies.RowCounters)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from recforge.sparse.hash_table import mix
-from recforge.sparse.table import TableConfig
+from recforge.sparse.table_config import TableConfig
 
 _RANK_SEED = 0x9E3779B97F4A7C15 & (2**62 - 1)  # spreads the row-initialisation seeds of shards > 0
 

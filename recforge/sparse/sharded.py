@@ -65,7 +65,9 @@ from torch import Tensor, nn
 from recforge.sparse.ids import check_ids, raise_negative, unique_keys
 from recforge.sparse.storage import TieredStore
 from recforge.sparse.routing import _RANK_SEED, DistributedIds, StagedRows, _AllToAll, owner_of, shard_config
-from recforge.sparse.table import DynamicEmbedding, TableConfig, _GatherRows
+from recforge.sparse.lookup import GatherRows
+from recforge.sparse.table import DynamicEmbedding
+from recforge.sparse.table_config import TableConfig
 
 class ShardedDynamicEmbedding(nn.Module):
     """A dynamic table sharded row-wise (or placed whole on one rank) over a process group.
@@ -337,7 +339,7 @@ class ShardedDynamicEmbedding(nn.Module):
                     shard._stats["ids"] += staged.n_ids
                 shard._touch(staged.rows, staged.occurrences)  # what the full lookup counts for the eviction policy
                 shard.store.claim_staged(staged.slots)  # held until this step's optimizer update, as ensure(pin=True)
-                unique_emb = _GatherRows.apply(shard._anchor, shard, staged.slots, staged.rows)  # (G, d)
+                unique_emb = GatherRows.apply(shard._anchor, shard, staged.slots, staged.rows)  # (G, d)
             else:
                 if current:
                     shard.store.unstage(staged.slots)

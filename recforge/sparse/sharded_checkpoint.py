@@ -48,7 +48,8 @@ from recforge.sparse.planner import ShardingPlan, TablePlacement, row_bytes
 from recforge.sparse.policies import AdmissionConfig, EvictionConfig, RowCounters, eviction_scores
 from recforge.sparse.routing import shard_config
 from recforge.sparse.sharded import ShardedDynamicEmbedding
-from recforge.sparse.table import DynamicEmbedding, TableConfig
+from recforge.sparse.table import DynamicEmbedding
+from recforge.sparse.table_config import TableConfig
 
 log = logging.getLogger(__name__)
 FORMAT = "recforge.sparse.sharded"

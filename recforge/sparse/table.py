@@ -7,8 +7,8 @@ One lookup, for flat ids (N,) with U distinct::
     rows --store.ensure--> cache slots --gather--> (N, d)
 
 On CUDA the dedup, index lookup and counters are one Triton pass queued before the lookup's one
-host sync (``lookup.py``, ``_forward_planned`` + ``_LookupIds``); elsewhere torch ops do the same
-(``_unique_lookup`` + ``_GatherRows`` + ``F.embedding(inverse, ...)``). Backward hands the (U, d)
+host sync (``lookup.py``, ``_forward_planned`` + ``lookup.LookupIds``); elsewhere torch ops do the same
+(``_unique_lookup`` + ``lookup.GatherRows`` + ``F.embedding(inverse, ...)``). Backward hands the (U, d)
 row gradient, duplicates summed, to the table's pending list; ``apply_gradients()`` (or
 ``SparseOptimizer.step()``) merges the pending lists of all lookups of the step, skips rows whose
 gradient is not finite (counted in ``stats``) and updates only those rows and their optimizer
@@ -19,14 +19,13 @@ Reading order of ``DynamicEmbedding``: lookup (``forward``, ``_forward_planned``
 admission (``_admit``, ``_candidate_slots``, ``_init_rows``), capacity and eviction
 (``_allocate``, ``_grow``, ``_evict_lowest``, ``run_eviction``, ``evict_rows``), update
 (``apply_gradients``), the host tier (``prefetch``), feedback (``record_feedback``). Storage tiers
-are in ``storage.py``, policies in ``policies.py``, optimizers in ``optim.py``, files in ``checkpoint.py``.
+are in ``storage.py``, policies in ``policies.py``, optimizers in ``optim.py``, files in ``checkpoint.py``, the config in
+``table_config.py``.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,87 +33,14 @@ from torch import Tensor, nn
 
 from recforge.sparse import kernels
 from recforge.sparse.ids import check_ids, raise_negative, unique_keys
-from recforge.sparse.lookup import LookupPlan, mark_rows, plan_lookup
+from recforge.sparse.lookup import GatherRows, LookupIds, mark_rows, plan_lookup
 from recforge.sparse.optim import SparseOptimConfig, apply_update, initial_state, lr_at, state_spec
-from recforge.sparse.policies import AdmissionConfig, EvictionConfig, RowCounters, admit, eviction_scores, scheduled_threshold
-from recforge.sparse.sorted_index import index_kind, make_index
+from recforge.sparse.policies import RowCounters, admit, eviction_scores, scheduled_threshold
+from recforge.sparse.sorted_index import make_index
 from recforge.sparse.storage import RowStore, TieredStore
+from recforge.sparse.table_config import TableConfig
 
 log = logging.getLogger(__name__)
-DEFAULTS = ("zeros", "fixed", "learned")
-
-
-@dataclass
-class TableConfig:
-    """A dynamic table: width, row budget, policies, optimizer, storage tiers."""
-
-    name: str = "table"
-    dim: int = 64
-    capacity: int = 1024  # rows allocated at start; the table doubles when full (up to max_rows)
-    max_rows: int = 0  # row limit (0: grow without limit); at the limit, eviction (or refusal) frees rows
-    init_std: float = 0.01  # new rows ~ N(0, init_std)
-    default: str = "zeros"  # what IDs without a row read: zeros | fixed (a random row) | learned (an nn.Parameter)
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    eviction: EvictionConfig = field(default_factory=EvictionConfig)
-    optimizer: SparseOptimConfig = field(default_factory=SparseOptimConfig)
-    cache_rows: int = 0  # > 0: full table in host memory, this many hot rows on the compute device
-    seed: int = 0  # row initialisation and probability admission
-    index: str = "auto"  # ID -> row index: auto (sorted array; see sorted_index.py) | sorted | hash
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the bad field and how to fix it."""
-        if self.dim <= 0 or self.capacity <= 0:
-            raise ValueError(f"table {self.name!r}: dim and capacity must be > 0, got {self.dim}, {self.capacity}")
-        if self.max_rows and self.max_rows < self.capacity:
-            raise ValueError(f"table {self.name!r}: max_rows {self.max_rows} < capacity {self.capacity}; raise max_rows or use 0")
-        if self.default not in DEFAULTS:
-            raise ValueError(f"table {self.name!r}: default={self.default!r}, expected one of {DEFAULTS}")
-        if self.cache_rows < 0:
-            raise ValueError(f"table {self.name!r}: cache_rows must be >= 0")
-        index_kind("cpu", self.index)
-        self.admission.validate()
-        self.eviction.validate()
-        self.optimizer.validate()
-
-    def physical(self) -> tuple:
-        """Everything but the name: tables equal in this share one physical table in a collection."""
-        return tuple(repr(v) for k, v in dataclasses.asdict(self).items() if k != "name")
-
-
-class _GatherRows(torch.autograd.Function):
-    """Forward: the cached rows at ``slots``. Backward: hand the (U, d) row gradient to the table."""
-
-    @staticmethod
-    def forward(ctx, anchor: Tensor, table: DynamicEmbedding, slots: Tensor, rows: Tensor) -> Tensor:
-        ctx.table, ctx.rows, ctx.slots = table, rows, slots
-        return table.store.weight.index_select(0, slots)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        ctx.table._pending.append((ctx.rows, ctx.slots, grad))  # slots stay valid: the step pinned them
-        return None, None, None, None
-
-
-class _LookupIds(torch.autograd.Function):
-    """``_GatherRows`` + ``F.embedding(inverse, ·)`` in one node (the kernel path, every id with a row).
-
-    Forward: each id's cached row (N, d), read once. Backward: the per-row gradient (U, d), duplicates
-    summed along the lookup's sort (``LookupPlan.row_gradients``), handed to the table.
-    """
-
-    @staticmethod
-    def forward(ctx, anchor: Tensor, table: DynamicEmbedding, slots: Tensor, rows: Tensor, plan: LookupPlan, longest: int,
-                id_slots: Tensor) -> Tensor:  # fmt: skip
-        ctx.table, ctx.rows, ctx.slots, ctx.plan, ctx.longest = table, rows, slots, plan, longest
-        return table.store.weight.index_select(0, id_slots)  # (N, d)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        grad_rows = ctx.plan.row_gradients(grad, ctx.rows.numel(), ctx.longest)  # (U, d)
-        ctx.table._pending.append((ctx.rows, ctx.slots, grad_rows))
-        return None, None, None, None, None, None, None
-
-
 class DynamicEmbedding(nn.Module):
     """Embedding table over raw int64 IDs with admission, eviction, a sparse optimizer and optional host tier.
 
@@ -237,7 +163,7 @@ class DynamicEmbedding(nn.Module):
             slots = self.store.ensure(rows, pin=True)
             # each id's slot: one tier, every row found by the lookup (none admitted since): the lookup wrote it
             id_slots = plan.row_of if slots is rows and n_absent == 0 else slots.index_select(0, plan.inverse)  # (N,)
-            return _LookupIds.apply(self._anchor, self, slots, rows, plan, longest, id_slots)
+            return LookupIds.apply(self._anchor, self, slots, rows, plan, longest, id_slots)
         return F.embedding(plan.inverse, self._gather(rows, absent))
 
     def rows_for(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor, *, train: bool, admit: bool = True) -> Tensor:
@@ -486,7 +412,7 @@ class DynamicEmbedding(nn.Module):
         present = rows if all_found else rows[idx]
         if self.training and torch.is_grad_enabled():
             slots = self.store.ensure(present, pin=True)
-            emb = _GatherRows.apply(self._anchor, self, slots, present)
+            emb = GatherRows.apply(self._anchor, self, slots, present)
         else:
             emb = self.store.read(present)
         if all_found:
