@@ -227,19 +227,21 @@ def test_overload_and_a_gone_engine_are_refused_before_parsing(run) -> None:
         with c.frontend(_config(run, scheduler=SchedulerConfig(max_wait_ms=1, max_queue_ms=100))) as client:
             backend = client.app.state.backend
             assert client.post("/v1/rank", json=_body("a", random_history(2, 1), random.Random(0))).status_code == 200
-            backend.status = {**backend.status, "queued_s": 5.0}  # as the engine would publish under overload
-            refused = client.post("/v1/rank", content=b"not even json")
-            assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
-            backend.status = {**backend.status, "queued_s": 0.0}
 
             async def stop_listening() -> None:
-                backend._tasks[1].cancel()  # the heartbeat reader: the engine now looks silent (stopped, wedged)
+                backend._tasks[1].cancel()  # the heartbeat reader (else the next heartbeat overwrites the status below)
 
             async def listen_again() -> None:
                 backend._tasks[1] = asyncio.create_task(backend._read_status())
 
             client.portal.call(stop_listening)
-            backend._heard -= 100
+            backend._heard = time.monotonic() + 60.0  # heard just now, for the overload check below
+            backend.status = {**backend.status, "queued_s": 5.0}  # as the engine would publish under overload
+            refused = client.post("/v1/rank", content=b"not even json")
+            assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1, refused.text
+            assert "not been heard" not in refused.text
+            backend.status = {**backend.status, "queued_s": 0.0}
+            backend._heard = time.monotonic() - 100.0  # the engine now looks silent (stopped, wedged)
             refused = client.post("/v1/rank", content=b"not even json")
             assert refused.status_code == 503 and "not been heard" in refused.json()["detail"]
             assert client.get("/health").status_code == 503
