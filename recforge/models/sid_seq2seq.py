@@ -62,9 +62,23 @@ def _merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(b, n, h * dh)
 
 
-def _kernels():
-    """The attention kernel choice of the module docstring (a context for the model's SDPA calls)."""
-    return sdpa_kernel(SDPA_BACKENDS) if SDPA_BACKENDS is not None else contextlib.nullcontext()
+def _kernels(device: torch.device):
+    """The attention kernel choice of the module docstring (a context for the model's SDPA calls).
+
+    ``sdpa_kernel`` sets process-wide flags (and restores them on exit), so it is entered only where it
+    changes something: on CUDA while cuDNN attention is still enabled. Serving processes call
+    ``disable_cudnn_attention`` once at start, so their threads (batching, reload probes) never flip
+    the flags under each other."""
+    if SDPA_BACKENDS is None or device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        return contextlib.nullcontext()
+    return sdpa_kernel(SDPA_BACKENDS)
+
+
+def disable_cudnn_attention() -> None:
+    """Turn PyTorch's cuDNN SDPA backend off for this process (see the module docstring: it plans per
+    shape). For processes recforge owns (``recforge serve``); a library caller keeps its own flags."""
+    if SDPA_BACKENDS is not None and SDPBackend.CUDNN_ATTENTION not in SDPA_BACKENDS:
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def pad_keys(x: Tensor, key_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -186,7 +200,7 @@ class SIDSeq2Seq(nn.Module):
         if history_mask is not None:
             key_mask = history_mask[:, :, None].expand(b, h, L).reshape(b, 1, 1, h * L)
             x, key_mask = pad_keys(x, key_mask)
-        with _kernels():
+        with _kernels(x.device):
             for block in self.encoder:
                 x = block(x, key_mask)
         return self.encoder_norm(x), key_mask
@@ -202,7 +216,7 @@ class SIDSeq2Seq(nn.Module):
         bos = torch.zeros(b, w, 1, dtype=torch.long, device=codes.device)
         tokens = torch.cat([bos, self._token_ids(codes)], 2)  # (B, W, t+1)
         x = self.drop(self.decoder_embedding(tokens) + self.decoder_position.weight[: t + 1])
-        with _kernels():
+        with _kernels(x.device):
             for block, kv in zip(self.decoder, memory.kv, strict=True):
                 x = block(x, kv, memory.key_mask)
         return self.decoder_norm(x)

@@ -55,6 +55,7 @@ from pydantic import (
 
 from recforge.generate import HistoryCache, Retriever, RetrieveRequest
 from recforge.generate.sid_run import read_run
+from recforge.models.sid_seq2seq import disable_cudnn_attention
 from recforge.serve.api import INT64, STRICT, ErrorOut, describe
 from recforge.serve.layout import RequestError
 from recforge.serve.limits import LoopLag, RequestLimits, overload_refusal
@@ -97,6 +98,7 @@ def load_retriever(run_dir: str | Path, settings: RetrieveSettings, device: str 
     """(the run's ``Retriever`` under ``settings``, its model version), probed with one request; with a
     history cache of ``settings.cache_mb`` (none when 0) tagged with that version."""
     _, ckpt = read_run(run_dir, settings.checkpoint)
+    disable_cudnn_attention()  # once per serving process: no per-call flag flips across threads
     retriever = Retriever.from_run(run_dir, checkpoint=str(ckpt), device=device, dtype=dtype)
     base = retriever.config
     retriever.config = replace(base, beam=settings.beam or base.beam, max_k=settings.max_k, max_batch=settings.max_batch,

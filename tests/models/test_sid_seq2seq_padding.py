@@ -120,3 +120,25 @@ def test_compiled_loss_with_dynamic_lengths_equals_eager() -> None:
     for b in (5, 3):
         codes, mask, target, _ = _requests(g, b=b)
         torch.testing.assert_close(compiled(codes, mask, target), model.loss(codes, mask, target), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_choice_flips_no_process_flags_where_it_changes_nothing(monkeypatch) -> None:
+    """``sdpa_kernel`` sets process-wide flags: never entered on CPU, nor once cuDNN attention is off
+    (a serving process turns it off at start, so its threads never flip the flags under each other)."""
+    entered = []
+    monkeypatch.setattr(sid_seq2seq, "sdpa_kernel", lambda backends: entered.append(backends))
+    with sid_seq2seq._kernels(torch.device("cpu")):
+        pass
+    assert entered == []
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        sid_seq2seq._kernels(torch.device("cuda"))  # cuDNN on: the context chooses the kernels
+        assert entered == [sid_seq2seq.SDPA_BACKENDS]
+        sid_seq2seq.disable_cudnn_attention()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        with sid_seq2seq._kernels(torch.device("cuda")):  # cuDNN off: nothing to change, no flip
+            pass
+        assert len(entered) == 1
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
