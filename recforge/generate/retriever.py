@@ -44,6 +44,23 @@ from recforge.models.sid_seq2seq import Memory, SIDSeq2Seq
 from recforge.ops.dispatch import resolve_device
 
 
+def mark_items(mask: Tensor, rows_items: list[tuple[int, np.ndarray]], value: bool) -> None:
+    """``mask[row, items] = value`` for each (row, items), with one host-to-device copy: flat int64
+    positions (8 bytes per item), or the rows' dense (rows, N) bool slab when that is smaller (large
+    allowed sets: 64 requests x 1M allowed items cost 64 MB, not 512 MB of positions)."""
+    n = mask.shape[1]
+    count = sum(items.size for _, items in rows_items)
+    if count * 8 <= len(rows_items) * n:
+        flat = np.concatenate([items + row * n for row, items in rows_items]).astype(np.int64, copy=False)
+        mask.view(-1)[torch.from_numpy(flat).to(mask.device)] = value
+        return
+    slab = np.zeros((len(rows_items), n), dtype=bool)
+    for i, (_, items) in enumerate(rows_items):
+        slab[i, items] = True
+    rows = torch.tensor([row for row, _ in rows_items], device=mask.device)
+    mask[rows] = torch.where(torch.from_numpy(slab).to(mask.device), value, mask[rows])
+
+
 class Retriever:
     """A generative model, its items' SIDs and their trie, ready to retrieve.
 
@@ -121,20 +138,13 @@ class Retriever:
         if restricted:
             allowed = torch.ones(len(batch), n, dtype=torch.bool, device=self.device)
             allowed[torch.tensor(restricted, device=self.device)] = False
-            allowed[self._pairs([(row, batch[row].allowed) for row in restricted])] = True
+            mark_items(allowed, [(row, batch[row].allowed) for row in restricted], True)
         excluding = [(row, r.history - 1) for row, r in enumerate(batch) if r.exclude_history]
         if not excluding:
             return allowed, allowed
         keep = allowed.clone() if allowed is not None else torch.ones(len(batch), n, dtype=torch.bool, device=self.device)
-        keep[self._pairs(excluding)] = False
+        mark_items(keep, excluding, False)
         return keep, allowed
-
-    def _pairs(self, rows_items: list[tuple[int, np.ndarray]]) -> tuple[Tensor, Tensor]:
-        """(rows, columns) index tensors on the device, one host-to-device copy."""
-        rows = np.concatenate([np.full(items.size, row, dtype=np.int64) for row, items in rows_items])
-        cols = np.concatenate([items for _, items in rows_items])
-        pairs = torch.from_numpy(np.stack([rows, cols])).to(self.device)
-        return pairs[0], pairs[1]
 
     @torch.no_grad()
     def run(self, batch: Sequence[EncodedRetrieve], *, beam: int | None = None, constrained: bool | None = None) -> list[RetrieveResult]:

@@ -168,3 +168,19 @@ def test_engine_can_skip_items_without_a_sid(tmp_path: Path, data: Path) -> None
     with pytest.raises(ValueError, match="needs the constrained beam"):
         free.encode(RetrieveRequest(known, allowed_items=known))
     assert not set(free.run([free.encode(RetrieveRequest(known))])[0].items) & set(known)
+
+
+@pytest.mark.parametrize("per_row", [3, 400])  # few items: flat positions; many: the dense slab
+def test_mark_items_sets_exactly_the_listed_items(per_row: int) -> None:
+    from recforge.generate.retriever import mark_items
+
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    b, n = 6, 500
+    for value in (True, False):
+        mask = torch.rand(b, n, generator=g) < 0.5
+        want = mask.clone()
+        rows_items = [(row, torch.randperm(n, generator=g)[:per_row].numpy()) for row in (0, 2, 5)]
+        for row, items in rows_items:
+            want[row, torch.from_numpy(items)] = value
+        mark_items(mask, rows_items, value)
+        assert torch.equal(mask, want)
