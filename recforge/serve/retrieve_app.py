@@ -33,7 +33,6 @@ from typing import Annotated, Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse
-from fastapi_offline import FastAPIOffline
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -56,13 +55,13 @@ from pydantic import (
 from recforge.generate import HistoryCache, Retriever, RetrieveRequest
 from recforge.generate.sid_run import read_run
 from recforge.models.sid_seq2seq import disable_cudnn_attention
-from recforge.serve.api import INT64, STRICT, ErrorOut, describe
+from recforge.serve.api import INT64, STRICT, describe
 from recforge.serve.layout import RequestError
-from recforge.serve.limits import LoopLag, RequestLimits, overload_refusal
+from recforge.serve.limits import LoopLag, overload_refusal
 from recforge.serve.metrics import LATENCY_BUCKETS
 from recforge.serve.retrieve_runner import RetrieveRunner
 from recforge.serve.scheduler import DeadlineExceeded, OverloadedError
-from recforge.serve.server import ServerConfig, _timeout_ms, await_answer
+from recforge.serve.server import ServerConfig, _timeout_ms, await_answer, guarded_app
 
 PATH = "/v1/retrieve"
 
@@ -232,25 +231,12 @@ def create_retrieve_app(retriever: Retriever, version: str, config: ServerConfig
         queued = runner.queued_seconds()
         return overload_refusal(queued, lag.lag_s, config.scheduler.max_queue_ms, config.max_loop_lag_ms)
 
-    app = FastAPIOffline(
-        lifespan=lifespan, title="recforge retrieve server", version=version,
+    app, errors = guarded_app(
+        config, metrics.on_status, shed, lifespan=lifespan, title="recforge retrieve server", version=version,
         description="Generative retrieval over semantic IDs: constrained beam search over the catalogue's SIDs "
-        f"(beam {retriever.config.beam}). Every request has a deadline (default {config.request_timeout_ms:g} ms; "
-        "header `X-Request-Timeout-Ms`): 503 with `Retry-After` when it cannot be met, 504 when it passes.",
+        f"(beam {retriever.config.beam}).", busy="overloaded or shutting down",
     )  # fmt: skip
     app.state.runner, app.state.retriever, app.state.loop_lag = runner, retriever, lag
-    app.add_middleware(RequestLimits, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s,
-                       on_status=metrics.on_status, shed=shed)  # fmt: skip
-
-    @app.exception_handler(RequestError)
-    async def _bad_request(request: Request, err: RequestError) -> JSONResponse:
-        return JSONResponse({"detail": str(err)}, status_code=422)
-
-    errors = {408: {"model": ErrorOut, "description": "the body did not arrive within body_timeout_s"},
-              413: {"model": ErrorOut, "description": "the body is larger than max_body_bytes"},
-              422: {"model": ErrorOut, "description": "invalid request (the message says what to fix)"},
-              503: {"model": ErrorOut, "description": "overloaded or shutting down; retry after `Retry-After` s"},
-              504: {"model": ErrorOut, "description": "the request's deadline passed before the answer was ready"}}  # fmt: skip
 
     @app.post(PATH, response_model=RetrieveResponseOut, responses=errors,
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {

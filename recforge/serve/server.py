@@ -161,6 +161,31 @@ def create_app(engine: RankEngine, config: ServerConfig | None = None) -> FastAP
     return app
 
 
+def guarded_app(config: ServerConfig, on_status: Callable[[str, int], None], shed: Callable[[str], tuple[float, str] | None], *,
+                lifespan, title: str, version: str, description: str, busy: str) -> tuple[FastAPI, dict]:
+    """A serving app's common part (ranking and retrieval): docs served offline, the request limits and
+    load shedding (``RequestLimits``), 422 for ``RequestError``; with the error responses its routes document
+    (``busy``: what a 503 means for this server)."""
+    app = FastAPIOffline(
+        lifespan=lifespan, title=title, version=version,
+        description=f"{description} Every request has a deadline (default {config.request_timeout_ms:g} ms; header "
+        "`X-Request-Timeout-Ms`): 503 with `Retry-After` when it cannot be met, 504 when it passes.",
+    )  # fmt: skip
+    app.add_middleware(RequestLimits, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s,
+                       on_status=on_status, shed=shed)  # fmt: skip
+
+    @app.exception_handler(RequestError)
+    async def _bad_request(request: Request, err: RequestError) -> JSONResponse:
+        return JSONResponse({"detail": str(err)}, status_code=422)
+
+    errors = {408: {"model": ErrorOut, "description": "the body did not arrive within body_timeout_s"},
+              413: {"model": ErrorOut, "description": "the body is larger than max_body_bytes"},
+              422: {"model": ErrorOut, "description": "invalid request (the message says what to fix)"},
+              503: {"model": ErrorOut, "description": f"{busy}; retry after `Retry-After` s"},
+              504: {"model": ErrorOut, "description": "the request's deadline passed before the answer was ready"}}  # fmt: skip
+    return app, errors
+
+
 def build_app(backend, config: ServerConfig) -> FastAPI:
     """The HTTP API over ``backend`` (``LocalBackend`` or ``frontend.RemoteBackend``): limits, validation,
     encoding, load shedding, deadlines, cancellation, /health, /metrics, /docs."""
@@ -187,29 +212,12 @@ def build_app(backend, config: ServerConfig) -> FastAPI:
         queued = backend.queued_seconds()
         return overload_refusal(queued, lag.lag_s, config.scheduler.max_queue_ms, config.max_loop_lag_ms)
 
-    app = FastAPIOffline(
-        lifespan=lifespan,
-        title="recforge ranking server",
-        version=backend.spec.version,
+    app, errors = guarded_app(
+        config, metrics.on_status, shed, lifespan=lifespan, title="recforge ranking server", version=backend.spec.version,
         description="Prefix-cached multi-task ranking with a recforge HSTU model. Scores come back per task, "
-        "in candidate order. Every request has a deadline (default "
-        f"{config.request_timeout_ms:g} ms; header `X-Request-Timeout-Ms`): 503 with `Retry-After` when it cannot "
-        "be met, 504 when it passes.",
+        "in candidate order.", busy="overloaded, shutting down or the engine is down",
     )  # fmt: skip
     app.state.backend, app.state.loop_lag = backend, lag
-    app.add_middleware(RequestLimits, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s,
-                       on_status=metrics.on_status, shed=shed)  # fmt: skip
-
-    @app.exception_handler(RequestError)
-    async def _bad_request(request: Request, err: RequestError) -> JSONResponse:
-        return JSONResponse({"detail": str(err)}, status_code=422)
-
-    errors = {408: {"model": ErrorOut, "description": "the body did not arrive within body_timeout_s"},
-              413: {"model": ErrorOut, "description": "the body is larger than max_body_bytes"},
-              422: {"model": ErrorOut, "description": "invalid request (the message says what to fix)"},
-              503: {"model": ErrorOut, "description": "overloaded, shutting down or the engine is down; retry after "
-                                                       "`Retry-After` s"},
-              504: {"model": ErrorOut, "description": "the request's deadline passed before the answer was ready"}}  # fmt: skip
 
     @app.post("/v1/rank", response_model=RankResponseOut, responses=errors,
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
