@@ -249,21 +249,27 @@ class RankEngine:
         items' tokens go to the device in one copy, their scores come back in one (``staging.py``)."""
         enc: HSTUEncoder = self.model.encoder
         names, total = list(items[0].features), sum(it.size for it in items)
-        host = self._staging.take(len(names) * total)[: len(names) * total].reshape(len(names), total)
+        counts = CachedPass.host_values(items)
+        f = len(names) * total
+        host = self._staging.take(f + len(counts))
+        tokens = host[:f].reshape(len(names), total)
         spans, lo = [], 0
         for it in items:
             spans.append((lo, lo + it.size))
-            for row, name in zip(host, names):
+            for row, name in zip(tokens, names):
                 row[lo : lo + it.size] = host_numpy(it.features[name])
             lo += it.size
-        feats = dict(zip(names, self._staging.upload(len(names) * total).view(len(names), total)))
+        host[f : f + len(counts)] = counts
+        staged = self._staging.upload(f + len(counts))
+        feats = dict(zip(names, staged[:f].view(len(names), total)))
         x = self.model.prefix(feats)  # (T, d)
         for it, (a, b) in zip(items, spans):
             if it.kind == "prefix":
                 s, e = it.start, it.start + it.size
                 it.state.timestamps[s:e] = feats["timestamps"][a:b]
                 it.state.tokens[s:e] = token_identity(it.features)
-        cached = CachedPass(items, feats["timestamps"], self.time_bias, 1.0 / enc.cfg.max_seq_len, enc.cfg.kernel)
+        cached = CachedPass(items, feats["timestamps"], self.time_bias, 1.0 / enc.cfg.max_seq_len, enc.cfg.kernel,
+                            staged[f:])  # fmt: skip
         embedded, x = x, enc.encode(x, cached.attend)
         rows = sum(it.size for it in items if it.kind == "targets")
         scores, out_spans, row = None, [], 0
