@@ -28,31 +28,42 @@ class CachedPass:
         items: the pass's work items; ``q_ts`` (T,) the times of their new tokens, concatenated.
         time_bias: the model has a time bias (the blocks' ``time_weights`` are used).
         scale: the attention scale (1 / max_seq_len); ``kernel``: the encoder's attention backend.
+        staged: ``host_values(items)`` already on the device (copied with the pass's other inputs); None: copied here.
     """
 
-    def __init__(self, items: list[WorkItem], q_ts: Tensor, time_bias: bool, scale: float, kernel: str) -> None:
+    def __init__(self, items: list[WorkItem], q_ts: Tensor, time_bias: bool, scale: float, kernel: str,
+                 staged: Tensor | None = None) -> None:  # fmt: skip
         device = q_ts.device
         self.items, self.scale, self.kernel = items, scale, kernel
         cached = [it.start if it.kind == "prefix" else it.state.length for it in items]
         sizes = [it.size for it in items]
         self.spans = [(a, a + m) for a, m in zip(_starts(sizes), sizes)]
         self.cached, self.max_q, self.max_cache = cached, max(sizes), max(cached)
-        offsets = torch.tensor([_starts(sizes) + [sum(sizes)], _starts(cached) + [sum(cached)]], dtype=torch.int64)
-        self.q_offsets, self.cache_offsets = offsets.to(device).unbind(0)
+        if staged is None:  # the caller did not bring them to the device with its other inputs
+            staged = torch.tensor(self.host_values(items), dtype=torch.int64).to(device)
+        b = len(items)
+        self.q_offsets, self.cache_offsets = staged[: 2 * (b + 1)].view(2, b + 1).unbind(0)
+        contextual, targets = staged[2 * (b + 1) :].view(2, b).unbind(0)
         # the whole sequences' times: per item its cached tokens' times, then its new tokens' (a prefill
         # chunk's are already in its state)
         times = []
         for it, n, (a, b) in zip(items, cached, self.spans):
             times.append(it.state.timestamps[: n + it.size] if it.kind == "prefix" else torch.cat([it.state.timestamps[:n], q_ts[a:b]]))
         self.timestamps = times[0] if len(times) == 1 else torch.cat(times)
-        counts = torch.tensor([[it.state.num_contextual for it in items],
-                               [it.size if it.kind == "targets" else 0 for it in items]], dtype=torch.int64)  # fmt: skip
-        contextual, targets = counts.to(device).unbind(0)
         if any(it.kind == "targets" for it in items):
             self.mask = AttentionMask(num_contextual=contextual, num_targets=targets, timestamps=self.timestamps)
         else:  # prefill only: no targets, so the timestamp rule (for targets) has nothing to do
             self.mask = AttentionMask(num_contextual=contextual)
         self.time_bias = time_bias
+
+    @staticmethod
+    def host_values(items: list[WorkItem]) -> list[int]:
+        """The op's offsets and counts of a pass, as ``staged`` holds them (4B + 2 int64): the new tokens' and the
+        cached tokens' offsets (B+1 each), then per item its contextual count and its target count."""
+        cached = [it.start if it.kind == "prefix" else it.state.length for it in items]
+        sizes = [it.size for it in items]
+        return [*_starts(sizes), sum(sizes), *_starts(cached), sum(cached),
+                *(it.state.num_contextual for it in items), *(it.size if it.kind == "targets" else 0 for it in items)]
 
     def cache(self, layer: int) -> tuple[Tensor, Tensor]:
         """(keys, values) of every item's cached tokens at ``layer``, jagged (a view for one item)."""

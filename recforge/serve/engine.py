@@ -48,6 +48,7 @@ from recforge.serve.layout import (
 )
 from recforge.serve.model_dir import stage_model
 from recforge.serve.scheduler import prefill_alone
+from recforge.serve.staging import HostStaging, ResultBuffer, host_numpy
 from recforge.serve.state import PrefixState, WorkItem, token_identity
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,9 @@ class RankEngine:
                      "targets", type(model.encoder).__name__, " (attn_norm=visible_mean)" if hstu else "")  # fmt: skip
         use_graphs = self.cached and self.device.type == "cuda" and self.config.cuda_graphs > 0
         self.graphs = GraphRunner(self, self.config.cuda_graphs) if use_graphs else None
+        # the eager pass's reusable transfer buffers (``staging.py``): an engine is driven by one thread
+        self.transfers = {"uploads": 0, "downloads": 0, "staging_waits": 0}
+        self._staging, self._results = HostStaging(self.device, self.transfers), ResultBuffer(self.device, self.transfers)
         per_event = 2 if self.action_encoding == "interleave" else 1
         # a prefix of at most max_seq_len - 1 tokens leaves the candidates' position (the history end) in range
         self.max_events = max(0, (self.max_seq_len - 1 - self.num_contextual) // per_event)
@@ -232,7 +236,7 @@ class RankEngine:
         bucket (``graphs.py``), else ``forward`` runs them all at once."""
         if self.graphs is not None:
             try:
-                return [self.graphs.run(it) for it in items]
+                return self.graphs.run_pass(items)
             except GraphCaptureError as err:  # items are idempotent: the eager pass below redoes them all
                 log.warning("%s; serving without CUDA graphs", err)
                 self.graphs = None
@@ -241,28 +245,49 @@ class RankEngine:
     @torch.no_grad()
     def forward(self, items: list[WorkItem]) -> list[Tensor | None]:
         """The eager pass of ``run``: linear layers on all items' tokens at once, one
-        ``ops.cached_hstu_attention`` call per block over every item's cache (``serve.attention``)."""
+        ``ops.cached_hstu_attention`` call per block over every item's cache (``serve.attention``). The
+        items' tokens go to the device in one copy, their scores come back in one (``staging.py``)."""
         enc: HSTUEncoder = self.model.encoder
-        feats = {k: torch.cat([it.features[k] for it in items]).to(self.device) for k in items[0].features}
-        x = self.model.prefix(feats)  # (T, d)
+        names, total = list(items[0].features), sum(it.size for it in items)
+        counts = CachedPass.host_values(items)
+        f = len(names) * total
+        host = self._staging.take(f + len(counts))
+        tokens = host[:f].reshape(len(names), total)
         spans, lo = [], 0
         for it in items:
             spans.append((lo, lo + it.size))
+            for row, name in zip(tokens, names):
+                row[lo : lo + it.size] = host_numpy(it.features[name])
             lo += it.size
+        host[f : f + len(counts)] = counts
+        staged = self._staging.upload(f + len(counts))
+        feats = dict(zip(names, staged[:f].view(len(names), total)))
+        x = self.model.prefix(feats)  # (T, d)
+        for it, (a, b) in zip(items, spans):
             if it.kind == "prefix":
                 s, e = it.start, it.start + it.size
-                it.state.timestamps[s:e] = it.features["timestamps"].to(self.device)
+                it.state.timestamps[s:e] = feats["timestamps"][a:b]
                 it.state.tokens[s:e] = token_identity(it.features)
-        cached = CachedPass(items, feats["timestamps"], self.time_bias, 1.0 / enc.cfg.max_seq_len, enc.cfg.kernel)
+        cached = CachedPass(items, feats["timestamps"], self.time_bias, 1.0 / enc.cfg.max_seq_len, enc.cfg.kernel,
+                            staged[f:])  # fmt: skip
         embedded, x = x, enc.encode(x, cached.attend)
-        results: list[Tensor | None] = []
+        rows = sum(it.size for it in items if it.kind == "targets")
+        scores, out_spans, row = None, [], 0
         for it, (a, b) in zip(items, spans):
             if it.kind == "prefix":
                 it.state.length = it.start + it.size
-                results.append(None)
-            else:
-                results.append(self.model.postfix(self.model.postfix_input(x[a:b], embedded[a:b])).float().cpu())
-        return results
+                out_spans.append(None)
+                continue
+            out = self.model.postfix(self.model.postfix_input(x[a:b], embedded[a:b]))
+            if scores is None:
+                scores = self._results.reserve(rows, tuple(out.shape[1:]))
+            scores[row : row + it.size].copy_(out)
+            out_spans.append((row, row + it.size))
+            row += it.size
+        if scores is None:
+            return [None] * len(items)
+        host_scores = self._results.download(scores)
+        return [None if span is None else host_scores[span[0] : span[1]] for span in out_spans]
 
     # ------------------------------------------------------------------------------- baselines
 

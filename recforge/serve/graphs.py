@@ -10,7 +10,9 @@ to a *bucket*:
 - N cached keys round up the same way.
 
 The item's tokens and the state's keys/values are copied into the bucket's static buffers, the
-graph replays prefix -> every HSTU block -> postfix, and the real rows are copied out. Where a
+graph replays prefix -> every HSTU block -> postfix, and the real rows are copied out. A pass's
+items share one host -> device copy of their tokens and one device -> host copy of their scores
+(``staging.py``): every other copy stays on the device, so a pass waits for the device once. Where a
 query stands (the history end for candidates, the chunk start for a prefill) and how many keys
 are real are device tensors, so one graph serves every request in its bucket: padded keys are
 invisible, padded queries are computed and dropped. The attention is the engine's own op
@@ -32,11 +34,13 @@ import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from recforge.jagged.mask import AttentionMask
 from recforge.serve.attention import attend_cached
+from recforge.serve.staging import HostStaging, ResultBuffer, host_numpy
 from recforge.serve.state import WorkItem, token_identity
 
 if TYPE_CHECKING:
@@ -69,15 +73,18 @@ class PaddedPass:
         cfg = engine.model.encoder.cfg
         device, dtype = engine.device, engine.dtype
         self.engine, self.kind, self.m, self.n = engine, kind, m, n
-        self.features = torch.zeros(len(FEATURES), m, dtype=torch.int64, device=device)
+        # the item's inputs in one buffer (one copy from the pass's staged inputs): its features (F, M), then the
+        # op's cache offsets (B+1,) = (0, the real count of cached keys), then its contextual count (1,)
+        f = len(FEATURES) * m
+        self.inputs = torch.zeros(f + 3, dtype=torch.int64, device=device)
+        self.features = self.inputs[:f].view(len(FEATURES), m)
+        self.cache_offsets, self.num_contextual = self.inputs[f : f + 2], self.inputs[f + 2 :]
         self.keys = torch.zeros(cfg.num_blocks, n, cfg.num_heads, cfg.dqk, dtype=dtype, device=device)
         self.values = torch.zeros(cfg.num_blocks, n, cfg.num_heads, cfg.dv, dtype=dtype, device=device)
         # the whole sequence's times: the cached tokens', then the new tokens' (rows past them: ignored)
         self.times = torch.zeros(n + m, dtype=torch.int64, device=device)
         # (B+1,) offsets of the op, B = 1: the new tokens (fixed, M) and the cached keys (the real count, on the device)
         self.q_offsets = torch.tensor([0, m], dtype=torch.int64, device=device)
-        self.cache_offsets = torch.zeros(2, dtype=torch.int64, device=device)
-        self.num_contextual = torch.zeros(1, dtype=torch.int64, device=device)
         if kind == "targets":
             targets = torch.full((1,), m, dtype=torch.int64, device=device)
             self.mask = AttentionMask(num_contextual=self.num_contextual, num_targets=targets, timestamps=self.times)
@@ -86,25 +93,36 @@ class PaddedPass:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: Tensor | None = None
 
-    def load(self, item: WorkItem) -> None:
-        """Copy ``item``'s tokens and the keys/values it attends to into the static buffers."""
-        st, size = item.state, item.size
-        host = torch.zeros(len(FEATURES), self.m, dtype=torch.int64)
-        host[:, :size] = torch.stack([item.features[name].cpu() for name in FEATURES])
-        self.features.copy_(host)
-        start = st.length if item.kind == "targets" else item.start
+    @property
+    def width(self) -> int:
+        """int64 values of one item's staged inputs (``stage``)."""
+        return self.inputs.numel()
+
+    def stage(self, item: WorkItem, host: np.ndarray) -> None:
+        """Write ``item``'s inputs into ``host`` (``width`` values, the layout of ``self.inputs``): its features
+        zero-padded to M, then 0, where its queries start, its contextual count. Host memory only."""
+        m, size = self.m, item.size
+        feats = host[: len(FEATURES) * m].reshape(len(FEATURES), m)
+        for row, name in zip(feats, FEATURES):
+            row[:size] = host_numpy(item.features[name])
+        feats[:, size:] = 0
+        host[-3:] = (0, _start(item), item.state.num_contextual)
+
+    def load(self, item: WorkItem, staged: Tensor) -> None:
+        """Fill the static buffers from ``staged`` (``stage``'s values, on the device) and the item's state: every
+        copy device -> device, queued on the current stream (nothing waits)."""
+        st, size, start = item.state, item.size, _start(item)
+        self.inputs.copy_(staged)
+        times = self.features[FEATURES.index("timestamps")]
         if item.kind == "prefix":  # the chunk's own identities and times go into the state first, as in the eager pass
-            st.timestamps[start : start + size] = item.features["timestamps"].to(st.timestamps.device)
+            st.timestamps[start : start + size].copy_(times[:size])
             st.tokens[start : start + size] = token_identity(item.features)
         self.keys[:, :start].copy_(st.keys[:, :start])
         self.values[:, :start].copy_(st.values[:, :start])
-        # rows past them keep an earlier request's keys: the op reads only the first ``start`` (cache_offsets)
-        host_times = torch.zeros(self.times.numel(), dtype=torch.int64)
-        host_times[:start] = st.timestamps[:start].cpu()
-        host_times[start : start + size] = item.features["timestamps"].cpu()
-        self.times.copy_(host_times)
-        self.cache_offsets.copy_(torch.tensor([0, start]))
-        self.num_contextual.fill_(st.num_contextual)
+        # rows past them keep an earlier request's keys and times: the op reads only the first ``start`` keys
+        # (cache_offsets) and ``start + M`` times (the new tokens' padded with zeros)
+        self.times[:start].copy_(st.timestamps[:start])
+        self.times[start : start + self.m].copy_(times)
 
     def compute(self) -> Tensor | None:
         """The padded pass; no host synchronisation, so it can be captured. (M, K) head outputs for
@@ -146,15 +164,21 @@ class PaddedPass:
                 self.out = self.compute()
         self.graph = graph
 
-    def finish(self, item: WorkItem, out: Tensor | None) -> Tensor | None:
-        """Copy the real rows out: (size, K) float32 scores on the CPU, or the chunk's keys into the state."""
+    def finish(self, item: WorkItem, out: Tensor | None, scores: Tensor | None) -> None:
+        """Copy the real rows out (on the device): candidates' (size, K) head outputs into ``scores``, or the
+        chunk's keys into the state."""
         if item.kind == "targets":
-            return out[: item.size].float().cpu()
+            scores.copy_(out[: item.size])
+            return
         st, s, e = item.state, item.start, item.start + item.size
         st.keys[:, s:e] = self.keys[:, s:e]
         st.values[:, s:e] = self.values[:, s:e]
         st.length = e
-        return None
+
+
+def _start(item: WorkItem) -> int:
+    """Where the item's queries stand: after the whole state (candidates), at the chunk's start (a prefill)."""
+    return item.state.length if item.kind == "targets" else item.start
 
 
 class GraphCaptureError(RuntimeError):
@@ -162,39 +186,79 @@ class GraphCaptureError(RuntimeError):
 
 
 class GraphRunner:
-    """Runs work items through padded passes, replaying one captured CUDA graph per bucket.
+    """Runs a pass's work items through padded passes, replaying one captured CUDA graph per bucket.
 
+    A pass moves its inputs in one host -> device copy and its scores in one device -> host copy (the
+    pass's one synchronisation; none for a pass of prefill chunks only): ``staging.py``.
     ``capture=False`` runs the padded pass eagerly (the CPU check of the padding arithmetic).
     """
 
     def __init__(self, engine: RankEngine, limit: int, capture: bool = True) -> None:
         self.engine, self.limit, self.capture = engine, limit, capture
         self.passes: OrderedDict[tuple[str, int, int], PaddedPass] = OrderedDict()
-        self.stats = {"captures": 0, "replays": 0, "evictions": 0}
+        self.stats = {"captures": 0, "replays": 0, "evictions": 0, "uploads": 0, "downloads": 0, "staging_waits": 0}
+        self.staging = HostStaging(engine.device, self.stats)
+        self.results = ResultBuffer(engine.device, self.stats)
 
     def run(self, item: WorkItem) -> Tensor | None:
-        key = bucket_of(item)
+        """One item alone: ``run_pass([item])[0]``."""
+        return self.run_pass([item])[0]
+
+    def run_pass(self, items: list[WorkItem]) -> list[Tensor | None]:
+        """Execute ``items`` (one engine pass): None per prefill chunk (written into its state), (size, K)
+        float32 CPU scores per candidates item."""
+        padded = [self._padded(bucket_of(item)) for item in items]
+        widths = [p.width for p in padded]
+        host = self.staging.take(sum(widths))
+        lo = 0
+        for p, item, w in zip(padded, items, widths):
+            p.stage(item, host[lo : lo + w])
+            lo += w
+        staged = self.staging.upload(lo)
+        rows = sum(item.size for item in items if item.kind == "targets")
+        scores, spans, lo, row = None, [], 0, 0
+        for p, item, w in zip(padded, items, widths):
+            p.load(item, staged[lo : lo + w])
+            lo += w
+            out = self._execute(p, item)
+            if item.kind == "targets":
+                if scores is None:  # the head's width is known from the first output
+                    scores = self.results.reserve(rows, tuple(out.shape[1:]))
+                p.finish(item, out, scores[row : row + item.size])
+                spans.append((row, row + item.size))
+                row += item.size
+            else:
+                p.finish(item, None, None)
+                spans.append(None)
+        if scores is None:
+            return [None] * len(items)
+        host_scores = self.results.download(scores)
+        return [None if span is None else host_scores[span[0] : span[1]] for span in spans]
+
+    def _padded(self, key: tuple[str, int, int]) -> PaddedPass:
         padded = self.passes.get(key)
         if padded is None:
             padded = self.passes[key] = PaddedPass(self.engine, *key)
-            while len(self.passes) > self.limit:
+            while len(self.passes) > self.limit:  # a pass may still use an evicted bucket: it holds the object
                 self.passes.popitem(last=False)
                 self.stats["evictions"] += 1
         self.passes.move_to_end(key)
-        padded.load(item)
+        return padded
+
+    def _execute(self, padded: PaddedPass, item: WorkItem) -> Tensor | None:
         if not self.capture:
-            return padded.finish(item, padded.compute())
+            return padded.compute()
         if padded.graph is None:
             try:
                 padded.capture()
             except Exception as err:  # a module that cannot be captured: the engine goes eager
-                del self.passes[key]
+                self.passes.pop((padded.kind, padded.m, padded.n), None)
                 raise GraphCaptureError(f"CUDA graph capture of a {item.kind} pass failed: {err}") from err
             self.stats["captures"] += 1
         with torch.cuda.device(padded.features.device):
             padded.graph.replay()
         self.stats["replays"] += 1
-        return padded.finish(item, padded.out)
+        return padded.out
 
     def report(self) -> dict[str, int]:
         return {"graphs": len(self.passes), **self.stats}

@@ -7,7 +7,8 @@ The host tier holds pages of the same shape as the device tier's (``kv_pool.py``
                                                values (n_c, layers, block_size, H, Dv)
     page id p -> chunk p // per_chunk, row p % per_chunk
 
-Chunks are allocated as the tier first fills (so an idle server pins nothing) and kept: an evicted
+Chunks are allocated when the pool is made (``PoolConfig.host_prealloc``, the default: nothing is
+allocated on the serving thread), or else as the tier first fills, and kept: an evicted
 user's pages are copied into free rows, a dropped or promoted user's rows go back to the free list.
 Nothing is allocated per eviction. Pinned chunks are powers of two bytes (the size PyTorch's pinned
 allocator rounds every request up to), so the bytes counted are the bytes held.

@@ -8,7 +8,8 @@ tokens) in fixed-size pages of ``block_size`` tokens::
                   values (num_blocks, layers, block_size, H, Dv)
                   user -> [block ids], length, token identities      LRU order
     host tier     pages of the same shape in a reused slab (kv_host.py; pinned on CUDA), LRU,
-                  bounded by host_mb (the slab's bytes + the host entries' token identities)
+                  bounded by host_mb (the slab's bytes + the host entries' token identities);
+                  the slab is allocated when the pool is made (host_prealloc), never while serving
 
 A device entry evicted for room has its pages copied into free host pages, or is dropped when the
 host tier cannot hold it. Every copy is asynchronous and issued on the current stream, so
@@ -52,6 +53,9 @@ class PoolConfig:
     device_mb: float = 256.0  # device tier size (keys + values + times pages); fixes the number of blocks
     host_mb: float = 1024.0  # host tier bound (pages + token identities); 0 disables the tier (evicted users are dropped)
     block_size: int = 64  # tokens per page
+    # allocate the host tier's page slab (pinned on CUDA) when the pool is made, so serving never allocates it;
+    # False: as the tier first fills (an idle server pins nothing, the first evictions pay the allocations)
+    host_prealloc: bool = True
 
     def problems(self) -> list[str]:
         """Every invalid field, each message starting with the field's name."""
@@ -121,6 +125,8 @@ class KVCachePool:
         self.host_pages = HostPages(((num_layers, bs, heads, dqk), (num_layers, bs, heads, dv)), dtype,
                                     pin=self.device.type == "cuda")  # fmt: skip
         self.host_metadata_bytes = 0  # host entries' token identities and user keys (counted in host_mb)
+        if self.config.host_prealloc and self.host_limit > 0:
+            self._preallocate_host()
         self.metadata_bytes = 0  # device entries' token identities and user keys (host memory)
         self.version = version
         self.stats = PoolStats()
@@ -299,12 +305,22 @@ class KVCachePool:
             # a new chunk leaves room for the metadata of the entries its pages will hold (judged by this one's)
             per_page = meta / max(pages, 1)  # an empty prefix (no pages) still has metadata
             rows = (limit - hp.allocated_bytes - hp.num_pages * per_page) // (hp.page_bytes + per_page)
-            if len(hp.free) < pages and hp.grow(min(spare, int(rows) * hp.page_bytes)):
+            lazy = not self.config.host_prealloc  # a preallocated slab never grows: serving allocates nothing
+            if lazy and len(hp.free) < pages and hp.grow(min(spare, int(rows) * hp.page_bytes)):
                 continue
             if not self.host:
                 return False
             self._drop_host(next(iter(self.host)))
             self.stats.dropped += 1
+
+    def _preallocate_host(self) -> None:
+        """The whole host slab now: as many pages as the bound holds beside the metadata of the entries they can
+        hold, judged for one-page entries (the most metadata per page) with a 64-byte user id."""
+        hp = self.host_pages
+        per_page = self.config.block_size * 4 * 8 + 8 + ENTRY_OVERHEAD + 64
+        slab = self.host_limit * hp.page_bytes // (hp.page_bytes + per_page)
+        while hp.grow(slab - hp.allocated_bytes):
+            pass
 
     def _promote(self, user: str, entry: _Entry) -> None:
         """Host ``entry`` back into device pages (evicting others for room), its host pages freed."""

@@ -137,7 +137,7 @@ def test_a_refused_host_allocation_loses_no_capacity(monkeypatch: pytest.MonkeyP
     """Page-locked memory refused while the host tier grows: evicted users are dropped, no device page is lost, and
     serving goes on (the pool's block accounting stays whole)."""
     pool = KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"),
-                       PoolConfig(device_mb=0.01, host_mb=0.05, block_size=8))  # fmt: skip
+                       PoolConfig(device_mb=0.01, host_mb=0.05, block_size=8, host_prealloc=False))  # fmt: skip
     cache = CacheManager(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"), "0", pool)
     real_empty = torch.empty
 
@@ -182,3 +182,43 @@ def test_a_page_larger_than_a_chunk_still_gets_host_pages(monkeypatch: pytest.Mo
     assert pages.page_bytes > kv_host.CHUNK_BYTES
     assert pages.grow(3 * pages.page_bytes) and pages.num_pages == 1 and pages.allocated_bytes == pages.page_bytes
     assert not pages.grow(pages.page_bytes - 1)  # the bound still holds
+
+
+def test_the_host_slab_is_allocated_up_front_and_never_while_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``host_prealloc`` (the default): the pool allocates its host slab when made, within the host bound, and
+    serving (evictions to the host tier, promotions, drops) never allocates another chunk; ``host_prealloc=False``
+    pins nothing until the tier fills; a refused allocation at start leaves a pool that serves without a host tier."""
+    config = PoolConfig(device_mb=0.01, host_mb=0.05, block_size=8)
+    pool = KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"), config)
+    hp = pool.host_pages
+    # tiny pages (960 bytes, 8 tokens): about half the bound stays for the entries' token identities
+    assert 0.5 * pool.host_limit < hp.allocated_bytes <= pool.host_limit and hp.num_pages == len(hp.free)
+    allocated, chunks = hp.allocated_bytes, len(hp.chunks)
+
+    def no_growth(*args, **kwargs):
+        raise AssertionError("the host slab grew while serving")
+
+    monkeypatch.setattr(hp, "grow", no_growth)
+    cache = CacheManager(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"), "0", pool)
+    rng = random.Random(3)
+    users = {f"u{i}": _history(rng, rng.randint(5, 40), i) for i in range(80)}
+    for step in range(300):  # new users and returning ones: evictions, host hits (promotions), drops
+        user = f"u{rng.randrange(80)}" if step > 80 else f"u{step % 80}"
+        _serve(cache, user, users[user])
+        assert pool.host_bytes <= pool.host_limit
+    report = pool.report()
+    assert report["evicted_to_host"] > 0 and report["host_hits"] > 0
+    assert (hp.allocated_bytes, len(hp.chunks)) == (allocated, chunks)
+    lazy = KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"),
+                       PoolConfig(device_mb=0.01, host_mb=0.05, block_size=8, host_prealloc=False))  # fmt: skip
+    assert lazy.host_pages.allocated_bytes == 0
+    monkeypatch.undo()
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("cudaHostAlloc failed"))
+                        if k.get("dtype") is torch.uint8 else real_empty(*a, **k))  # fmt: skip
+    refused = KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"), config)
+    assert refused.host_pages.num_pages == 0
+    refused_cache = CacheManager(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"), "0", refused)
+    for i in range(30):
+        _serve(refused_cache, f"u{i}", users[f"u{i}"])
+    assert refused.report()["dropped"] > 0 and refused.report()["evicted_to_host"] == 0
