@@ -144,6 +144,12 @@ class TrainConfig:
     # none | default | max-autotune-no-cudagraphs: torch.compile the step's forward + loss (backward through
     # AOTAutograd; the Triton attention stays one custom op per block); CUDA only (on CPU it is off, logged once)
     compile: str = "none"
+    # capture the whole step (forward, loss, backward, clipping, AdamW) as one CUDA graph per shape bucket and
+    # replay it: no per-kernel launch cost (small models are host-bound). Each batch is padded to a bucket; the
+    # padding changes no gradient nor the logged loss. CUDA, one process, dist.grad_accum=1, static tables;
+    # elsewhere off (logged once). Combines with train.compile (its kernels are captured). docs/training_speed.md
+    cuda_graphs: bool = False
+    graph_bucket_ratio: float = 1.125  # buckets: each about this times the last (tokens and sequences padded <= ~12.5%)
     peak_tflops: float = 0.0  # the device's dense matmul peak for MFU in the log (0: from recforge.train.flops' table)
 
 
@@ -257,6 +263,7 @@ NON_NEGATIVE = {
 # Keys bounded on both sides: (low, high, high included).
 INTERVALS = {
     "optim.min_lr_fraction": (0.0, 1.0, True), "model.dropout": (0.0, 1.0, False), "model.item_tower": (0.0, 1.0, False),
+    "train.graph_bucket_ratio": (1.0, 4.0, True),
 }  # fmt: skip
 
 

@@ -263,7 +263,7 @@ BAD_VALUES = {
     "train.eval_every": (-1, ">= 0"), "train.checkpoint_every": (-1, ">= 0"), "train.keep_checkpoints": (0, "> 0"),
     "train.max_steps": (-1, ">= 0"), "train.max_minutes": (-1.0, "no limit"), "train.log_every": (0, "> 0"),
     "train.log_seconds": (0.0, "> 0"), "train.threads": (-2, ">= 0"), "train.loader_workers": (0, ">= 1"),
-    "train.token_budget": (-1, ">= 0"), "train.peak_tflops": (-1.0, ">= 0"), "dist.grad_accum": (0, "> 0"),
+    "train.token_budget": (-1, ">= 0"), "train.peak_tflops": (-1.0, ">= 0"), "train.graph_bucket_ratio": (0.9, "[1, 4]"), "dist.grad_accum": (0, "> 0"),
     "dist.timeout_minutes": (0.0, "> 0"),
     "eval.batch_size": (0, "> 0"), "generative.decoder_blocks": (0, "> 0"), "generative.beam": (0, "> 0"),
 }  # fmt: skip

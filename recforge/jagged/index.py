@@ -83,6 +83,12 @@ def padding_index(offsets: Tensor, total: int) -> tuple[Tensor, Tensor]:
     return result
 
 
+def clear_padding_index_cache() -> None:
+    """Forget ``padding_index``'s last result (e.g. before a CUDA graph capture, which must compute it itself:
+    a result cached for the same offsets buffer holds another batch's indices)."""
+    _padding_index_cache[:] = [None, -1, 0, None]
+
+
 def jagged_to_padded(values: Tensor, offsets: Tensor, max_len: int, pad_value: float = 0.0) -> Tensor:
     """(T, *rest) jagged values -> (B, max_len, *rest) right-padded dense tensor."""
     batch = offsets.numel() - 1

@@ -44,6 +44,7 @@ from recforge.train.run_files import check_eval_split, invoked_command, write_ev
 from recforge.train.runtime import prepare_runtime
 from recforge.train.step import StepResult, StepRunner
 from recforge.train.step_draws import rank_seed
+from recforge.train.step_padding import LOSS_MASK, RetrievalPadding, unsupported
 
 
 @dataclass
@@ -75,9 +76,18 @@ def setup(cfg: RunConfig, ctx: DistContext | None = None, device: torch.device |
     s = Setup(cfg, seqs, model, None, device, PROTOCOL_HOLDOUT[cfg.data.protocol], sparse, ctx)
     s.runner = StepRunner(cfg, model, device, ctx, loss_fn=lambda batch, *draws: _loss(s, batch, *draws),
                           units_fn=lambda batch: batch.labels["next_item"].numel(), summed=bool(cfg.train.token_budget),
-                          sparse_optimizer=sparse, draw=None if cfg.loss.negatives == "full" else lambda b, seed: _draw(s, b, seed))  # fmt: skip
+                          sparse_optimizer=sparse, draw=None if cfg.loss.negatives == "full" else lambda b, seed: _draw(s, b, seed),
+                          pad=_padding(cfg, seqs.num_items))  # fmt: skip
     s.optimizer = s.runner.optimizer  # dense parameters; a dynamic item table steps with its own optimizer
     return s
+
+
+def _padding(cfg: RunConfig, num_items: int) -> RetrievalPadding | str:
+    """How the CUDA-graph step (``train.cuda_graphs``) pads this recipe's batches, or why it cannot."""
+    why = unsupported(cfg.loss)
+    if why is not None:
+        return why
+    return RetrievalPadding(cfg.loss, num_items, cfg.train.graph_bucket_ratio, summed=bool(cfg.train.token_budget))
 
 
 def _evaluate(s: Setup, target_from_end: int) -> dict[str, float]:
@@ -123,6 +133,8 @@ def _loss(s: Setup, batch: JaggedBatch, sampled: SampledNegatives | None = None)
     negatives drawn before the step (``_draw``), None: drawn in the loss."""
     cfg = s.cfg
     user_vectors = s.model(batch)  # (T, d)
+    if LOSS_MASK in batch.labels:  # a padded batch (train.step_padding): padding positions score with zero vectors
+        user_vectors = torch.where(batch.labels[LOSS_MASK].unsqueeze(1), user_vectors, 0.0)
     loss = sampled_softmax_loss(
         user_vectors,
         batch.labels["next_item"],

@@ -41,6 +41,7 @@ from recforge.sparse import SparseOptimizer
 from recforge.sparse.sharded import standin_lookups
 from recforge.train.compiled import compile_objective
 from recforge.train.distributed import DistContext, Objective, unused_parameters, wrap_dense
+from recforge.train.graphed import GraphedStep, graphs_enabled
 from recforge.train.pipeline_step import AheadTable, LookAhead
 from recforge.train.runtime import autocast, make_optimizer
 from recforge.train.step_draws import DrawFn, StepDraws
@@ -70,11 +71,13 @@ class StepRunner:
         sparse_optimizer: the dynamic tables' optimizer, stepped after the dense one.
         draw: ``(batch, seed) -> draws`` (e.g. sampled negatives), drawn before each micro-batch's forward
             (``recforge.train.step_draws``) and given to ``loss_fn(batch, draws)``; None: ``loss_fn(batch)``.
+        pad: ``(batch, draws) -> PaddedStep``, the recipe's padding to shape buckets for ``train.cuda_graphs``
+            (``recforge.train.step_padding``; ``recforge.train.graphed`` runs the step), or why it has none.
     """
 
     def __init__(self, cfg: RunConfig, model: nn.Module, device: torch.device, ctx: DistContext, *, loss_fn: LossFn,
                  units_fn: UnitsFn, summed: bool = False, sparse_optimizer: SparseOptimizer | None = None,
-                 draw: DrawFn | None = None) -> None:  # fmt: skip
+                 draw: DrawFn | None = None, pad: Callable[[Any, Any], Any] | str | None = None) -> None:  # fmt: skip
         self.cfg, self.model, self.device, self.ctx = cfg, model, device, ctx
         self.objective: nn.Module = compile_objective(Objective(model, loss_fn), cfg, device)  # train.compile
         # DDP waits for the first batch: it tells whether DDP must search for unused parameters each step
@@ -89,6 +92,11 @@ class StepRunner:
         self.ahead = LookAhead(tables, device, announce=ctx.is_main) if tables else None
         self.upcoming: Callable[[], list] | None = None  # the next step's micro-batches (StepInputs.peek)
         self.draws = StepDraws(draw) if draw is not None else None
+        self.graphed: GraphedStep | None = None  # train.cuda_graphs: the whole step as CUDA graphs
+        if graphs_enabled(cfg, device, distributed=ctx.initialized, sparse=sparse_optimizer is not None or bool(tables),
+                          pad=pad):  # fmt: skip
+            self.graphed = GraphedStep(self.objective, self.optimizer, pad, lambda: autocast(cfg, device),
+                                       cfg.optim.grad_clip)  # fmt: skip
 
     def set_upcoming(self, peek: Callable[[], list] | None) -> None:
         """Where the next step's batches can be seen early (the loop's prefetched inputs), or None."""
@@ -154,6 +162,9 @@ class StepRunner:
             units = [n for b, n in zip(micro, units, strict=True) if b is not None]
             micro = [b for b in micro if b is not None]
             ranks_with = [1.0] * len(micro)
+            if self.graphed is not None:  # one micro-batch (dist.grad_accum=1): padded, then replayed
+                draws = self.draws(micro[0], 0) if self.draws is not None else None
+                return StepResult(self.graphed(micro[0], draws).double(), micro[0].num_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = 0
