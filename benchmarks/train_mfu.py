@@ -2,6 +2,8 @@
 
 Usage (one H200, about 3 minutes; every case and variant in one process):
     python benchmarks/train_mfu.py --out benchmarks/results/train_mfu-h200.json
+    python benchmarks/train_mfu.py --cases ml1m medium --variants fp32-eager bf16-eager bf16-compile fp32-graphs \
+        bf16-graphs bf16-compile-graphs --out benchmarks/results/train_mfu-graphs-h200.json   # eager vs compile vs graphs
     python benchmarks/train_mfu.py --device cpu --cases tiny --variants fp32-eager   # smoke run
 
 Cases (``--cases``; jagged batches of random user lengths in [max_len / 4, max_len] up to a token budget,
@@ -12,14 +14,18 @@ sampled softmax with 128 negatives per position over 100K items, attention in Tr
               256 users per batch (about 38K tokens), full softmax over 3,706 items
     tiny      2 blocks, d 32 (CPU smoke run)
 Variants (``--variants``): fp32-eager, bf16-eager, bf16-compile (train.compile=default),
-bf16-compile-max-autotune (train.compile=max-autotune-no-cudagraphs; long compile, not run by default).
+bf16-compile-max-autotune (train.compile=max-autotune-no-cudagraphs; long compile, not run by default),
+and with ``train.cuda_graphs`` (the whole step, AdamW included, replayed as one CUDA graph per shape bucket):
+fp32-graphs, bf16-graphs, bf16-compile-graphs (Inductor's kernels captured).
 
 Each variant runs the training step itself (``recforge.train.step.StepRunner``: autocast, the
 compiled objective, AdamW) from the same initial weights on the same batches. Its first steps
 (also the warm-up and compilation) must give the fp32-eager losses within a tolerance (1% bf16,
 0.2% fp32 compiled) before it is timed; a variant that fails or disagrees is reported and skipped.
-Inductor's random ops fall back to eager (``fallback_random``) so compiled and eager steps draw the
-same negatives. MFU: model FLOPs (``recforge.train.flops``, from the real jagged lengths; forward +
+Sampled negatives are drawn before each step (``StepRunner(draw=...)``, seeded alike in every variant), so
+every variant scores the same ones. A graphs variant's first step of each shape bucket runs eagerly and
+is captured; ``--check-steps`` > ``--batches`` makes the checked steps include replays (each batch is its
+own bucket or shares one), and the timed steps are replays. MFU: model FLOPs (``recforge.train.flops``, from the real jagged lengths; forward +
 backward = 3x forward) / step time / the dense bf16 peak, from the GPU table and measured here (an
 8192^3 bf16 matmul). The breakdown: GPU kernel time per category from ``torch.profiler`` over a few
 steps, and the host gap (step time not covered by any kernel).
@@ -45,8 +51,9 @@ from recforge.jagged.index import offsets_from_lengths
 from recforge.models.builders import build_retrieval_model
 from recforge.train.distributed import DistContext
 from recforge.train.flops import matmul_precision, measure_matmul_peak, peak_tflops, step_flops_counter
-from recforge.train.losses import sampled_softmax_loss
+from recforge.train.losses import draw_negatives, sampled_softmax_loss
 from recforge.train.step import StepRunner
+from recforge.train.step_padding import LOSS_MASK, RetrievalPadding
 
 CASES = {  # name: (model, max_len, tokens per batch (0: users), users per batch, loss, items)
     "large": (dict(dim=1024, num_blocks=8, num_heads=4, dqk=128, dv=128), 4096, 16384, 0, "per_position", 100_000),
@@ -54,12 +61,15 @@ CASES = {  # name: (model, max_len, tokens per batch (0: users), users per batch
     "ml1m": (dict(dim=128, num_blocks=8, num_heads=2, dqk=64, dv=64), 200, 0, 256, "full", 3706),
     "tiny": (dict(dim=32, num_blocks=2, num_heads=2, dqk=16, dv=16), 64, 512, 0, "per_position", 1000),
 }
-VARIANTS = {  # name: (train.precision, train.compile, loss tolerance against fp32-eager)
-    "fp32-eager": ("float32", "none", 0.0),
-    "bf16-eager": ("bfloat16", "none", 1e-2),
-    "bf16-compile": ("bfloat16", "default", 1e-2),
-    "bf16-compile-max-autotune": ("bfloat16", "max-autotune-no-cudagraphs", 1e-2),
-    "fp32-compile": ("float32", "default", 2e-3),
+VARIANTS = {  # name: (train.precision, train.compile, train.cuda_graphs, loss tolerance against fp32-eager)
+    "fp32-eager": ("float32", "none", False, 0.0),
+    "bf16-eager": ("bfloat16", "none", False, 1e-2),
+    "bf16-compile": ("bfloat16", "default", False, 1e-2),
+    "bf16-compile-max-autotune": ("bfloat16", "max-autotune-no-cudagraphs", False, 1e-2),
+    "fp32-compile": ("float32", "default", False, 2e-3),
+    "fp32-graphs": ("float32", "none", True, 5e-3),  # padded to buckets: TF32 GEMMs of other shapes
+    "bf16-graphs": ("bfloat16", "none", True, 1e-2),
+    "bf16-compile-graphs": ("bfloat16", "default", True, 1e-2),
 }
 CATEGORIES = [  # (category, substrings of kernel names), first match wins
     ("attention", ("_hstu_", "hstu_attention")),
@@ -89,26 +99,38 @@ def make_batches(case: str, count: int, seed: int) -> list[JaggedBatch]:
     return batches
 
 
-def make_runner(case: str, variant: str, device: torch.device) -> tuple[StepRunner, object]:
+def make_runner(case: str, variant: str, device: torch.device, args) -> tuple[StepRunner, object]:
     model_kw, max_len, _, _, negatives, items = CASES[case]
-    precision, compile_mode, _ = VARIANTS[variant]
+    precision, compile_mode, graphs, _ = VARIANTS[variant]
     cfg = config_from_dict({
         "data": {"path": "-", "max_seq_len": max_len},
         "model": {"kind": "hstu", "dropout": 0.0, "kernel": "triton" if device.type == "cuda" else "pytorch", **model_kw},
-        "loss": {"negatives": negatives, "num_negatives": 128, "temperature": 0.05},
-        "train": {"device": str(device), "precision": precision, "compile": compile_mode},
+        "loss": {"negatives": negatives, "num_negatives": 128, "temperature": 0.05, "chunk_size": args.chunk_size},
+        "train": {"device": str(device), "precision": precision, "compile": compile_mode, "cuda_graphs": graphs,
+                  "graph_bucket_ratio": args.bucket_ratio},
     })  # fmt: skip
     torch.manual_seed(0)
     model = build_retrieval_model(cfg.model, items, max_len).to(device)
-    loss_cfg = cfg.loss
+    lc = cfg.loss
 
-    def loss_fn(batch):
+    def loss_fn(batch, draws=None):  # as recforge.train.retrieval._loss
         user = model(batch)
-        loss = sampled_softmax_loss(user, batch.labels["next_item"], model.item_vectors, items, negatives=loss_cfg.negatives,
-                                    num_negatives=loss_cfg.num_negatives, temperature=loss_cfg.temperature)  # fmt: skip
+        if LOSS_MASK in batch.labels:  # padded for train.cuda_graphs
+            user = torch.where(batch.labels[LOSS_MASK].unsqueeze(1), user, 0.0)
+        loss = sampled_softmax_loss(user, batch.labels["next_item"], model.item_vectors, items, negatives=lc.negatives,
+                                    num_negatives=lc.num_negatives, temperature=lc.temperature, chunk_size=lc.chunk_size,
+                                    sampled=draws)  # fmt: skip
         return loss, loss
 
-    runner = StepRunner(cfg, model, device, DistContext(), loss_fn=loss_fn, units_fn=lambda b: b.labels["next_item"].numel())
+    def draw(batch, seed):
+        return draw_negatives(batch.labels["next_item"], items, negatives=lc.negatives, num_negatives=lc.num_negatives,
+                              chunk_size=lc.chunk_size, generator=torch.Generator(device).manual_seed(seed))  # fmt: skip
+
+    pad = RetrievalPadding(lc, items, cfg.train.graph_bucket_ratio, summed=False)
+    runner = StepRunner(cfg, model, device, DistContext(), loss_fn=loss_fn, units_fn=lambda b: b.labels["next_item"].numel(),
+                        draw=None if lc.negatives == "full" else draw, pad=pad)  # fmt: skip
+    if graphs and runner.graphed is None:
+        raise RuntimeError("train.cuda_graphs is off for this variant (see the warning above)")
     return runner, cfg
 
 
@@ -151,7 +173,7 @@ def profile_steps(runner: StepRunner, batches: list, device: torch.device, steps
 
 def run_variant(case: str, variant: str, device: torch.device, cpu_batches: list, reference: list[float] | None,
                 args, peaks: dict) -> dict:  # fmt: skip
-    runner, cfg = make_runner(case, variant, device)
+    runner, cfg = make_runner(case, variant, device, args)
     batches = [b.to(device) for b in cpu_batches]
     count = step_flops_counter(cfg.model, cfg.loss, CASES[case][5])
     flops = [count(b) for b in cpu_batches]
@@ -159,7 +181,7 @@ def run_variant(case: str, variant: str, device: torch.device, cpu_batches: list
     losses = [float(runner([batches[i % len(batches)]]).loss) for i in range(args.check_steps)]  # compiles here
     row: dict = {"case": case, "variant": variant, "first_steps_s": time.perf_counter() - t0, "losses": losses}
     if reference is not None:
-        tol = VARIANTS[variant][2]
+        tol = VARIANTS[variant][3]
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
         row["max_rel_loss_diff"] = worst
         if worst > tol:
@@ -182,6 +204,11 @@ def run_variant(case: str, variant: str, device: torch.device, cpu_batches: list
             row[f"mfu_{name}"] = row["tflops"] / peak
     if args.profile_steps:
         row["profile"] = profile_steps(runner, batches, device, args.profile_steps)
+    if runner.graphed is not None:
+        row["graphs"] = {"captured": len(runner.graphed.graphs), "replays": runner.graphed.replays,
+                         "eager_steps": runner.graphed.eager_steps, "failed": runner.graphed.failed}  # fmt: skip
+    elif VARIANTS[variant][2]:
+        row["error"] = "train.cuda_graphs: the capture failed; the steps ran eagerly (see the warning above)"
     return row
 
 
@@ -191,7 +218,11 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=["large", "medium", "ml1m"], choices=list(CASES))
     parser.add_argument("--variants", nargs="*", default=["fp32-eager", "bf16-eager", "bf16-compile"], choices=list(VARIANTS))
     parser.add_argument("--batches", type=int, default=4, help="distinct batches, cycled (each its own token count)")
-    parser.add_argument("--check-steps", type=int, default=3, help="first steps whose losses must agree")
+    parser.add_argument("--check-steps", type=int, default=6,
+                        help="first steps whose losses must agree (more than --batches: graphs variants replay some)")
+    parser.add_argument("--chunk-size", type=int, default=0, help="loss.chunk_size (0: unchunked loss, as before; "
+                        "the ml1m configs' default is 8192)")
+    parser.add_argument("--bucket-ratio", type=float, default=1.125, help="train.graph_bucket_ratio of graphs variants")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler (0: none)")
@@ -201,7 +232,7 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # as recforge.train.runtime.prepare_runtime
-    torch._inductor.config.fallback_random = True  # compiled steps draw the eager steps' negatives
+    torch._inductor.config.fallback_random = True  # compiled random ops as eager's (the negatives are drawn outside)
     for name in ("cache_size_limit", "recompile_limit"):  # one compile per case and variant, same code objects
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)

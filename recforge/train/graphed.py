@@ -96,6 +96,7 @@ class GraphedStep:
         self._stream = torch.cuda.Stream(self.params[0].device) if capture else None
         self._lr = [torch.tensor(float(g["lr"]), device=self.params[0].device) for g in optimizer.param_groups]
         self._full_logged = False
+        self.failed: str | None = None  # why a capture failed: the caller then drops this step for the eager one
 
     def __call__(self, batch: JaggedBatch, draws: Any = None) -> Tensor:
         """Train one step on ``batch`` (and its ``draws``); the real batch's loss, a device scalar."""
@@ -108,7 +109,14 @@ class GraphedStep:
         if graph is None:
             loss = self._eager(padded)
             if self.capture and len(self.graphs) < MAX_GRAPHS:
-                self.graphs[key] = self._capture(padded, tensors)
+                try:
+                    self.graphs[key] = self._capture(padded, tensors)
+                except Exception as err:  # noqa: BLE001 - e.g. a host sync in the step: the run goes on eagerly
+                    self.failed = f"{type(err).__name__}: {err}"
+                    log.warning("train.cuda_graphs: capturing the step failed (%s); the rest of the run trains with the "
+                                "eager step. A step that synchronises with the host cannot be captured: find the sync "
+                                "with torch.cuda.set_sync_debug_mode('error')", self.failed)  # fmt: skip
+                    return loss
                 log.info("train.cuda_graphs: captured the step for %d tokens in %d sequences (%d graphs)",
                          padded.batch.num_tokens, padded.batch.batch_size, len(self.graphs))  # fmt: skip
             elif self.capture and not self._full_logged:
@@ -162,7 +170,7 @@ class GraphedStep:
         device = self.params[0].device
         scales = [torch.tensor(float(v), device=device) for v in (padded.loss_scale, padded.loss_offset, padded.objective_scale)]
         groups = self.optimizer.param_groups
-        lrs = [g["lr"] for g in groups]
+        before = [(g["lr"], g["capturable"]) for g in groups]
         self.optimizer.zero_grad(set_to_none=True)  # the graph's backward allocates (and owns) its gradients
         clear_padding_index_cache()  # an eager result cached for these buffers must not be baked into the graph
         graph = torch.cuda.CUDAGraph()
@@ -175,8 +183,8 @@ class GraphedStep:
             with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
                 loss = self._body(batch, draws, scales)
         finally:
-            for group, lr in zip(groups, lrs, strict=True):
-                group["lr"] = lr
+            for group, (lr, capturable) in zip(groups, before, strict=True):
+                group["lr"], group["capturable"] = lr, capturable  # a checkpoint saves the run's own settings
             self.optimizer.zero_grad(set_to_none=True)  # eager code never sees a graph's gradient buffers
             clear_padding_index_cache()
         torch.cuda.current_stream().wait_stream(self._stream)

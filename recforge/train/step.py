@@ -164,7 +164,10 @@ class StepRunner:
             ranks_with = [1.0] * len(micro)
             if self.graphed is not None:  # one micro-batch (dist.grad_accum=1): padded, then replayed
                 draws = self.draws(micro[0], 0) if self.draws is not None else None
-                return StepResult(self.graphed(micro[0], draws).double(), micro[0].num_tokens)
+                loss = self.graphed(micro[0], draws)
+                if self.graphed.failed:  # logged: the later steps run eagerly
+                    self.graphed = None
+                return StepResult(loss.double(), micro[0].num_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = 0

@@ -127,19 +127,21 @@ def _gpu_cfg(tmp_path: Path, data_dir: Path, *overrides: str) -> RunConfig:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("case", "precision", "tol"), [("full", "float32", 2e-3), ("full-chunked", "bfloat16", 3e-2),
-                                                         ("per-position-chunked", "float32", 2e-3)])  # fmt: skip
+@pytest.mark.parametrize(("case", "precision", "tol"), [("full", "float32", 5e-3), ("full-chunked", "bfloat16", 3e-2),
+                                                         ("per-position-chunked", "float32", 5e-3)])  # fmt: skip
 def test_graphed_step_matches_eager(tmp_path: Path, data_dir: Path, cuda_device, case: str, precision: str,
                                     tol: float) -> None:  # fmt: skip
-    """Eight steps over batch sizes that revisit their buckets: the replayed graphs give the eager step's losses."""
-    sizes = [16, 9, 16, 9, 16, 12, 9, 16]
+    """Eight steps over three batches of 16, 9 and 12 users, revisited: the first of each shape bucket runs eagerly
+    and is captured, the others replay a graph; every step gives the eager step's loss."""
     base = (f"train.precision={precision}", *CASES[case])
     eager = retrieval.setup(_gpu_cfg(tmp_path, data_dir, *base))
-    expected = _train(eager, _batches(eager, sizes))
+    a, b, c = _batches(eager, [16, 9, 12])
+    expected = _train(eager, [a, b, a, b, c, a, b, a])
     s = retrieval.setup(_gpu_cfg(tmp_path, data_dir, *base, "train.cuda_graphs=true"))
-    got = _train(s, _batches(s, sizes))
+    got = _train(s, [a, b, a, b, c, a, b, a])
     graphed = s.runner.graphed
-    assert graphed is not None and graphed.replays >= 3 and graphed.eager_steps == len(graphed.graphs)
+    assert graphed is not None and graphed.failed is None
+    assert graphed.replays >= 5 and graphed.eager_steps == len(graphed.graphs) == 8 - graphed.replays
     for step, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert abs(a - b) <= tol * abs(b), f"step {step + 1}: graphed {a} vs eager {b}"
 
@@ -148,7 +150,7 @@ def test_graphed_step_matches_eager(tmp_path: Path, data_dir: Path, cuda_device,
 def test_graphed_step_follows_the_learning_rate(tmp_path: Path, data_dir: Path, cuda_device) -> None:
     """A replay uses the lr the loop set for its step (device scalars): lr 0 leaves the weights unchanged."""
     s = retrieval.setup(_gpu_cfg(tmp_path, data_dir, "train.cuda_graphs=true", "optim.weight_decay=0.1"))
-    batches = _batches(s, [16, 16, 16])
+    batches = _batches(s, [16]) * 3  # one shape
     _train(s, batches[:2])  # eager + capture, then a replay
     before = [p.detach().clone() for p in s.model.parameters()]
     for group in s.optimizer.param_groups:
@@ -179,10 +181,10 @@ def test_retrieval_step_never_waits_for_the_gpu(tmp_path: Path, data_dir: Path, 
 def test_compiled_graphed_step_matches_eager(tmp_path: Path, data_dir: Path, cuda_device) -> None:
     """train.compile=default under train.cuda_graphs: Inductor's kernels are captured and replayed."""
     torch._dynamo.reset()
-    sizes = [16, 9, 16, 9]
     eager = retrieval.setup(_gpu_cfg(tmp_path, data_dir))
-    expected = _train(eager, _batches(eager, sizes))
+    a, b = _batches(eager, [16, 9])
+    expected = _train(eager, [a, b, a, b])
     s = retrieval.setup(_gpu_cfg(tmp_path, data_dir, "train.cuda_graphs=true", "train.compile=default"))
-    got = _train(s, _batches(s, sizes))
-    assert s.runner.graphed.replays == 2
-    assert got == pytest.approx(expected, rel=2e-3)
+    got = _train(s, [a, b, a, b])
+    assert s.runner.graphed.failed is None and s.runner.graphed.replays >= 2
+    assert got == pytest.approx(expected, rel=5e-3)
