@@ -4,6 +4,8 @@ Usage (on the GPU machine, from the repo root, ML-1M prepared as data/ml-1m):
     python benchmarks/time_to_quality.py configs/ml1m-hstu-plus-d128.yaml --set train.eval_every=5 \
         --out benchmarks/results/time_to_quality-h200.json
     python benchmarks/time_to_quality.py configs/ml1m-hstu-large.yaml --no-stop     # the whole run's time too
+    python benchmarks/time_to_quality.py configs/ml1m-hstu-plus-d128.yaml --name d128-graphs \
+        --set train.cuda_graphs=true --out benchmarks/results/time_to_quality-graphs-h200.json   # the whole step graphed
 
 Starts ``python -m recforge.cli train CONFIG`` as a child process and reads its ``evals.jsonl`` as it
 grows. The quality is what the run itself evaluates (``evals.jsonl``: the test target under
@@ -114,6 +116,9 @@ def main() -> None:
                   for r in evals],
         "median_tokens_per_s": _median([r["tokens_per_s"] for r in rated]),
         "median_mfu": _median([r["mfu"] for r in rated if "mfu" in r]),
+        # train.cuda_graphs: shape buckets captured, and whether a capture failed (the run then went on eagerly)
+        "graphs_captured": log_path.read_text().count("train.cuda_graphs: captured the step"),
+        "graphs_failed": "train.cuda_graphs: capturing the step failed" in log_path.read_text(),
         "date": datetime.date.today().isoformat(), "log": str(log_path),
     }  # fmt: skip
     for r in result["evals"]:

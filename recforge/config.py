@@ -146,7 +146,7 @@ class TrainConfig:
     compile: str = "none"
     # capture the whole step (forward, loss, backward, clipping, AdamW) as one CUDA graph per shape bucket and
     # replay it: no per-kernel launch cost (small models are host-bound). Each batch is padded to a bucket; the
-    # padding changes no gradient nor the logged loss. CUDA, one process, dist.grad_accum=1, static tables;
+    # padding changes no gradient nor the logged loss. Retrieval, CUDA, one process, dist.grad_accum=1, static tables;
     # elsewhere off (logged once). Combines with train.compile (its kernels are captured). docs/training_speed.md
     cuda_graphs: bool = False
     graph_bucket_ratio: float = 1.125  # buckets: each about this times the last (tokens and sequences padded <= ~12.5%)
