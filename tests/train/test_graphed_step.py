@@ -13,6 +13,7 @@ from recforge.config import RunConfig, config_from_dict
 from recforge.data.synthetic import SyntheticConfig, write_synthetic
 from recforge.train import retrieval
 from recforge.train.graphed import GraphedStep
+from recforge.train.losses import use_chunks
 from recforge.train.runtime import autocast
 from recforge.train.step_padding import LOSS_MASK, RetrievalPadding
 
@@ -51,7 +52,7 @@ def _loss_and_grads(s: retrieval.Setup, batch, draws, pad: RetrievalPadding | No
                                                         step.objective_scale)  # fmt: skip
     objective, loss = retrieval._loss(s, batch, draws) if draws is not None else retrieval._loss(s, batch)
     (objective * objective_scale).backward()
-    return float(loss) * scale + offset, [p.grad.clone() for p in s.model.parameters() if p.grad is not None]
+    return float(loss.detach()) * scale + offset, [p.grad.clone() for p in s.model.parameters() if p.grad is not None]
 
 
 CASES = {  # name: overrides
@@ -59,7 +60,7 @@ CASES = {  # name: overrides
     "full-chunked": ["loss.chunk_size=64"],
     "per-position": ["loss.negatives=per_position", "loss.num_negatives=16"],
     "per-position-chunked": ["loss.negatives=per_position", "loss.num_negatives=16", "loss.chunk_size=64"],
-    "per-position-chunk-cap": ["loss.negatives=per_position", "loss.num_negatives=16", "loss.chunk_size=1000"],
+    "per-position-chunk-cap": ["loss.negatives=per_position", "loss.num_negatives=16", "loss.chunk_size=400"],  # 365 tokens -> 400
     "token-budget": ["train.token_budget=300", "train.loader=pipeline"],
 }
 
@@ -70,17 +71,22 @@ def test_padding_changes_no_loss_or_gradient(tmp_path: Path, data_dir: Path, cas
     empty ones) gives the real batch's loss (after ``loss_scale``/``loss_offset``) and every parameter's gradient."""
     s = retrieval.setup(_cfg(tmp_path, data_dir, *CASES[case]))
     pad = RetrievalPadding(s.cfg.loss, s.seqs.num_items, 2.0, summed=bool(s.cfg.train.token_budget))
+    capped = 0
     for batch in _batches(s, [16, 7]):
         draws = None if s.cfg.loss.negatives == "full" else retrieval._draw(s, batch, seed=11)
         padded = pad(batch, draws)
         assert padded.batch.num_tokens > batch.num_tokens and padded.batch.batch_size > batch.batch_size
         assert int(padded.batch.labels[LOSS_MASK].sum()) == batch.num_tokens
+        chunk = s.cfg.loss.chunk_size  # per-position draws are chunked (distinct ids) as the padded loss is
+        assert use_chunks(chunk, batch.num_tokens) == use_chunks(chunk, padded.batch.num_tokens) or case.startswith("full")
+        capped += padded.batch.num_tokens == chunk
         loss, grads = _loss_and_grads(s, batch, draws, None)
         padded_loss, padded_grads = _loss_and_grads(s, batch, draws, pad)
         assert padded_loss == pytest.approx(loss, rel=1e-5), case
         assert len(grads) == len(padded_grads)
         for a, b in zip(padded_grads, grads, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert capped == (case == "per-position-chunk-cap")  # that case's first batch pads up to the chunk size only
 
 
 def test_unpaddable_losses_are_refused(tmp_path: Path, data_dir: Path) -> None:
