@@ -53,7 +53,7 @@ UnitsFn = Callable[[Any], float]  # batch -> loss units its mean-type objective 
 
 @dataclass
 class StepResult:
-    loss: float | torch.Tensor  # the global batch's loss (units-weighted mean over ranks and micro-batches); one process: a device scalar
+    loss: float | torch.Tensor  # the global batch's loss (units-weighted mean over ranks and micro-batches): a device scalar (gloo: CPU)
     tokens: int  # tokens trained on by all ranks this step
 
 
@@ -140,10 +140,13 @@ class StepRunner:
         """Train one step on this rank's micro-batches (device batches or None); None when no rank had any."""
         units = [self.units_fn(b) if b is not None else 0.0 for b in micro]
         has = [float(b is not None) for b in micro]
-        # one collective: real micro-batches, loss units, ranks with data per micro-batch, ranks without any batch yet
+        # one collective: real micro-batches, loss units, ranks without any batch yet, tokens, ranks with data per
+        # micro-batch (the step's only host sync under torchrun; none in one process)
         needy = float(not any(has) and self._last is None)
-        totals = self.ctx.all_reduce_sum([sum(has), sum(units), needy, *has])
-        global_real, global_units, global_needy, ranks_with = totals[0], totals[1], totals[2], totals[3:]
+        tokens = sum(b.num_tokens for b in micro if b is not None)
+        totals = self.ctx.all_reduce_sum([sum(has), sum(units), needy, tokens, *has])
+        global_real, global_units, global_needy, global_tokens, ranks_with = (totals[0], totals[1], totals[2],
+                                                                              totals[3], totals[4:])  # fmt: skip
         if global_real == 0:
             if self.ahead is not None:
                 self.ahead.drop()  # started for a step that no rank has data for
@@ -170,13 +173,11 @@ class StepRunner:
                 return StepResult(loss.double(), micro[0].num_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        tokens = 0
         for i, (batch, n) in enumerate(zip(micro, units, strict=True)):
             with standin_lookups(self.model, here=batch is None, anywhere=ranks_with[i] < self.ctx.world_size):
                 loss = self._micro_step(i, batch, n, global_units, last=i == len(micro) - 1)
             if batch is not None:
                 loss_sum += loss.detach().double() * n
-                tokens += batch.num_tokens
         if self.cfg.optim.grad_clip > 0:  # gradients are already reduced: this is the norm over all ranks
             torch.nn.utils.clip_grad_norm_(self.objective.parameters(), self.cfg.optim.grad_clip)
         self.optimizer.step()
@@ -188,8 +189,10 @@ class StepRunner:
             self.sparse_optimizer.step(lr_scale=lr_scale)
         if not self.ctx.initialized:  # the loss stays on the device: the loop reads it once per log interval
             return StepResult(loss_sum / max(global_units, 1e-12), tokens)
-        total_loss, total_tokens = self.ctx.all_reduce_sum([float(loss_sum), tokens])
-        return StepResult(total_loss / max(global_units, 1e-12), int(total_tokens))
+        # summed over ranks on the device (NCCL: no host sync; the loop reads it once per log interval, as above)
+        total_loss = loss_sum.to(self.ctx.comm_device)
+        torch.distributed.all_reduce(total_loss)
+        return StepResult(total_loss / max(global_units, 1e-12), int(global_tokens))
 
     def _micro_step(self, i: int, batch: Any | None, units: float, global_units: float, last: bool) -> torch.Tensor:
         """Forward + backward of micro-batch ``i`` (the stand-in, weight 0, where ``batch`` is None); its loss."""
