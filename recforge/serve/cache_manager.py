@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -113,14 +114,16 @@ def successor_pool(pool: KVCachePool | None, engine: RankEngine) -> KVCachePool 
 
     None when there is no pool or ``engine`` serves without a prefix cache; ``pool`` itself when its
     pages fit ``engine``'s keys and values (the caller invalidates it at the swap); else a new pool
-    of the same size, allocated now, before anything live changes (so an allocation failure fails
-    the reload, not the server)."""
+    of the same size, its device pages allocated now, before anything live changes (so an allocation
+    failure fails the reload, not the server). Its host tier grows as it fills instead of being
+    preallocated: the old pool's pinned slab is held until the swap, and PyTorch's pinned-memory cache
+    hands its chunks to the new tier once it is freed (never two slabs pinned at once)."""
     if pool is None or not engine.cached:
         return None
     cfg = engine.model.encoder.cfg
     fits = (tuple(pool.keys.shape[1:]) == (cfg.num_blocks, pool.config.block_size, cfg.num_heads, cfg.dqk)
             and pool.values.shape[-1] == cfg.dv and pool.keys.dtype == engine.dtype)  # fmt: skip
-    return pool if fits else KVCachePool.for_engine(engine, pool.config)
+    return pool if fits else KVCachePool.for_engine(engine, replace(pool.config, host_prealloc=False))
 
 
 __all__ = ["CacheManager", "successor_pool"]

@@ -125,8 +125,9 @@ class KVCachePool:
         self.host_pages = HostPages(((num_layers, bs, heads, dqk), (num_layers, bs, heads, dv)), dtype,
                                     pin=self.device.type == "cuda")  # fmt: skip
         self.host_metadata_bytes = 0  # host entries' token identities and user keys (counted in host_mb)
+        self.host_fixed = False  # the slab is whole (preallocated): it never grows while serving
         if self.config.host_prealloc and self.host_limit > 0:
-            self._preallocate_host()
+            self.host_fixed = self._preallocate_host()
         self.metadata_bytes = 0  # device entries' token identities and user keys (host memory)
         self.version = version
         self.stats = PoolStats()
@@ -296,8 +297,8 @@ class KVCachePool:
         """Make ``pages`` free host pages and ``meta`` bytes of metadata fit the host bound: grow the slab while
         the bound allows, else drop least recently used host entries. False when it cannot."""
         hp, limit = self.host_pages, self.host_limit
-        if pages * hp.page_bytes + meta > limit:
-            return False
+        if pages * hp.page_bytes + meta > limit or (self.host_fixed and pages > hp.num_pages):
+            return False  # never empties the tier for an entry that cannot fit anyway
         while True:
             spare = limit - hp.allocated_bytes - self.host_metadata_bytes - meta
             if len(hp.free) >= pages and spare >= 0:
@@ -305,22 +306,24 @@ class KVCachePool:
             # a new chunk leaves room for the metadata of the entries its pages will hold (judged by this one's)
             per_page = meta / max(pages, 1)  # an empty prefix (no pages) still has metadata
             rows = (limit - hp.allocated_bytes - hp.num_pages * per_page) // (hp.page_bytes + per_page)
-            lazy = not self.config.host_prealloc  # a preallocated slab never grows: serving allocates nothing
-            if lazy and len(hp.free) < pages and hp.grow(min(spare, int(rows) * hp.page_bytes)):
+            if not self.host_fixed and len(hp.free) < pages and hp.grow(min(spare, int(rows) * hp.page_bytes)):
                 continue
             if not self.host:
                 return False
             self._drop_host(next(iter(self.host)))
             self.stats.dropped += 1
 
-    def _preallocate_host(self) -> None:
+    def _preallocate_host(self) -> bool:
         """The whole host slab now: as many pages as the bound holds beside the metadata of the entries they can
-        hold, judged for one-page entries (the most metadata per page) with a 64-byte user id."""
+        hold, judged for one-page entries (the most metadata per page) with a 64-byte user id. True when it is
+        whole; False when an allocation was refused part way (the tier then grows as it fills, like
+        ``host_prealloc: false``, once memory is free again)."""
         hp = self.host_pages
         per_page = self.config.block_size * 4 * 8 + 8 + ENTRY_OVERHEAD + 64
         slab = self.host_limit * hp.page_bytes // (hp.page_bytes + per_page)
         while hp.grow(slab - hp.allocated_bytes):
             pass
+        return slab - hp.allocated_bytes < hp.page_bytes  # else grow stopped on a refusal, not for lack of room
 
     def _promote(self, user: str, entry: _Entry) -> None:
         """Host ``entry`` back into device pages (evicting others for room), its host pages freed."""

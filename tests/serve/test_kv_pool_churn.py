@@ -222,3 +222,55 @@ def test_the_host_slab_is_allocated_up_front_and_never_while_serving(monkeypatch
     for i in range(30):
         _serve(refused_cache, f"u{i}", users[f"u{i}"])
     assert refused.report()["dropped"] > 0 and refused.report()["evicted_to_host"] == 0
+
+
+def test_a_preallocation_refused_part_way_grows_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pinned memory short at start (e.g. a reload's old pool still holds its slab): the partial slab serves,
+    and the tier grows to its bound as it fills once memory is free again (it is not stuck small)."""
+    from recforge.serve import kv_host
+
+    monkeypatch.setattr(kv_host, "CHUNK_BYTES", 4096)  # several chunks for a small slab (as 64 MiB for 1 GiB)
+    real_empty, calls = torch.empty, [0]
+
+    def short(*args, **kwargs):
+        if kwargs.get("dtype") is torch.uint8:
+            calls[0] += 1
+            if calls[0] > 2:
+                raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", short)
+    pool = KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"),
+                       PoolConfig(device_mb=0.02, host_mb=0.05, block_size=8))  # fmt: skip
+    monkeypatch.setattr(torch, "empty", real_empty)
+    partial = pool.host_pages.num_pages
+    assert partial > 0 and not pool.host_fixed
+    cache = CacheManager(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"), "0", pool)
+    rng = random.Random(1)
+    users = {f"u{i}": _history(rng, rng.randint(5, 40), i) for i in range(60)}
+    for _ in range(200):
+        user = f"u{rng.randrange(60)}"
+        _serve(cache, user, users[user])
+        assert pool.host_bytes <= pool.host_limit
+    assert pool.host_pages.num_pages > 2 * partial
+
+
+def test_an_entry_larger_than_the_slab_does_not_empty_the_host_tier() -> None:
+    """A preallocated slab never grows: an evicted entry with more pages than the whole slab is dropped at once,
+    and the host entries already there stay (they used to be dropped one by one first, for nothing)."""
+    pool = KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"),
+                       PoolConfig(device_mb=0.05, host_mb=0.05, block_size=8))  # fmt: skip
+    cache = CacheManager(LAYERS, HEADS, DQK, DV, torch.float32, torch.device("cpu"), "0", pool)
+    rng = random.Random(int(torch.randint(1 << 30, (1,))))
+    small = {f"s{i}": _history(rng, 14, i) for i in range(30)}  # 16 tokens: 2 pages each
+    big = _history(rng, 270, 999)  # 272 tokens: 34 pages, more than the slab holds
+    assert pool.host_fixed and 34 > pool.host_pages.num_pages
+    for user in list(small)[:5]:
+        _serve(cache, user, small[user])
+    _serve(cache, "big", big)
+    for user in list(small)[5:]:
+        _serve(cache, user, small[user])
+        if "big" not in pool.entries:
+            break
+    assert "big" not in pool.entries and "big" not in pool.host
+    assert {"s0", "s1", "s2", "s3", "s4"} <= set(pool.host)
