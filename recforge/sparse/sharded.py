@@ -165,7 +165,7 @@ class ShardedDynamicEmbedding(nn.Module):
         this rank's IDs are a stand-in (sent with 0 occurrences; default: ``standin_lookups``' setting). One host
         synchronisation.
         """
-        parts = bounds = part_of = None
+        parts = bounds = None
         if isinstance(ids, (list, tuple)):
             if tags is not None:
                 raise ValueError("ShardedDynamicEmbedding.distribute: a combined lookup (a list of id tensors) takes no tags")
@@ -175,8 +175,6 @@ class ShardedDynamicEmbedding(nn.Module):
             bounds = [0]
             for t in parts:
                 bounds.append(bounds[-1] + t.numel())
-            if len(parts) > 1:  # each id's part: (N,) on the device, no host copy
-                part_of = torch.cat([torch.full((t.numel(),), k, dtype=torch.int64, device=self.device) for k, t in enumerate(parts)])
             shape, parts = flat.shape, [t.shape for t in parts]
         else:
             ids = check_ids(ids, negatives=False)  # negative IDs are caught at the split sizes' host sync
@@ -190,7 +188,7 @@ class ShardedDynamicEmbedding(nn.Module):
         group = group or self.group
         standin = self.standin_here if standin is None else standin
         if flat_tags is None:
-            send, position, owner_counts, smallest = self._sorted_send(flat, part_of)  # send: (u) -> (u, 4)
+            send, position, owner_counts, smallest = self._sorted_send(flat, bounds)  # send: (u) -> (u, 4)
         else:
             keys, key_tags, inverse, occurrences = unique_keys(flat, flat_tags)
             owner = self.owners(keys, key_tags)  # (U,)
@@ -211,23 +209,42 @@ class ShardedDynamicEmbedding(nn.Module):
         return DistributedIds(shape, parts, bounds, has_tags=tags is not None, position=position, send_splits=send_splits,
                               recv_splits=recv_splits, received=received, work=work)  # fmt: skip
 
-    def _sorted_send(self, flat: Tensor, part_of: Tensor | None = None) -> tuple[Callable[[int], Tensor], Tensor, Tensor, Tensor]:
+    def _sorted_send(self, flat: Tensor, bounds: list[int] | None = None) -> tuple[Callable[[int], Tensor], Tensor, Tensor, Tensor]:
         """Local dedup without a host sync: (``send(U)``: the (U, 4) rows (key, 0, occurrences, first part) of the U
         distinct keys ordered by owner then key, each id's index among them (N,), distinct keys per owner (W,),
-        smallest id (1,)). ``part_of`` (N,): each id's part in a combined lookup (None: all part 0). The rows
-        are gathered only once U is known (the split sizes' sync): U, not N, of them."""
+        smallest id (1,)). ``bounds``: where each part of a combined lookup starts in ``flat``, then N (None or one
+        part: all part 0). The rows are gathered only once U is known (the split sizes' sync): U, not N, of them.
+
+        A stable sort puts each key's first occurrence first among its copies: its part is the lowest the key
+        occurs in (parts are back to back in ``flat``), read for the U distinct keys only.
+        """
         n, w = flat.numel(), self.world_size
         if n == 0:
             empty = flat.new_zeros(0)
             return lambda u: flat.new_zeros(0, 4), empty, flat.new_zeros(w), flat.new_zeros(1)
-        sorted_ids, sort_order = torch.sort(flat)
+        several = bounds is not None and len(bounds) > 2
+        sorted_ids, sort_order = torch.sort(flat, stable=several)
         start = torch.ones(n, dtype=torch.bool, device=flat.device)
-        start[1:] = sorted_ids[1:] != sorted_ids[:-1]
-        group = torch.cumsum(start, 0) - 1  # (N,) distinct-key index of each sorted id
+        torch.ne(sorted_ids[1:], sorted_ids[:-1], out=start[1:])
+        group = torch.cumsum(start, 0)
+        group -= 1  # (N,) distinct-key index of each sorted id
         occurrences = torch.zeros(n, dtype=torch.int64, device=flat.device).index_add_(0, group, torch.ones_like(group))
-        first_part = None  # (N,) per distinct key: the lowest part it occurs in
-        if part_of is not None:
-            first_part = torch.full_like(sorted_ids, n).scatter_reduce_(0, group, part_of[sort_order], "amin")
+        inner = torch.tensor(bounds[1:-1], dtype=torch.int64, device=flat.device) if several else None
+
+        def rows(at: Tensor, occ: Tensor) -> Tensor:
+            """(U, 4) send rows of the distinct keys whose first sorted ids are ``at`` and occurrences ``occ``."""
+            out = torch.zeros(at.numel(), 4, dtype=torch.int64, device=flat.device)
+            out[:, 0] = sorted_ids[at]
+            out[:, 2] = occ
+            if inner is not None:  # the part of each key's first occurrence
+                out[:, 3] = torch.bucketize(sort_order[at], inner, right=True)
+            return out
+
+        if w == 1:  # one owner: the send order is the sorted order, each id's row is its key's index
+            position = torch.empty_like(group).index_copy_(0, sort_order, group)  # (N,) in the ids' order
+            firsts = torch.zeros(n + 1, dtype=torch.int64, device=flat.device)  # [g]: key g's first sorted id; [N]: scratch
+            firsts.scatter_(0, torch.where(start, group, n), torch.arange(n, device=flat.device))
+            return (lambda u: rows(firsts[:u], occurrences[:u])), position, group[-1:] + 1, sorted_ids[:1]
         owner = torch.where(start, self.owners(sorted_ids, torch.zeros_like(sorted_ids)), w)  # (N,) repeats: past the ranks
         order = torch.argsort(owner, stable=True)  # distinct keys by owner (ascending keys within), then the repeats
         index_of = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=flat.device))  # sorted id -> its row in send
@@ -235,12 +252,11 @@ class ShardedDynamicEmbedding(nn.Module):
         position = torch.empty_like(order).index_copy_(0, sort_order, index_of[first])  # (N,) in the ids' order
 
         def send(u: int) -> Tensor:
-            at = order[:u]  # the distinct keys' sorted positions, by owner
-            key = group[at]
-            part = torch.zeros_like(at) if first_part is None else first_part[key]
-            return torch.stack([sorted_ids[at], torch.zeros_like(at), occurrences[key], part], 1)  # (U, 4)
+            at = order[:u]  # the distinct keys' first sorted ids, by owner
+            return rows(at, occurrences[group[at]])
 
-        return send, position, torch.bincount(owner, minlength=w + 1)[:w], sorted_ids[:1]
+        counts = torch.zeros(w + 1, dtype=torch.int64, device=flat.device).index_add_(0, owner, torch.ones_like(owner))
+        return send, position, counts[:w], sorted_ids[:1]  # (index_add_: bincount syncs on CUDA)
 
     def _exchange_splits(self, send_counts: Tensor, smallest: Tensor, group: dist.ProcessGroup | None = None,
                          ) -> tuple[list[int], list[int], int]:  # fmt: skip
@@ -272,6 +288,11 @@ class ShardedDynamicEmbedding(nn.Module):
                 found = shard.index.lookup(keys, tags)  # (G,)
                 distinct, absent = occ.new_full((1,), keys.numel()), (found < 0).sum().view(1)
                 smallest_occ = occ.min().view(1) if occ.numel() else occ.new_ones(1)
+            elif len(handle.recv_splits) == 1:  # one sender (world size 1): its keys are distinct and ascending already
+                keys, tags, occ, inverse = recv_keys, None, recv_occ, None  # G = R: each received key is its own row
+                found = shard.index.lookup(keys, None)  # (G,)
+                distinct, absent = occ.new_full((1,), r), (found < 0).sum().view(1)
+                smallest_occ = occ.min().view(1)
             else:  # sort-based dedup: G is read at the one sync below, with everything else
                 sorted_keys, order = torch.sort(recv_keys)
                 start = torch.ones(r, dtype=torch.bool, device=recv_keys.device)
@@ -290,7 +311,7 @@ class ShardedDynamicEmbedding(nn.Module):
             else:
                 facts, cached = facts.tolist(), True
             g, n_absent, n_ids, smallest_occ = facts
-            if not (handle.has_tags or r == 0):
+            if not (handle.has_tags or r == 0 or inverse is None):
                 keys = sorted_keys.new_empty(g).scatter_(0, group, sorted_keys)  # a group's writes are all equal
                 found = found.new_empty(g).scatter_(0, group, found)
                 occ, tags = occ[:g], None
@@ -347,11 +368,12 @@ class ShardedDynamicEmbedding(nn.Module):
                     shard.store.release_staged()
                 first = None
                 if handle.parts is not None and len(handle.parts) > 1:  # each key's first part, over all senders
-                    first = torch.full_like(staged.keys, len(handle.parts)).scatter_reduce_(0, staged.inverse,
-                                                                                           handle.received[:, 3], "amin")  # fmt: skip
+                    first = handle.received[:, 3] if staged.inverse is None else torch.full_like(staged.keys, len(
+                        handle.parts)).scatter_reduce_(0, staged.inverse, handle.received[:, 3], "amin")  # fmt: skip
                 unique_emb = self._owner_rows(staged.keys, staged.tags, staged.occurrences, admit, first)  # (G, d)
             inverse = staged.inverse
-        sent_back = F.embedding(inverse, unique_emb)  # (R, d): each sender's keys, in the order it sent them
+        # (R, d): each sender's keys, in the order it sent them (one sender: the staged order itself)
+        sent_back = unique_emb if inverse is None else F.embedding(inverse, unique_emb)
         return _AllToAll.apply(sent_back, handle.send_splits, handle.recv_splits, self.group)  # (U, d); backward: to the owners
 
     def _direct_rows(self, handle: DistributedIds, admit: bool) -> tuple[Tensor, Tensor]:

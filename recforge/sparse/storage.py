@@ -313,14 +313,14 @@ class TieredStore:
         slots = slots[self.dirty[slots] & (self.slot_to_row[slots] >= 0)]
         if slots.numel() == 0:
             return
-        rows = self.slot_to_row[slots].cpu()
-        self.host_all.index_copy_(0, rows, self.cache_all[slots].cpu())
-        self.dirty[slots] = False
+        rows = self.slot_to_row.index_select(0, slots).cpu()
+        self.host_all.index_copy_(0, rows, self.cache_all.index_select(0, slots).cpu())  # index_select: no advanced indexing
+        self.dirty.index_fill_(0, slots, False)
         self.counts["rows_written_back"] += rows.numel()
 
     def _load(self, rows: Tensor, slots: Tensor) -> None:
-        self.cache_all[slots] = self._h2d(self.host_all, rows.cpu())
-        self.dirty[slots] = False
+        self.cache_all.index_copy_(0, slots, self._h2d(self.host_all, rows.cpu()))
+        self.dirty.index_fill_(0, slots, False)
         self.counts["rows_loaded"] += rows.numel()
 
     def _h2d(self, host: Tensor, rows_cpu: Tensor) -> Tensor:
