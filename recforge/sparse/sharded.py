@@ -285,12 +285,12 @@ class ShardedDynamicEmbedding(nn.Module):
                 keys, tags, inverse, _ = unique_keys(recv_keys, recv_tags if handle.has_tags else None)
                 tags = tags if handle.has_tags else None
                 occ = torch.zeros(keys.numel(), dtype=torch.int64, device=keys.device).index_add_(0, inverse, recv_occ)
-                found = shard.index.lookup(keys, tags)  # (G,)
+                found = distinct_rows = shard.index.lookup(keys, tags)  # (G,)
                 distinct, absent = occ.new_full((1,), keys.numel()), (found < 0).sum().view(1)
                 smallest_occ = occ.min().view(1) if occ.numel() else occ.new_ones(1)
             elif len(handle.recv_splits) == 1:  # one sender (world size 1): its keys are distinct and ascending already
                 keys, tags, occ, inverse = recv_keys, None, recv_occ, None  # G = R: each received key is its own row
-                found = shard.index.lookup(keys, None)  # (G,)
+                found = distinct_rows = shard.index.lookup(keys, None)  # (G,)
                 distinct, absent = occ.new_full((1,), r), (found < 0).sum().view(1)
                 smallest_occ = occ.min().view(1)
             else:  # sort-based dedup: G is read at the one sync below, with everything else
@@ -300,14 +300,13 @@ class ShardedDynamicEmbedding(nn.Module):
                 group = torch.cumsum(start, 0) - 1  # (R,) distinct-key index of each sorted key
                 occ = torch.zeros(r, dtype=torch.int64, device=recv_keys.device).index_add_(0, group, recv_occ[order])
                 found = shard.index.lookup(sorted_keys, None)  # (R,) duplicates find the same row
+                distinct_rows = torch.where(start, found, -1)  # (R,) each row once
                 inverse = torch.empty_like(group).index_copy_(0, order, group)
                 distinct, absent = group[-1:] + 1, ((found < 0) & start).sum().view(1)
                 smallest_occ = torch.where(torch.arange(r, device=occ.device) < distinct, occ, 1 << 62).min().view(1)
             facts = torch.cat([distinct, absent, occ.sum().view(1), smallest_occ])
             if isinstance(store, TieredStore):  # the rows go to the cache on this (side) stream, in the same sync
-                mark = torch.zeros(shard.num_rows + 1, dtype=torch.bool, device=found.device)  # [R]: scratch for -1
-                mark.index_fill_(0, torch.where(found >= 0, found, shard.num_rows), True)
-                _, facts, cached = store.ensure_marked(mark[:-1], 1, facts, stage=True)
+                facts, cached = store.stage_rows(distinct_rows, facts)
             else:
                 facts, cached = facts.tolist(), True
             g, n_absent, n_ids, smallest_occ = facts

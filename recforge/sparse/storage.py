@@ -272,6 +272,35 @@ class TieredStore:
             self.stage(slots)
         return total, extra_values, n_miss <= available
 
+    def stage_rows(self, rows: Tensor, extra: Tensor, future: int = 1) -> tuple[list[int], bool]:
+        """``ensure_marked(mark, future, extra, stage=True)`` for distinct ``rows`` (-1 entries: none) instead of a bitmap.
+
+        The work is O(rows + cache slots), not O(table rows): the same rows are loaded into the same slots
+        (the missing ones ascending, as the bitmap lists them) in one synchronisation, which also reads the
+        caller's ``extra`` (k,) int64 device values. Returns (``extra`` read back, whether every row is now cached).
+        """
+        self._join()
+        self.clock += 1
+        valid = rows >= 0
+        slot_of = self.row_to_slot[torch.where(valid, rows, self.num_rows)]  # (G,) -1: not cached (row_to_slot[R] = -1)
+        missing = valid & (slot_of < 0)
+        key = self._victim_keys(slot_of)  # (C,) the cached rows are no victims
+        facts = torch.cat([torch.stack([valid.sum(), missing.sum(), (key < _TOP).sum(), (key < 0).sum()]), extra])
+        total, n_miss, available, empty, *extra_values = facts.tolist()  # the one synchronisation
+        self.counts["cache_hits"] += total - n_miss
+        self.counts["cache_misses"] += n_miss
+        n = min(n_miss, available)
+        if n:  # the n lowest missing rows (ensure's order), into empty slots first, then least recently stamped
+            victims = _positions(key < 0, n) if empty >= n else torch.topk(key, n, largest=False, sorted=False).indices
+            missing_rows = torch.sort(rows[_positions(missing, n_miss)]).values[:n]
+            self._fill(missing_rows, torch.full_like(missing_rows, -1), torch.arange(n, device=self.device), victims)
+            slot_of = self.row_to_slot[torch.where(valid, rows, self.num_rows)]
+        if total < rows.numel() or n < n_miss:  # rows without a row or a slot: hold only the others (one more sync)
+            slot_of = slot_of[slot_of >= 0]
+        self.stamp.index_fill_(0, slot_of, self.clock + future)
+        self.stage(slot_of)
+        return extra_values, n_miss <= available
+
     def _fill(self, rows: Tensor, slots: Tensor, miss: Tensor, victims: Tensor) -> Tensor:
         """Load ``rows[miss]`` into the ``victims`` slots (writing dirty victims back); ``slots`` with them filled in."""
         missing = rows[miss]
