@@ -69,7 +69,8 @@ class StagedRows:
     slots: Tensor  # (G,) the rows' cache slots (held until the lookup), -1 where not cached
     ready: bool  # every key had a row, was asked for by a real batch and is cached: the lookup needs no sync
     n_ids: int  # occurrences in all (the lookup's ``ids`` count)
-    epoch: tuple[int, int]  # (table.stage_epoch, store.generation) when staged: a change makes ``rows``/``slots`` stale
+    epoch: tuple[int, int, int]  # (table.stage_epoch, store.generation, table.builds) when staged: evictions since
+    # (stage_epoch) may have taken ``rows``' IDs, a rewrite (generation) moved ``slots``, a rebuild (builds) made both stale
 
 
 @dataclass

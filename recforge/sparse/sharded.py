@@ -21,9 +21,11 @@ One lookup on rank r, ids of any shape (N in all)::
 
 ``stage`` only reads the table, so it may run a step early (``recforge.train.pipeline_step``: on a
 side stream, in a worker thread, with its own process group) while the previous step's optimizer is
-still to update the rows: ``lookup`` reads the rows' values when it runs, after that update. An
-eviction between ``stage`` and ``lookup`` (``DynamicEmbedding.stage_epoch``) or an ID that had no row
-makes ``lookup`` redo the owner's part the ordinary way, so a staged lookup equals one made at use.
+still to update the rows: ``lookup`` reads the rows' values when it runs, after that update. After an
+eviction between ``stage`` and ``lookup`` (``DynamicEmbedding.stage_epoch``), ``lookup`` checks which staged
+rows still hold their IDs (``row_key``): if all do, it reads them as staged; otherwise, or for IDs that had no
+row, it looks only those IDs up again and finishes the owner's part the ordinary way (admission, cache), so a
+staged lookup equals one made at use. A rewrite of rows (``TieredStore.generation``) or a rebuilt table redoes it all.
     backward    (N, d) -> summed per local key (U, d) -all_to_all-> (R, d) -summed per row-> (G, d)
                 -> the owner shard's pending row gradients; ``apply_gradients`` updates only there.
 
@@ -112,6 +114,7 @@ class ShardedDynamicEmbedding(nn.Module):
         self.standin_here = False  # this rank's lookups are a stand-in: their IDs are sent with 0 occurrences
         self.standin_anywhere = False  # some rank's are: owners look up 0-occurrence IDs read-only
         self.staged_reads = 0  # lookups that read staged rows with no host sync (for logs, benchmarks and tests)
+        self.relooked_up = 0  # staged keys looked up again at use (evicted since, or without a row when staged)
 
     @property
     def device(self) -> torch.device:
@@ -316,7 +319,7 @@ class ShardedDynamicEmbedding(nn.Module):
                 occ, tags = occ[:g], None
             slots = store.row_to_slot[torch.where(found >= 0, found, shard.num_rows)] if isinstance(store, TieredStore) else found
         ready = n_absent == 0 and smallest_occ > 0 and cached
-        handle.staged = StagedRows(keys, tags, occ, inverse, found, slots, ready, n_ids, (shard.stage_epoch, store.generation))
+        handle.staged = StagedRows(keys, tags, occ, inverse, found, slots, ready, n_ids, (shard.stage_epoch, store.generation, shard.builds))
 
     def lookup(self, handle: DistributedIds, admit: bool = True, part: int | None = None) -> Tensor:
         """Phase 2b: the owner's lookup (admission in training, as ``DynamicEmbedding``) and the embeddings' way back.
@@ -351,15 +354,16 @@ class ShardedDynamicEmbedding(nn.Module):
         else:
             self.stage(handle)
             staged, shard = handle.staged, self.shard
-            current = staged.epoch == (shard.stage_epoch, shard.store.generation)
-            if staged.ready and current and self.training and torch.is_grad_enabled():
-                self.staged_reads += 1
-                if staged.rows.numel():  # as DynamicEmbedding._rows, which counts only lookups with keys
-                    shard._stats["lookups"] += 1
-                    shard._stats["ids"] += staged.n_ids
-                shard._touch(staged.rows, staged.occurrences)  # what the full lookup counts for the eviction policy
-                shard.store.claim_staged(staged.slots)  # held until this step's optimizer update, as ensure(pin=True)
-                unique_emb = GatherRows.apply(shard._anchor, shard, staged.slots, staged.rows)  # (G, d)
+            train = self.training and torch.is_grad_enabled()
+            now = (shard.stage_epoch, shard.store.generation, shard.builds)
+            current, looked_up = staged.epoch == now, None
+            if train and not (staged.ready and current) and staged.epoch[1:] == now[1:] and not self.standin_anywhere:
+                # IDs evicted since the staging (stage_epoch), or without a row then: only those are looked up again
+                rows, n_absent, lost = self._rows_now(staged, evicted=not current)
+                current = lost == 0  # no staged row lost its ID: the staged rows and held slots are still theirs
+                looked_up = (rows, n_absent)
+            if staged.ready and current and train:
+                unique_emb = self._read_staged(staged)  # (G, d), no host sync
             else:
                 if current:
                     shard.store.unstage(staged.slots)
@@ -369,11 +373,47 @@ class ShardedDynamicEmbedding(nn.Module):
                 if handle.parts is not None and len(handle.parts) > 1:  # each key's first part, over all senders
                     first = handle.received[:, 3] if staged.inverse is None else torch.full_like(staged.keys, len(
                         handle.parts)).scatter_reduce_(0, staged.inverse, handle.received[:, 3], "amin")  # fmt: skip
-                unique_emb = self._owner_rows(staged.keys, staged.tags, staged.occurrences, admit, first)  # (G, d)
+                unique_emb = self._owner_rows(staged.keys, staged.tags, staged.occurrences, admit, first, looked_up)  # (G, d)
             inverse = staged.inverse
         # (R, d): each sender's keys, in the order it sent them (one sender: the staged order itself)
         sent_back = unique_emb if inverse is None else F.embedding(inverse, unique_emb)
         return _AllToAll.apply(sent_back, handle.send_splits, handle.recv_splits, self.group)  # (U, d); backward: to the owners
+
+    def _read_staged(self, staged: StagedRows) -> Tensor:
+        """The rows of a staged lookup whose rows all exist, are cached and are still theirs (G, d): no host sync."""
+        shard = self.shard
+        self.staged_reads += 1
+        if staged.rows.numel():  # as DynamicEmbedding._rows, which counts only lookups with keys
+            shard._stats["lookups"] += 1
+            shard._stats["ids"] += staged.n_ids
+        shard._touch(staged.rows, staged.occurrences)  # what the full lookup counts for the eviction policy
+        shard.store.claim_staged(staged.slots)  # held until this step's optimizer update, as ensure(pin=True)
+        return GatherRows.apply(shard._anchor, shard, staged.slots, staged.rows)
+
+    def _rows_now(self, staged: StagedRows, evicted: bool) -> tuple[Tensor, int, int]:
+        """(rows, how many are -1, how many staged rows lost their ID) of the staged keys as the index has them now.
+
+        A staged row still holding its key (``row_key``) is its key's row (admission and eviction keep the index and
+        ``row_key`` in step); only the keys whose row was evicted since (``evicted``: the table's ``stage_epoch``
+        moved) or that had none when staged (admitted since, e.g. by another lookup) are looked up again.
+        """
+        shard, rows = self.shard, staged.rows
+        lost = torch.zeros((), dtype=torch.int64, device=rows.device)
+        if evicted:
+            at = rows.clamp(min=0)
+            kept = (rows >= 0) & (shard.row_key[at] == staged.keys)
+            if staged.tags is not None:
+                kept &= shard.row_tag[at] == staged.tags
+            lost = ((rows >= 0) & ~kept).sum()
+            rows = torch.where(kept, rows, -1)
+        n_lost, n_redo = torch.stack([lost, (rows < 0).sum()]).tolist()  # one host sync
+        if n_redo == 0:
+            return rows, 0, n_lost
+        redo = (rows < 0).nonzero().squeeze(1)
+        rows = rows.clone()
+        rows[redo] = shard.index.lookup(staged.keys[redo], None if staged.tags is None else staged.tags[redo])
+        self.relooked_up += n_redo
+        return rows, int((rows < 0).sum()), n_lost
 
     def _direct_rows(self, handle: DistributedIds, admit: bool) -> tuple[Tensor, Tensor]:
         """The owner's rows without staging (evaluation, no_grad; reads host-tier rows in place): (G, d), inverse (R,)."""
@@ -387,12 +427,14 @@ class ShardedDynamicEmbedding(nn.Module):
         occurrences = torch.zeros(keys.numel(), dtype=torch.int64, device=keys.device).index_add_(0, inverse, recv_occ)
         return self._owner_rows(keys, tags, occurrences, admit), inverse
 
-    def _owner_rows(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor, admit: bool, first: Tensor | None = None) -> Tensor:
+    def _owner_rows(self, keys: Tensor, tags: Tensor | None, occurrences: Tensor, admit: bool, first: Tensor | None = None,
+                    looked_up: tuple[Tensor, int] | None = None) -> Tensor:  # fmt: skip
         """The owner's rows of distinct ``keys`` (G, d): a training lookup, except for keys whose occurrences
         sum to 0 (only stand-in batches asked for them), which are read without admission, counters or gradient.
-        ``first`` (G,): each key's first part in a combined lookup (new keys are admitted part by part)."""
+        ``first`` (G,): each key's first part in a combined lookup (new keys are admitted part by part).
+        ``looked_up``: (rows, how many are -1) of ``keys`` from the index (``_rows_now``; no stand-in anywhere)."""
         if not (self.standin_anywhere and self.training):
-            rows, absent = self.shard._rows(keys, tags, occurrences, self.training, admit, first=first)
+            rows, absent = self.shard._rows(keys, tags, occurrences, self.training, admit, first=first, looked_up=looked_up)
             return self.shard._gather(rows, absent)
         live = occurrences > 0
         real, idle = live.nonzero().squeeze(1), (~live).nonzero().squeeze(1)
