@@ -145,6 +145,14 @@ def _count_ops(table, handle, stage, step: int, proj) -> dict[str, int]:
     return {"read_ops": read.n, "distribute_stage_ops": staging.n}
 
 
+CONFIG = ("device", "items", "history", "negatives", "dim", "cache_fraction", "zipf", "steps", "warmup", "threads", "index")
+
+
+def _child_args(args: argparse.Namespace) -> list[str]:
+    """The options a variant's process runs with (the driver's own: ``--before-src``, ``--rounds``, ``--out``, left out)."""
+    return [item for key in CONFIG for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]
+
+
 def _spawn(src: Path, args: argparse.Namespace, passthrough: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src)}
     cmd = [sys.executable, __file__, "--variant", *passthrough]
@@ -188,8 +196,7 @@ def main(args: argparse.Namespace, passthrough: list[str]) -> dict:
     from _machine import cpu_model
 
     result.update(
-        config={k: getattr(args, k) for k in ("device", "items", "history", "negatives", "dim", "cache_fraction", "zipf",
-                                              "steps", "warmup", "rounds", "threads", "index")},
+        config={k: getattr(args, k) for k in (*CONFIG, "rounds")},
         machine={"platform": platform.platform(), "cpu": cpu_model(), "cores": os.cpu_count()},
         command=" ".join(sys.argv), date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )  # fmt: skip
@@ -221,17 +228,4 @@ if __name__ == "__main__":
     if args.variant:
         print(json.dumps(run_variant(args)))
     else:
-        keep = [a for a in sys.argv[1:] if a != "--variant"]
-        passthrough = []
-        skip = False
-        for a in keep:  # the child gets every option but the driver's own
-            if skip:
-                skip = False
-                continue
-            if a in ("--before-src", "--out", "--rounds"):
-                skip = True
-                continue
-            if a.startswith(("--before-src=", "--out=", "--rounds=")):
-                continue
-            passthrough.append(a)
-        main(args, passthrough)
+        main(args, _child_args(args))
