@@ -309,15 +309,15 @@ class ShardedDynamicEmbedding(nn.Module):
                 smallest_occ = torch.where(torch.arange(r, device=occ.device) < distinct, occ, 1 << 62).min().view(1)
             facts = torch.cat([distinct, absent, occ.sum().view(1), smallest_occ])
             if isinstance(store, TieredStore):  # the rows go to the cache on this (side) stream, in the same sync
-                facts, cached = store.stage_rows(distinct_rows, facts)
+                facts, cached, slots = store.stage_rows(distinct_rows, facts)  # slots (G,) or, sort-based, (R,)
             else:
-                facts, cached = facts.tolist(), True
+                facts, cached, slots = facts.tolist(), True, found  # one tier: slots are rows
             g, n_absent, n_ids, smallest_occ = facts
             if not (handle.has_tags or r == 0 or inverse is None):
                 keys = sorted_keys.new_empty(g).scatter_(0, group, sorted_keys)  # a group's writes are all equal
                 found = found.new_empty(g).scatter_(0, group, found)
                 occ, tags = occ[:g], None
-            slots = store.row_to_slot[torch.where(found >= 0, found, shard.num_rows)] if isinstance(store, TieredStore) else found
+                slots = store.row_to_slot[torch.where(found >= 0, found, shard.num_rows)] if isinstance(store, TieredStore) else found
         ready = n_absent == 0 and smallest_occ > 0 and cached
         handle.staged = StagedRows(keys, tags, occ, inverse, found, slots, ready, n_ids, (shard.stage_epoch, store.generation, shard.builds))
 

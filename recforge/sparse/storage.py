@@ -272,12 +272,13 @@ class TieredStore:
             self.stage(slots)
         return total, extra_values, n_miss <= available
 
-    def stage_rows(self, rows: Tensor, extra: Tensor, future: int = 1) -> tuple[list[int], bool]:
+    def stage_rows(self, rows: Tensor, extra: Tensor, future: int = 1) -> tuple[list[int], bool, Tensor]:
         """``ensure_marked(mark, future, extra, stage=True)`` for distinct ``rows`` (-1 entries: none) instead of a bitmap.
 
         The work is O(rows + cache slots), not O(table rows): the same rows are loaded into the same slots
         (the missing ones ascending, as the bitmap lists them) in one synchronisation, which also reads the
-        caller's ``extra`` (k,) int64 device values. Returns (``extra`` read back, whether every row is now cached).
+        caller's ``extra`` (k,) int64 device values. Returns (``extra`` read back, whether every row is now cached,
+        each row's slot (-1: none)).
         """
         self._join()
         self.clock += 1
@@ -295,11 +296,12 @@ class TieredStore:
             missing_rows = torch.sort(rows[_positions(missing, n_miss)]).values[:n]
             self._fill(missing_rows, torch.full_like(missing_rows, -1), torch.arange(n, device=self.device), victims)
             slot_of = self.row_to_slot[torch.where(valid, rows, self.num_rows)]
+        held = slot_of
         if total < rows.numel() or n < n_miss:  # rows without a row or a slot: hold only the others (one more sync)
-            slot_of = slot_of[slot_of >= 0]
-        self.stamp.index_fill_(0, slot_of, self.clock + future)
-        self.stage(slot_of)
-        return extra_values, n_miss <= available
+            held = slot_of[slot_of >= 0]
+        self.stamp.index_fill_(0, held, self.clock + future)
+        self.stage(held)
+        return extra_values, n_miss <= available, slot_of
 
     def _fill(self, rows: Tensor, slots: Tensor, miss: Tensor, victims: Tensor) -> Tensor:
         """Load ``rows[miss]`` into the ``victims`` slots (writing dirty victims back); ``slots`` with them filled in."""

@@ -79,8 +79,9 @@ def test_stage_rows_equals_the_bitmap_staging() -> None:
         mark = torch.zeros(64, dtype=torch.bool)
         mark[rows[rows >= 0]] = True
         total, marked_extra, marked_cached = stores[0].ensure_marked(mark, 1, extra, stage=True)
-        listed_extra, listed_cached = stores[1].stage_rows(rows, extra)
+        listed_extra, listed_cached, slots = stores[1].stage_rows(rows, extra)
         assert (marked_extra, marked_cached) == (listed_extra, listed_cached) and total == int((rows >= 0).sum())
+        assert torch.equal(slots, stores[1].row_to_slot[torch.where(rows >= 0, rows, 64)])  # [64]: -1, no row
         for a, b in zip(_state(stores[0]), _state(stores[1]), strict=True):
             assert torch.equal(a, b), f"trial {trial}: the stores differ"
         assert stores[0].counts == stores[1].counts and stores[0].clock == stores[1].clock
