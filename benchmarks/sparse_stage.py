@@ -18,6 +18,8 @@ pipelined step on one thread, so the numbers carry no contention between the two
 Each variant (``before``: the tree at ``--before-src``; ``after``: this checkout) runs in its own
 process (the two trees are both ``recforge``), in alternating rounds; medians over all steps of all rounds.
 The embeddings and the table's rows after the run are compared between the variants (bit for bit).
+``aten ops``: the ops one more step's read and distribute + stage dispatch (each a kernel launch on CUDA).
+``--index sorted`` runs the CUDA index (a sorted array) on the CPU; the CPU default is the hash table.
 """
 
 from __future__ import annotations
@@ -65,11 +67,11 @@ def run_variant(args: argparse.Namespace) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(0)
+    backend = "nccl" if device.type == "cuda" else "gloo"  # a world of one: the collectives still run
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     cfg = TableConfig("item", dim=args.dim, capacity=args.items + 1, cache_rows=max(1, int(args.items * args.cache_fraction)),
                       optimizer=SparseOptimConfig(kind="adam", lr=1e-3), seed=0, index=args.index)  # fmt: skip
     table = ShardedDynamicEmbedding(cfg, device)
