@@ -232,15 +232,16 @@ class ShardedDynamicEmbedding(nn.Module):
         group = torch.cumsum(start, 0)
         group -= 1  # (N,) distinct-key index of each sorted id
         occurrences = torch.zeros(n, dtype=torch.int64, device=flat.device).index_add_(0, group, torch.ones_like(group))
-        inner = torch.tensor(bounds[1:-1], dtype=torch.int64, device=flat.device) if several else None
 
         def rows(at: Tensor, occ: Tensor) -> Tensor:
             """(U, 4) send rows of the distinct keys whose first sorted ids are ``at`` and occurrences ``occ``."""
             out = torch.zeros(at.numel(), 4, dtype=torch.int64, device=flat.device)
             out[:, 0] = sorted_ids[at]
             out[:, 2] = occ
-            if inner is not None:  # the part of each key's first occurrence
-                out[:, 3] = torch.bucketize(sort_order[at], inner, right=True)
+            if several:  # the part of each key's first occurrence: the part starts at or before it (no host copy)
+                first = sort_order[at]
+                for start_of_part in bounds[1:-1]:
+                    out[:, 3] += first >= start_of_part
             return out
 
         if w == 1:  # one owner: the send order is the sorted order, each id's row is its key's index
