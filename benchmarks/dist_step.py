@@ -227,6 +227,8 @@ def run_block(s, samples: torch.Tensor, mode: str, steps: int, start: int) -> li
 
 def main() -> dict:
     _join_world_of_one()
+    if args.switch_interval:  # how long a thread may hold the GIL while another waits (Python's default: 5 ms)
+        sys.setswitchinterval(args.switch_interval)
     data_dir = Path(args.data or tempfile.mkdtemp(prefix="dist_step-")) / "synth"
     if not (data_dir / "dataset.json").is_file():
         write_synthetic(data_dir, SyntheticConfig(num_users=args.users, num_items=args.items, seed=0))
@@ -298,6 +300,7 @@ def main() -> dict:
     result.update(
         config={"users": args.users, "items": args.items, "batch_size": args.batch_size, "cache_rows": cache_rows,
                 "steps_per_block": args.steps, "blocks": args.blocks, "warm_table": args.warm_table, "set": args.set, "world_size": ctx.world_size,
+                "switch_interval": sys.getswitchinterval(),
                 "backend": torch.distributed.get_backend() if ctx.initialized else None},
         machine={"platform": platform.platform(), "torch": torch.__version__,
                  "device": torch.cuda.get_device_name() if s.device.type == "cuda" else platform.processor()},
@@ -326,6 +329,9 @@ if __name__ == "__main__":
                         help="admit every catalogue item before timing (steady state; --no-warm-table: a cold table)")
     parser.add_argument("--data", default=None, help="directory to keep the synthetic dataset in (default: a temp dir)")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides, e.g. model.num_blocks=4")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval seconds (the main thread, the sparse worker and the input thread share "
+                             "the GIL; default: Python's 0.005)")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()
     main()
