@@ -126,7 +126,6 @@ def run_variant(args: argparse.Namespace) -> dict:
 
 def _count_ops(table, handle, stage, step: int, proj) -> dict[str, int]:
     """Aten ops (each a kernel launch on CUDA) of one more step's read, distribute and stage (views included)."""
-    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
