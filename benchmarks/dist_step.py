@@ -39,9 +39,11 @@ and ``hidden_vs_off`` = 1 - exposed(on) / work(off): how much of the sparse inpu
 the pipeline takes off the main thread (``hidden`` alone falls when the worker gets faster).
 
 ``--warm-table`` (default) admits the whole catalogue before timing, so lookups find their IDs as
-in a long run; a lookup of new IDs redoes the owner's part at use (``staged_reads`` counts the
-combined lookups staged ahead that did not). ``distributes_per_step`` counts each table's ID
-all-to-alls per step, by thread (one per table and step, in the worker when ``on``).
+in a long run; a lookup of new IDs (or of IDs evicted since the staging) looks those up again at use
+(``relooked_up``) and finishes the owner's part there (``staged_reads`` counts the combined lookups
+staged ahead that did not). ``distributes_per_step`` counts each table's ID all-to-alls per step,
+by thread (one per table and step, in the worker when ``on``). ``benchmarks/sparse_stage.py`` times
+the worker's distribute + stage and the main thread's read alone, old tree vs new.
 """
 
 from __future__ import annotations
@@ -225,6 +227,8 @@ def run_block(s, samples: torch.Tensor, mode: str, steps: int, start: int) -> li
 
 def main() -> dict:
     _join_world_of_one()
+    if args.switch_interval:  # how long a thread may hold the GIL while another waits (Python's default: 5 ms)
+        sys.setswitchinterval(args.switch_interval)
     data_dir = Path(args.data or tempfile.mkdtemp(prefix="dist_step-")) / "synth"
     if not (data_dir / "dataset.json").is_file():
         write_synthetic(data_dir, SyntheticConfig(num_users=args.users, num_items=args.items, seed=0))
@@ -267,6 +271,7 @@ def main() -> dict:
     # lookups that read a combined lookup made during the previous step (pipeline on only)
     result["lookups_ahead"] = {n: t.lookups_ahead for n, t in s.runner.ahead.tables.items()} if s.runner.ahead else {}
     result["staged_reads"] = {n: t.ahead_reads for n, t in s.runner.ahead.tables.items()} if s.runner.ahead else {}
+    result["relooked_up"] = {n: getattr(t, "relooked_up", None) for n, t in s.runner.ahead.tables.items()} if s.runner.ahead else {}
     result["staged_paths"] = {n: [".".join(p) for p in ps] for n, ps in (s.runner.ahead.paths or {}).items()} if s.runner.ahead else {}
     result["negatives_drawn_ahead"] = s.runner.draws.reused if s.runner.draws is not None else 0
     result["remade"] = s.runner.ahead.remade if s.runner.ahead else 0
@@ -289,11 +294,13 @@ def main() -> dict:
           f"step wall time off/on = {result['speedup_on_vs_off']:.3f}x; ID all-to-alls per step (all tables): "
           f"off {sparse['off']['distributes_per_step']}, on {sparse['on']['distributes_per_step']}")  # fmt: skip
     print(f"lookups read from a combined lookup staged a step ahead: {result['lookups_ahead']} ({result['staged_paths']}); "
-          f"combined lookups staged ahead and read with no host sync: {result['staged_reads']}; made again at the step: "
+          f"combined lookups staged ahead and read with no host sync: {result['staged_reads']} (staged IDs looked up again "
+          f"at use: {result['relooked_up']}); made again at the step: "
           f"{result['remade']}; negatives drawn a step ahead and used: {result['negatives_drawn_ahead']}")  # fmt: skip
     result.update(
         config={"users": args.users, "items": args.items, "batch_size": args.batch_size, "cache_rows": cache_rows,
                 "steps_per_block": args.steps, "blocks": args.blocks, "warm_table": args.warm_table, "set": args.set, "world_size": ctx.world_size,
+                "switch_interval": sys.getswitchinterval(),
                 "backend": torch.distributed.get_backend() if ctx.initialized else None},
         machine={"platform": platform.platform(), "torch": torch.__version__,
                  "device": torch.cuda.get_device_name() if s.device.type == "cuda" else platform.processor()},
@@ -322,6 +329,9 @@ if __name__ == "__main__":
                         help="admit every catalogue item before timing (steady state; --no-warm-table: a cold table)")
     parser.add_argument("--data", default=None, help="directory to keep the synthetic dataset in (default: a temp dir)")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides, e.g. model.num_blocks=4")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval seconds (the main thread, the sparse worker and the input thread share "
+                             "the GIL; default: Python's 0.005)")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()
     main()

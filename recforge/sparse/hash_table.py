@@ -32,14 +32,15 @@ from torch import Tensor
 
 EMPTY = -1
 TOMBSTONE = -2
+_WINDOW = 8  # slots a lookup reads per key and round (linear probing: most keys sit within a few of their home slot)
 _M1 = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64 constants as signed int64
 _M2 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _M3 = 0x94D049BB133111EB - (1 << 64)
 
 
-def mix(keys: Tensor, tags: Tensor) -> Tensor:
-    """A 64-bit mix of (key, tag) (splitmix64 finaliser; int64 products wrap)."""
-    h = keys + tags * _M1
+def mix(keys: Tensor, tags: Tensor | None) -> Tensor:
+    """A 64-bit mix of (key, tag) (splitmix64 finaliser; int64 products wrap); ``tags=None``: all 0."""
+    h = keys if tags is None else keys + tags * _M1
     h = (h ^ (h >> 30)) * _M2
     h = (h ^ (h >> 27)) * _M3
     return h ^ (h >> 31)
@@ -63,6 +64,7 @@ class IdHashTable:
         self.max_load = max_load
         self.size = 0  # live keys
         self.used = 0  # live keys + tombstones
+        self.tagged = False  # some key was inserted with a non-zero tag (else lookups without tags skip the tag check)
         self._allocate(_slots_for(expected, max_load))
 
     def _allocate(self, num_slots: int) -> None:
@@ -72,21 +74,34 @@ class IdHashTable:
         self.values = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
 
     def find_slots(self, keys: Tensor, tags: Tensor | None) -> Tensor:
-        """Slot of each (key, tag), -1 where absent (``tags=None``: all zero)."""
-        tags = torch.zeros_like(keys) if tags is None else tags
+        """Slot of each (key, tag), -1 where absent (``tags=None``: all zero).
+
+        Each round reads a window of ``_WINDOW`` consecutive slots per still-active key: a key is where it
+        matches (it has one slot at most, and no EMPTY slot precedes it on its probe sequence: slots only
+        become tombstones), absent if its window has an EMPTY slot and no match, else it reads the next window.
+        """
+        untagged = tags is None and not self.tagged  # every stored tag is 0: the keys alone decide
         mask = self.num_slots - 1
+        slot = mix(keys, tags) & mask
+        tags = torch.zeros_like(keys) if tags is None else tags
         out = torch.full_like(keys, -1)
         active = torch.arange(keys.numel(), device=keys.device)
-        slot = mix(keys, tags) & mask
         k, t = keys, tags
-        for _ in range(self.num_slots):
+        window = torch.arange(_WINDOW, device=keys.device)
+        for _ in range(-(-self.num_slots // _WINDOW)):
             if active.numel() == 0:
                 break
-            seen = self.keys[slot]
-            hit = (seen == k) & (self.tags[slot] == t)
-            out[active[hit]] = slot[hit]
-            go_on = (~hit & (seen != EMPTY)).nonzero().squeeze(1)
-            active, k, t, slot = active[go_on], k[go_on], t[go_on], (slot[go_on] + 1) & mask
+            span = (slot[:, None] + window) & mask  # (A, W) the slots this round reads
+            flat_span = span.view(-1)
+            seen = self.keys.index_select(0, flat_span).view(span.shape)  # index_select: no advanced-indexing overhead
+            match = seen == k[:, None]
+            if not untagged:
+                match &= self.tags.index_select(0, flat_span).view(span.shape) == t[:, None]
+            hit = match.any(1)
+            where = (slot + match.byte().argmax(1)) & mask  # (A,) the matching slot where ``hit``
+            out.index_copy_(0, active, torch.where(hit, where, -1))  # the others are still -1
+            go_on = (~hit & (seen != EMPTY).all(1)).nonzero().squeeze(1)
+            active, k, t, slot = active[go_on], k[go_on], t[go_on], (slot[go_on] + _WINDOW) & mask
         return out
 
     def lookup(self, keys: Tensor, tags: Tensor | None) -> Tensor:
@@ -99,6 +114,8 @@ class IdHashTable:
         n = keys.numel()
         if n == 0:
             return
+        if tags is not None and not self.tagged:
+            self.tagged = bool((tags != 0).any())
         tags = torch.zeros_like(keys) if tags is None else tags
         if self.used + n > self.max_load * self.num_slots:
             self._rehash(self.size + n)

@@ -64,12 +64,13 @@ class StagedRows:
     keys: Tensor  # (G,) distinct received keys (ascending without tags: torch.unique's order)
     tags: Tensor | None  # (G,) their tags (tagged lookups)
     occurrences: Tensor  # (G,) summed over senders
-    inverse: Tensor  # (R,) each received key's index in ``keys``
+    inverse: Tensor | None  # (R,) each received key's index in ``keys`` (None: one sender, ``keys`` are the received ones)
     rows: Tensor  # (G,) each key's row when staged, -1 where it had none
     slots: Tensor  # (G,) the rows' cache slots (held until the lookup), -1 where not cached
     ready: bool  # every key had a row, was asked for by a real batch and is cached: the lookup needs no sync
     n_ids: int  # occurrences in all (the lookup's ``ids`` count)
-    epoch: tuple[int, int]  # (table.stage_epoch, store.generation) when staged: a change makes ``rows``/``slots`` stale
+    epoch: tuple[int, int, int]  # (table.stage_epoch, store.generation, table.builds) when staged: evictions since
+    # (stage_epoch) may have taken ``rows``' IDs, a rewrite (generation) moved ``slots``, a rebuild (builds) made both stale
 
 
 @dataclass

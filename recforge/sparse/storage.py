@@ -272,6 +272,37 @@ class TieredStore:
             self.stage(slots)
         return total, extra_values, n_miss <= available
 
+    def stage_rows(self, rows: Tensor, extra: Tensor, future: int = 1) -> tuple[list[int], bool, Tensor]:
+        """``ensure_marked(mark, future, extra, stage=True)`` for distinct ``rows`` (-1 entries: none) instead of a bitmap.
+
+        The work is O(rows + cache slots), not O(table rows): the same rows are loaded into the same slots
+        (the missing ones ascending, as the bitmap lists them) in one synchronisation, which also reads the
+        caller's ``extra`` (k,) int64 device values. Returns (``extra`` read back, whether every row is now cached,
+        each row's slot (-1: none)).
+        """
+        self._join()
+        self.clock += 1
+        valid = rows >= 0
+        slot_of = self.row_to_slot[torch.where(valid, rows, self.num_rows)]  # (G,) -1: not cached (row_to_slot[R] = -1)
+        missing = valid & (slot_of < 0)
+        key = self._victim_keys(slot_of)  # (C,) the cached rows are no victims
+        facts = torch.cat([torch.stack([valid.sum(), missing.sum(), (key < _TOP).sum(), (key < 0).sum()]), extra])
+        total, n_miss, available, empty, *extra_values = facts.tolist()  # the one synchronisation
+        self.counts["cache_hits"] += total - n_miss
+        self.counts["cache_misses"] += n_miss
+        n = min(n_miss, available)
+        if n:  # the n lowest missing rows (ensure's order), into empty slots first, then least recently stamped
+            victims = _positions(key < 0, n) if empty >= n else torch.topk(key, n, largest=False, sorted=False).indices
+            missing_rows = torch.sort(rows[_positions(missing, n_miss)]).values[:n]
+            self._fill(missing_rows, torch.full_like(missing_rows, -1), torch.arange(n, device=self.device), victims)
+            slot_of = self.row_to_slot[torch.where(valid, rows, self.num_rows)]
+        held = slot_of
+        if total < rows.numel() or n < n_miss:  # rows without a row or a slot: hold only the others (one more sync)
+            held = slot_of[slot_of >= 0]
+        self.stamp.index_fill_(0, held, self.clock + future)
+        self.stage(held)
+        return extra_values, n_miss <= available, slot_of
+
     def _fill(self, rows: Tensor, slots: Tensor, miss: Tensor, victims: Tensor) -> Tensor:
         """Load ``rows[miss]`` into the ``victims`` slots (writing dirty victims back); ``slots`` with them filled in."""
         missing = rows[miss]
@@ -313,14 +344,14 @@ class TieredStore:
         slots = slots[self.dirty[slots] & (self.slot_to_row[slots] >= 0)]
         if slots.numel() == 0:
             return
-        rows = self.slot_to_row[slots].cpu()
-        self.host_all.index_copy_(0, rows, self.cache_all[slots].cpu())
-        self.dirty[slots] = False
+        rows = self.slot_to_row.index_select(0, slots).cpu()
+        self.host_all.index_copy_(0, rows, self.cache_all.index_select(0, slots).cpu())  # index_select: no advanced indexing
+        self.dirty.index_fill_(0, slots, False)
         self.counts["rows_written_back"] += rows.numel()
 
     def _load(self, rows: Tensor, slots: Tensor) -> None:
-        self.cache_all[slots] = self._h2d(self.host_all, rows.cpu())
-        self.dirty[slots] = False
+        self.cache_all.index_copy_(0, slots, self._h2d(self.host_all, rows.cpu()))
+        self.dirty.index_fill_(0, slots, False)
         self.counts["rows_loaded"] += rows.numel()
 
     def _h2d(self, host: Tensor, rows_cpu: Tensor) -> Tensor:

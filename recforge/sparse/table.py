@@ -64,11 +64,13 @@ class DynamicEmbedding(nn.Module):
         self.dim = cfg.dim
         self.clock = time.time  # seconds for TTL; replaceable (tests)
         self.stage_epoch = 0  # bumped when IDs lose their rows (eviction, rebuild): lookups staged before are stale
+        self.builds = 0  # _build calls (the index, rows and store made anew)
         self._build(cfg.capacity)
 
     def _build(self, rows: int) -> None:
         cfg, dev = self.cfg, self.device
         self.stage_epoch += 1
+        self.builds += 1
         self.step = 0
         self.index = make_index(rows, dev, cfg.index)
         spec = state_spec(cfg.optimizer.kind, cfg.dim)
@@ -201,6 +203,8 @@ class DynamicEmbedding(nn.Module):
         """
         if looked_up is not None:
             rows, n_absent = looked_up
+            if keys.numel() == 0:
+                return rows, 0
         else:
             rows = self.index.lookup(keys, tags)
             if keys.numel() == 0:

@@ -22,7 +22,7 @@ step's combined lookups are distributed and staged while this step computes::
 
 ``stage`` only reads the table, so step i's optimizer may still update the rows: the lookup in
 forward(i+1) reads their values then, after the update. An eviction in between, or an ID without a
-row, makes that lookup redo the owner's part the ordinary way. Without the pipeline (or for the
+row, makes that lookup look those IDs up again (only those: ``ShardedDynamicEmbedding._rows_now``). Without the pipeline (or for the
 micro-batches after the first), ``prepare`` distributes and stages the same combined lookup on the
 main thread just before the forward, so pipelined training equals unpipelined training bit for
 bit. The worker starts only after step i's forward (every lookup of step i done) and the main
@@ -117,6 +117,22 @@ def named_tensors(batch: Any, draws: Any = None) -> Iterator[tuple[Path, Tensor]
 
 
 Drawn = tuple[Any, int, Any]  # (batch, seed, draws): what ``StepDraws.ahead``'s function returns
+
+
+def _worker_group() -> dist.ProcessGroup | None:
+    """The sparse worker's own process group (every rank makes it, at the same step), None without one.
+
+    Under NCCL its communicator runs on high-priority streams, as the worker's own stream does: the worker's two
+    host syncs per table (the split sizes', the staging's) wait for its ID all-to-all, which would otherwise
+    queue behind the backward's kernels on the GPU.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_backend() == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = True
+        return dist.new_group(backend="nccl", pg_options=options)
+    return dist.new_group()
 
 
 @dataclass
@@ -235,7 +251,7 @@ class LookAhead:
             return
         if not self.started:  # every rank gets here at the same step: the group is made on all of them
             self.started = True
-            self.group = dist.new_group() if dist.is_available() and dist.is_initialized() else None
+            self.group = _worker_group()
             # high priority: the worker's small kernels and syncs do not queue behind the backward's
             self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="recforge-sparse-dist")

@@ -193,6 +193,10 @@ def _equal_worker(rank: int, world_size: int, cfg_table: TableConfig, drawn: tup
     dist.all_reduce(reads)
     if cfg_table is TIERED:  # (evictions and unadmitted IDs make the other config's lookups redo the owner's part)
         assert int(reads) > 0, "no staged lookup was read without redoing it"
+    else:  # ... only for the staged keys evicted since, or without a row: the others' staged rows are used
+        relooked = torch.tensor([on.table.relooked_up])
+        dist.all_reduce(relooked)
+        assert int(relooked) > 0, "no staged key was looked up again at use"
     stats = runner.ahead.stats
     assert len(stats) == STEPS and all(s["stage_s"] > 0 for s in stats)
 

@@ -91,3 +91,29 @@ def test_tombstones_are_reused_and_rehash_keeps_entries() -> None:
     table.insert(keys, torch.zeros_like(keys), keys * 0 + 1)
     assert bool((table.lookup(keys, torch.zeros_like(keys)) == 1).all())
     assert table.size / table.num_slots <= 0.5
+
+
+def test_long_probe_chains_across_windows_and_tombstones() -> None:
+    """Keys sharing one home slot make a probe chain several lookup windows long (``_WINDOW``), with tombstones in it."""
+    from recforge.sparse.hash_table import _WINDOW, mix
+
+    table = IdHashTable(64)  # 128 slots: 64 keys fit under the load limit
+    mask = table.num_slots - 1
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    candidates = torch.randint(0, 2**62, (200_000,), generator=gen)
+    home = mix(candidates, None) & mask
+    slot = int(home[0])
+    same = candidates[home == slot].unique()
+    assert same.numel() >= 3 * _WINDOW + 4, "not enough colliding keys drawn"
+    stored, absent = same[: 3 * _WINDOW], same[3 * _WINDOW : 3 * _WINDOW + 4]
+    table.insert(stored, None, torch.arange(stored.numel()))
+    assert table.lookup(stored, None).tolist() == list(range(stored.numel()))
+    assert table.lookup(absent, None).tolist() == [-1] * absent.numel()
+    gone = stored[1::3]  # tombstones all along the chain
+    assert table.delete(gone, None) == gone.numel()
+    kept = torch.ones(stored.numel(), dtype=torch.bool)
+    kept[1::3] = False
+    assert table.lookup(stored, None).tolist() == [i if k else -1 for i, k in enumerate(kept.tolist())]
+    table.insert(absent, None, torch.arange(100, 100 + absent.numel()))  # into the tombstones
+    assert table.lookup(absent, None).tolist() == list(range(100, 100 + absent.numel()))
+    assert table.lookup(stored[kept], None).tolist() == torch.arange(stored.numel())[kept].tolist()

@@ -53,3 +53,36 @@ def test_a_staging_that_does_not_fit_says_so_and_release_frees_the_slots() -> No
     store.release_staged()
     store.unpin_all()
     store.ensure(torch.tensor([20, 21, 22, 23]), pin=True)  # every slot is free again
+
+
+def _state(store: TieredStore) -> list[torch.Tensor]:
+    return [store.row_to_slot, store.slot_to_row, store.stamp, store.staged, store.pinned, store.dirty, store.cache_all]
+
+
+def test_stage_rows_equals_the_bitmap_staging() -> None:
+    """``stage_rows`` (the staged rows listed, -1 entries skipped) loads and holds exactly what ``ensure_marked`` does."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for trial in range(30):
+        cache = int(torch.randint(4, 16, (), generator=gen))
+        stores = [_store(rows=64, cache=cache) for _ in range(2)]
+        stores[1].host_all.copy_(stores[0].host_all)
+        for store in stores:  # the same history: some rows cached, pinned, dirty
+            torch.manual_seed(trial)
+            for _ in range(3):
+                store.ensure(torch.randperm(64)[: cache // 3], pin=False)
+                store.mark_dirty(store.row_to_slot[store.slot_to_row[store.slot_to_row >= 0]][:2])
+            store.ensure(torch.randperm(64)[: cache // 4], pin=True)
+        n = int(torch.randint(1, 2 * cache, (), generator=gen))
+        rows = torch.randperm(64, generator=gen)[:n]
+        rows[torch.rand(n, generator=gen) < 0.2] = -1  # IDs without a row
+        extra = torch.randint(0, 100, (3,), generator=gen)
+        mark = torch.zeros(64, dtype=torch.bool)
+        mark[rows[rows >= 0]] = True
+        total, marked_extra, marked_cached = stores[0].ensure_marked(mark, 1, extra, stage=True)
+        listed_extra, listed_cached, slots = stores[1].stage_rows(rows, extra)
+        assert (marked_extra, marked_cached) == (listed_extra, listed_cached) and total == int((rows >= 0).sum())
+        assert torch.equal(slots, stores[1].row_to_slot[torch.where(rows >= 0, rows, 64)])  # [64]: -1, no row
+        for a, b in zip(_state(stores[0]), _state(stores[1]), strict=True):
+            assert torch.equal(a, b), f"trial {trial}: the stores differ"
+        assert stores[0].counts == stores[1].counts and stores[0].clock == stores[1].clock
+        assert torch.equal(stores[0].host_all, stores[1].host_all)
