@@ -164,8 +164,8 @@ def main() -> None:
         for name, (policy, share) in variants.items():
             config = PoolConfig(device_mb=args.device_mb, host_mb=args.host_mb, block_size=args.block_size,
                                 policy=policy, protected_share=share)  # fmt: skip
-            r = {"mix": mix, "variant": name,
-                 **run(KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, device, config), requests, args, device)}
+            pool = KVCachePool(LAYERS, HEADS, DQK, DV, torch.float32, device, config)
+            r = {"mix": mix, "variant": name, **run(pool, requests, args, device)}
             results.append(r)
             burst = r.get("burst_computed_tokens_per_request", float("nan"))
             after = r.get("after_computed_tokens_per_request", float("nan"))
