@@ -63,7 +63,8 @@ class PoolConfig:
     # allocate the host tier's page slab (pinned on CUDA) when the pool is made, so serving never allocates it;
     # False: as the tier first fills (an idle server pins nothing, the first evictions pay the allocations)
     host_prealloc: bool = True
-    # eviction order of both tiers: slru (users seen once go before users seen again; kv_policy.py) | lru
+    # eviction order of both tiers: slru (users seen once go before users seen again; kv_policy.py) | lru;
+    # slru recomputes fewer prefix tokens on every trace with one-time users (benchmarks/serve_kv_policy.py)
     policy: str = "slru"
     protected_share: float = 0.8  # slru: most of each tier's pages held by users seen again
 
