@@ -60,8 +60,10 @@ log = logging.getLogger(__name__)
 
 def engine_report(engine: RankEngine, runner: BatchRunner, config: ServerConfig,
                   io: dict[str, float] | None = None) -> dict[str, Any]:  # fmt: skip
-    """The ``/health`` body: worker liveness and queue, model, limits, KV cache, CUDA graphs and the cumulative
-    ``counters`` of the batching worker (``BatchRunner.stats``) and of the engine's I/O thread (``io``)."""
+    """The ``/health`` body: worker liveness and queue, model, limits, KV cache, CUDA graphs, the eager pass's
+    ``transfers`` (uploads, downloads, staging waits; ``staging.py``) and the cumulative ``counters`` of the
+    batching worker (``BatchRunner.stats``) and of the engine's I/O thread (``io``). Like the KV cache's and the
+    graphs', the transfers are the serving engine's: a reload starts a new engine, and them, at zero."""
     worker = runner.health()
     return {
         "status": "ok" if worker["healthy"] else "unhealthy",
@@ -78,6 +80,7 @@ def engine_report(engine: RankEngine, runner: BatchRunner, config: ServerConfig,
                    "max_queue_ms": config.scheduler.max_queue_ms},  # fmt: skip
         "kv_cache": engine.pool.report() if engine.pool is not None else None,
         "cuda_graphs": engine.graphs.report() if engine.graphs is not None else None,
+        "transfers": dict(engine.transfers),
         "counters": {**runner.stats(), **(io or {})},
     }
 

@@ -1,4 +1,4 @@
-"""Per-user KV-cache pool: paged blocks on the device, LRU eviction to a bounded host-memory tier.
+"""Per-user KV-cache pool: paged blocks on the device, evicted to a bounded host-memory tier, then dropped.
 
 Each cached user holds the per-block keys/values (and times) of its prefix (contextual + history
 tokens) in fixed-size pages of ``block_size`` tokens::
@@ -6,10 +6,16 @@ tokens) in fixed-size pages of ``block_size`` tokens::
     device tier   times  (num_blocks, block_size)            one preallocated buffer each:
                   keys   (num_blocks, layers, block_size, H, Dqk)   the memory bound
                   values (num_blocks, layers, block_size, H, Dv)
-                  user -> [block ids], length, token identities      LRU order
-    host tier     pages of the same shape in a reused slab (kv_host.py; pinned on CUDA), LRU,
-                  bounded by host_mb (the slab's bytes + the host entries' token identities);
-                  the slab is allocated when the pool is made (host_prealloc), never while serving
+                  user -> [block ids], length, token identities      eviction order (policy)
+    host tier     pages of the same shape in a reused slab (kv_host.py; pinned on CUDA), its own
+                  eviction order, bounded by host_mb (the slab's bytes + the host entries' token
+                  identities + the ghost list); the slab is allocated when the pool is made
+                  (host_prealloc), never while serving
+
+Eviction order (``PoolConfig.policy``, ``kv_policy.py``): ``lru``, or ``slru``: users seen once are
+evicted before users seen again (a probationary and a protected segment per tier), and a user
+dropped from both tiers is remembered on a small ghost list (1/128 of host_mb), so that when it
+returns its entry starts protected.
 
 A device entry evicted for room has its pages copied into free host pages, or is dropped when the
 host tier cannot hold it. Every copy is asynchronous and issued on the current stream, so
@@ -43,6 +49,7 @@ import torch
 from torch import Tensor
 
 from recforge.serve.kv_host import HostPages
+from recforge.serve.kv_policy import POLICIES, GhostList, Segments
 from recforge.serve.state import PrefixState
 
 
@@ -56,12 +63,20 @@ class PoolConfig:
     # allocate the host tier's page slab (pinned on CUDA) when the pool is made, so serving never allocates it;
     # False: as the tier first fills (an idle server pins nothing, the first evictions pay the allocations)
     host_prealloc: bool = True
+    # eviction order of both tiers: slru (users seen once go before users seen again; kv_policy.py) | lru;
+    # slru recomputes fewer prefix tokens on every trace with one-time users (benchmarks/serve_kv_policy.py)
+    policy: str = "slru"
+    protected_share: float = 0.8  # slru: most of each tier's pages held by users seen again
 
     def problems(self) -> list[str]:
         """Every invalid field, each message starting with the field's name."""
         checks = (("device_mb", self.device_mb > 0, "> 0"), ("host_mb", self.host_mb >= 0, ">= 0"),
-                  ("block_size", self.block_size >= 1, ">= 1"))  # fmt: skip
-        return [f"{name}: must be {bound}, got {getattr(self, name)}" for name, ok, bound in checks if not ok]
+                  ("block_size", self.block_size >= 1, ">= 1"),
+                  ("protected_share", 0 < self.protected_share <= 1, "in (0, 1]"))  # fmt: skip
+        problems = [f"{name}: must be {bound}, got {getattr(self, name)}" for name, ok, bound in checks if not ok]
+        if self.policy not in POLICIES:
+            problems.append(f"policy: {self.policy!r} is not one of {POLICIES}")
+        return problems
 
     def validate(self) -> None:
         if problems := self.problems():
@@ -77,6 +92,7 @@ class _Entry:
     version: str
     generation: int
     index: Tensor | None = None  # device tier: ``blocks`` as a device tensor (the pages' gather/scatter index)
+    protected: bool = False  # in its tier's protected segment when it left it (kv_policy.py)
 
 
 @dataclass
@@ -92,6 +108,7 @@ class PoolStats:
     dropped: int = 0
     too_large: int = 0
     stale_writes: int = 0  # write-backs refused: the entry changed, or the model did, since the lookup
+    ghost_admissions: int = 0  # users dropped earlier, cached again as protected (slru)
     reused_tokens: int = 0
     computed_tokens: int = 0
     extra: dict = field(default_factory=dict)
@@ -122,12 +139,19 @@ class KVCachePool:
         self.entries: OrderedDict[str, _Entry] = OrderedDict()
         self.host: OrderedDict[str, _Entry] = OrderedDict()
         self.host_limit = int(self.config.host_mb * 2**20)
+        share = self.config.protected_share if self.config.policy == "slru" else 0.0
+        self.order = Segments(share, self.num_blocks)  # the device tier's eviction order
+        self.host_order = Segments(share, 0)  # the host tier's; its capacity follows the slab's pages
+        # users dropped from both tiers (slru), in the host bound; the slab leaves room for the list
+        self.ghost = GhostList(self.host_limit // 128 if share else 0)
+        self._slab_limit = self.host_limit - self.ghost.limit
         self.host_pages = HostPages(((num_layers, bs, heads, dqk), (num_layers, bs, heads, dv)), dtype,
                                     pin=self.device.type == "cuda")  # fmt: skip
         self.host_metadata_bytes = 0  # host entries' token identities and user keys (counted in host_mb)
         self.host_fixed = False  # the slab is whole (preallocated): it never grows while serving
         if self.config.host_prealloc and self.host_limit > 0:
             self.host_fixed = self._preallocate_host()
+        self.host_order.capacity = self.host_pages.num_pages
         self.metadata_bytes = 0  # device entries' token identities and user keys (host memory)
         self.version = version
         self.stats = PoolStats()
@@ -140,8 +164,9 @@ class KVCachePool:
 
     @property
     def host_bytes(self) -> int:
-        """Host memory the host tier holds: its slab (allocated pages, used or free) and its entries' metadata."""
-        return self.host_pages.allocated_bytes + self.host_metadata_bytes
+        """Host memory the host tier holds: its slab (allocated pages, used or free), its entries' metadata and the
+        ghost list."""
+        return self.host_pages.allocated_bytes + self.host_metadata_bytes + self.ghost.bytes
 
     # ------------------------------------------------------------------------------- reads
 
@@ -176,7 +201,7 @@ class KVCachePool:
             else:
                 self.stats.diverged += 1
         if on_device:
-            self.entries.move_to_end(user)
+            self.order.hit(user)
         else:
             self._promote(user, entry)
         return self._materialize(entry, n, capacity)
@@ -216,7 +241,7 @@ class KVCachePool:
         entry = self.entries.get(user) or self.host.get(user)
         if entry is not None and state.length <= start and state.length <= entry.length:
             if user in self.entries:
-                self.entries.move_to_end(user)
+                self.order.touch(user)
             return True
         state.generation = next(self._generations)
         return self._write(user, state, start, state.generation)
@@ -230,10 +255,14 @@ class KVCachePool:
             return False
         entry = self.entries.get(user)
         if entry is None or entry.version != self.version or start == 0 or entry.length < start:
+            # a user seen before (cached in a tier, or dropped and remembered) starts protected
+            ghost = self.ghost.take(user)
+            self.stats.ghost_admissions += ghost
+            returning = ghost or user in self.entries or user in self.host
             self.discard(user)
-            entry = _Entry([], 0, state.tokens[:0], state.num_contextual, self.version, generation)
+            entry = _Entry([], 0, state.tokens[:0], state.num_contextual, self.version, generation, protected=returning)
             start = 0
-        else:  # out of the LRU order while reserving, so never its own victim
+        else:  # out of the eviction order while reserving, so never its own victim
             self._pop_entry(user)
         blocks = len(entry.blocks)
         if blocks > needed:  # a diverged request's shorter history: the pages past it are free again
@@ -256,6 +285,7 @@ class KVCachePool:
         entry.tokens = state.tokens[:n].clone()
         entry.generation = generation
         self.entries[user] = entry
+        self.order.add(user, len(entry.blocks), entry.protected)
         self.metadata_bytes += _metadata_bytes(user, entry)
         return True
 
@@ -268,12 +298,14 @@ class KVCachePool:
     def _pop_entry(self, user: str) -> _Entry | None:
         entry = self.entries.pop(user, None)
         if entry is not None:
+            entry.protected = self.order.is_protected(user)
+            self.order.remove(user)
             self.metadata_bytes -= _metadata_bytes(user, entry)
         return entry
 
     def _reserve(self, blocks: int) -> bool:
         while len(self.free) < blocks and self.entries:
-            victim = next(iter(self.entries))
+            victim = self.order.victim()
             self._evict(victim, self._pop_entry(victim))
         return len(self.free) >= blocks
 
@@ -286,10 +318,12 @@ class KVCachePool:
                 self.host_pages.store(pages, self.times, self.keys, self.values, blocks)
                 entry.blocks, entry.index = pages, None
                 self.host[user] = entry
+                self.host_order.add(user, len(pages), entry.protected)
                 self.host_metadata_bytes += meta
                 self.stats.evicted_to_host += 1
             else:
                 self.stats.dropped += 1
+                self._remember(user)
         finally:  # the device pages are free again whatever happened to the copy
             self._release(blocks)
 
@@ -300,18 +334,24 @@ class KVCachePool:
         if pages * hp.page_bytes + meta > limit or (self.host_fixed and pages > hp.num_pages):
             return False  # never empties the tier for an entry that cannot fit anyway
         while True:
-            spare = limit - hp.allocated_bytes - self.host_metadata_bytes - meta
+            spare = limit - hp.allocated_bytes - self.host_metadata_bytes - self.ghost.bytes - meta
             if len(hp.free) >= pages and spare >= 0:
                 return True
+            if len(hp.free) >= pages and self.ghost:  # short of metadata room only: forget a ghost, not an entry
+                self.ghost.forget_oldest()
+                continue
             # a new chunk leaves room for the metadata of the entries its pages will hold (judged by this one's)
             per_page = meta / max(pages, 1)  # an empty prefix (no pages) still has metadata
-            rows = (limit - hp.allocated_bytes - hp.num_pages * per_page) // (hp.page_bytes + per_page)
+            rows = (self._slab_limit - hp.allocated_bytes - hp.num_pages * per_page) // (hp.page_bytes + per_page)
             if not self.host_fixed and len(hp.free) < pages and hp.grow(min(spare, int(rows) * hp.page_bytes)):
+                self.host_order.capacity = hp.num_pages
                 continue
             if not self.host:
                 return False
-            self._drop_host(next(iter(self.host)))
+            victim = self.host_order.victim()
+            self._drop_host(victim)
             self.stats.dropped += 1
+            self._remember(victim)
 
     def _preallocate_host(self) -> bool:
         """The whole host slab now: as many pages as the bound holds beside the metadata of the entries they can
@@ -320,7 +360,7 @@ class KVCachePool:
         ``host_prealloc: false``, once memory is free again)."""
         hp = self.host_pages
         per_page = self.config.block_size * 4 * 8 + 8 + ENTRY_OVERHEAD + 64
-        slab = self.host_limit * hp.page_bytes // (hp.page_bytes + per_page)
+        slab = self._slab_limit * hp.page_bytes // (hp.page_bytes + per_page)
         while hp.grow(slab - hp.allocated_bytes):
             pass
         return slab - hp.allocated_bytes < hp.page_bytes  # else grow stopped on a refusal, not for lack of room
@@ -328,7 +368,8 @@ class KVCachePool:
     def _promote(self, user: str, entry: _Entry) -> None:
         """Host ``entry`` back into device pages (evicting others for room), its host pages freed."""
         meta = _metadata_bytes(user, entry)
-        del self.host[user]  # out of the host LRU order: its pages are never dropped while they are read
+        del self.host[user]  # out of the host order: its pages are never dropped while they are read
+        self.host_order.remove(user)
         self.host_metadata_bytes -= meta
         pages = entry.blocks
         try:
@@ -339,6 +380,7 @@ class KVCachePool:
             self.host_pages.release(pages)
         entry.blocks, entry.index = blocks, self._device_index(blocks)
         self.entries[user] = entry
+        self.order.add(user, len(blocks), protected=True)  # it came back: a user seen again
         self.metadata_bytes += meta
 
     def _release(self, blocks: list[int]) -> None:
@@ -347,8 +389,15 @@ class KVCachePool:
 
     def _drop_host(self, user: str) -> None:
         entry = self.host.pop(user)
+        self.host_order.remove(user)
         self.host_pages.release(entry.blocks)
         self.host_metadata_bytes -= _metadata_bytes(user, entry)
+
+    def _remember(self, user: str) -> None:
+        """``user`` left both tiers: its key on the ghost list (slru), within the host bound."""
+        self.ghost.remember(user)
+        while self.ghost and self.host_bytes > self.host_limit:
+            self.ghost.forget_oldest()
 
     def discard(self, user: str) -> None:
         """Forget ``user`` in both tiers."""
@@ -359,12 +408,16 @@ class KVCachePool:
             self._drop_host(user)
 
     def invalidate(self, version: str) -> None:
-        """A new model version: every cached prefix is stale."""
+        """A new model version: every cached prefix is stale. Its users stay known (slru's ghost list, the least
+        recently used first), so those who return start protected."""
         self.version = version
+        users = [*self.host_order.probation, *self.host_order.protected, *self.order.probation, *self.order.protected]
         for user in list(self.entries):
             self.discard(user)
         for user in list(self.host):
             self._drop_host(user)
+        for user in users:
+            self._remember(user)
 
     # ------------------------------------------------------------------------------- reporting
 
@@ -373,7 +426,7 @@ class KVCachePool:
         self.stats.reused_tokens += reused
         self.stats.computed_tokens += computed
 
-    def report(self) -> dict[str, float]:
+    def report(self) -> dict[str, float | str]:
         s = self.stats
         hits = s.device_hits + s.host_hits - s.stale
         tokens = s.reused_tokens + s.computed_tokens
@@ -387,6 +440,12 @@ class KVCachePool:
             "host_bytes_used": self.host_bytes,
             "host_pages_bytes_used": (hp.num_pages - len(hp.free)) * hp.page_bytes,
             "metadata_bytes": self.metadata_bytes,
+            "policy": self.config.policy,
+            "users_protected": len(self.order.protected),
+            "users_host_protected": len(self.host_order.protected),
+            "ghost_users": len(self.ghost),
+            "ghost_bytes": self.ghost.bytes,
+            "ghost_admissions": s.ghost_admissions,
             "lookups": s.lookups,
             "device_hits": s.device_hits,
             "host_hits": s.host_hits,
