@@ -17,6 +17,12 @@ scales them), the approach of fused linear cross-entropy kernels (e.g. Liger-Ker
 temporaries are (chunk, S + K) logits and (chunk, K, d) vectors, nothing of size T x (S + K) is
 ever allocated in float, and no logit is computed twice. Per-position negatives are passed as
 (T, K) row indices into their distinct vectors (U, d), so the index tensors stay O(T K) integers.
+
+The full-catalogue softmax (``chunked_full_softmax_cross_entropy``) needs no positive column: the
+target's own column of the catalogue's logits is the positive, so each chunk is a plain
+cross-entropy over (c, N+1) logits with the padding column biased to -inf: 8 ops per chunk
+(addmm, log_softmax, gather, neg, exp, scatter_add, mm, addmm) instead of ~25, fewer passes over
+the logits, and no host synchronisation.
 """
 
 from __future__ import annotations
@@ -93,6 +99,61 @@ def _chunk(user: Tensor, positive: Tensor, shared: Tensor | None, own: Tensor | 
         grads[3].index_add_(0, own_rows.reshape(-1), (g_o.unsqueeze(2) * user.unsqueeze(1)).reshape(-1, user.shape[1]))
     grads[0][lo : lo + user.shape[0]] = grad_user
     return loss_sum
+
+
+class _ChunkedFullSoftmaxCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, user: Tensor, table: Tensor, targets: Tensor, inv_temp: float, chunk: int, want_grads: bool) -> Tensor:
+        num_pos = user.shape[0]
+        pad_bias = user.new_zeros(table.shape[0])  # (N+1,): the padding item 0 is not an item
+        pad_bias[0] = float("-inf")
+        nll = user.new_empty(num_pos)  # (T,) each position's loss
+        targets = targets.view(-1, 1)  # (T, 1)
+        if want_grads:
+            grad_user, grad_table = torch.empty_like(user), torch.zeros_like(table)
+            minus_one = user.new_full((min(chunk, num_pos), 1), -1.0)
+        for lo in range(0, num_pos, chunk):
+            hi = min(lo + chunk, num_pos)
+            u, t = user[lo:hi], targets[lo:hi]
+            log_p = torch.addmm(pad_bias, u, table.T, alpha=inv_temp).log_softmax(1)  # (c, N+1)
+            torch.neg(log_p.gather(1, t).squeeze(1), out=nll[lo:hi])
+            if want_grads:  # d nll / d logits = softmax - onehot(target), in place of log_p
+                g = log_p.exp_().scatter_add_(1, t, minus_one[: hi - lo])  # (c, N+1)
+                torch.mm(g, table, out=grad_user[lo:hi])  # (c, d)
+                grad_table.addmm_(g.T, u)  # (N+1, d)
+        if want_grads:  # the mean over positions and 1/temperature, once
+            scale = inv_temp / num_pos
+            ctx.save_for_backward(grad_user.mul_(scale), grad_table.mul_(scale))
+        return nll.mean()
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        if not ctx.saved_tensors:
+            raise RuntimeError("chunked full softmax: backward through a loss computed without gradients "
+                               "(computed under torch.no_grad, or with inputs that need none)")  # fmt: skip
+        grad_user, grad_table = ctx.saved_tensors
+        return grad_user * grad_out, grad_table * grad_out, None, None, None, None
+
+
+def chunked_full_softmax_cross_entropy(user: Tensor, table: Tensor, targets: Tensor, *, temperature: float,
+                                       chunk: int) -> Tensor:  # fmt: skip
+    """Mean softmax cross-entropy of each position's target over the whole catalogue, ``chunk`` positions at a time.
+
+    Args:
+        user: (T, d) user vectors.
+        table: (N+1, d) every item's vector; row 0 is the padding item, never a class.
+        targets: (T,) target item ids in 1..N.
+        temperature: logits are dot products / temperature.
+        chunk: positions per chunk (> 0).
+
+    Returns:
+        The scalar loss (``F.cross_entropy`` of the (T, N+1) logits with column 0 at -inf, up to float
+        rounding); gradients flow to ``user`` and ``table``.
+    """
+    if chunk <= 0:
+        raise ValueError(f"chunked_full_softmax_cross_entropy: chunk={chunk} must be > 0")
+    want_grads = torch.is_grad_enabled() and (user.requires_grad or table.requires_grad)
+    return _ChunkedFullSoftmaxCE.apply(user, table, targets, 1.0 / temperature, int(chunk), want_grads)
 
 
 def chunked_softmax_cross_entropy(
