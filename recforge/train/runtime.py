@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
-import threading
 
 import torch
 
@@ -30,44 +28,8 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-# Imported on a background thread from the start of a run: torch.optim's optimizers import torch._dynamo when they
-# are built (Optimizer.add_param_group is wrapped by torch._disable_dynamo), ~1.5 s on a CPU and ~5 s on a GPU host
-# where nothing else runs; the training loop's TensorBoard writer ~0.4 s. Loaded while the main thread waits on the
-# device's start-up, file reads and tensor ops (which release the GIL), that time is hidden instead of spent.
-PRELOADED = ("torch._dynamo", "torch.utils.tensorboard")
-_preloading: dict[str, threading.Thread] = {}
-
-
-def preload(modules: tuple[str, ...] = PRELOADED) -> None:
-    """Start importing ``modules`` (in order) on one daemon thread; a no-op for modules already imported or started.
-    A failed import is left to the main thread, which imports the module again where it needs it (and raises there)."""
-    import sys
-
-    todo = tuple(m for m in modules if m not in sys.modules and m not in _preloading)
-    if not todo:
-        return
-
-    def run() -> None:
-        for name in todo:
-            with contextlib.suppress(Exception):
-                importlib.import_module(name)
-
-    thread = threading.Thread(target=run, name="recforge-preload", daemon=True)
-    _preloading.update(dict.fromkeys(todo, thread))
-    thread.start()
-
-
-def wait_preloaded(module: str) -> None:
-    """Block until the background import of ``module`` (if one was started) is done."""
-    thread = _preloading.get(module)
-    if thread is not None and thread is not threading.current_thread():
-        thread.join()
-
-
 def prepare_runtime(cfg: RunConfig) -> torch.device:
-    """Apply ``train.threads``, resolve ``train.device`` (TF32 matmuls on CUDA) and return it; start the background
-    imports of ``PRELOADED`` (``preload``) first, so they overlap the device's start-up and the data loading."""
-    preload()
+    """Apply ``train.threads``, resolve ``train.device`` (TF32 matmuls on CUDA) and return it."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device)
@@ -91,7 +53,6 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimi
     instead of ~10 ops per parameter: the per-parameter update cost a small model's step milliseconds of host
     time; the same update, equal up to float rounding), except under FSDP2 (its sharded parameters take the
     multi-tensor one)."""
-    wait_preloaded("torch._dynamo")  # what the optimizer's construction imports: never two threads importing it
     params = list(model.parameters())
     one_kind = bool(params) and (all(p.is_cuda for p in params) or all(p.device.type == "cpu" for p in params))
     fused = True if one_kind and cfg.dist.dense != "fsdp2" else None
