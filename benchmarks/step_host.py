@@ -30,6 +30,10 @@ import sys
 import time
 from pathlib import Path
 
+# ops that only make a view (no kernel, no copy): left out of ``non_view_ops``
+VIEW_OPS = {f"aten::{name}" for name in ("slice", "select", "unsqueeze", "squeeze", "reshape", "view", "t", "transpose",
+                                         "expand", "expand_as", "as_strided", "detach", "numpy_T", "alias", "permute",
+                                         "split", "split_with_sizes", "_reshape_alias", "lift_fresh")}  # fmt: skip
 CPU_TINY = ["model.dim=16", "model.dqk=8", "model.dv=8", "train.batch_size=2", "loss.chunk_size=32",
             "model.dropout=0.3", "train.threads=1"]  # fmt: skip
 
@@ -95,7 +99,8 @@ def _child(args: argparse.Namespace) -> None:
             print(f"{count:6d} {name}", file=sys.stderr)
     times.sort()
     print(json.dumps({"ms_per_step": 1e3 * times[len(times) // 2], "ms_min": 1e3 * times[0],
-                      "aten_ops": len(aten), "top_level_aten_ops": len(top), "optimizer_aten_ops": sum(map(in_optimizer, aten)),
+                      "aten_ops": len(aten), "top_level_aten_ops": len(top), "non_view_ops": sum(e.name not in VIEW_OPS for e in top),
+                      "optimizer_aten_ops": sum(map(in_optimizer, aten)),
                       "cuda_kernels": len(kernels),
                       "tokens": int(batch.num_tokens), "loss": float(result.loss)}))  # fmt: skip
 
@@ -147,11 +152,12 @@ def main() -> None:
             result = _measure(tree, args)
             runs[name].append(result)
             print(f"repeat {repeat} {name:>8}: {result['ms_per_step']:7.2f} ms/step, {result['aten_ops']} aten ops "
-                  f"({result['top_level_aten_ops']} top-level, {result['optimizer_aten_ops']} in the optimizer), "
+                  f"({result['top_level_aten_ops']} top-level, {result['non_view_ops']} of them not views; "
+                  f"{result['optimizer_aten_ops']} in the optimizer), "
                   f"{result['cuda_kernels']} CUDA kernels", flush=True)  # fmt: skip
     median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     summary = {name: {key: median([r[key] for r in rs]) for key in ("ms_per_step", "aten_ops", "top_level_aten_ops",
-                                                                     "optimizer_aten_ops", "cuda_kernels")}
+                                                                     "non_view_ops", "optimizer_aten_ops", "cuda_kernels")}
                for name, rs in runs.items()}  # fmt: skip
     names = list(trees)
     for name in names:

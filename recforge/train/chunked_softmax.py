@@ -89,7 +89,7 @@ def _chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: 
     if grads is None:
         return
     g = log_p.exp_()  # d nll / d logits = softmax - onehot(0), in place of log_p
-    g[:, 0] -= 1.0
+    g[:, 0].sub_(1.0)  # not `g[:, 0] -= 1`: that also copies the column onto itself (__setitem__)
     g_pos = g[:, :1]  # (c, 1)
     hi = lo + user.shape[0]
     grad_user = torch.mul(g_pos, positive, out=grads[0][lo:hi])  # (c, d)
