@@ -13,7 +13,8 @@ Each measurement is a child process (``--child``) with the tree's root on PYTHON
 ``StepRunner``) for the config with ``--set`` overrides, makes one training batch as the recipe does, runs
 ``--warmup`` steps, then times ``--steps`` steps (median ms per step; the device is synchronised each step) and
 counts the ops of one step with ``torch.profiler`` (``aten::`` ops dispatched, all and top-level) and, on CUDA,
-its kernel launches. ``--attention triton-host`` (CPU) runs the Triton attention path with every kernel launch
+its CUDA kernels. ``ms_min`` (the fastest step of each run, median over runs) is the steadier number on a shared
+machine. ``--attention triton-host`` (CPU) runs the Triton attention path with every kernel launch
 replaced by a no-op (``TRITON_INTERPRET=1`` passes the dispatcher's device check): the host work of that path
 (argument set-up, allocation, launch plans) without its compute; its outputs are uninitialised, so its losses
 are meaningless and only the times and op counts count. Trees alternate within each repeat; medians are reported.
@@ -42,8 +43,6 @@ def _child(args: argparse.Namespace) -> None:
     import torch
 
     if args.attention == "triton-host":
-        from recforge.ops.triton import tuning
-
         from recforge.ops.triton import hstu
 
         hstu.launch = lambda *a, **k: None  # the host path without the kernels (see the module docstring)
@@ -156,12 +155,13 @@ def main() -> None:
                   f"{result['optimizer_aten_ops']} in the optimizer), "
                   f"{result['cuda_kernels']} CUDA kernels", flush=True)  # fmt: skip
     median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    summary = {name: {key: median([r[key] for r in rs]) for key in ("ms_per_step", "aten_ops", "top_level_aten_ops",
+    summary = {name: {key: median([r[key] for r in rs]) for key in ("ms_per_step", "ms_min", "aten_ops", "top_level_aten_ops",
                                                                      "non_view_ops", "optimizer_aten_ops", "cuda_kernels")}
                for name, rs in runs.items()}  # fmt: skip
     names = list(trees)
     for name in names:
-        print(f"{name:>8}: median {summary[name]['ms_per_step']:.2f} ms/step, {summary[name]['aten_ops']} aten ops")
+        print(f"{name:>8}: median {summary[name]['ms_per_step']:.2f} ms/step (of the fastest steps {summary[name]['ms_min']:.2f}), "
+              f"{summary[name]['aten_ops']} aten ops, {summary[name]['non_view_ops']} top-level non-view ops")
     if len(names) == 2:
         a, b = names
         print(f"{b}/{a} ms per step: {summary[b]['ms_per_step'] / summary[a]['ms_per_step']:.2f}x")
