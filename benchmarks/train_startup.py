@@ -24,21 +24,37 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from time_to_quality import _rows  # a growing JSON-lines file's complete rows
 
 
-def _launch(tree: Path, config: Path, data: Path, overrides: list[str], steps: int, timeout: float) -> dict:
+def _heavy_imports(output: str, threshold_s: float) -> dict[str, float]:
+    """Outermost imports of a ``python -X importtime`` log that took at least ``threshold_s`` (cumulative, seconds):
+    what start-up pays for, by the module that pulled it in first (indented deeper = imported by the one above)."""
+    heavy = {}
+    for line in output.splitlines():
+        if not line.startswith("import time:") or "|" not in line:
+            continue
+        _, cumulative, name = line.split("|")
+        if cumulative.strip().isdigit() and len(name) - len(name.lstrip()) <= 3 and int(cumulative) >= threshold_s * 1e6:
+            heavy[name.strip()] = int(cumulative) / 1e6  # outermost (root) and their direct imports
+    return dict(sorted(heavy.items(), key=lambda kv: -kv[1]))
+
+
+def _launch(tree: Path, config: Path, data: Path, overrides: list[str], steps: int, timeout: float,
+            importtime: bool = False) -> dict:  # fmt: skip
     name = f"startup-bench-{os.getpid()}"
     run_dir = tree / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    command = [sys.executable, "-m", "recforge.cli", "--no-progress", "train", str(config), f"name={name}",
+    command = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "recforge.cli", "--no-progress", "train", str(config), f"name={name}",
                f"data.path={data}", "train.log_every=1", "train.eval_every=0", *overrides]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(tree))
     launched = time.perf_counter()
-    child = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tempfile.TemporaryFile("w+")  # not a pipe: a chatty child (-X importtime) would block on a full one
+    child = subprocess.Popen(command, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     marks: dict[int, float] = {}
     while child.poll() is None and time.perf_counter() - launched < timeout and steps not in marks:
         time.sleep(0.02)
@@ -46,11 +62,17 @@ def _launch(tree: Path, config: Path, data: Path, overrides: list[str], steps: i
             marks.setdefault(row["step"], time.perf_counter() - launched)
     if child.poll() is None:
         child.kill()
-    output = child.communicate()[0]
+    child.wait()
+    log.seek(0)
+    output = log.read()
+    log.close()
     shutil.rmtree(run_dir, ignore_errors=True)
     if 1 not in marks:
         raise SystemExit(f"{tree}: no step logged in {timeout:.0f} s (exit {child.returncode}):\n{output[-3000:]}")
-    return {"first_step_s": marks[1], "step_k_s": marks.get(steps)}
+    result = {"first_step_s": marks[1], "step_k_s": marks.get(steps)}
+    if importtime:
+        result["imports_s"] = _heavy_imports(output, 0.05)
+    return result
 
 
 def main() -> None:
@@ -63,6 +85,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
     parser.add_argument("--out", default=None, help="JSON output path")
+    parser.add_argument("--importtime", action="store_true",
+                        help="run under python -X importtime and record the imports of >= 50 ms (slows the launch)")
     args = parser.parse_args()
     trees = {}
     for item in args.tree:
@@ -74,7 +98,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     for repeat in range(args.repeats):
         for name, tree in trees.items():
-            result = _launch(tree, config, data, args.set, args.steps, args.timeout)
+            result = _launch(tree, config, data, args.set, args.steps, args.timeout, args.importtime)
             runs[name].append(result)
             print(f"repeat {repeat} {name:>8}: first step {result['first_step_s']:6.2f} s, "
                   f"step {args.steps} {result['step_k_s'] or float('nan'):6.2f} s", flush=True)  # fmt: skip

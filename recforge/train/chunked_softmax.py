@@ -17,6 +17,12 @@ scales them), the approach of fused linear cross-entropy kernels (e.g. Liger-Ker
 temporaries are (chunk, S + K) logits and (chunk, K, d) vectors, nothing of size T x (S + K) is
 ever allocated in float, and no logit is computed twice. Per-position negatives are passed as
 (T, K) row indices into their distinct vectors (U, d), so the index tensors stay O(T K) integers.
+
+The full-catalogue softmax (``chunked_full_softmax_cross_entropy``) needs no positive column: the
+target's own column of the catalogue's logits is the positive, so each chunk is a plain
+cross-entropy over (c, N+1) logits with the padding column biased to -inf: 8 ops per chunk
+(addmm, log_softmax, gather, neg, exp, scatter_add, mm, addmm) instead of ~25, fewer passes over
+the logits, and no host synchronisation.
 """
 
 from __future__ import annotations
@@ -31,21 +37,28 @@ class _ChunkedSoftmaxCE(torch.autograd.Function):
                 shared_ids: Tensor | None, own_rows: Tensor | None, own_ids: Tensor | None, inv_temp: float,
                 chunk: int, want_grads: bool) -> Tensor:  # fmt: skip
         num_pos = user.shape[0]
-        total = user.new_zeros(())
+        # once for every position, not per chunk: 1/temperature on the user side, the positive logits, and
+        # the shared columns' padding mask as an additive bias (fused into the chunks' matmul)
+        scaled = user * inv_temp  # (T, d)
+        pos = (scaled * positive).sum(-1, keepdim=True)  # (T, 1)
+        pad_bias = None
+        if shared is not None:
+            pad_bias = torch.zeros(shared_ids.shape, dtype=user.dtype, device=user.device).masked_fill_(shared_ids == 0, float("-inf"))
+        nll = user.new_empty(num_pos)  # (T,) each position's loss
         grads = None
         if want_grads:
-            grads = [torch.zeros_like(user), torch.zeros_like(positive),
+            grads = [torch.empty_like(user), torch.empty_like(positive),
                      None if shared is None else torch.zeros_like(shared), None if own is None else torch.zeros_like(own)]  # fmt: skip
         for lo in range(0, num_pos, chunk):
             hi = min(lo + chunk, num_pos)
-            loss_sum = _chunk(user[lo:hi], positive[lo:hi], shared, own, targets[lo:hi], shared_ids,
-                              None if own_rows is None else own_rows[lo:hi], None if own_ids is None else own_ids[lo:hi],
-                              inv_temp, inv_temp / num_pos, grads, lo)  # fmt: skip
-            total += loss_sum
-        if grads is not None:
-            ctx.save_for_backward(*(g for g in grads if g is not None))
+            _chunk(user[lo:hi], scaled[lo:hi], pos[lo:hi], positive[lo:hi], shared, pad_bias, own, targets[lo:hi],
+                   shared_ids, None if own_rows is None else own_rows[lo:hi], None if own_ids is None else own_ids[lo:hi],
+                   nll[lo:hi], grads, lo)  # fmt: skip
+        if grads is not None:  # the chunks summed d nll / d logits times the unscaled inputs: 1/T and 1/temperature, once
+            scale = inv_temp / num_pos
+            ctx.save_for_backward(*(g.mul_(scale) for g in grads if g is not None))
             ctx.present = [g is not None for g in grads]
-        return total / num_pos
+        return nll.mean()
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -57,42 +70,95 @@ class _ChunkedSoftmaxCE(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None, None)
 
 
-def _chunk(user: Tensor, positive: Tensor, shared: Tensor | None, own: Tensor | None, targets: Tensor,
-           shared_ids: Tensor | None, own_rows: Tensor | None, own_ids: Tensor | None, inv_temp: float,
-           grad_scale: float, grads: list[Tensor | None] | None, lo: int) -> Tensor:  # fmt: skip
-    """Summed loss of one chunk of c positions; accumulates the inputs' gradients into ``grads``."""
-    pos = (user * positive).sum(-1, keepdim=True) * inv_temp  # (c, 1)
+def _chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: Tensor | None, pad_bias: Tensor | None,
+           own: Tensor | None, targets: Tensor, shared_ids: Tensor | None, own_rows: Tensor | None,
+           own_ids: Tensor | None, nll: Tensor, grads: list[Tensor | None] | None, lo: int) -> None:  # fmt: skip
+    """One chunk of c positions: writes their losses into ``nll`` (c,) and adds d nll / d logits times the unscaled
+    inputs into ``grads`` (the caller applies 1/temperature and the mean once). ``scaled``: ``user`` / temperature,
+    ``pos`` (c, 1) the positive logits, ``pad_bias`` (S,) -inf at the shared padding columns."""
     parts = [pos]
     if shared is not None:
-        s = (user @ shared.T) * inv_temp  # (c, S)
-        parts.append(s.masked_fill_((shared_ids == targets[:, None]) | (shared_ids == 0), float("-inf")))
+        s = torch.addmm(pad_bias, scaled, shared.T)  # (c, S)
+        parts.append(s.masked_fill_(shared_ids == targets[:, None], float("-inf")))
     if own is not None:
         own_vec = own[own_rows]  # (c, K, d)
-        o = torch.einsum("cd,ckd->ck", user, own_vec) * inv_temp  # (c, K)
+        o = torch.bmm(own_vec, scaled.unsqueeze(2)).squeeze(2)  # (c, K)
         parts.append(o.masked_fill_(own_ids == targets[:, None], float("-inf")))
-    logits = torch.cat(parts, 1)  # (c, 1 + S + K)
-    lse = torch.logsumexp(logits, 1, keepdim=True)  # (c, 1)
-    loss_sum = (lse - pos).sum()
+    log_p = torch.cat(parts, 1).log_softmax(1)  # (c, 1 + S + K)
+    torch.neg(log_p[:, 0], out=nll)
     if grads is None:
-        return loss_sum
-    # d loss_mean / d logits = (softmax - onehot(0)) / T; times 1/temperature for the dot products
-    g = torch.exp_(logits.sub_(lse)).mul_(grad_scale)  # (c, 1 + S + K), in place of the logits
-    g[:, 0] -= grad_scale
+        return
+    g = log_p.exp_()  # d nll / d logits = softmax - onehot(0), in place of log_p
+    g[:, 0].sub_(1.0)  # not `g[:, 0] -= 1`: that also copies the column onto itself (__setitem__)
     g_pos = g[:, :1]  # (c, 1)
-    grad_user = g_pos * positive  # (c, d)
-    grads[1][lo : lo + user.shape[0]] = g_pos * user
+    hi = lo + user.shape[0]
+    grad_user = torch.mul(g_pos, positive, out=grads[0][lo:hi])  # (c, d)
+    torch.mul(g_pos, user, out=grads[1][lo:hi])
     col = 1
     if shared is not None:
         g_s = g[:, col : col + shared.shape[0]]  # (c, S)
-        grad_user += g_s @ shared
-        grads[2] += g_s.T @ user
+        grad_user.addmm_(g_s, shared)
+        grads[2].addmm_(g_s.T, user)
         col += shared.shape[0]
     if own is not None:
         g_o = g[:, col:]  # (c, K)
-        grad_user += torch.einsum("ck,ckd->cd", g_o, own_vec)
+        grad_user.add_(torch.bmm(g_o.unsqueeze(1), own_vec).squeeze(1))
         grads[3].index_add_(0, own_rows.reshape(-1), (g_o.unsqueeze(2) * user.unsqueeze(1)).reshape(-1, user.shape[1]))
-    grads[0][lo : lo + user.shape[0]] = grad_user
-    return loss_sum
+
+
+class _ChunkedFullSoftmaxCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, user: Tensor, table: Tensor, targets: Tensor, inv_temp: float, chunk: int, want_grads: bool) -> Tensor:
+        num_pos = user.shape[0]
+        pad_bias = user.new_zeros(table.shape[0])  # (N+1,): the padding item 0 is not an item
+        pad_bias[0] = float("-inf")
+        nll = user.new_empty(num_pos)  # (T,) each position's loss
+        targets = targets.view(-1, 1)  # (T, 1)
+        if want_grads:
+            grad_user, grad_table = torch.empty_like(user), torch.zeros_like(table)
+            minus_one = user.new_full((min(chunk, num_pos), 1), -1.0)
+        for lo in range(0, num_pos, chunk):
+            hi = min(lo + chunk, num_pos)
+            u, t = user[lo:hi], targets[lo:hi]
+            log_p = torch.addmm(pad_bias, u, table.T, alpha=inv_temp).log_softmax(1)  # (c, N+1)
+            torch.neg(log_p.gather(1, t).squeeze(1), out=nll[lo:hi])
+            if want_grads:  # d nll / d logits = softmax - onehot(target), in place of log_p
+                g = log_p.exp_().scatter_add_(1, t, minus_one[: hi - lo])  # (c, N+1)
+                torch.mm(g, table, out=grad_user[lo:hi])  # (c, d)
+                grad_table.addmm_(g.T, u)  # (N+1, d)
+        if want_grads:  # the mean over positions and 1/temperature, once
+            scale = inv_temp / num_pos
+            ctx.save_for_backward(grad_user.mul_(scale), grad_table.mul_(scale))
+        return nll.mean()
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        if not ctx.saved_tensors:
+            raise RuntimeError("chunked full softmax: backward through a loss computed without gradients "
+                               "(computed under torch.no_grad, or with inputs that need none)")  # fmt: skip
+        grad_user, grad_table = ctx.saved_tensors
+        return grad_user * grad_out, grad_table * grad_out, None, None, None, None
+
+
+def chunked_full_softmax_cross_entropy(user: Tensor, table: Tensor, targets: Tensor, *, temperature: float,
+                                       chunk: int) -> Tensor:  # fmt: skip
+    """Mean softmax cross-entropy of each position's target over the whole catalogue, ``chunk`` positions at a time.
+
+    Args:
+        user: (T, d) user vectors.
+        table: (N+1, d) every item's vector; row 0 is the padding item, never a class.
+        targets: (T,) target item ids in 1..N.
+        temperature: logits are dot products / temperature.
+        chunk: positions per chunk (> 0).
+
+    Returns:
+        The scalar loss (``F.cross_entropy`` of the (T, N+1) logits with column 0 at -inf, up to float
+        rounding); gradients flow to ``user`` and ``table``.
+    """
+    if chunk <= 0:
+        raise ValueError(f"chunked_full_softmax_cross_entropy: chunk={chunk} must be > 0")
+    want_grads = torch.is_grad_enabled() and (user.requires_grad or table.requires_grad)
+    return _ChunkedFullSoftmaxCE.apply(user, table, targets, 1.0 / temperature, int(chunk), want_grads)
 
 
 def chunked_softmax_cross_entropy(

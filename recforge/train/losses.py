@@ -23,7 +23,7 @@ from torch import Tensor
 
 from recforge.data.ranking_samples import TokenReference
 from recforge.jagged.index import offsets_from_lengths, sequence_ids
-from recforge.train.chunked_softmax import chunked_softmax_cross_entropy
+from recforge.train.chunked_softmax import chunked_full_softmax_cross_entropy, chunked_softmax_cross_entropy
 
 
 @dataclass
@@ -175,11 +175,8 @@ def _chunked_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor 
                   sampled: SampledNegatives, temperature: float, chunk: int) -> Tensor:
     """``_sampled_softmax_loss`` in chunks of positions: the same negatives, the positive / shared / per-position
     columns handed to ``chunked_softmax_cross_entropy``."""
-    if negatives == "full":  # the catalogue is the shared columns; item 0 (padding) is masked there
-        table = item_vectors(None)  # (N+1, d)
-        return chunked_softmax_cross_entropy(user, table[targets], targets, shared=table,
-                                             shared_ids=torch.arange(table.shape[0], device=user.device),
-                                             temperature=temperature, chunk=chunk)  # fmt: skip
+    if negatives == "full":  # cross-entropy over the catalogue: the target's column is the positive
+        return chunked_full_softmax_cross_entropy(user, item_vectors(None), targets, temperature=temperature, chunk=chunk)
     if sampled.distinct is None and sampled.shared is None:
         raise ValueError(f"sampled_softmax_loss: chunk_size={chunk} needs negatives drawn with that chunk_size "
                          "(draw_negatives(..., chunk_size=...))")  # fmt: skip

@@ -126,3 +126,24 @@ def test_disabled_plans_launch_through_triton(kernel) -> None:
     for _ in range(2):
         tuning.launch(kernel, "m", 1, 1, 100, (x, 7, 0.5), META)
     assert [c[0] for c in kernel.calls] == ["triton", "triton"] and not tuning.plans.plans
+
+
+def test_autotuning_caches_its_results_only_where_triton_takes_the_option(monkeypatch) -> None:
+    seen = []
+
+    def new_autotune(configs, key, prune_configs_by=None, reset_to_zero=None, do_bench=None, cache_results=False):
+        seen.append(cache_results)
+        return lambda kernel: kernel
+
+    def old_autotune(configs, key, prune_configs_by=None, reset_to_zero=None, do_bench=None):
+        seen.append("old")
+        return lambda kernel: kernel
+
+    assert tuning.cache_kwargs(new_autotune) == {"cache_results": True}
+    assert tuning.cache_kwargs(old_autotune) == {}
+    monkeypatch.setattr(tuning, "is_interpreting", lambda: False)
+    for autotune in (new_autotune, old_autotune):
+        monkeypatch.setattr(tuning.triton, "autotune", autotune)
+        kernel = type("Kernel", (), {})()
+        assert tuning.tuned(kernel, "fwd") is kernel  # no TypeError from the old signature
+    assert seen == [True, "old"]

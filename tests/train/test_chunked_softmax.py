@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from recforge.train.chunked_softmax import chunked_softmax_cross_entropy
+from recforge.train.chunked_softmax import chunked_full_softmax_cross_entropy, chunked_softmax_cross_entropy
 from recforge.train.losses import _distinct_rows, sampled_softmax_loss
 
 TOL = {"rtol": 1e-9, "atol": 1e-12}
@@ -118,3 +118,19 @@ def test_chunked_cross_entropy_checks_arguments() -> None:
         chunked_softmax_cross_entropy(user, user, torch.ones(4, dtype=torch.int64), temperature=1.0, chunk=0)
     with pytest.raises(ValueError, match="shared with shared_ids"):
         chunked_softmax_cross_entropy(user, user, torch.ones(4, dtype=torch.int64), shared=user, temperature=1.0, chunk=2)
+
+
+def test_chunked_full_softmax_is_cross_entropy_with_padding_masked() -> None:
+    num_items = int(torch.randint(3, 50, ()))
+    chunk = int(torch.randint(1, 12, ()))
+    user, table, targets = _inputs(int(torch.randint(chunk, 5 * chunk + 3, ())), num_items, 6)
+    logits = user @ table.T / 0.05
+    logits[:, 0] = float("-inf")
+    expected = F.cross_entropy(logits, targets)
+    expected_grads = torch.autograd.grad(2.0 * expected, (user, table))
+    loss = chunked_full_softmax_cross_entropy(user, table, targets, temperature=0.05, chunk=chunk)
+    torch.testing.assert_close(loss, expected, **TOL)
+    for got, want in zip(torch.autograd.grad(2.0 * loss, (user, table)), expected_grads, strict=True):
+        torch.testing.assert_close(got, want, **TOL)
+    with pytest.raises(ValueError, match="chunk=0"):
+        chunked_full_softmax_cross_entropy(user, table, targets, temperature=0.05, chunk=0)

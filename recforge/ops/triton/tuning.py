@@ -7,6 +7,7 @@ so a training run or a test never pays for autotuning many kernel variants.
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import torch
@@ -92,6 +93,18 @@ def _key(c: triton.Config) -> tuple[int, int, int, int]:
     return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
 
 
+def cache_kwargs(autotune=None) -> dict:
+    """``cache_results=True`` where ``triton.autotune`` takes it (Triton >= 3.4), else nothing.
+
+    With it, the timings of an autotuning run go to Triton's cache directory (``~/.triton/cache``,
+    ``TRITON_CACHE_DIR``), keyed by Triton's version, the target GPU, the kernel's source, the tuning key
+    and the candidate configs, so a later process reuses the picked tile instead of timing every
+    candidate again. Older Triton tunes in every process, as before.
+    """
+    parameters = inspect.signature(autotune or triton.autotune).parameters
+    return {"cache_results": True} if "cache_results" in parameters else {}
+
+
 def tuned(kernel, kind: str, reset_to_zero: list[str] | None = None):
     """The kernel behind a Triton autotuner (``.fn`` is the plain kernel for fixed launches)."""
     if is_interpreting():
@@ -110,6 +123,7 @@ def tuned(kernel, kind: str, reset_to_zero: list[str] | None = None):
         prune_configs_by={"early_config_prune": _prune(kind)},
         reset_to_zero=reset_to_zero,
         do_bench=bench,
+        **cache_kwargs(),
     )(kernel)
     autotuner.tuning_kind = kind  # for tools that compile the candidates ahead (benchmarks/attention.py)
     return autotuner
