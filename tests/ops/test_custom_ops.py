@@ -89,7 +89,7 @@ def test_compiled_model_is_one_graph_with_eager_values(interpreter, backend: str
     weights = torch.randn(16)
 
     def batch(n: int) -> JaggedBatch:
-        offsets = offsets_from_lengths(torch.randint(1, 7, (n,)))
+        offsets = offsets_from_lengths(torch.randint(2, 7, (n,)))  # no length 1: Dynamo specialises sizes of 1
         return JaggedBatch(offsets, {"item_ids": torch.randint(1, 31, (int(offsets[-1]),))}, 12)
 
     def loss(b: JaggedBatch) -> torch.Tensor:
