@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from recforge.sparse.ids import check_ids, raise_negative, unique_keys
-from recforge.sparse.storage import TieredStore
+from recforge.sparse.storage import TieredStore, _positions
 from recforge.sparse.routing import _RANK_SEED, DistributedIds, StagedRows, _AllToAll, owner_of, shard_config
 from recforge.sparse.lookup import GatherRows
 from recforge.sparse.table import DynamicEmbedding
@@ -403,14 +403,18 @@ class ShardedDynamicEmbedding(nn.Module):
         if evicted:
             at = rows.clamp(min=0)
             kept = (rows >= 0) & (shard.row_key[at] == staged.keys)
-            if staged.tags is not None:
-                kept &= shard.row_tag[at] == staged.tags
+            kept &= shard.row_tag[at] == (staged.tags if staged.tags is not None else 0)  # untagged = tag 0
             lost = ((rows >= 0) & ~kept).sum()
             rows = torch.where(kept, rows, -1)
+        if not evicted:  # no staged row lost its key: one index lookup of every key and one host sync
+            now = shard.index.lookup(staged.keys, staged.tags)
+            n_redo, n_absent = torch.stack([(rows < 0).sum(), (now < 0).sum()]).tolist()
+            self.relooked_up += n_redo
+            return now, n_absent, 0
         n_lost, n_redo = torch.stack([lost, (rows < 0).sum()]).tolist()  # one host sync
         if n_redo == 0:
             return rows, 0, n_lost
-        redo = (rows < 0).nonzero().squeeze(1)
+        redo = _positions(rows < 0, n_redo)
         rows = rows.clone()
         rows[redo] = shard.index.lookup(staged.keys[redo], None if staged.tags is None else staged.tags[redo])
         self.relooked_up += n_redo

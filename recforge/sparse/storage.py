@@ -134,7 +134,8 @@ class TieredStore:
         self.weight, self.state = self._views(self.cache_all)
         self.row_to_slot = torch.full((rows + 1,), -1, dtype=torch.int64, device=device)  # [rows]: scratch for "no row"
         self.slot_to_row = torch.full((cache_rows,), -1, dtype=torch.int64, device=device)
-        self.stamp = torch.full((cache_rows,), -1, dtype=torch.int64, device=device)  # LRU clock per slot
+        self._stamp = torch.full((cache_rows + 1,), -1, dtype=torch.int64, device=device)  # [C]: scratch for slot -1
+        self.stamp = self._stamp[:cache_rows]  # LRU clock per slot
         self.dirty = torch.zeros(cache_rows, dtype=torch.bool, device=device)
         self.pinned = torch.zeros(cache_rows, dtype=torch.bool, device=device)
         self._staged = torch.zeros(cache_rows + 1, dtype=torch.bool, device=device)  # [C]: scratch for slot -1
@@ -296,11 +297,9 @@ class TieredStore:
             missing_rows = torch.sort(rows[_positions(missing, n_miss)]).values[:n]
             self._fill(missing_rows, torch.full_like(missing_rows, -1), torch.arange(n, device=self.device), victims)
             slot_of = self.row_to_slot[torch.where(valid, rows, self.num_rows)]
-        held = slot_of
-        if total < rows.numel() or n < n_miss:  # rows without a row or a slot: hold only the others (one more sync)
-            held = slot_of[slot_of >= 0]
-        self.stamp.index_fill_(0, held, self.clock + future)
-        self.stage(held)
+        # rows without a row or a slot (-1) stamp and hold the scratch entry: no boolean mask (a host sync)
+        self._stamp.index_fill_(0, torch.where(slot_of >= 0, slot_of, self.cache_rows), self.clock + future)
+        self.stage(slot_of)
         return extra_values, n_miss <= available, slot_of
 
     def _fill(self, rows: Tensor, slots: Tensor, miss: Tensor, victims: Tensor) -> Tensor:

@@ -97,3 +97,25 @@ def _worker(rank: int, world_size: int, cfg: TableConfig, seed: int) -> None:
 @pytest.mark.parametrize("cfg", [CFG, TIERED], ids=["one-tier", "tiered"])
 def test_a_staged_lookup_after_evictions_equals_one_staged_at_use(world_size: int, cfg: TableConfig) -> None:
     spawn(_worker, world_size, cfg, int(torch.randint(1, 2**20, ())))
+
+
+def _tag_worker(rank: int, world_size: int) -> None:
+    table = ShardedDynamicEmbedding(TableConfig(name="x", dim=4, capacity=16, init_std=0.1, seed=1))
+    key = torch.randint(0, 2**62, (1,))
+    table(key)
+    table.apply_gradients()  # (key, tag 0) admitted
+    row = int(table.shard.index.lookup(key, None)[0])
+    handle = table.distribute([key])
+    table.stage(handle)  # staged untagged: row ``row``
+    table.shard.evict_rows(torch.tensor([row]))  # (key, 0) evicted ...
+    table(key, tags=torch.tensor([3]))
+    table.apply_gradients()  # ... and (key, 3) admitted into the freed row
+    assert int(table.shard.index.lookup(key, torch.tensor([3]))[0]) == row
+    table.lookup(handle, part=0)
+    own = int(table.shard.index.lookup(key, torch.tensor([0]))[0])
+    assert own >= 0 and own != row  # (key, 0) looked up again and admitted, not read from (key, 3)'s row
+
+
+def test_an_untagged_staged_key_never_reads_another_tags_row() -> None:
+    """An untagged lookup stands for tag 0: a staged row now held by the same key under another tag is lost."""
+    spawn(_tag_worker, 1)
