@@ -231,8 +231,16 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
             state.setdefault(int(index), {})[name] = value
         params = [p for group in optimizer.param_groups for p in group["params"]]
         state = {i: {k: v if k == "step" else _like(v, params[i]) for k, v in s.items()} for i, s in state.items()}
-        optimizer.load_state_dict({"state": state, "param_groups": manifest["optimizer_param_groups"]})
+        # the saved hyperparameters (lr, betas, ...), but this run's implementation (fused on one device kind,
+        # foreach, capturable): a checkpoint written without fusing (older CPU runs, FSDP2) must not turn the fused
+        # kernel off, and torch places ``step`` by these flags (on the device when fused)
+        groups = [{**saved, **{k: live[k] for k in IMPLEMENTATION_KEYS if k in live}}
+                  for saved, live in zip(manifest["optimizer_param_groups"], optimizer.param_groups, strict=False)]  # fmt: skip
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
     return manifest
+
+
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
 def _load_tensors(path: Path, device: str | torch.device) -> dict[str, torch.Tensor]:

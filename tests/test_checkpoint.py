@@ -249,3 +249,21 @@ def test_a_checkpoint_of_another_shape_names_the_tensors(tmp_path: Path) -> None
     wider = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
     with pytest.raises(ckpt_mod.CheckpointMismatchError, match=r"0\.weight: saved \(8, 6\), model \(16, 6\)"):
         load_checkpoint(path, wider)
+
+
+def test_resume_keeps_this_runs_optimizer_implementation(tmp_path: Path) -> None:
+    """A checkpoint written by a non-fused AdamW (older CPU runs, FSDP2) resumes into a fused one with the saved
+    state and hyperparameters but still fused (the saved ``fused=None`` used to turn the fused kernel off)."""
+    model = torch.nn.Linear(5, 3)
+    old = torch.optim.AdamW(model.parameters(), lr=float(torch.rand(())) * 1e-2, fused=None)
+    model(torch.randn(4, 5)).square().sum().backward()
+    old.step()
+    path = save_checkpoint(tmp_path, step=1, model=model, optimizer=old, manifest={})
+    new = torch.optim.AdamW(model.parameters(), lr=1.0, fused=True)
+    load_checkpoint(path, model, new)
+    group = new.param_groups[0]
+    assert group["fused"] is True and group["lr"] == old.param_groups[0]["lr"]
+    for p in model.parameters():
+        torch.testing.assert_close(new.state[p]["exp_avg"], old.state[p]["exp_avg"], rtol=0, atol=0)
+    model(torch.randn(4, 5)).square().sum().backward()
+    new.step()  # the fused kernel runs on the loaded state
