@@ -57,7 +57,7 @@ def pad_offsets(offsets: Tensor, tokens: int, padded_tokens: int, padded_sequenc
     if padded_tokens < tokens or padded_sequences < needed:
         raise ValueError(f"pad_offsets: {batch} sequences of {tokens} tokens do not fit {padded_sequences} sequences of "
                          f"{padded_tokens} tokens with at most {max_seq_len} tokens each (need {needed} sequences)")  # fmt: skip
-    ends = torch.arange(1, padded_sequences - batch + 1, device=offsets.device) * max_seq_len + tokens
+    ends = torch.arange(1, padded_sequences - batch + 1, device=offsets.device, dtype=offsets.dtype) * max_seq_len + tokens
     return torch.cat([offsets, ends.clamp_(max=padded_tokens)])  # (B'+1,)
 
 
