@@ -8,7 +8,8 @@ For each position t (T of them) the logits are, divided by the temperature::
                   shared sample, in-batch)
 
 with a column masked out (-inf) where its item is the target (an accidental hit) or the padding
-item 0. The loss is the mean over positions of ``logsumexp(logits_t) - logits_t[0]``.
+item 0. The loss is the mean over positions of ``logsumexp(logits_t) - logits_t[0]`` (or its weighted
+mean: each position's loss and gradients scaled by w_t / sum(w), a device tensor, so no host sync).
 
 The unchunked computation holds the (T, S + K) logits several times over, and for per-position
 negatives the (T, K, d) gathered negative vectors. Here the forward walks ``chunk`` positions at a
@@ -35,8 +36,9 @@ class _ChunkedSoftmaxCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, user: Tensor, positive: Tensor, shared: Tensor | None, own: Tensor | None, targets: Tensor,
                 shared_ids: Tensor | None, own_rows: Tensor | None, own_ids: Tensor | None, inv_temp: float,
-                chunk: int, want_grads: bool) -> Tensor:  # fmt: skip
+                chunk: int, want_grads: bool, weights: Tensor | None) -> Tensor:  # fmt: skip
         num_pos = user.shape[0]
+        share = None if weights is None else weights / weights.sum()  # (T,) each position's w / W, on the device
         # once for every position, not per chunk: 1/temperature on the user side, the positive logits, and
         # the shared columns' padding mask as an additive bias (fused into the chunks' matmul)
         scaled = user * inv_temp  # (T, d)
@@ -53,12 +55,12 @@ class _ChunkedSoftmaxCE(torch.autograd.Function):
             hi = min(lo + chunk, num_pos)
             _chunk(user[lo:hi], scaled[lo:hi], pos[lo:hi], positive[lo:hi], shared, pad_bias, own, targets[lo:hi],
                    shared_ids, None if own_rows is None else own_rows[lo:hi], None if own_ids is None else own_ids[lo:hi],
-                   nll[lo:hi], grads, lo)  # fmt: skip
+                   nll[lo:hi], grads, lo, None if share is None else share[lo:hi, None])  # fmt: skip
         if grads is not None:  # the chunks summed d nll / d logits times the unscaled inputs: 1/T and 1/temperature, once
-            scale = inv_temp / num_pos
+            scale = inv_temp / num_pos if share is None else inv_temp  # weighted: the chunks applied w / W
             ctx.save_for_backward(*(g.mul_(scale) for g in grads if g is not None))
             ctx.present = [g is not None for g in grads]
-        return nll.mean()
+        return nll.mean() if share is None else (nll * share).sum()
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -67,15 +69,17 @@ class _ChunkedSoftmaxCE(torch.autograd.Function):
                                "(computed under torch.no_grad, or with inputs that need none)")  # fmt: skip
         saved = iter(ctx.saved_tensors)
         grads = [next(saved) * grad_out if present else None for present in ctx.present]
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def _chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: Tensor | None, pad_bias: Tensor | None,
            own: Tensor | None, targets: Tensor, shared_ids: Tensor | None, own_rows: Tensor | None,
-           own_ids: Tensor | None, nll: Tensor, grads: list[Tensor | None] | None, lo: int) -> None:  # fmt: skip
+           own_ids: Tensor | None, nll: Tensor, grads: list[Tensor | None] | None, lo: int,
+           share: Tensor | None) -> None:  # fmt: skip
     """One chunk of c positions: writes their losses into ``nll`` (c,) and adds d nll / d logits times the unscaled
     inputs into ``grads`` (the caller applies 1/temperature and the mean once). ``scaled``: ``user`` / temperature,
-    ``pos`` (c, 1) the positive logits, ``pad_bias`` (S,) -inf at the shared padding columns."""
+    ``pos`` (c, 1) the positive logits, ``pad_bias`` (S,) -inf at the shared padding columns; ``share`` (c, 1):
+    each row's w / W (weighted), its d nll / d logits scaled by it."""
     parts = [pos]
     if shared is not None:
         s = torch.addmm(pad_bias, scaled, shared.T)  # (c, S)
@@ -90,6 +94,8 @@ def _chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: 
         return
     g = log_p.exp_()  # d nll / d logits = softmax - onehot(0), in place of log_p
     g[:, 0].sub_(1.0)  # not `g[:, 0] -= 1`: that also copies the column onto itself (__setitem__)
+    if share is not None:
+        g.mul_(share)
     g_pos = g[:, :1]  # (c, 1)
     hi = lo + user.shape[0]
     grad_user = torch.mul(g_pos, positive, out=grads[0][lo:hi])  # (c, d)
@@ -108,8 +114,10 @@ def _chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: 
 
 class _ChunkedFullSoftmaxCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, user: Tensor, table: Tensor, targets: Tensor, inv_temp: float, chunk: int, want_grads: bool) -> Tensor:
+    def forward(ctx, user: Tensor, table: Tensor, targets: Tensor, inv_temp: float, chunk: int, want_grads: bool,
+                weights: Tensor | None) -> Tensor:  # fmt: skip
         num_pos = user.shape[0]
+        share = None if weights is None else (weights / weights.sum()).view(-1, 1)  # (T, 1) each w / W, on the device
         pad_bias = user.new_zeros(table.shape[0])  # (N+1,): the padding item 0 is not an item
         pad_bias[0] = float("-inf")
         nll = user.new_empty(num_pos)  # (T,) each position's loss
@@ -124,12 +132,14 @@ class _ChunkedFullSoftmaxCE(torch.autograd.Function):
             torch.neg(log_p.gather(1, t).squeeze(1), out=nll[lo:hi])
             if want_grads:  # d nll / d logits = softmax - onehot(target), in place of log_p
                 g = log_p.exp_().scatter_add_(1, t, minus_one[: hi - lo])  # (c, N+1)
+                if share is not None:
+                    g.mul_(share[lo:hi])
                 torch.mm(g, table, out=grad_user[lo:hi])  # (c, d)
                 grad_table.addmm_(g.T, u)  # (N+1, d)
-        if want_grads:  # the mean over positions and 1/temperature, once
-            scale = inv_temp / num_pos
+        if want_grads:  # the mean over positions (weighted: applied per chunk) and 1/temperature, once
+            scale = inv_temp / num_pos if share is None else inv_temp
             ctx.save_for_backward(grad_user.mul_(scale), grad_table.mul_(scale))
-        return nll.mean()
+        return nll.mean() if share is None else (nll * share.view(-1)).sum()
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -137,11 +147,11 @@ class _ChunkedFullSoftmaxCE(torch.autograd.Function):
             raise RuntimeError("chunked full softmax: backward through a loss computed without gradients "
                                "(computed under torch.no_grad, or with inputs that need none)")  # fmt: skip
         grad_user, grad_table = ctx.saved_tensors
-        return grad_user * grad_out, grad_table * grad_out, None, None, None, None
+        return grad_user * grad_out, grad_table * grad_out, None, None, None, None, None
 
 
 def chunked_full_softmax_cross_entropy(user: Tensor, table: Tensor, targets: Tensor, *, temperature: float,
-                                       chunk: int) -> Tensor:  # fmt: skip
+                                       chunk: int, weights: Tensor | None = None) -> Tensor:  # fmt: skip
     """Mean softmax cross-entropy of each position's target over the whole catalogue, ``chunk`` positions at a time.
 
     Args:
@@ -150,6 +160,8 @@ def chunked_full_softmax_cross_entropy(user: Tensor, table: Tensor, targets: Ten
         targets: (T,) target item ids in 1..N.
         temperature: logits are dot products / temperature.
         chunk: positions per chunk (> 0).
+        weights: (T,) each position's weight (sum > 0): the loss is the weighted mean, each row's loss and
+            gradient scaled by w / sum(w) on the device (no host sync). None: the plain mean.
 
     Returns:
         The scalar loss (``F.cross_entropy`` of the (T, N+1) logits with column 0 at -inf, up to float
@@ -158,7 +170,7 @@ def chunked_full_softmax_cross_entropy(user: Tensor, table: Tensor, targets: Ten
     if chunk <= 0:
         raise ValueError(f"chunked_full_softmax_cross_entropy: chunk={chunk} must be > 0")
     want_grads = torch.is_grad_enabled() and (user.requires_grad or table.requires_grad)
-    return _ChunkedFullSoftmaxCE.apply(user, table, targets, 1.0 / temperature, int(chunk), want_grads)
+    return _ChunkedFullSoftmaxCE.apply(user, table, targets, 1.0 / temperature, int(chunk), want_grads, weights)
 
 
 def chunked_softmax_cross_entropy(
@@ -173,6 +185,7 @@ def chunked_softmax_cross_entropy(
     own_ids: Tensor | None = None,
     temperature: float,
     chunk: int,
+    weights: Tensor | None = None,
 ) -> Tensor:
     """Mean softmax cross-entropy of each position's positive against its negatives, ``chunk`` positions at a time.
 
@@ -185,6 +198,7 @@ def chunked_softmax_cross_entropy(
             ``own``, ``own_ids`` (T, K) their item ids.
         temperature: logits are dot products / temperature.
         chunk: positions per chunk (> 0).
+        weights: (T,) each position's weight (sum > 0): the weighted mean, as ``chunked_full_softmax_cross_entropy``.
 
     Returns:
         The scalar loss; gradients flow to ``user``, ``positive``, ``shared`` and ``own``.
@@ -196,4 +210,4 @@ def chunked_softmax_cross_entropy(
     inputs = [t for t in (user, positive, shared, own) if t is not None]
     want_grads = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     return _ChunkedSoftmaxCE.apply(user, positive, shared, own, targets, shared_ids, own_rows, own_ids,
-                                   1.0 / temperature, int(chunk), want_grads)  # fmt: skip
+                                   1.0 / temperature, int(chunk), want_grads, weights)  # fmt: skip

@@ -34,7 +34,7 @@ class SampledNegatives:
     ids: Tensor | None = None  # (T, K) per position or (K,) shared: the sampled items (masks accidental hits)
     distinct: Tensor | None = None  # chunked per-position: (M,) the distinct sampled items looked up...
     rows: Tensor | None = None  # ... and (T, K) each draw's row of them
-    in_batch: Tensor | None = None  # (U,) the batch's distinct targets (in_batch_negatives)
+    in_batch: Tensor | None = None  # (T,) the batch's distinct targets, repeats as 0 (batch_distinct; exact: (U,))
     shared: Tensor | None = None  # chunked: (S,) every shared column's item (sampled shared set, then in-batch)
 
 
@@ -62,8 +62,8 @@ def draw_negatives(targets: Tensor, num_items: int, *, negatives: str = "per_pos
         out.ids = torch.randint(1, num_items + 1, (num_negatives,), device=device, generator=generator)  # (K,)
     else:
         raise ValueError(f"negatives={negatives!r}: expected per_position, shared or full")
-    if in_batch_negatives:
-        out.in_batch = torch.unique(targets)  # (U,)
+    if in_batch_negatives:  # exact_distinct: the table sees each target once, not the padding id 0
+        out.in_batch = torch.unique(targets) if exact_distinct else batch_distinct(targets)  # (U,) / (T,)
     if not use_chunks(chunk_size, targets.shape[0]):
         return out
     shared = [out.ids] if negatives == "shared" else []
@@ -90,6 +90,7 @@ def sampled_softmax_loss(
     chunk_size: int = 0,
     exact_distinct: bool = False,
     sampled: SampledNegatives | None = None,
+    weights: Tensor | None = None,
 ) -> Tensor:
     """Softmax cross-entropy of each position's next item against negatives.
 
@@ -114,11 +115,15 @@ def sampled_softmax_loss(
             each distinct sampled negative once per batch, not once per draw as unchunked.
         sampled: the negatives, drawn before the step by ``draw_negatives`` with the same settings;
             None: drawn here, from the default generator.
+        weights: (T,) each position's weight (e.g. 0 at a shape bucket's padding positions, 1 elsewhere:
+            ``recforge.train.step_padding``), sum > 0; the loss is the weighted mean, and a position of weight 0
+            adds nothing to the loss or any gradient. None: the plain mean.
 
-    Sampled negatives equal to the target ("accidental hits") are masked out.
+    Sampled negatives equal to the target ("accidental hits") and in-batch columns of the padding id 0 are
+    masked out.
 
     Returns:
-        Mean loss over positions (scalar), computed in float32 also under bfloat16 autocast: at
+        Mean (or weighted mean) loss over positions (scalar), computed in float32 also under bfloat16 autocast: at
         temperature 0.05 bf16's ~3 significant digits would put ~0.1 of noise on each logit.
     """
     with torch.autocast(user.device.type, enabled=False):
@@ -131,9 +136,14 @@ def sampled_softmax_loss(
             raise ValueError(f"sampled_softmax_loss: the sampled negatives given do not match negatives={negatives!r}, "
                              f"in_batch_negatives={in_batch_negatives}; draw them with draw_negatives and these settings")  # fmt: skip
         vectors = lambda ids: item_vectors(ids).to(dtype)  # noqa: E731
+        if weights is not None:
+            if weights.shape != targets.shape:
+                raise ValueError(f"sampled_softmax_loss: weights of shape {tuple(weights.shape)}; expected one per "
+                                 f"position, {tuple(targets.shape)}")  # fmt: skip
+            weights = weights.to(dtype)
         if use_chunks(chunk_size, user.shape[0]):
-            return _chunked_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, chunk_size)
-        return _sampled_softmax_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature)
+            return _chunked_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, chunk_size, weights)
+        return _sampled_softmax_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, weights)
 
 
 def use_chunks(chunk_size: int, positions: int) -> bool:
@@ -149,11 +159,13 @@ def use_chunks(chunk_size: int, positions: int) -> bool:
 
 
 def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor | None], Tensor], negatives: str,
-                          sampled: SampledNegatives, temperature: float) -> Tensor:  # fmt: skip
+                          sampled: SampledNegatives, temperature: float, weights: Tensor | None) -> Tensor:  # fmt: skip
     if negatives == "full":
         logits = user @ item_vectors(None).T / temperature  # (T, N+1)
         logits[:, 0] = float("-inf")  # padding row is not an item
-        return F.cross_entropy(logits, targets)
+        if weights is None:
+            return F.cross_entropy(logits, targets)
+        return _weighted_mean(F.cross_entropy(logits, targets, reduction="none"), weights)
     pos = (user * item_vectors(targets)).sum(-1, keepdim=True) / temperature  # (T, 1)
     parts = [pos]
     neg_ids = sampled.ids
@@ -166,17 +178,26 @@ def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[
     if sampled.in_batch is not None:
         batch_ids = sampled.in_batch  # (U,)
         batch_logits = user @ item_vectors(batch_ids).T / temperature  # (T, U)
-        parts.append(batch_logits.masked_fill(batch_ids[None, :] == targets[:, None], float("-inf")))
+        hit = (batch_ids[None, :] == targets[:, None]) | (batch_ids == 0)[None, :]  # 0: batch_distinct's fill
+        parts.append(batch_logits.masked_fill(hit, float("-inf")))
     logits = torch.cat(parts, dim=1)
-    return -F.log_softmax(logits, dim=1)[:, 0].mean()
+    if weights is None:
+        return -F.log_softmax(logits, dim=1)[:, 0].mean()
+    return _weighted_mean(-F.log_softmax(logits, dim=1)[:, 0], weights)
+
+
+def _weighted_mean(nll: Tensor, weights: Tensor) -> Tensor:
+    """sum(w * nll) / sum(w), on the device (no host sync)."""
+    return (nll * weights).sum() / weights.sum()
 
 
 def _chunked_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor | None], Tensor], negatives: str,
-                  sampled: SampledNegatives, temperature: float, chunk: int) -> Tensor:
+                  sampled: SampledNegatives, temperature: float, chunk: int, weights: Tensor | None) -> Tensor:
     """``_sampled_softmax_loss`` in chunks of positions: the same negatives, the positive / shared / per-position
     columns handed to ``chunked_softmax_cross_entropy``."""
     if negatives == "full":  # cross-entropy over the catalogue: the target's column is the positive
-        return chunked_full_softmax_cross_entropy(user, item_vectors(None), targets, temperature=temperature, chunk=chunk)
+        return chunked_full_softmax_cross_entropy(user, item_vectors(None), targets, temperature=temperature, chunk=chunk,
+                                                  weights=weights)  # fmt: skip
     if sampled.distinct is None and sampled.shared is None:
         raise ValueError(f"sampled_softmax_loss: chunk_size={chunk} needs negatives drawn with that chunk_size "
                          "(draw_negatives(..., chunk_size=...))")  # fmt: skip
@@ -185,7 +206,17 @@ def _chunked_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor 
     own_ids = sampled.ids if negatives == "per_position" else None
     return chunked_softmax_cross_entropy(user, item_vectors(targets), targets, shared=shared, shared_ids=sampled.shared,
                                          own=own, own_rows=sampled.rows, own_ids=own_ids, temperature=temperature,
-                                         chunk=chunk)  # fmt: skip
+                                         chunk=chunk, weights=weights)  # fmt: skip
+
+
+def batch_distinct(targets: Tensor) -> Tensor:
+    """The distinct items of ``targets`` (T,) without a host sync (CUDA-graph safe): (T,) the sorted targets with
+    each repeat replaced by the padding id 0, which the loss masks. ``torch.unique(targets)`` is its nonzero
+    entries, in order."""
+    sorted_ids = targets.sort().values
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    return torch.where(first, sorted_ids, 0)
 
 
 def _distinct_rows(ids: Tensor, bound: int) -> tuple[Tensor, Tensor]:

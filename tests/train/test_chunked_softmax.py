@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from recforge.train.chunked_softmax import chunked_full_softmax_cross_entropy, chunked_softmax_cross_entropy
-from recforge.train.losses import _distinct_rows, sampled_softmax_loss
+from recforge.train.losses import _distinct_rows, batch_distinct, draw_negatives, sampled_softmax_loss
 
 TOL = {"rtol": 1e-9, "atol": 1e-12}
 
@@ -134,3 +136,99 @@ def test_chunked_full_softmax_is_cross_entropy_with_padding_masked() -> None:
         torch.testing.assert_close(got, want, **TOL)
     with pytest.raises(ValueError, match="chunk=0"):
         chunked_full_softmax_cross_entropy(user, table, targets, temperature=0.05, chunk=0)
+
+
+CASES = [("per_position", False), ("per_position", True), ("shared", False), ("shared", True), ("full", False)]
+
+
+def _weighted(user, table, targets, num_items: int, sampled, weights, chunk: int):
+    user.grad = table.grad = None
+    vectors = lambda ids: F.normalize(table if ids is None else table[ids], dim=-1)  # noqa: E731
+    loss = sampled_softmax_loss(F.normalize(user, dim=-1), targets, vectors, num_items, negatives=sampled[0],
+                                in_batch_negatives=sampled[1], temperature=0.07, chunk_size=chunk, sampled=sampled[2],
+                                weights=weights)  # fmt: skip
+    (2.0 * loss).backward()
+    return loss.detach(), user.grad.clone(), table.grad.clone()
+
+
+def _keep(sampled, keep: torch.Tensor):
+    """``sampled`` restricted to the positions ``keep`` (the same negatives, shared sets unchanged)."""
+    rows = {f: getattr(sampled, f)[keep] for f in ("rows",) if getattr(sampled, f) is not None}
+    if sampled.ids is not None and sampled.ids.ndim == 2:
+        rows["ids"] = sampled.ids[keep]
+    return dataclasses.replace(sampled, **rows)
+
+
+@pytest.mark.parametrize(("negatives", "in_batch"), CASES)
+@pytest.mark.parametrize("chunk", [0, 6])
+def test_zero_weights_drop_positions(negatives: str, in_batch: bool, chunk: int) -> None:
+    """Weights 0/1: the loss and every gradient of the weight-1 positions alone (their own negatives, the shared
+    and in-batch sets of the whole batch), unchunked and chunked; padding-like rows (all negatives hits) too."""
+    num_items = int(torch.randint(5, 40, ()))
+    user, table, targets = _inputs(int(torch.randint(2 * chunk + 2, 60, ())), num_items, 8)
+    keep = torch.rand(targets.shape) < 0.6
+    keep[0] = True
+    sampled = draw_negatives(targets, num_items, negatives=negatives, num_negatives=11, in_batch_negatives=in_batch,
+                             chunk_size=chunk)  # fmt: skip
+    if sampled.ids is not None and sampled.ids.ndim == 2 and chunk == 0:
+        sampled.ids[~keep] = targets[~keep, None]  # every negative an accidental hit: the row's loss is 0, not NaN
+    weights = keep.to(torch.float32)  # the loss casts it to the compute dtype
+    got = _weighted(user, table, targets, num_items, (negatives, in_batch, sampled), weights, chunk)
+    sub_user = user.detach()[keep].clone().requires_grad_(True)
+    want = _weighted(sub_user, table, targets[keep], num_items, (negatives, in_batch, _keep(sampled, keep)), None,
+                     chunk if int(keep.sum()) > chunk else 0)  # fmt: skip
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    torch.testing.assert_close(got[1][keep], want[1], **TOL)
+    assert got[1][~keep].eq(0).all()  # no gradient at all through a weight-0 position
+    torch.testing.assert_close(got[2], want[2], **TOL)
+
+
+@pytest.mark.parametrize(("negatives", "in_batch"), CASES)
+def test_weighted_chunked_equals_unchunked(negatives: str, in_batch: bool) -> None:
+    num_items = int(torch.randint(5, 40, ()))
+    user, table, targets = _inputs(int(torch.randint(20, 70, ())), num_items, 8)
+    weights = torch.rand(targets.shape, dtype=torch.float64) * 3
+    sampled = draw_negatives(targets, num_items, negatives=negatives, num_negatives=9, in_batch_negatives=in_batch,
+                             chunk_size=5)  # fmt: skip
+    chunked = _weighted(user, table, targets, num_items, (negatives, in_batch, sampled), weights, 5)
+    plain = _weighted(user, table, targets, num_items, (negatives, in_batch, sampled), weights, 0)
+    ones = _weighted(user, table, targets, num_items, (negatives, in_batch, sampled), torch.ones_like(weights), 5)
+    unweighted = _weighted(user, table, targets, num_items, (negatives, in_batch, sampled), None, 5)
+    for a, b, c, d in zip(chunked, plain, ones, unweighted, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+        torch.testing.assert_close(c, d, **TOL)
+    with pytest.raises(ValueError, match="one per position"):
+        _weighted(user, table, targets, num_items, (negatives, in_batch, sampled), weights[1:], 5)
+
+
+def test_batch_distinct_is_unique_without_a_sync() -> None:
+    targets = torch.randint(1, int(torch.randint(2, 30, ())), (int(torch.randint(1, 80, ())),))
+    distinct = batch_distinct(targets)
+    assert distinct.shape == targets.shape
+    torch.testing.assert_close(distinct[distinct != 0], torch.unique(targets), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("negatives", "chunk"), [("per_position", 0), ("per_position", 6), ("shared", 0), ("shared", 6)])
+def test_fixed_size_in_batch_negatives_give_the_unique_loss(negatives: str, chunk: int) -> None:
+    """In-batch negatives from ``batch_distinct`` (repeats as the masked id 0) score as ``torch.unique``'s do."""
+    num_items = int(torch.randint(5, 30, ()))  # few items: many repeated targets
+    user, table, targets = _inputs(int(torch.randint(14, 60, ())), num_items, 8)
+    fixed = draw_negatives(targets, num_items, negatives=negatives, num_negatives=7, in_batch_negatives=True, chunk_size=chunk)
+    assert fixed.in_batch.shape == targets.shape and fixed.in_batch.eq(0).any() == (targets.unique().numel() < targets.numel())
+    exact = dataclasses.replace(fixed, in_batch=torch.unique(targets))
+    if fixed.shared is not None:
+        exact.shared = torch.cat([fixed.ids, exact.in_batch]) if negatives == "shared" else exact.in_batch
+    got = _weighted(user, table, targets, num_items, (negatives, True, fixed), None, chunk)
+    want = _weighted(user, table, targets, num_items, (negatives, True, exact), None, chunk)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_unweighted_full_softmax_is_exactly_cross_entropy() -> None:
+    """weights=None keeps the loss as it was: bit for bit ``F.cross_entropy`` of the masked logits."""
+    user, table, targets = _inputs(int(torch.randint(5, 40, ())), int(torch.randint(3, 30, ())), 6)
+    logits = user @ table.T / 0.05
+    logits[:, 0] = float("-inf")
+    loss = sampled_softmax_loss(user, targets, lambda ids: table if ids is None else table[ids], table.shape[0] - 1,
+                                negatives="full", temperature=0.05)  # fmt: skip
+    torch.testing.assert_close(loss, F.cross_entropy(logits, targets), rtol=0, atol=0)
