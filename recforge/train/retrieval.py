@@ -44,7 +44,7 @@ from recforge.train.run_files import check_eval_split, invoked_command, write_ev
 from recforge.train.runtime import prepare_runtime
 from recforge.train.step import StepResult, StepRunner
 from recforge.train.step_draws import rank_seed
-from recforge.train.step_padding import LOSS_MASK, RetrievalPadding, unsupported
+from recforge.train.step_padding import RetrievalPadding, loss_weights
 
 
 @dataclass
@@ -82,11 +82,8 @@ def setup(cfg: RunConfig, ctx: DistContext | None = None, device: torch.device |
     return s
 
 
-def _padding(cfg: RunConfig, num_items: int) -> RetrievalPadding | str:
-    """How the CUDA-graph step (``train.cuda_graphs``) pads this recipe's batches, or why it cannot."""
-    why = unsupported(cfg.loss)
-    if why is not None:
-        return why
+def _padding(cfg: RunConfig, num_items: int) -> RetrievalPadding:
+    """How the CUDA-graph step (``train.cuda_graphs``) pads this recipe's batches."""
     return RetrievalPadding(cfg.loss, num_items, cfg.train.graph_bucket_ratio, summed=bool(cfg.train.token_budget))
 
 
@@ -133,8 +130,7 @@ def _loss(s: Setup, batch: JaggedBatch, sampled: SampledNegatives | None = None)
     negatives drawn before the step (``_draw``), None: drawn in the loss."""
     cfg = s.cfg
     user_vectors = s.model(batch)  # (T, d)
-    if LOSS_MASK in batch.labels:  # a padded batch (train.step_padding): padding positions score with zero vectors
-        user_vectors = torch.where(batch.labels[LOSS_MASK].unsqueeze(1), user_vectors, 0.0)
+    weights = loss_weights(batch)  # a padded batch (train.step_padding): 0 at the padding positions
     loss = sampled_softmax_loss(
         user_vectors,
         batch.labels["next_item"],
@@ -147,11 +143,12 @@ def _loss(s: Setup, batch: JaggedBatch, sampled: SampledNegatives | None = None)
         chunk_size=cfg.loss.chunk_size,
         exact_distinct=_counts_lookups(s),
         sampled=sampled,
-    )  # mean over the batch's T targets
+        weights=weights,
+    )  # mean over the batch's T (real) targets
     if not cfg.train.token_budget:
         return loss, loss
     # token-budget batches vary in T: weight every target 1/budget (as a fixed batch does), not 1/T
-    num_targets = batch.labels["next_item"].numel()
+    num_targets = batch.labels["next_item"].numel() if weights is None else weights.sum()  # a device count: no sync
     return loss * (num_targets * token_loss_scale(cfg.train.token_budget)), loss
 
 

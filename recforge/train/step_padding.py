@@ -1,29 +1,27 @@
 """A retrieval step's batch and sampled negatives padded to a shape bucket, with the padding adding nothing to the
-gradients and the loss corrected back to the real batch's (for steps replayed as CUDA graphs: ``train.graphed``).
+loss or the gradients (for steps replayed as CUDA graphs: ``train.graphed``).
 
 The batch is padded by ``recforge.jagged.padding`` (padding tokens in sequences of their own); then:
 
-- ``labels["next_item"]`` of a padding position is item 1 (any real item: its vector is looked up, never
-  scored), and ``labels[LOSS_MASK]`` (T',) marks the real positions: the recipe's loss zeroes the user
-  vectors of the others (``retrieval._loss``), so no gradient reaches the encoder through them and
-  every item vector they score gets a zero gradient (its logit's derivative is the zero user vector);
-- per-position negatives of a padding position are all item 1, its target: every negative is an
-  accidental hit (masked out), so its loss is exactly 0; full softmax: its logits are all 0, so its
-  loss is exactly log(num_items), subtracted back (``loss_offset``);
-- the loss is a mean over T' positions, so the real batch's is ``loss * T'/T + offset``; the objective
-  (what is differentiated) ``* T'/T``, or unchanged for token-budget batches (already a sum).
-
-Shared and in-batch negatives are not padded (a padding position's logits would depend on the draws):
-``unsupported`` says why, and such runs keep the eager step. The proper home of this rule is a
-per-position weight in ``losses.sampled_softmax_loss``; until it has one, this module relies on its
-documented accidental-hit masking and on the zero user vectors.
+- ``labels[LOSS_MASK]`` (T',) marks the real positions; the recipe's loss passes it as the per-position
+  ``weights`` of ``losses.sampled_softmax_loss`` (``loss_weights``): the loss is the mean over the real
+  positions, and a padding position's loss and gradients are scaled by 0, so nothing reaches the encoder or
+  an item vector through it. Its loss only has to be finite: ``labels["next_item"]`` of a padding position
+  is item 1 (any real item), its per-position negatives too (all accidental hits: its loss is 0);
+- the negatives the real positions score are the real batch's: a shared sample is unchanged, the in-batch
+  negatives (the real targets, ``losses.batch_distinct``) are padded with the padding id 0, which the loss
+  masks, so the padding targets never become negatives;
+- so the padded step's loss and objective are the real batch's (``loss_scale`` 1, ``loss_offset`` 0,
+  ``objective_scale`` 1); a token-budget objective counts the real positions (``loss_weights(batch).sum()``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
+
+import torch
+from torch import Tensor
 
 from recforge.config import LossConfig
 from recforge.jagged.batch import JaggedBatch
@@ -46,24 +44,22 @@ class PaddedStep:
     objective_scale: float  # the real batch's objective (its gradients) = objective * objective_scale
 
 
-def unsupported(loss: LossConfig) -> str | None:
-    """Why a retrieval step with this loss cannot be padded (None: it can)."""
-    if loss.negatives == "shared":
-        return "loss.negatives=shared: a padding position would score the shared negatives"
-    if loss.in_batch_negatives:
-        return "loss.in_batch_negatives: the batch's distinct targets have a data-dependent count"
-    return None
+def loss_weights(batch: JaggedBatch) -> Tensor | None:
+    """(T',) float weights of a padded batch's positions (1 real, 0 padding) for ``sampled_softmax_loss``;
+    None for a batch that was not padded."""
+    mask = batch.labels.get(LOSS_MASK)
+    return None if mask is None else mask.to(torch.float32)
 
 
 class RetrievalPadding:
-    """``(batch, draws) -> PaddedStep`` for the retrieval recipe's loss.
+    """``(batch, draws) -> PaddedStep`` for the retrieval recipe's loss (every negatives mode).
 
     Args:
-        loss: the run's loss settings (``unsupported(loss)`` must be None).
+        loss: the run's loss settings.
         num_items: catalogue size (items 1..num_items).
         ratio: bucket ladder ratio (``train.graph_bucket_ratio``): token and sequence counts are padded up
             to at most about ``ratio`` times themselves.
-        summed: the objective is already a sum (token-budget batches).
+        summed: the objective is already a sum (token-budget batches; it counts ``loss_weights``).
 
     Example:
         >>> pad = RetrievalPadding(cfg.loss, num_items, 1.125, summed=False)
@@ -71,17 +67,14 @@ class RetrievalPadding:
     """
 
     def __init__(self, loss: LossConfig, num_items: int, ratio: float, *, summed: bool) -> None:
-        why = unsupported(loss)
-        if why is not None:
-            raise ValueError(f"RetrievalPadding: {why}")
         self.loss, self.num_items, self.ratio, self.summed = loss, num_items, ratio, summed
 
     def shape(self, tokens: int, sequences: int, max_seq_len: int) -> tuple[int, int]:
         """(T', B'): the bucket of a batch of ``tokens`` tokens in ``sequences`` sequences."""
         padded = bucket(tokens, self.ratio, TOKEN_MULTIPLE)
         chunk = self.loss.chunk_size
-        if self.loss.negatives == "per_position" and 0 < tokens <= chunk < padded:
-            padded = chunk  # drawn unchunked (no distinct ids): the padded loss must not chunk either
+        if self.loss.negatives != "full" and 0 < tokens <= chunk < padded:
+            padded = chunk  # drawn unchunked (no distinct ids, no shared set): the padded loss must not chunk either
         return padded, bucket(sequences + padding_sequences(tokens, padded, max_seq_len), self.ratio, SEQUENCE_MULTIPLE)
 
     def __call__(self, batch: JaggedBatch, draws: SampledNegatives | None) -> PaddedStep:
@@ -92,22 +85,24 @@ class RetrievalPadding:
         out = pad_batch(batch, padded_tokens, sequences, {name: PAD_ITEM for name in batch.labels})
         real = batch.item_ids.new_ones(tokens, dtype=bool)
         out.labels[LOSS_MASK] = pad_rows(real, padded_tokens, False)  # (T',)
-        pad_loss = 0.0
-        if self.loss.negatives == "full":
-            pad_loss = math.log(self.num_items)  # logits 0 for items 1..num_items (item 0 is masked)
-        elif draws is not None:
+        if draws is not None:
             draws = self._pad_draws(draws, padded_tokens)
-        scale = padded_tokens / tokens
-        return PaddedStep(out, draws, loss_scale=scale, loss_offset=-pad_loss * (padded_tokens - tokens) / tokens,
-                          objective_scale=1.0 if self.summed else scale)  # fmt: skip
+        return PaddedStep(out, draws, loss_scale=1.0, loss_offset=0.0, objective_scale=1.0)
 
     def _pad_draws(self, draws: SampledNegatives, tokens: int) -> SampledNegatives:
-        """Per-position negatives at ``tokens`` rows: the padding rows draw their target (all masked)."""
-        ids = pad_rows(draws.ids, tokens, PAD_ITEM)  # (T', K)
-        if draws.distinct is None:
-            return dataclasses.replace(draws, ids=ids)
-        # chunked: the distinct ids at the size draw_negatives gives T' positions, padded by repeating the first
-        # (as it does); the padding rows' rows point anywhere (row 0): their logits are masked by ``ids``
-        size = min(ids.numel(), self.num_items + 1)
-        return dataclasses.replace(draws, ids=ids, distinct=pad_rows(draws.distinct, size, draws.distinct[:1]),
-                                   rows=pad_rows(draws.rows, tokens, 0))  # fmt: skip
+        """The negatives at ``tokens`` positions: per-position rows for the padding positions (their targets: all
+        masked), in-batch negatives padded with the masked id 0, a shared sample unchanged."""
+        out = dataclasses.replace(draws)
+        if draws.ids is not None and self.loss.negatives == "per_position":
+            out.ids = pad_rows(draws.ids, tokens, PAD_ITEM)  # (T', K)
+        if draws.in_batch is not None:
+            out.in_batch = pad_rows(draws.in_batch, tokens, 0)  # (T',)
+            if draws.shared is not None:  # chunked: the shared columns end with the in-batch ones
+                out.shared = pad_rows(draws.shared, draws.shared.shape[0] - draws.in_batch.shape[0] + tokens, 0)
+        if draws.distinct is not None:
+            # chunked: the distinct ids at the size draw_negatives gives T' positions, padded by repeating the first
+            # (as it does); the padding rows' rows point anywhere (row 0): their logits are masked by ``ids``
+            size = min(out.ids.numel(), self.num_items + 1)
+            out.distinct = pad_rows(draws.distinct, size, draws.distinct[:1])
+            out.rows = pad_rows(draws.rows, tokens, 0)
+        return out

@@ -12,7 +12,7 @@ import torch
 from recforge.config import RunConfig, config_from_dict
 from recforge.data.synthetic import SyntheticConfig, write_synthetic
 from recforge.train import retrieval
-from recforge.train.graphed import GraphedStep
+from recforge.train.graphed import GraphedStep, graphs_enabled
 from recforge.train.losses import use_chunks
 from recforge.train.runtime import autocast
 from recforge.train.step_padding import LOSS_MASK, RetrievalPadding
@@ -62,19 +62,31 @@ CASES = {  # name: overrides
     "per-position-chunked": ["loss.negatives=per_position", "loss.num_negatives=16", "loss.chunk_size=64"],
     "per-position-chunk-cap": ["loss.negatives=per_position", "loss.num_negatives=16", "loss.chunk_size=400"],  # 365 tokens -> 400
     "token-budget": ["train.token_budget=300", "train.loader=pipeline"],
+    "shared": ["loss.negatives=shared", "loss.num_negatives=16"],
+    "shared-chunked": ["loss.negatives=shared", "loss.num_negatives=16", "loss.chunk_size=64"],
+    "in-batch": ["loss.negatives=per_position", "loss.num_negatives=16", "loss.in_batch_negatives=true"],
+    "in-batch-chunked": ["loss.negatives=per_position", "loss.num_negatives=16", "loss.in_batch_negatives=true",
+                         "loss.chunk_size=64"],  # fmt: skip
+    "shared-in-batch": ["loss.negatives=shared", "loss.num_negatives=16", "loss.in_batch_negatives=true"],
+    "shared-in-batch-chunked": ["loss.negatives=shared", "loss.num_negatives=16", "loss.in_batch_negatives=true",
+                                "loss.chunk_size=64"],  # fmt: skip
+    "in-batch-token-budget": ["loss.negatives=per_position", "loss.num_negatives=16", "loss.in_batch_negatives=true",
+                              "train.token_budget=300", "train.loader=pipeline"],  # fmt: skip
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_padding_changes_no_loss_or_gradient(tmp_path: Path, data_dir: Path, case: str) -> None:
     """The padded batch (a bucket ratio of 2: up to as many padding tokens as real ones, in padding sequences and
-    empty ones) gives the real batch's loss (after ``loss_scale``/``loss_offset``) and every parameter's gradient."""
+    empty ones) gives the real batch's loss and every parameter's gradient: the loss weighs the padding positions 0,
+    whatever the negatives (per position, shared, in-batch, the catalogue; chunked or not)."""
     s = retrieval.setup(_cfg(tmp_path, data_dir, *CASES[case]))
     pad = RetrievalPadding(s.cfg.loss, s.seqs.num_items, 2.0, summed=bool(s.cfg.train.token_budget))
     capped = 0
     for batch in _batches(s, [16, 7]):
         draws = None if s.cfg.loss.negatives == "full" else retrieval._draw(s, batch, seed=11)
         padded = pad(batch, draws)
+        assert (padded.loss_scale, padded.loss_offset, padded.objective_scale) == (1.0, 0.0, 1.0)
         assert padded.batch.num_tokens > batch.num_tokens and padded.batch.batch_size > batch.batch_size
         assert int(padded.batch.labels[LOSS_MASK].sum()) == batch.num_tokens
         chunk = s.cfg.loss.chunk_size  # per-position draws are chunked (distinct ids) as the padded loss is
@@ -89,19 +101,35 @@ def test_padding_changes_no_loss_or_gradient(tmp_path: Path, data_dir: Path, cas
     assert capped == (case == "per-position-chunk-cap")  # that case's first batch pads up to the chunk size only
 
 
-def test_unpaddable_losses_are_refused(tmp_path: Path, data_dir: Path) -> None:
-    cfg = _cfg(tmp_path, data_dir, "loss.negatives=shared")
-    assert "shared" in retrieval._padding(cfg, 80)
-    with pytest.raises(ValueError, match="in_batch"):
-        RetrievalPadding(_cfg(tmp_path, data_dir, "loss.negatives=per_position", "loss.in_batch_negatives=true").loss, 80,
-                         1.1, summed=False)  # fmt: skip
+@pytest.mark.parametrize("case", ["shared-in-batch-chunked", "in-batch", "per-position"])
+def test_every_negatives_mode_is_graphed(tmp_path: Path, data_dir: Path, case: str) -> None:
+    """Shared and in-batch negatives pad like the others, so ``train.cuda_graphs`` keeps the graphed step for them."""
+    cfg = _cfg(tmp_path, data_dir, "train.cuda_graphs=true", *CASES[case])
+    pad = retrieval._padding(cfg, 80)
+    assert isinstance(pad, RetrievalPadding)
+    assert graphs_enabled(cfg, torch.device("cuda"), distributed=False, sparse=False, pad=pad)
+
+
+def test_padded_in_batch_negatives_are_the_real_targets(tmp_path: Path, data_dir: Path) -> None:
+    """The padded in-batch columns are the real batch's distinct targets plus the masked id 0 (never item 1, the
+    padding positions' target), at the padded size: one graph per bucket whatever the batch's distinct count."""
+    s = retrieval.setup(_cfg(tmp_path, data_dir, *CASES["shared-in-batch-chunked"]))
+    pad = RetrievalPadding(s.cfg.loss, s.seqs.num_items, 2.0, summed=False)
+    batch = _batches(s, [9])[0]
+    draws = retrieval._draw(s, batch, seed=3)
+    padded = pad(batch, draws)
+    tokens = padded.batch.num_tokens
+    assert padded.draws.in_batch.shape == (tokens,) and padded.draws.shared.shape == (16 + tokens,)
+    real = padded.draws.in_batch[padded.draws.in_batch != 0]
+    assert real.equal(torch.unique(batch.labels["next_item"]))
+    assert padded.draws.shared[:16].equal(draws.ids) and padded.draws.shared[16:].equal(padded.draws.in_batch)
 
 
 def _train(s: retrieval.Setup, batches: list) -> list[float]:
     return [retrieval._train_step(s, b)[0] for b in batches]
 
 
-@pytest.mark.parametrize("case", ["full", "per-position-chunked"])
+@pytest.mark.parametrize("case", ["full", "per-position-chunked", "shared-in-batch-chunked"])
 def test_padded_step_trains_like_the_eager_step(tmp_path: Path, data_dir: Path, case: str) -> None:
     """Five steps of varying batch sizes through ``GraphedStep`` (its eager padded path: what runs before a capture,
     with clipping and AdamW) follow the eager step's losses and end at its weights."""
