@@ -162,7 +162,9 @@ def _gpu_cfg(tmp_path: Path, data_dir: Path, *overrides: str) -> RunConfig:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("case", "precision", "tol"), [("full", "float32", 5e-3), ("full-chunked", "bfloat16", 3e-2),
-                                                         ("per-position-chunked", "float32", 5e-3)])  # fmt: skip
+                                                         ("per-position-chunked", "float32", 5e-3),
+                                                         ("shared-in-batch-chunked", "float32", 5e-3),
+                                                         ("in-batch", "bfloat16", 3e-2)])  # fmt: skip
 def test_graphed_step_matches_eager(tmp_path: Path, data_dir: Path, cuda_device, case: str, precision: str,
                                     tol: float) -> None:  # fmt: skip
     """Eight steps over three batches of 16, 9 and 12 users, revisited: the first of each shape bucket runs eagerly
@@ -196,7 +198,7 @@ def test_graphed_step_follows_the_learning_rate(tmp_path: Path, data_dir: Path, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["full-chunked", "per-position-chunked"])
+@pytest.mark.parametrize("case", ["full-chunked", "per-position-chunked", "shared-in-batch-chunked", "in-batch"])
 def test_retrieval_step_never_waits_for_the_gpu(tmp_path: Path, data_dir: Path, cuda_device, case: str) -> None:
     """The eager retrieval step (forward, loss, backward, AdamW) makes no synchronising call once warm."""
     s = retrieval.setup(_gpu_cfg(tmp_path, data_dir, *CASES[case]))
