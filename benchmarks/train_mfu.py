@@ -53,7 +53,7 @@ from recforge.train.distributed import DistContext
 from recforge.train.flops import matmul_precision, measure_matmul_peak, peak_tflops, step_flops_counter
 from recforge.train.losses import draw_negatives, sampled_softmax_loss
 from recforge.train.step import StepRunner
-from recforge.train.step_padding import LOSS_MASK, RetrievalPadding
+from recforge.train.step_padding import RetrievalPadding, loss_weights
 
 CASES = {  # name: (model, max_len, tokens per batch (0: users), users per batch, loss, items)
     "large": (dict(dim=1024, num_blocks=8, num_heads=4, dqk=128, dv=128), 4096, 16384, 0, "per_position", 100_000),
@@ -114,12 +114,10 @@ def make_runner(case: str, variant: str, device: torch.device, args) -> tuple[St
     lc = cfg.loss
 
     def loss_fn(batch, draws=None):  # as recforge.train.retrieval._loss
-        user = model(batch)
-        if LOSS_MASK in batch.labels:  # padded for train.cuda_graphs
-            user = torch.where(batch.labels[LOSS_MASK].unsqueeze(1), user, 0.0)
+        user = model(batch)  # padded for train.cuda_graphs: padding positions weigh 0 (loss_weights)
         loss = sampled_softmax_loss(user, batch.labels["next_item"], model.item_vectors, items, negatives=lc.negatives,
                                     num_negatives=lc.num_negatives, temperature=lc.temperature, chunk_size=lc.chunk_size,
-                                    sampled=draws)  # fmt: skip
+                                    sampled=draws, weights=loss_weights(batch))  # fmt: skip
         return loss, loss
 
     def draw(batch, seed):
