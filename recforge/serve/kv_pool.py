@@ -20,7 +20,9 @@ returns its entry starts protected.
 A device entry evicted for room has its pages copied into free host pages, or is dropped when the
 host tier cannot hold it. Every copy is asynchronous and issued on the current stream, so
 nothing on the serving thread waits for one (``kv_host.py``). A host hit is promoted: device
-pages are reserved (evicting others), its pages copied back, its host pages freed.
+pages are reserved (evicting others), its pages copied back, its host pages freed. The host tier's
+state and these moves are ``kv_tiering.py``; the entry record, its metadata bytes, the counters and
+the report are ``kv_entries.py``; this module is the device tier and the lookup/put API.
 
 A request looks its user up with its own tokens (``lookup``): the pool compares them with the
 entry's token identities on the CPU and returns a working copy of the longest reusable prefix
@@ -43,13 +45,14 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from recforge.serve.kv_host import HostPages
-from recforge.serve.kv_policy import POLICIES, GhostList, Segments
+from recforge.serve.kv_entries import ENTRY_OVERHEAD, PoolStats, _common_prefix, _Entry, _metadata_bytes, pool_report
+from recforge.serve.kv_policy import POLICIES, Segments
+from recforge.serve.kv_tiering import HostTier
 from recforge.serve.state import PrefixState
 
 
@@ -83,38 +86,7 @@ class PoolConfig:
             raise ValueError("PoolConfig: " + "; ".join(problems))
 
 
-@dataclass
-class _Entry:
-    blocks: list[int]  # device block ids, or host page ids while on the host tier
-    length: int
-    tokens: Tensor  # (n, 4) CPU token identities
-    num_contextual: int
-    version: str
-    generation: int
-    index: Tensor | None = None  # device tier: ``blocks`` as a device tensor (the pages' gather/scatter index)
-    protected: bool = False  # in its tier's protected segment when it left it (kv_policy.py)
-
-
-@dataclass
-class PoolStats:
-    lookups: int = 0
-    device_hits: int = 0
-    host_hits: int = 0
-    misses: int = 0
-    stale: int = 0  # found but nothing reusable (other model version or features, history changed from the start)
-    older: int = 0  # the request was a prefix of its entry (an older request arriving late): served read-only
-    diverged: int = 0  # the request shared only a common prefix with its entry: that prefix reused
-    evicted_to_host: int = 0
-    dropped: int = 0
-    too_large: int = 0
-    stale_writes: int = 0  # write-backs refused: the entry changed, or the model did, since the lookup
-    ghost_admissions: int = 0  # users dropped earlier, cached again as protected (slru)
-    reused_tokens: int = 0
-    computed_tokens: int = 0
-    extra: dict = field(default_factory=dict)
-
-
-class KVCachePool:
+class KVCachePool(HostTier):
     """Bounded per-user prefix caches; see the module docstring.
 
     Example:
@@ -137,21 +109,10 @@ class KVCachePool:
         self.free: list[int] = list(range(self.num_blocks))  # a heap: the lowest ids first, so an entry's pages
         # tend to be consecutive, and its copies to and from the host tier few
         self.entries: OrderedDict[str, _Entry] = OrderedDict()
-        self.host: OrderedDict[str, _Entry] = OrderedDict()
-        self.host_limit = int(self.config.host_mb * 2**20)
         share = self.config.protected_share if self.config.policy == "slru" else 0.0
         self.order = Segments(share, self.num_blocks)  # the device tier's eviction order
-        self.host_order = Segments(share, 0)  # the host tier's; its capacity follows the slab's pages
-        # users dropped from both tiers (slru), in the host bound; the slab leaves room for the list
-        self.ghost = GhostList(self.host_limit // 128 if share else 0)
-        self._slab_limit = self.host_limit - self.ghost.limit
-        self.host_pages = HostPages(((num_layers, bs, heads, dqk), (num_layers, bs, heads, dv)), dtype,
-                                    pin=self.device.type == "cuda")  # fmt: skip
-        self.host_metadata_bytes = 0  # host entries' token identities and user keys (counted in host_mb)
-        self.host_fixed = False  # the slab is whole (preallocated): it never grows while serving
-        if self.config.host_prealloc and self.host_limit > 0:
-            self.host_fixed = self._preallocate_host()
-        self.host_order.capacity = self.host_pages.num_pages
+        self._init_host_tier(((num_layers, bs, heads, dqk), (num_layers, bs, heads, dv)), dtype, self.device.type == "cuda",
+                             share)  # fmt: skip
         self.metadata_bytes = 0  # device entries' token identities and user keys (host memory)
         self.version = version
         self.stats = PoolStats()
@@ -161,12 +122,6 @@ class KVCachePool:
     def for_engine(cls, engine, config: PoolConfig | None = None) -> KVCachePool:
         cfg = engine.model.encoder.cfg
         return cls(cfg.num_blocks, cfg.num_heads, cfg.dqk, cfg.dv, engine.dtype, engine.device, config, engine.version)
-
-    @property
-    def host_bytes(self) -> int:
-        """Host memory the host tier holds: its slab (allocated pages, used or free), its entries' metadata and the
-        ghost list."""
-        return self.host_pages.allocated_bytes + self.host_metadata_bytes + self.ghost.bytes
 
     # ------------------------------------------------------------------------------- reads
 
@@ -309,95 +264,9 @@ class KVCachePool:
             self._evict(victim, self._pop_entry(victim))
         return len(self.free) >= blocks
 
-    def _evict(self, user: str, entry: _Entry) -> None:
-        """Move device ``entry`` to the host tier (its pages copied asynchronously), or drop it."""
-        blocks, meta = entry.blocks, _metadata_bytes(user, entry)
-        try:
-            if self._host_room(len(blocks), meta):
-                pages = self.host_pages.take(len(blocks))
-                self.host_pages.store(pages, self.times, self.keys, self.values, blocks)
-                entry.blocks, entry.index = pages, None
-                self.host[user] = entry
-                self.host_order.add(user, len(pages), entry.protected)
-                self.host_metadata_bytes += meta
-                self.stats.evicted_to_host += 1
-            else:
-                self.stats.dropped += 1
-                self._remember(user)
-        finally:  # the device pages are free again whatever happened to the copy
-            self._release(blocks)
-
-    def _host_room(self, pages: int, meta: int) -> bool:
-        """Make ``pages`` free host pages and ``meta`` bytes of metadata fit the host bound: grow the slab while
-        the bound allows, else drop least recently used host entries. False when it cannot."""
-        hp, limit = self.host_pages, self.host_limit
-        if pages * hp.page_bytes + meta > limit or (self.host_fixed and pages > hp.num_pages):
-            return False  # never empties the tier for an entry that cannot fit anyway
-        while True:
-            spare = limit - hp.allocated_bytes - self.host_metadata_bytes - self.ghost.bytes - meta
-            if len(hp.free) >= pages and spare >= 0:
-                return True
-            if len(hp.free) >= pages and self.ghost:  # short of metadata room only: forget a ghost, not an entry
-                self.ghost.forget_oldest()
-                continue
-            # a new chunk leaves room for the metadata of the entries its pages will hold (judged by this one's)
-            per_page = meta / max(pages, 1)  # an empty prefix (no pages) still has metadata
-            rows = (self._slab_limit - hp.allocated_bytes - hp.num_pages * per_page) // (hp.page_bytes + per_page)
-            if not self.host_fixed and len(hp.free) < pages and hp.grow(min(spare, int(rows) * hp.page_bytes)):
-                self.host_order.capacity = hp.num_pages
-                continue
-            if not self.host:
-                return False
-            victim = self.host_order.victim()
-            self._drop_host(victim)
-            self.stats.dropped += 1
-            self._remember(victim)
-
-    def _preallocate_host(self) -> bool:
-        """The whole host slab now: as many pages as the bound holds beside the metadata of the entries they can
-        hold, judged for one-page entries (the most metadata per page) with a 64-byte user id. True when it is
-        whole; False when an allocation was refused part way (the tier then grows as it fills, like
-        ``host_prealloc: false``, once memory is free again)."""
-        hp = self.host_pages
-        per_page = self.config.block_size * 4 * 8 + 8 + ENTRY_OVERHEAD + 64
-        slab = self._slab_limit * hp.page_bytes // (hp.page_bytes + per_page)
-        while hp.grow(slab - hp.allocated_bytes):
-            pass
-        return slab - hp.allocated_bytes < hp.page_bytes  # else grow stopped on a refusal, not for lack of room
-
-    def _promote(self, user: str, entry: _Entry) -> None:
-        """Host ``entry`` back into device pages (evicting others for room), its host pages freed."""
-        meta = _metadata_bytes(user, entry)
-        del self.host[user]  # out of the host order: its pages are never dropped while they are read
-        self.host_order.remove(user)
-        self.host_metadata_bytes -= meta
-        pages = entry.blocks
-        try:
-            self._reserve(len(pages))  # always succeeds: the entry came from the device tier
-            blocks = [heapq.heappop(self.free) for _ in pages]
-            self.host_pages.load(pages, self.times, self.keys, self.values, blocks)
-        finally:  # reused only by copies issued after this one on the same stream; never lost on an error
-            self.host_pages.release(pages)
-        entry.blocks, entry.index = blocks, self._device_index(blocks)
-        self.entries[user] = entry
-        self.order.add(user, len(blocks), protected=True)  # it came back: a user seen again
-        self.metadata_bytes += meta
-
     def _release(self, blocks: list[int]) -> None:
         for block in blocks:
             heapq.heappush(self.free, block)
-
-    def _drop_host(self, user: str) -> None:
-        entry = self.host.pop(user)
-        self.host_order.remove(user)
-        self.host_pages.release(entry.blocks)
-        self.host_metadata_bytes -= _metadata_bytes(user, entry)
-
-    def _remember(self, user: str) -> None:
-        """``user`` left both tiers: its key on the ghost list (slru), within the host bound."""
-        self.ghost.remember(user)
-        while self.ghost and self.host_bytes > self.host_limit:
-            self.ghost.forget_oldest()
 
     def discard(self, user: str) -> None:
         """Forget ``user`` in both tiers."""
@@ -427,58 +296,8 @@ class KVCachePool:
         self.stats.computed_tokens += computed
 
     def report(self) -> dict[str, float | str]:
-        s = self.stats
-        hits = s.device_hits + s.host_hits - s.stale
-        tokens = s.reused_tokens + s.computed_tokens
-        hp = self.host_pages
-        return {
-            "users_device": len(self.entries),
-            "users_host": len(self.host),
-            "device_bytes_capacity": self.num_blocks * self.block_bytes,
-            "device_bytes_used": (self.num_blocks - len(self.free)) * self.block_bytes,
-            "host_bytes_capacity": self.host_limit,
-            "host_bytes_used": self.host_bytes,
-            "host_pages_bytes_used": (hp.num_pages - len(hp.free)) * hp.page_bytes,
-            "metadata_bytes": self.metadata_bytes,
-            "policy": self.config.policy,
-            "users_protected": len(self.order.protected),
-            "users_host_protected": len(self.host_order.protected),
-            "ghost_users": len(self.ghost),
-            "ghost_bytes": self.ghost.bytes,
-            "ghost_admissions": s.ghost_admissions,
-            "lookups": s.lookups,
-            "device_hits": s.device_hits,
-            "host_hits": s.host_hits,
-            "misses": s.misses,
-            "stale": s.stale,
-            "older": s.older,
-            "diverged": s.diverged,
-            "hit_rate": hits / s.lookups if s.lookups else 0.0,
-            "token_hit_rate": s.reused_tokens / tokens if tokens else 0.0,
-            "evicted_to_host": s.evicted_to_host,
-            "dropped": s.dropped,
-            "too_large": s.too_large,
-            "stale_writes": s.stale_writes,
-        }
+        """Both tiers' users and bytes, the eviction order's segments and every counter (``kv_entries.pool_report``)."""
+        return pool_report(self)
 
 
-ENTRY_OVERHEAD = 512  # bytes of Python objects per cached user (dict slot, dataclass, tensor headers), counted
-
-
-def _metadata_bytes(user: str, entry: _Entry) -> int:
-    """Host memory of an entry besides its pages: token identities, block ids, the user key."""
-    return entry.tokens.numel() * 8 + len(entry.blocks) * 8 + len(user.encode()) + ENTRY_OVERHEAD
-
-
-def _common_prefix(entry: _Entry, identity: Tensor, num_contextual: int) -> int:
-    """How many first tokens of ``identity`` the entry holds with the same keys/values: the common prefix of
-    their token identities, 0 when it ends inside the contextual tokens (or they differ in number)."""
-    if entry.num_contextual != num_contextual:
-        return 0
-    k = min(entry.length, identity.shape[0])
-    differ = (entry.tokens[:k] != identity[:k]).any(1).nonzero()
-    n = int(differ[0]) if differ.numel() else k
-    return n if n >= num_contextual else 0
-
-
-__all__ = ["KVCachePool", "PoolConfig", "PoolStats"]
+__all__ = ["ENTRY_OVERHEAD", "KVCachePool", "PoolConfig", "PoolStats"]
