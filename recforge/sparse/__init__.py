@@ -13,7 +13,8 @@ Pieces (one process; a shard on a rank is simply a table):
 - ``EmbeddingCollection`` (collection.py): features, merged tables, jagged/pooled lookups.
 - checkpoint.py: sharded safetensors checkpoints, delta and fp16/int8 exports, warm start.
 - Across ranks: ``ShardedDynamicEmbedding`` (sharded.py: one shard per rank, IDs and rows moved by
-  all-to-all), ``plan_sharding`` / ``ShardingPlan`` (planner.py: row-wise or table-wise per table),
+  all-to-all; the ID exchange in distribution.py, a lookup staged a step ahead in staging.py, owners and
+  handles in routing.py), ``plan_sharding`` / ``ShardingPlan`` (planner.py: row-wise or table-wise per table),
   sharded_checkpoint.py: a file per rank, loadable on another world size, exportable to one process.
 
 Example:

@@ -22,7 +22,7 @@ step's combined lookups are distributed and staged while this step computes::
 
 ``stage`` only reads the table, so step i's optimizer may still update the rows: the lookup in
 forward(i+1) reads their values then, after the update. An eviction in between, or an ID without a
-row, makes that lookup look those IDs up again (only those: ``ShardedDynamicEmbedding._rows_now``). Without the pipeline (or for the
+row, makes that lookup look those IDs up again (only those: ``recforge.sparse.staging.rows_now``). Without the pipeline (or for the
 micro-batches after the first), ``prepare`` distributes and stages the same combined lookup on the
 main thread just before the forward, so pipelined training equals unpipelined training bit for
 bit. The worker starts only after step i's forward (every lookup of step i done) and the main
