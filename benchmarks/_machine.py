@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import platform
 from pathlib import Path
 
@@ -15,3 +16,11 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def write_result(out: str | Path, doc: dict, indent: int = 1) -> None:
+    """Write a benchmark's JSON result to ``out`` (its folder made first) and say where."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=indent) + "\n")
+    print(f"wrote {out}")

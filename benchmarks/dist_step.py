@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import os
 import platform
 import socket
@@ -307,9 +306,9 @@ def main() -> dict:
         command=" ".join(sys.argv), date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )  # fmt: skip
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        from _machine import write_result  # this folder (the script's) is on sys.path
+
+        write_result(args.out, result, indent=2)
     shutdown_distributed()
     return result
 

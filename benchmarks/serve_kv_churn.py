@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
 import sys
 import time
 from pathlib import Path
@@ -42,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _machine import cpu_model
+from _machine import cpu_model, write_result
 from recforge.serve.cache_manager import CacheManager
 from recforge.serve.kv_pool import KVCachePool, PoolConfig
 
@@ -205,9 +204,7 @@ def main() -> None:
         doc = {"benchmark": "serve_kv_churn", "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine,
                "torch": torch.__version__, "date": datetime.date.today().isoformat(), "args": {k: str(v) for k, v in vars(args).items()},
                "variants": results}  # fmt: skip
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {args.out}")
+        write_result(args.out, doc)
 
 
 if __name__ == "__main__":

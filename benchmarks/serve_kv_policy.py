@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _machine import cpu_model
+from _machine import cpu_model, write_result
 from recforge.serve.cache_manager import CacheManager
 from recforge.serve.kv_pool import KVCachePool, PoolConfig
 from serve_kv_churn import CTX, DQK, DV, HEADS, LAYERS, _tokens, stand_in
@@ -178,9 +177,7 @@ def main() -> None:
                "torch": torch.__version__, "date": datetime.date.today().isoformat(), "args": {k: str(v) for k, v in vars(args).items()},
                "mixes": {m: dict(zip(("zipf_s", "new_share", "burst_new_share"), MIXES[m])) for m in args.mixes.split(",")},
                "variants": results}  # fmt: skip
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {args.out}")
+        write_result(args.out, doc)
 
 
 if __name__ == "__main__":

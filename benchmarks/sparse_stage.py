@@ -194,7 +194,7 @@ def main(args: argparse.Namespace, passthrough: list[str]) -> dict:
         print(f"{'before/after':<10}" + "".join(f"{result['ratio_before_over_after'][k]:>21.2f}x" for k in TIMERS))
         print(f"same embeddings and updated rows, bit for bit: {result['same_embeddings_and_rows']}")
     sys.path.insert(0, str(Path(__file__).parent))
-    from _machine import cpu_model
+    from _machine import cpu_model, write_result
 
     result.update(
         config={k: getattr(args, k) for k in (*CONFIG, "rounds")},
@@ -202,9 +202,7 @@ def main(args: argparse.Namespace, passthrough: list[str]) -> dict:
         command=" ".join(sys.argv), date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )  # fmt: skip
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_result(args.out, result, indent=2)
     return result
 
 
