@@ -8,7 +8,6 @@ GPU (``pytest -m gpu``): the Triton kernel, float32/bfloat16, short and serving-
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ from recforge.ops import cached_hstu_attention
 from recforge.ops.hstu_attention import hstu_attention_reference
 
 MASK_KINDS = ["causal", "full", "contextual", "targets", "window", "segments", "timestamps", "all"]
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _split(x: torch.Tensor, lengths: list[int], cached: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,17 +105,7 @@ def test_mismatched_inputs_say_what_is_wrong() -> None:
                               time_weights=torch.zeros(3))  # fmt: skip
 
 
-@pytest.fixture
-def interpreter(monkeypatch):
-    if not HAS_TRITON:
-        pytest.skip("needs the triton package (pip install triton) for its interpreter")
-    if torch.cuda.is_available():
-        pytest.skip("interpreter tests run on CPU-only machines; GPU machines run the gpu-marked tests")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    import recforge.ops.triton.cached as cached_mod
-
-    if not hasattr(cached_mod._fwd, "fn") or type(cached_mod._fwd).__name__ == "Autotuner":
-        pytest.skip("Triton kernels were already built for a GPU in this process")
+INTERPRETED = "recforge.ops.triton.cached"  # the kernels the ``interpreter`` fixture (conftest.py) loads
 
 
 @pytest.mark.parametrize("kind", ["causal", "full", "targets", "window", "segments", "all"])

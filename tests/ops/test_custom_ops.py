@@ -8,7 +8,6 @@ generation), so the tests check the op and the capture, not Inductor's kernels (
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
@@ -21,21 +20,8 @@ from recforge.models.builders import build_retrieval_model
 from recforge.ops.custom_ops import hstu_attention_op
 from recforge.ops.hstu_attention import hstu_attention
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-@pytest.fixture
-def interpreter(monkeypatch):
-    if not HAS_TRITON:
-        pytest.skip("needs the triton package (pip install triton) for its interpreter")
-    if torch.cuda.is_available():
-        pytest.skip("interpreter tests run on CPU-only machines; GPU machines run the gpu-marked tests")
-    pytest.importorskip("numpy")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    import recforge.ops.triton.hstu as hstu_mod
-
-    if not hasattr(hstu_mod._fwd, "fn") or type(hstu_mod._fwd).__name__ == "Autotuner":
-        pytest.skip("Triton kernels were already built for a GPU in this process")
 
 
 def _inputs(kind: str, seed: int):

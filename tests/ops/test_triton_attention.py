@@ -7,7 +7,6 @@ odd one, long jagged batches that take the autotuned path. Fresh random inputs e
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from recforge.ops.hstu_attention import hstu_attention, hstu_attention_reference
 from recforge.ops.softmax_attention import softmax_attention
 
 MASK_KINDS = ["causal", "full", "contextual", "targets", "window", "segments", "timestamps", "all"]
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 NUM_POS = 6
 NUM_BUCKETS = 12
 
@@ -88,19 +86,6 @@ def _check(errors: dict, tol: float, where: str) -> None:
 # ----------------------------------------------------------------------------------------- CPU
 
 
-@pytest.fixture
-def interpreter(monkeypatch):
-    """Triton's CPU interpreter; the kernel modules are first imported under it (CPU-only machines)."""
-    if not HAS_TRITON:
-        pytest.skip("needs the triton package (pip install triton) for its interpreter")
-    if torch.cuda.is_available():
-        pytest.skip("interpreter tests run on CPU-only machines; GPU machines run the gpu-marked tests")
-    pytest.importorskip("numpy")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    import recforge.ops.triton.hstu as hstu_mod
-
-    if not hasattr(hstu_mod._fwd, "fn") or type(hstu_mod._fwd).__name__ == "Autotuner":
-        pytest.skip("Triton kernels were already built for a GPU in this process")
 
 
 @pytest.mark.parametrize("op", ["hstu", "softmax"])

@@ -10,7 +10,6 @@ add bfloat16 and take the autotuned tiles on 1-2K-token sequences. Fresh random 
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ from _oracles import offsets_of, relative_error
 from recforge.jagged.mask import AttentionMask
 from recforge.ops.hstu_attention import hstu_attention, hstu_attention_reference
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 # relative error of the bias gradients: sums of dS over every pair and head, whose terms cancel
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
@@ -74,20 +72,6 @@ def bias_grad_errors(kind: str, num_pos: int, spread: str, dtype: torch.dtype, d
     return {name: relative_error(g.cpu(), e) for name, g, e in zip(names, grads, ref_grads)}
 
 
-@pytest.fixture
-def interpreter(monkeypatch):
-    """Triton's CPU interpreter (see tests/ops/test_triton_attention.py)."""
-    if not HAS_TRITON:
-        pytest.skip("needs the triton package (pip install triton) for its interpreter")
-    if torch.cuda.is_available():
-        pytest.skip("interpreter tests run on CPU-only machines; GPU machines run the gpu-marked tests")
-    pytest.importorskip("numpy")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    import recforge.ops.triton.hstu as hstu_mod
-
-    if type(hstu_mod._fwd).__name__ == "Autotuner":
-        pytest.skip("Triton kernels were already built for a GPU in this process")
-    return hstu_mod
 
 
 def _lengths(gen: torch.Generator, longest: int) -> list[int]:
