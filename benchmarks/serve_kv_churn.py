@@ -124,6 +124,30 @@ def stand_in(identity: torch.Tensor, device: torch.device) -> tuple[torch.Tensor
     return keys, -keys[..., :DV]
 
 
+def serve_request(cache: CacheManager, user: str, identity: torch.Tensor, device: torch.device, check: bool,
+                  label: str) -> tuple[int, int, float]:
+    """One request through the pool as the scheduler makes it: acquire the user's prefix, (optionally check
+    that the reused keys/values/timestamps are this user's), write the rest, release. (tokens reused, tokens
+    in all, seconds spent in the pool: acquire + release)."""
+    t0 = time.perf_counter()
+    state = cache.acquire(user, _tokens(identity), CTX)
+    t1 = time.perf_counter()
+    k, n = state.length, identity.shape[0]
+    keys, values = stand_in(identity, device)
+    if check and k:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if not (torch.equal(state.keys[:, :k], keys[:, :k]) and torch.equal(state.values[:, :k], values[:, :k])
+                and torch.equal(state.timestamps[:k].cpu(), identity[:k, 3])):  # fmt: skip
+            raise SystemExit(f"{label} ({user}) reused {k} tokens whose keys/values are not theirs")
+    state.keys[:, k:n], state.values[:, k:n] = keys[:, k:], values[:, k:]
+    state.timestamps[k:n] = identity[k:, 3].to(device)
+    state.tokens[k:n], state.length = identity[k:], n
+    t2 = time.perf_counter()
+    cache.release(user, state, k)
+    return k, n, t1 - t0 + time.perf_counter() - t2
+
+
 def run_variant(name: str, pool, requests: list, args: argparse.Namespace, device: torch.device) -> dict:
     cache = CacheManager(LAYERS, HEADS, DQK, DV, torch.float32, device, pool.version, pool)
     pool_s, computed, checked = [], 0, 0
@@ -131,24 +155,11 @@ def run_variant(name: str, pool, requests: list, args: argparse.Namespace, devic
     sync()
     t_start = time.perf_counter()
     for i, (user, identity) in enumerate(requests):
-        t0 = time.perf_counter()
-        state = cache.acquire(user, _tokens(identity), CTX)
-        t1 = time.perf_counter()
-        k, n = state.length, identity.shape[0]
-        keys, values = stand_in(identity, device)
-        if args.check_every and i % args.check_every == 0 and k:
-            sync()
-            if not (torch.equal(state.keys[:, :k], keys[:, :k]) and torch.equal(state.values[:, :k], values[:, :k])
-                    and torch.equal(state.timestamps[:k].cpu(), identity[:k, 3])):  # fmt: skip
-                raise SystemExit(f"{name}: request {i} ({user}) reused {k} tokens whose keys/values are not theirs")
-            checked += 1
-        state.keys[:, k:n], state.values[:, k:n] = keys[:, k:], values[:, k:]
-        state.timestamps[k:n] = identity[k:, 3].to(device)
-        state.tokens[k:n], state.length = identity[k:], n
+        check = bool(args.check_every) and i % args.check_every == 0
+        k, n, pool_time = serve_request(cache, user, identity, device, check, label=f"{name}: request {i}")
+        checked += check and k > 0
         computed += n - k
-        t2 = time.perf_counter()
-        cache.release(user, state, k)
-        pool_s.append(t1 - t0 + time.perf_counter() - t2)
+        pool_s.append(pool_time)
     sync()
     wall = time.perf_counter() - t_start
     ms = np.array(pool_s) * 1e3

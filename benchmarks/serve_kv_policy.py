@@ -36,7 +36,7 @@ import torch
 from _machine import cpu_model, write_result
 from recforge.serve.cache_manager import CacheManager
 from recforge.serve.kv_pool import KVCachePool, PoolConfig
-from serve_kv_churn import CTX, DQK, DV, HEADS, LAYERS, _tokens, stand_in
+from serve_kv_churn import DQK, DV, HEADS, LAYERS, serve_request
 
 # name: (Zipf exponent of returning users, share of one-time users, share of one-time users during the burst or None)
 MIXES = {
@@ -94,23 +94,11 @@ def run(pool: KVCachePool, requests: list, args: argparse.Namespace, device: tor
     t_start = time.perf_counter()
     for i, (user, identity, returning, phase) in enumerate(requests):
         device_hits, host_hits = stats.device_hits, stats.host_hits
-        t0 = time.perf_counter()
-        state = cache.acquire(user, _tokens(identity), CTX)
-        t1 = time.perf_counter()
-        k, n = state.length, identity.shape[0]
-        keys, values = stand_in(identity, device)
-        if args.check_every and i % args.check_every == 0 and k:
-            sync()
-            if not (torch.equal(state.keys[:, :k], keys[:, :k]) and torch.equal(state.values[:, :k], values[:, :k])):
-                raise SystemExit(f"request {i} ({user}) reused {k} tokens whose keys/values are not theirs")
-        state.keys[:, k:n], state.values[:, k:n] = keys[:, k:], values[:, k:]
-        state.timestamps[k:n] = identity[k:, 3].to(device)
-        state.tokens[k:n], state.length = identity[k:], n
-        t2 = time.perf_counter()
-        cache.release(user, state, k)
+        k, n, pool_time = serve_request(cache, user, identity, device,
+                                        check=bool(args.check_every and i % args.check_every == 0), label=f"request {i}")  # fmt: skip
         tier = "device" if stats.device_hits > device_hits else "host" if stats.host_hits > host_hits else "miss"
         if i >= warmup:
-            rows.append((tier if k else "miss", n - k, returning, phase, t1 - t0 + time.perf_counter() - t2))
+            rows.append((tier if k else "miss", n - k, returning, phase, pool_time))
     sync()
     wall = time.perf_counter() - t_start
     tiers = np.array([r[0] for r in rows])
