@@ -25,6 +25,9 @@ import yaml
 from recforge.io import atomic_file
 
 
+# ---------------------------------------------- the run's settings: one dataclass per YAML section
+
+
 class ConfigError(ValueError):
     """One or more configuration problems, all listed in the message."""
 
@@ -218,6 +221,9 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
+# ----------------------------------- value rules: choices, positives, zero-allowed keys, intervals
+
+
 CHOICES = {
     "recipe": ("retrieval", "ranking", "generative"),
     "ranking.action_encoding": ("sum", "interleave"),
@@ -265,6 +271,9 @@ INTERVALS = {
     "optim.min_lr_fraction": (0.0, 1.0, True), "model.dropout": (0.0, 1.0, False), "model.item_tower": (0.0, 1.0, False),
     "train.graph_bucket_ratio": (1.0, 4.0, True),
 }  # fmt: skip
+
+
+# -------------------------------------------------- building a RunConfig from YAML and checking it
 
 
 _INVALID = object()  # marks a value that failed its type check: the field keeps its default
@@ -478,6 +487,9 @@ def _validate_generative(cfg: RunConfig) -> list[str]:
     if cfg.train.loader != "memory" or cfg.model.embedding != "static":
         problems.append("the generative recipe needs train.loader=memory and model.embedding=static")
     return problems
+
+
+# ------------------------------------------------------------------- loading, overrides and saving
 
 
 def parse_overrides(overrides: list[str], problems: list[str]) -> dict:
