@@ -63,7 +63,7 @@ def backend_choice(args: argparse.Namespace, device: torch.device, dtype: torch.
         mask[1:, ..., : s // 4] = False
     qkv = torch.randn(args.batch, s, 3 * args.dim, device=device, dtype=dtype)
     q, k, v = (t.view(args.batch, s, args.heads, -1).transpose(1, 2) for t in qkv.chunk(3, -1))
-    with sid_seq2seq._kernels():
+    with sid_seq2seq._kernels(device):
         return SDPBackend(torch._fused_sdp_choice(q, k, v, mask)).name
 
 

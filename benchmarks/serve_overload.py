@@ -1,6 +1,6 @@
 """`recforge serve` past saturation: goodput, hung requests, memory and recovery under 2x the saturating rate.
 
-Usage:
+Usage (the client needs aiohttp: pip install -e '.[bench]'):
     python benchmarks/serve_overload.py --out benchmarks/results/serve_overload-cpu.json
     python benchmarks/serve_overload.py --device cuda --client-procs 8 --out benchmarks/results/serve_overload-h200.json
     python benchmarks/serve_overload.py --device cuda --server-cpus 0-7 --client-procs 8 --concurrency 64 --users 400 \
@@ -64,6 +64,7 @@ import threading
 import time
 from pathlib import Path
 
+import aiohttp  # the load generator (httpx's pool fell behind a 1,500 requests/s schedule: client-side "hangs")
 import httpx
 import numpy as np
 import torch
@@ -132,15 +133,16 @@ class Users:
         return json.dumps(body).encode()
 
 
-async def _send(client: httpx.AsyncClient, body: bytes, scheduled: float, timeout: float, out: list) -> None:
+async def _send(client: aiohttp.ClientSession, body: bytes, scheduled: float, timeout: float, out: list) -> None:
     sent = time.perf_counter()  # latency counts from here: a client that falls behind its schedule is not the server's
     try:
-        response = await client.post("/v1/rank", content=body, headers={"content-type": "application/json"},
-                                     timeout=timeout)  # fmt: skip
-        status = response.status_code
-    except httpx.TimeoutException:
+        async with client.post("/v1/rank", data=body, headers={"content-type": "application/json"},
+                               timeout=aiohttp.ClientTimeout(total=timeout)) as response:  # fmt: skip
+            await response.read()
+            status = response.status
+    except TimeoutError:
         status = -1  # no answer by deadline + grace: hung
-    except httpx.TransportError:
+    except aiohttp.ClientError:
         status = -2
     out.append((sent, time.perf_counter() - sent, status, sent - scheduled))
 
@@ -148,8 +150,7 @@ async def _send(client: httpx.AsyncClient, body: bytes, scheduled: float, timeou
 async def _open_loop(url: str, bodies: list[bytes], rate: float, timeout: float) -> list:
     """Send ``bodies`` (made beforehand, so the client's own work is small) at ``rate`` per second."""
     out: list = []
-    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
-    async with httpx.AsyncClient(base_url=url, limits=limits) as client:
+    async with aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(limit=4096)) as client:
         tasks, t0 = [], time.perf_counter()
         for i, body in enumerate(bodies):
             scheduled = t0 + i / rate
@@ -168,7 +169,7 @@ async def _closed_loop(url: str, users: Users, concurrency: int, seconds: float,
     out: list = []
     end = time.perf_counter() + seconds
     todo = list(range(users.first, users.first + users.count)) if every_user else None
-    async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=concurrency)) as client:
+    async with aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(limit=concurrency)) as client:
 
         async def worker() -> None:
             while (todo if every_user else time.perf_counter() < end):

@@ -119,7 +119,7 @@ class _ChunkedFullSoftmaxCE(torch.autograd.Function):
         num_pos = user.shape[0]
         share = None if weights is None else (weights / weights.sum()).view(-1, 1)  # (T, 1) each w / W, on the device
         pad_bias = user.new_zeros(table.shape[0])  # (N+1,): the padding item 0 is not an item
-        pad_bias[0] = float("-inf")
+        pad_bias[:1].fill_(float("-inf"))  # not `pad_bias[0] = ...`: __setitem__ copies a host scalar (a sync)
         nll = user.new_empty(num_pos)  # (T,) each position's loss
         targets = targets.view(-1, 1)  # (T, 1)
         if want_grads:

@@ -162,7 +162,7 @@ def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[
                           sampled: SampledNegatives, temperature: float, weights: Tensor | None) -> Tensor:  # fmt: skip
     if negatives == "full":
         logits = user @ item_vectors(None).T / temperature  # (T, N+1)
-        logits[:, 0] = float("-inf")  # padding row is not an item
+        logits[:, 0].fill_(float("-inf"))  # padding row is not an item (fill_: __setitem__ would copy a host scalar, a sync)
         if weights is None:
             return F.cross_entropy(logits, targets)
         return _weighted_mean(F.cross_entropy(logits, targets, reduction="none"), weights)

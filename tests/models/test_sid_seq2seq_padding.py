@@ -102,7 +102,7 @@ def test_cuda_padded_batch_skips_cudnn_and_matches_alone(cuda_device: torch.devi
         memory = model.start(codes, mask)
         q = torch.randn(len(lengths), 4, 64, 8, device=cuda_device, dtype=torch.bfloat16)
         k = memory.kv[0][0]
-        with sid_seq2seq._kernels():
+        with sid_seq2seq._kernels(torch.device("cuda")):
             choice = torch._fused_sdp_choice(q, k, k, memory.key_mask)
         assert choice != int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
         together = model.next_token_logprobs(memory, beams)
