@@ -17,7 +17,10 @@ Modes, interleaved every round on the same requests:
 
 - old: PyTorch's default attention dispatch (cuDNN attention first on H100/H200 with a recent cuDNN),
   unpadded key lengths (``sid_seq2seq.SDPA_BACKENDS = None``, ``KEY_ALIGN = 1``);
-- new: recforge's (flash / memory-efficient / math; masked keys padded to ``KEY_ALIGN``).
+- masked: flash / memory-efficient / math, masked keys padded to ``KEY_ALIGN``, the key mask passed to SDPA
+  (so a padded batch runs the memory-efficient kernel);
+- new: recforge's: as masked, and at inference in half precision on CUDA the key mask folded into the head
+  dimension (``sid_seq2seq.attention``), so flash attention runs on padded batches too.
 
 The backend PyTorch picks for the encoder's attention in each mode is recorded, and the modes' answers
 are compared (``generate.agreement``; in float32 they must agree up to rounding).
@@ -45,12 +48,15 @@ from recforge.models import sid_seq2seq  # noqa: E402
 from recforge.models.sid_seq2seq import Seq2SeqConfig, SIDSeq2Seq  # noqa: E402
 from recforge.models.sid_tokenizer import add_collision_level  # noqa: E402
 
-NEW = (sid_seq2seq.SDPA_BACKENDS, sid_seq2seq.KEY_ALIGN)
+NEW = (sid_seq2seq.SDPA_BACKENDS, sid_seq2seq.KEY_ALIGN, sid_seq2seq.fold_key_mask)
+MODES = ("old", "masked", "new")
 CASES = ("fixed", "varying", "varying_cached")
 
 
 def set_mode(mode: str) -> None:
-    sid_seq2seq.SDPA_BACKENDS, sid_seq2seq.KEY_ALIGN = (None, 1) if mode == "old" else NEW
+    never = lambda q: False  # noqa: E731
+    sid_seq2seq.SDPA_BACKENDS, sid_seq2seq.KEY_ALIGN, sid_seq2seq.fold_key_mask = (
+        (None, 1, never) if mode == "old" else (*NEW[:2], never) if mode == "masked" else NEW)
 
 
 def backend_choice(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, masked: bool) -> str:
@@ -63,6 +69,10 @@ def backend_choice(args: argparse.Namespace, device: torch.device, dtype: torch.
         mask[1:, ..., : s // 4] = False
     qkv = torch.randn(args.batch, s, 3 * args.dim, device=device, dtype=dtype)
     q, k, v = (t.view(args.batch, s, args.heads, -1).transpose(1, 2) for t in qkv.chunk(3, -1))
+    with torch.no_grad():
+        if mask is not None and sid_seq2seq.fold_key_mask(q):  # what attention() hands SDPA: wider heads, no mask
+            q, k, v = (torch.cat([t, t.new_zeros(*t.shape[:3], sid_seq2seq.MASK_DIMS)], -1) for t in (q, k, v))
+            mask = None
     with sid_seq2seq._kernels(device):
         return SDPBackend(torch._fused_sdp_choice(q, k, v, mask)).name
 
@@ -72,7 +82,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--quick", action="store_true", help="tiny shapes for a CPU check")
-    p.add_argument("--modes", default="old,new", help="comma-separated: old, new")
+    p.add_argument("--modes", default="old,masked,new", help="comma-separated: old, masked, new")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--history", type=int, default=1250, help="fixed: history items (x 4 SID tokens)")
     p.add_argument("--min-history", type=int, default=1000)
@@ -92,8 +102,8 @@ def main() -> None:
         args.history, args.min_history, args.max_history, args.items, args.vocab = 40, 30, 50, 3000, 32
         args.beam, args.k, args.dim, args.layers, args.rounds, args.warmup = 32, 32, 64, 2, 6, 1
     modes = args.modes.split(",")
-    if not set(modes) <= {"old", "new"} or not modes:
-        raise SystemExit(f"--modes: a comma-separated subset of old,new; got {args.modes!r}")
+    if not set(modes) <= set(MODES) or not modes:
+        raise SystemExit(f"--modes: a comma-separated subset of {','.join(MODES)}; got {args.modes!r}")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.manual_seed(0)
     codes = add_collision_level(torch.randint(args.vocab, (args.items, 3)))
@@ -137,8 +147,9 @@ def main() -> None:
                for name, t in times.items()}  # fmt: skip
     atol = 1e-4 if args.dtype == "float32" else 0.1
     agreement = {}
-    if len(modes) == 2:
-        agreement = {case: compare(answers[f"new/{case}"], answers[f"old/{case}"], atol) for case in CASES}
+    for other in (m for m in modes if m != "new" and "new" in modes):  # each mode's answers against new's
+        agreement |= {f"new vs {other}: {case}": compare(answers[f"new/{case}"], answers[f"{other}/{case}"], atol)
+                      for case in CASES}  # fmt: skip
     for mode in modes:
         agreement[f"{mode}: cached vs varying"] = compare(answers[f"{mode}/varying_cached"], answers[f"{mode}/varying"], atol)
     backends = {}

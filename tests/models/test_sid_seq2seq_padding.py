@@ -142,3 +142,45 @@ def test_kernel_choice_flips_no_process_flags_where_it_changes_nothing(monkeypat
         assert len(entered) == 1
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16])
+def test_folded_key_mask_equals_the_masked_attention(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """``attention`` with the mask folded into the head dimension (forced on here; on its own only on CUDA in
+    half precision) gives masked SDPA's output: masked keys get no weight, the scale is the real head's."""
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    b, heads, q_len, s, dh = 3, 2, 5, 24, 8
+    q, k, v = (torch.randn(b, heads, n, dh, generator=g).to(dtype) for n in (q_len, s, s))
+    start = torch.randint(0, s - 1, (b,), generator=g)  # left padding; every row keeps a real key
+    mask = (torch.arange(s)[None] >= start[:, None]).view(b, 1, 1, s)
+    k = torch.where(mask.view(b, 1, s, 1), k, torch.full_like(k, 1e3))  # masked keys that would dominate if read
+    expected = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    monkeypatch.setattr(sid_seq2seq, "fold_key_mask", lambda q: True)
+    got = sid_seq2seq.attention(q, k, v, mask)
+    assert got.shape == q.shape and got.dtype == dtype
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-2}[dtype]
+    torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
+    assert sid_seq2seq.attention(q, k, v, None).equal(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+
+
+def test_folded_key_mask_leaves_the_model_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole model, folded vs masked, on a padded batch: same log-probabilities (float64)."""
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    model = _model()
+    codes, mask, _, lengths = _requests(g)
+    beams = _beams(g, len(lengths))
+    with torch.no_grad():
+        masked = model.next_token_logprobs(model.start(codes, mask), beams)
+        monkeypatch.setattr(sid_seq2seq, "fold_key_mask", lambda q: True)
+        folded = model.next_token_logprobs(model.start(codes, mask), beams)
+    torch.testing.assert_close(folded, masked, rtol=1e-9, atol=1e-9)
+
+
+def test_the_mask_is_folded_only_at_half_precision_inference_on_cuda() -> None:
+    q = torch.zeros(1, 1, 1, 8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert not sid_seq2seq.fold_key_mask(q)  # CPU
+    if torch.cuda.is_available():
+        with torch.no_grad():
+            assert sid_seq2seq.fold_key_mask(q.cuda()) and not sid_seq2seq.fold_key_mask(q.cuda().float())
+        assert not sid_seq2seq.fold_key_mask(q.cuda())  # autograd on: training keeps the masked kernel
