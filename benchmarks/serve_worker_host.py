@@ -4,7 +4,9 @@ Usage (``--before-src``: a source tree to compare with, e.g. main before the cha
     mkdir -p /tmp/before && git -C /work/main archive HEAD recforge | tar -x -C /tmp/before
     python benchmarks/serve_worker_host.py --before-src /tmp/before --out benchmarks/results/serve_worker_host-cpu-2core.json
 
-An engine (``serve_load.py``'s model: 2 HSTU blocks x 2 heads of 32, float32) with a KV-cache pool
+An engine (``serve_load.py``'s model shrunk to 2 HSTU blocks x 2 heads of ``--dqk`` = 4, d = 16, float32:
+keys and values so small that copying them costs next to nothing on the CPU, as on a GPU, where
+they are device copies; what is left is the per-request host work) with a KV-cache pool
 (``--device-mb`` / ``--host-mb``: small enough that users move between the tiers, as under a burst)
 serves returning users through the real ``BatchRunner`` (its worker thread, its ``Scheduler``) on
 the CPU, ``--batch`` requests admitted together per round. Users are ``serve_overload.py``'s:
@@ -54,15 +56,28 @@ def child(args: argparse.Namespace) -> dict:
     from recforge.serve.kv_pool import KVCachePool, PoolConfig
     from recforge.serve.runner import BatchRunner
     from recforge.serve.scheduler import SchedulerConfig
-    from serve_load import ACTIONS, NUM_ITEMS, export_model
+    from recforge.models import HSTUConfig, HSTUEncoder
+    from recforge.models.ranking import MultiTaskMLP, RankingModel, RankingPrefix, save_slices
+    from serve_load import ACTIONS, NUM_ITEMS
 
     import recforge
 
     assert Path(recforge.__file__).resolve().is_relative_to(Path(args.src).resolve()), recforge.__file__
     torch.set_num_threads(1)
+    torch.manual_seed(0)  # serve_load.export_model's model and vocabulary, at a tiny width
+    dim = args.dqk * 4
+    model = RankingModel(RankingPrefix(NUM_ITEMS, len(ACTIONS), 1010, dim),
+                         HSTUEncoder(HSTUConfig(dim=dim, num_blocks=2, num_heads=2, dqk=args.dqk, dv=args.dqk, dropout=0.0,
+                                                max_seq_len=args.history * 2 + 64)),
+                         MultiTaskMLP(dim, 2, hidden=32))  # fmt: skip
+    vocab = {"item_ids": list(range(1, NUM_ITEMS + 1)), "action_column": "action", "actions": ACTIONS,
+             "user_features": {"user_id": {"offset": 0, "values": [str(i) for i in range(1000)]},
+                               "gender": {"offset": 1000, "values": ["f", "m"]}}}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        engine = RankEngine.from_run(export_model(Path(tmp), max_len=args.history * 2 + 64),
-                                     EngineConfig(device="cpu", cuda_graphs=0))  # fmt: skip
+        save_slices(model, Path(tmp) / "model", tasks=[{"name": "click", "kind": "binary"}, {"name": "buy", "kind": "binary"}],
+                    extra={"step": 0, "action_encoding": "sum", "max_seq_len": args.history * 2 + 64, "num_contextual": 2,
+                           "user_features": ["user_id", "gender"]}, json_files={"vocab.json": vocab})  # fmt: skip
+        engine = RankEngine.from_run(tmp, EngineConfig(device="cpu", cuda_graphs=0))
     engine.pool = KVCachePool.for_engine(engine, PoolConfig(device_mb=args.device_mb, host_mb=args.host_mb))
     engine.graphs = GraphRunner(engine, limit=64, capture=False)  # the GPU path, eager
     real_compute = PaddedPass.compute
@@ -165,8 +180,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="requests admitted together")
     parser.add_argument("--requests", type=int, default=1600, help="timed requests per process")
     parser.add_argument("--check", type=int, default=32, help="requests scored with the real model, compared")
-    parser.add_argument("--device-mb", type=float, default=64.0)
-    parser.add_argument("--host-mb", type=float, default=160.0)
+    parser.add_argument("--dqk", type=int, default=4, help="per-head key/value width (d = 4 x dqk)")
+    parser.add_argument("--device-mb", type=float, default=16.0)
+    parser.add_argument("--host-mb", type=float, default=40.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)

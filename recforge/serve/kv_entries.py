@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -55,8 +56,9 @@ def _common_prefix(entry: _Entry, identity: Tensor, num_contextual: int) -> int:
     if entry.num_contextual != num_contextual:
         return 0
     k = min(entry.length, identity.shape[0])
-    differ = (entry.tokens[:k] != identity[:k]).any(1).nonzero()
-    n = int(differ[0]) if differ.numel() else k
+    ours, theirs = entry.tokens.numpy()[:k], identity.numpy()[:k]  # NumPy: small host arrays, no torch dispatch
+    differ = np.flatnonzero((ours != theirs).any(1))
+    n = int(differ[0]) if differ.size else k
     return n if n >= num_contextual else 0
 
 
