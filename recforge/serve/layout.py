@@ -269,10 +269,12 @@ def prefix_layout(req: EncodedRequest, action_encoding: str) -> tuple[dict[str, 
 
 
 def candidate_tokens(req: EncodedRequest) -> dict[str, Tensor]:
-    count = req.num_candidates
-    zeros = torch.zeros(count, dtype=torch.int64)
-    ts = torch.full((count,), req.request_time, dtype=torch.int64)
-    return {"item_ids": req.candidates.clone(), "actions": zeros, "context_ids": zeros.clone(), "timestamps": ts}
+    """Token features of the candidates (no action, no context, the request time); rows of one NumPy array.
+    ``OverflowError`` when the request time does not fit in int64."""
+    table = np.zeros((len(TOKEN_FEATURES), req.num_candidates), dtype=np.int64)
+    table[0] = req.candidates.numpy()
+    table[3] = req.request_time
+    return {name: torch.from_numpy(row) for name, row in zip(TOKEN_FEATURES, table)}
 
 
 def training_batch(req: EncodedRequest, action_encoding: str, max_seq_len: int, per_candidate: bool = False) -> JaggedBatch:
