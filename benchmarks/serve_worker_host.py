@@ -22,7 +22,9 @@ machine hits both alike) and reports:
 - ``host_us_per_request``: the worker thread's CPU time (``BatchRunner`` counters' ``worker_cpu_s``)
   per request, over ``--requests`` requests after a warm-up that brings every user in;
 - ``ops_per_request``: PyTorch operator calls (aten ops, views included; a ``TorchDispatchMode``
-  on the worker thread) per request, over a separate, shorter counted stretch;
+  on the worker thread) per request, over a separate, shorter counted stretch, and
+  ``kernel_ops_per_request``: those that are not views (on a GPU each is a kernel launch or an
+  allocation, the costly part of the host work there);
 - ``scores_sha256``: a digest of the scores of ``--check`` requests computed with the real model
   (not stubbed). Both trees must give the same bytes, else the run fails.
 """
@@ -143,9 +145,13 @@ def child(args: argparse.Namespace) -> dict:
         def __init__(self) -> None:
             super().__init__()
             self.ops: collections.Counter = collections.Counter()
+            self.kernels = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.ops[str(func.overloadpacket)] += 1
+            # views (slice, select, transpose, detach, ...) and lift_fresh (a tensor made from host data) move and
+            # allocate nothing; every other op is a kernel launch or an allocation on a GPU
+            self.kernels += not func.is_view and func.overloadpacket is not torch.ops.aten.lift_fresh
             return func(*args, **(kwargs or {}))
 
     counter = Count()
@@ -166,7 +172,8 @@ def child(args: argparse.Namespace) -> dict:
     return {"host_us_per_request": (after["worker_cpu_s"] - before["worker_cpu_s"]) / n * 1e6,
             "wall_us_per_request": wall / n * 1e6, "passes": after["passes"] - before["passes"],
             "ops_per_request": sum(counter.ops.values()) / len(counted_reqs),
-            "top_ops": {k: v / len(counted_reqs) for k, v in counter.ops.most_common(12)},
+            "kernel_ops_per_request": counter.kernels / len(counted_reqs),
+            "top_ops": {k: v / len(counted_reqs) for k, v in counter.ops.most_common(16)},
             "scores_sha256": digest, "device_hits": pool["device_hits"], "host_hits": pool["host_hits"],
             "evicted_to_host": pool["evicted_to_host"], "torch": torch.__version__}  # fmt: skip
 
@@ -209,20 +216,24 @@ def main() -> None:
                                  check=True, capture_output=True, text=True, cwd=HERE)  # fmt: skip
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             row = runs[name][-1]
-            print(f"round {r} {name:6s} host {row['host_us_per_request']:7.0f} us/request  ops {row['ops_per_request']:6.0f}/request  "
+            print(f"round {r} {name:6s} host {row['host_us_per_request']:7.0f} us/request  ops {row['ops_per_request']:6.1f}/request "
+                  f"(not views {row['kernel_ops_per_request']:5.1f})  "
                   f"device hits {row['device_hits']} host hits {row['host_hits']}", flush=True)  # fmt: skip
     digests = {name: {row["scores_sha256"] for row in rows} for name, rows in runs.items()}
     if len(set().union(*digests.values())) != 1:
         raise SystemExit(f"scores differ between the trees (or runs): {digests}")
     summary = {name: {"host_us_per_request_median": statistics.median(r["host_us_per_request"] for r in rows),
-                      "ops_per_request": rows[0]["ops_per_request"], "top_ops": rows[0]["top_ops"]}
+                      "ops_per_request": rows[0]["ops_per_request"], "kernel_ops_per_request": rows[0]["kernel_ops_per_request"],
+                      "top_ops": rows[0]["top_ops"]}
                for name, rows in runs.items()}  # fmt: skip
     for name, s in summary.items():
-        print(f"{name:6s} median host {s['host_us_per_request_median']:7.0f} us/request, {s['ops_per_request']:.0f} ops/request")
+        print(f"{name:6s} median host {s['host_us_per_request_median']:7.0f} us/request, {s['ops_per_request']:.1f} ops/request "
+              f"({s['kernel_ops_per_request']:.1f} not views)")
     if "before" in summary:
         b, a = summary["before"], summary["after"]
         print(f"after / before: host {a['host_us_per_request_median'] / b['host_us_per_request_median']:.2f}x, "
-              f"ops {a['ops_per_request'] / b['ops_per_request']:.2f}x; scores identical (sha256 {next(iter(digests['after']))[:12]})")
+              f"ops {a['ops_per_request'] / b['ops_per_request']:.2f}x (not views {a['kernel_ops_per_request'] / b['kernel_ops_per_request']:.2f}x); "
+              f"scores identical (sha256 {next(iter(digests['after']))[:12]})")
     if args.out:
         sys.path.insert(0, str(HERE))
         from _machine import cpu_model, write_result
