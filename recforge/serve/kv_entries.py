@@ -22,7 +22,7 @@ class _Entry:
     num_contextual: int
     version: str
     generation: int
-    index: Tensor | None = None  # device tier: ``blocks`` as a device tensor (the pages' gather/scatter index)
+    index: Tensor | None = None  # device tier: ``blocks`` as a device tensor, made when needed (KVCachePool._index)
     protected: bool = False  # in its tier's protected segment when it left it (kv_policy.py)
 
 
