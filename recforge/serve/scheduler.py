@@ -274,7 +274,8 @@ class Scheduler:
                     continue
                 lo = seq.scored
                 hi = min(seq.req.num_candidates, lo + max(left, 1))
-                work.append((seq, WorkItem(st, {k: v[lo:hi] for k, v in cands.items()}, "targets")))
+                feats = cands if lo == 0 and hi == seq.req.num_candidates else {k: v[lo:hi] for k, v in cands.items()}
+                work.append((seq, WorkItem(st, feats, "targets")))
                 used += hi - lo
         return Plan(work)
 
