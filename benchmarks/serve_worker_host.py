@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import gc
 import hashlib
 import json
 import statistics
@@ -140,6 +141,8 @@ def child(args: argparse.Namespace) -> dict:
     serve([request(u) for u in range(args.users)])  # warm-up: every user cached (and evicted, as they go round)
     serve([request() for _ in range(args.requests // 4)])
     reqs = [request() for _ in range(args.requests)]
+    gc.collect()  # the model, the pool and the warm-up's objects out of the collector's way: a full collection
+    gc.freeze()  # over them lands on whichever pass it interrupts, in one tree's run and not the other's
     before = runner.stats()
     t0 = time.perf_counter()
     serve(reqs)

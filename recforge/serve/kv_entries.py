@@ -57,8 +57,10 @@ def _common_prefix(entry: _Entry, identity: Tensor, num_contextual: int) -> int:
         return 0
     k = min(entry.length, identity.shape[0])
     ours, theirs = entry.tokens.numpy()[:k], identity.numpy()[:k]  # NumPy: small host arrays, no torch dispatch
-    differ = np.flatnonzero((ours != theirs).any(1))
-    n = int(differ[0]) if differ.size else k
+    if np.array_equal(ours, theirs):  # the usual case (a returning user's new request extends its entry): one pass
+        n = k
+    else:
+        n = int(np.flatnonzero((ours != theirs).any(1))[0])
     return n if n >= num_contextual else 0
 
 
