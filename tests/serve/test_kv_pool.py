@@ -207,7 +207,7 @@ def _random_state(pool: KVCachePool, n: int, capacity: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     layers, _, heads, dqk = pool.keys.shape[1:]
     state = PrefixState(layers, capacity, heads, dqk, pool.values.shape[4], 1, pool.keys.dtype, pool.device)
-    state.keys.copy_(torch.randn(state.keys.shape, generator=g))
+    state.keys.copy_(torch.randn(state.keys.shape, generator=g))  # drawn on the CPU, copied to the pool's device
     state.values.copy_(torch.randn(state.values.shape, generator=g))
     state.timestamps.copy_(torch.randint(0, 10**9, (capacity,), generator=g))
     state.tokens.copy_(torch.randint(1, 50, (capacity, 4), generator=g))
@@ -219,7 +219,17 @@ def _random_state(pool: KVCachePool, n: int, capacity: int, seed: int):
 def test_pages_read_and_written_exactly_in_one_run_or_scattered(scattered: bool) -> None:
     """Pages in one run are read as a slice, others gathered; extensions of one or two pages are written by slices,
     longer writes scattered: every way gives back exactly the tokens written."""
-    pool = KVCachePool(2, 2, 4, 3, torch.float32, torch.device("cpu"), PoolConfig(device_mb=0.05, host_mb=0, block_size=4))
+    _check_pages(torch.device("cpu"), scattered)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scattered", [False, True])
+def test_pages_read_and_written_exactly_on_cuda(cuda_device, scattered: bool) -> None:
+    _check_pages(cuda_device, scattered)
+
+
+def _check_pages(device: torch.device, scattered: bool) -> None:
+    pool = KVCachePool(2, 2, 4, 3, torch.float32, device, PoolConfig(device_mb=0.05, host_mb=0, block_size=4))
     if scattered:  # only every other page free: an entry's pages never in one run
         pool.free = list(range(0, pool.num_blocks, 2))
     src = _random_state(pool, 9, 40, seed=3)
