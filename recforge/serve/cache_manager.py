@@ -72,12 +72,15 @@ class CacheManager:
         state.version = self.version
         return state
 
-    def acquire(self, user: str, tokens: dict[str, Tensor], num_contextual: int) -> PrefixState:
+    def acquire(self, user: str, tokens: dict[str, Tensor], num_contextual: int,
+                identity: Tensor | None = None) -> PrefixState:  # fmt: skip
         """A working state for a prefix of ``tokens`` (room for all of them): the longest prefix of ``tokens``
         that ``user``'s entry holds (``length`` tokens already computed; ``KVCachePool.lookup``), else an
-        empty one."""
+        empty one. ``identity``: ``token_identity(tokens)`` when the caller has it."""
         pool, total = self.pool, tokens["item_ids"].numel()
-        state = pool.lookup(user, token_identity(tokens), num_contextual, total) if pool is not None else None
+        if pool is not None and identity is None:
+            identity = token_identity(tokens)
+        state = pool.lookup(user, identity, num_contextual, total) if pool is not None else None
         state = self._with_room(state, num_contextual, total)
         state.version = self.version
         state.generation = pool.generation_of(user) if pool is not None else 0

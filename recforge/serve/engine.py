@@ -267,7 +267,7 @@ class RankEngine:
             if it.kind == "prefix":
                 s, e = it.start, it.start + it.size
                 it.state.timestamps[s:e] = feats["timestamps"][a:b]
-                it.state.tokens[s:e] = token_identity(it.features)
+                it.state.tokens[s:e] = it.token_identities()
         cached = CachedPass(items, feats["timestamps"], self.time_bias, 1.0 / enc.cfg.max_seq_len, enc.cfg.kernel,
                             staged[f:])  # fmt: skip
         embedded, x = x, enc.encode(x, cached.attend)

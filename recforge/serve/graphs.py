@@ -41,7 +41,7 @@ from torch import Tensor
 from recforge.jagged.mask import AttentionMask
 from recforge.serve.attention import attend_cached
 from recforge.serve.staging import HostStaging, ResultBuffer, host_numpy
-from recforge.serve.state import WorkItem, token_identity
+from recforge.serve.state import WorkItem
 
 if TYPE_CHECKING:
     from recforge.serve.engine import RankEngine
@@ -116,7 +116,7 @@ class PaddedPass:
         times = self.features[FEATURES.index("timestamps")]
         if item.kind == "prefix":  # the chunk's own identities and times go into the state first, as in the eager pass
             st.timestamps[start : start + size].copy_(times[:size])
-            st.tokens[start : start + size] = token_identity(item.features)
+            st.tokens[start : start + size] = item.token_identities()
         self.keys[:, :start].copy_(st.keys[:, :start])
         self.values[:, :start].copy_(st.values[:, :start])
         # rows past them keep an earlier request's keys and times: the op reads only the first ``start`` keys

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ class _Entry:
     num_contextual: int
     version: str
     generation: int
-    index: Tensor | None = None  # device tier: ``blocks`` as a device tensor (the pages' gather/scatter index)
+    index: Tensor | None = None  # device tier: ``blocks`` as a device tensor, made when needed (KVCachePool._index)
     protected: bool = False  # in its tier's protected segment when it left it (kv_policy.py)
 
 
@@ -55,8 +56,11 @@ def _common_prefix(entry: _Entry, identity: Tensor, num_contextual: int) -> int:
     if entry.num_contextual != num_contextual:
         return 0
     k = min(entry.length, identity.shape[0])
-    differ = (entry.tokens[:k] != identity[:k]).any(1).nonzero()
-    n = int(differ[0]) if differ.numel() else k
+    ours, theirs = entry.tokens.numpy()[:k], identity.numpy()[:k]  # NumPy: small host arrays, no torch dispatch
+    if np.array_equal(ours, theirs):  # the usual case (a returning user's new request extends its entry): one pass
+        n = k
+    else:
+        n = int(np.flatnonzero((ours != theirs).any(1))[0])
     return n if n >= num_contextual else 0
 
 

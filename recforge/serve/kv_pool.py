@@ -165,13 +165,24 @@ class KVCachePool(HostTier):
         """A new state holding the first ``n`` tokens of device ``entry``."""
         layers, bs, heads, dqk = self.keys.shape[1:]
         dv = self.values.shape[4]
-        state = PrefixState(layers, max(capacity, n), heads, dqk, dv, entry.num_contextual, self.keys.dtype,
+        b = math.ceil(n / bs)
+        # room for whole pages, so they are copied straight into the state (no reshaped copy in between)
+        # (the rows past ``n`` hold the last page's other tokens; rows past ``length`` are never read)
+        state = PrefixState(layers, max(capacity, b * bs), heads, dqk, dv, entry.num_contextual, self.keys.dtype,
                             self.device)  # fmt: skip
-        idx = entry.index[: math.ceil(n / bs)]
-        # pages (b, layers, bs, H, D) -> (layers, b * bs, H, D)
-        state.keys[:, :n] = self.keys[idx].transpose(0, 1).reshape(layers, -1, heads, dqk)[:, :n]
-        state.values[:, :n] = self.values[idx].transpose(0, 1).reshape(layers, -1, heads, dv)[:, :n]
-        state.timestamps[:n] = self.times[idx].reshape(-1)[:n]
+        keys = state.keys[:, : b * bs].view(layers, b, bs, heads, dqk)  # the state's rows as pages
+        values = state.values[:, : b * bs].view(layers, b, bs, heads, dv)
+        times = state.timestamps[: b * bs].view(b, bs)
+        first, blocks = entry.blocks[0], entry.blocks[:b]
+        if blocks == list(range(first, first + b)):  # one run of pages (usual: free pages are taken lowest first)
+            keys.copy_(self.keys[first : first + b].transpose(0, 1))  # read as a slice: one copy each, no gather
+            values.copy_(self.values[first : first + b].transpose(0, 1))
+            times.copy_(self.times[first : first + b])
+        else:  # pages (b, layers, bs, H, D) gathered, then copied into the state's (layers, b * bs, H, D)
+            idx = self._index(entry)[:b]
+            keys.copy_(self.keys[idx].transpose(0, 1))
+            values.copy_(self.values[idx].transpose(0, 1))
+            torch.index_select(self.times, 0, idx, out=times)
         state.tokens[:n] = entry.tokens[:n]
         state.length = n
         state.version, state.generation = entry.version, entry.generation
@@ -228,14 +239,22 @@ class KVCachePool(HostTier):
             self.stats.too_large += 1
             return False
         entry.blocks += [heapq.heappop(self.free) for _ in range(needed - len(entry.blocks))]
-        if entry.index is None or len(entry.blocks) != blocks:
-            entry.index = self._device_index(entry.blocks)
-        pos = torch.arange(start, n, device=self.device)
-        pages, slots = entry.index[pos // bs], pos % bs
-        # (layers, m, H, D) -> pages[block, layer, slot]
-        self.keys[pages, :, slots] = state.keys[:, start:n].transpose(0, 1)
-        self.values[pages, :, slots] = state.values[:, start:n].transpose(0, 1)
-        self.times[pages, slots] = state.timestamps[start:n]
+        if len(entry.blocks) != blocks:
+            entry.index = None  # made again when a gather or scatter needs it (_index)
+        first, last = start // bs, (n - 1) // bs
+        if last - first < 2:  # an extension (a few new events): slices of its one or two pages, no index tensors
+            for b in range(first, last + 1):
+                lo, hi, page = max(start, b * bs), min(n, (b + 1) * bs), entry.blocks[b]
+                self.keys[page, :, lo - b * bs : hi - b * bs] = state.keys[:, lo:hi]
+                self.values[page, :, lo - b * bs : hi - b * bs] = state.values[:, lo:hi]
+                self.times[page, lo - b * bs : hi - b * bs] = state.timestamps[lo:hi]
+        else:
+            pos = torch.arange(start, n, device=self.device)
+            pages, slots = self._index(entry)[pos // bs], pos % bs
+            # (layers, m, H, D) -> pages[block, layer, slot]
+            self.keys[pages, :, slots] = state.keys[:, start:n].transpose(0, 1)
+            self.values[pages, :, slots] = state.values[:, start:n].transpose(0, 1)
+            self.times[pages, slots] = state.timestamps[start:n]
         entry.length = n
         entry.tokens = state.tokens[:n].clone()
         entry.generation = generation
@@ -243,6 +262,13 @@ class KVCachePool(HostTier):
         self.order.add(user, len(entry.blocks), entry.protected)
         self.metadata_bytes += _metadata_bytes(user, entry)
         return True
+
+    def _index(self, entry: _Entry) -> Tensor:
+        """``entry.blocks`` as a device tensor (the pages' gather/scatter index), made when first needed: most
+        reads and writes find their pages in one run or one or two pages and need none."""
+        if entry.index is None:
+            entry.index = self._device_index(entry.blocks)
+        return entry.index
 
     def _device_index(self, blocks: list[int]) -> Tensor:
         index = torch.tensor(blocks, dtype=torch.int64)

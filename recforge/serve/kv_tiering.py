@@ -40,7 +40,6 @@ class HostTier:
     stats: PoolStats
     _reserve: Callable[[int], bool]  # free device blocks, evicting for room
     _release: Callable[[list[int]], None]  # device blocks back on the free list
-    _device_index: Callable[[list[int]], Tensor]  # blocks as a device index tensor
 
     def _init_host_tier(self, page_shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype, pin: bool, share: float) -> None:
         """The host tier's state; its slab allocated now when ``host_prealloc`` (never while serving)."""
@@ -132,7 +131,7 @@ class HostTier:
             self.host_pages.load(pages, self.times, self.keys, self.values, blocks)
         finally:  # reused only by copies issued after this one on the same stream; never lost on an error
             self.host_pages.release(pages)
-        entry.blocks, entry.index = blocks, self._device_index(blocks)
+        entry.blocks, entry.index = blocks, None  # the device index is made when needed (KVCachePool._index)
         self.entries[user] = entry
         self.order.add(user, len(blocks), protected=True)  # it came back: a user seen again
         self.metadata_bytes += meta

@@ -240,32 +240,41 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
+TOKEN_FEATURES = ("item_ids", "actions", "context_ids", "timestamps")  # the columns of a token identity (state.py)
+
+
 def prefix_tokens(req: EncodedRequest, action_encoding: str) -> dict[str, Tensor]:
     """Token features of the cached part (contextual + history), in sequence order."""
+    return prefix_layout(req, action_encoding)[0]
+
+
+def prefix_layout(req: EncodedRequest, action_encoding: str) -> tuple[dict[str, Tensor], Tensor]:
+    """``prefix_tokens`` and their (n, 4) token identities (``state.token_identity``), both views of one
+    (4, n) array: built with NumPy (a few small host writes, far cheaper than torch ops per request)."""
     c, events = req.context_ids.numel(), req.items.numel()
     per_event = 2 if action_encoding == "interleave" else 1
-    n = c + per_event * events
-    item_ids = torch.zeros(n, dtype=torch.int64)
-    actions = torch.zeros(n, dtype=torch.int64)
-    context_ids = torch.zeros(n, dtype=torch.int64)
-    timestamps = torch.zeros(n, dtype=torch.int64)  # contextual tokens are not events: no time
-    context_ids[:c] = req.context_ids
-    pos = c + per_event * torch.arange(events)
-    item_ids[pos] = req.items
-    timestamps[pos] = req.timestamps
+    table = np.zeros((len(TOKEN_FEATURES), c + per_event * events), dtype=np.int64)
+    item_ids, actions, context_ids, timestamps = table  # contextual tokens are not events: no time
+    context_ids[:c] = req.context_ids.numpy()
+    ts = req.timestamps.numpy()
+    item_ids[c::per_event] = req.items.numpy()
+    timestamps[c::per_event] = ts
     if per_event == 1:
-        actions[pos] = req.actions
-    else:
-        actions[pos + 1] = req.actions
-        timestamps[pos + 1] = req.timestamps
-    return {"item_ids": item_ids, "actions": actions, "context_ids": context_ids, "timestamps": timestamps}
+        actions[c:] = req.actions.numpy()
+    else:  # item, action tokens: the action one after its item, at the same time
+        actions[c + 1 :: 2] = req.actions.numpy()
+        timestamps[c + 1 :: 2] = ts
+    tokens = {name: torch.from_numpy(row) for name, row in zip(TOKEN_FEATURES, table)}
+    return tokens, torch.from_numpy(table).T
 
 
 def candidate_tokens(req: EncodedRequest) -> dict[str, Tensor]:
-    count = req.num_candidates
-    zeros = torch.zeros(count, dtype=torch.int64)
-    ts = torch.full((count,), req.request_time, dtype=torch.int64)
-    return {"item_ids": req.candidates.clone(), "actions": zeros, "context_ids": zeros.clone(), "timestamps": ts}
+    """Token features of the candidates (no action, no context, the request time); rows of one NumPy array.
+    ``OverflowError`` when the request time does not fit in int64."""
+    table = np.zeros((len(TOKEN_FEATURES), req.num_candidates), dtype=np.int64)
+    table[0] = req.candidates.numpy()
+    table[3] = req.request_time
+    return {name: torch.from_numpy(row) for name, row in zip(TOKEN_FEATURES, table)}
 
 
 def training_batch(req: EncodedRequest, action_encoding: str, max_seq_len: int, per_candidate: bool = False) -> JaggedBatch:
@@ -288,4 +297,5 @@ def training_batch(req: EncodedRequest, action_encoding: str, max_seq_len: int, 
     return JaggedBatch(offsets_from_lengths(lengths), features, max(max_seq_len, int(lengths.max())), mask=mask)
 
 
-__all__ = ["EncodedRequest", "History", "RequestError", "Vocab", "candidate_tokens", "prefix_tokens", "training_batch"]
+__all__ = ["TOKEN_FEATURES", "EncodedRequest", "History", "RequestError", "Vocab", "candidate_tokens", "prefix_layout",
+           "prefix_tokens", "training_batch"]

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from recforge.serve.cache_manager import CacheManager
-from recforge.serve.layout import EncodedRequest, candidate_tokens, prefix_tokens
+from recforge.serve.layout import EncodedRequest, candidate_tokens, prefix_layout
 from recforge.serve.state import PrefixState, WorkItem
 
 if TYPE_CHECKING:
@@ -103,12 +103,14 @@ class Sequence:
     arrival: float  # time.monotonic()
     deadline: float = math.inf  # time.monotonic() after which the answer is useless
     tokens: dict[str, torch.Tensor] | None = None  # prefix tokens
+    identity: torch.Tensor | None = None  # (n, 4) their token identities (a view of the same memory)
     state: PrefixState | None = None  # given: the caller's own state to extend (never written to the pool)
     reused: int = 0
     scores: list[torch.Tensor] = field(default_factory=list)
     scored: int = 0  # candidates done
     first_pass: float = 0.0  # time.monotonic() of its first engine pass (0: none yet)
     own_state: bool = False  # started from the caller's state (not the pool's)
+    counted: int = 0  # its share of ``Scheduler.remaining_tokens()``, as last counted
 
     @property
     def prefix_total(self) -> int:
@@ -154,6 +156,7 @@ class Scheduler:
         self.blocked: dict[str, deque[Sequence]] = {}  # user -> later requests waiting for the writer
         self.num_blocked = 0  # kept as a count: other threads read len(scheduler) while this one works
         self.failed: list[tuple[Sequence, Exception]] = []  # started from a blocked queue and failed; resolve them
+        self._remaining = 0  # the admitted sequences' ``counted`` tokens, kept as they change (remaining_tokens)
 
     def __len__(self) -> int:
         return len(self.running) + self.num_blocked
@@ -163,19 +166,21 @@ class Scheduler:
         if seq.req.user in self.writers:
             self.blocked.setdefault(seq.req.user, deque()).append(seq)
             self.num_blocked += 1
+            self._count(seq, seq.req.items.numel() + seq.req.num_candidates)  # before it starts: an upper bound
         else:
             self._start(seq)
 
     def _start(self, seq: Sequence) -> None:
-        seq.tokens = prefix_tokens(seq.req, self.engine.action_encoding)
+        seq.tokens, seq.identity = prefix_layout(seq.req, self.engine.action_encoding)
         num_contextual = seq.req.context_ids.numel()
         if seq.state is None:
-            seq.state = self.cache.acquire(seq.req.user, seq.tokens, num_contextual)
+            seq.state = self.cache.acquire(seq.req.user, seq.tokens, num_contextual, seq.identity)
         else:  # the caller's own state: extended here, never written back (it was not read from the pool)
             seq.state = self.cache.adopt(seq.state, seq.tokens, num_contextual)
             seq.own_state = True
         seq.reused = seq.state.length
         self.running.append(seq)
+        self._count(seq, seq.remaining_tokens)
         if seq.prefilled:  # wholly cached: count the reuse, refresh its LRU place
             self._write_back(seq)
         else:
@@ -195,6 +200,7 @@ class Scheduler:
         while queue and user not in self.writers:
             nxt = queue.popleft()
             self.num_blocked -= 1
+            self._count(nxt, 0)
             try:
                 self._start(nxt)
             except Exception as err:  # noqa: BLE001 - reported on that request only
@@ -206,12 +212,14 @@ class Scheduler:
         """Take ``seq`` out (failed, expired or cancelled); its partial prefix is never written back."""
         if seq in self.running:
             self.running.remove(seq)
+            self._count(seq, 0)
             self._prefix_done(seq)
             return
         queue = self.blocked.get(seq.req.user)
         if queue is not None and seq in queue:
             queue.remove(seq)
             self.num_blocked -= 1
+            self._count(seq, 0)
             if not queue:
                 del self.blocked[seq.req.user]
 
@@ -231,8 +239,14 @@ class Scheduler:
         return out
 
     def remaining_tokens(self) -> int:
-        """Query tokens still to compute for the admitted requests (an upper bound for blocked ones)."""
-        return sum(s.remaining_tokens for s in self.running) + sum(s.remaining_tokens for q in self.blocked.values() for s in q)
+        """Query tokens still to compute for the admitted requests (an upper bound for blocked ones). O(1): kept up
+        to date as requests start, advance (``update``) and leave, not summed over every request per pass."""
+        return self._remaining
+
+    def _count(self, seq: Sequence, tokens: int) -> None:
+        """``seq`` now counts ``tokens`` in ``remaining_tokens`` (0: it left)."""
+        self._remaining += tokens - seq.counted
+        seq.counted = tokens
 
     def schedule(self) -> Plan:
         budget, chunk_cap = self.config.token_budget, self.config.prefill_chunk
@@ -249,7 +263,7 @@ class Scheduler:
                 if start < st.num_contextual:  # contextual tokens attend both ways: one chunk holds them all
                     end = max(end, min(st.num_contextual, seq.prefix_total))
                 feats = {k: v[start:end] for k, v in seq.tokens.items()}
-                work.append((seq, WorkItem(st, feats, "prefix", start)))
+                work.append((seq, WorkItem(st, feats, "prefix", start, seq.identity[start:end])))
                 used += end - start
             else:
                 try:  # a request whose values do not fit (a bug or a foreign peer) fails alone, not the pass
@@ -260,7 +274,8 @@ class Scheduler:
                     continue
                 lo = seq.scored
                 hi = min(seq.req.num_candidates, lo + max(left, 1))
-                work.append((seq, WorkItem(st, {k: v[lo:hi] for k, v in cands.items()}, "targets")))
+                feats = cands if lo == 0 and hi == seq.req.num_candidates else {k: v[lo:hi] for k, v in cands.items()}
+                work.append((seq, WorkItem(st, feats, "targets")))
                 used += hi - lo
         return Plan(work)
 
@@ -276,8 +291,10 @@ class Scheduler:
             elif seq.prefilled:
                 self._write_back(seq)
                 self._prefix_done(seq)
+            self._count(seq, seq.remaining_tokens)  # its state or scores advanced
         for seq in done:
             self.running.remove(seq)
+            self._count(seq, 0)
         return done
 
 

@@ -34,7 +34,7 @@ def _capacity(n: int) -> int:
 def host_numpy(t: Tensor) -> np.ndarray:
     """``t``'s values as NumPy, for writing into a staging buffer (work items' features are host tensors,
     ``layout.py``; one on a device is read back, which waits for it)."""
-    return (t if t.device.type == "cpu" else t.cpu()).numpy()
+    return t.numpy() if t.is_cpu else t.cpu().numpy()
 
 
 class HostStaging:

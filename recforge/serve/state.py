@@ -19,10 +19,11 @@ class PrefixState:
 
     def __init__(self, num_layers: int, capacity: int, heads: int, dqk: int, dv: int, num_contextual: int,
                  dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
-        # rows past ``length`` are never read (every reader takes [:length]): no zero fill, one kernel less each
+        # rows past ``length`` are never read (every reader takes [:length], a pass writes a chunk's rows before it
+        # reads them): no zero fill, one kernel less each
         self.keys = torch.empty(num_layers, capacity, heads, dqk, dtype=dtype, device=device)
         self.values = torch.empty(num_layers, capacity, heads, dv, dtype=dtype, device=device)
-        self.timestamps = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.timestamps = torch.empty(capacity, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(capacity, 4, dtype=torch.int64)
         self.length = 0
         self.num_contextual = num_contextual
@@ -60,6 +61,11 @@ class WorkItem:
     features: dict[str, Tensor]
     kind: str
     start: int = 0
+    identity: Tensor | None = None  # a prefix chunk's (size, 4) token identities, when the caller has them (else derived)
+
+    def token_identities(self) -> Tensor:
+        """(size, 4) the item's token identities (``token_identity`` of its features unless given)."""
+        return self.identity if self.identity is not None else token_identity(self.features)
 
     @property
     def size(self) -> int:

@@ -199,3 +199,50 @@ def test_cuda_engine_and_host_tier_round_trip(tmp_path, cuda_device) -> None:
     result = engine.rank_encoded(req)
     assert engine.pool.stats.host_hits == 1 and result.cached_tokens == 52
     torch.testing.assert_close(result.scores, cpu.rank_encoded(req).scores, rtol=1e-4, atol=1e-4)
+
+
+def _random_state(pool: KVCachePool, n: int, capacity: int, seed: int):
+    from recforge.serve.state import PrefixState
+
+    g = torch.Generator().manual_seed(seed)
+    layers, _, heads, dqk = pool.keys.shape[1:]
+    state = PrefixState(layers, capacity, heads, dqk, pool.values.shape[4], 1, pool.keys.dtype, pool.device)
+    state.keys.copy_(torch.randn(state.keys.shape, generator=g))  # drawn on the CPU, copied to the pool's device
+    state.values.copy_(torch.randn(state.values.shape, generator=g))
+    state.timestamps.copy_(torch.randint(0, 10**9, (capacity,), generator=g))
+    state.tokens.copy_(torch.randint(1, 50, (capacity, 4), generator=g))
+    state.length, state.version = n, pool.version
+    return state
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_pages_read_and_written_exactly_in_one_run_or_scattered(scattered: bool) -> None:
+    """Pages in one run are read as a slice, others gathered; extensions of one or two pages are written by slices,
+    longer writes scattered: every way gives back exactly the tokens written."""
+    _check_pages(torch.device("cpu"), scattered)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scattered", [False, True])
+def test_pages_read_and_written_exactly_on_cuda(cuda_device, scattered: bool) -> None:
+    _check_pages(cuda_device, scattered)
+
+
+def _check_pages(device: torch.device, scattered: bool) -> None:
+    pool = KVCachePool(2, 2, 4, 3, torch.float32, device, PoolConfig(device_mb=0.05, host_mb=0, block_size=4))
+    if scattered:  # only every other page free: an entry's pages never in one run
+        pool.free = list(range(0, pool.num_blocks, 2))
+    src = _random_state(pool, 9, 40, seed=3)
+    steps = [(0, 9), (9, 10), (10, 13), (13, 26)]  # a first write, extensions in one and two pages, a long one
+    for start, n in steps:
+        src.length = n
+        src.generation = pool.generation_of("u")
+        assert pool.put("u", src, start)
+        got = pool.lookup("u", src.tokens[:n], num_contextual=1, capacity=n)
+        assert got.length == n and got.capacity >= n
+        entry = pool.entries["u"]
+        consecutive = entry.blocks == list(range(entry.blocks[0], entry.blocks[0] + len(entry.blocks)))
+        assert consecutive != scattered
+        torch.testing.assert_close(got.keys[:, :n], src.keys[:, :n], rtol=0, atol=0)
+        torch.testing.assert_close(got.values[:, :n], src.values[:, :n], rtol=0, atol=0)
+        assert torch.equal(got.timestamps[:n], src.timestamps[:n]) and torch.equal(got.tokens[:n], src.tokens[:n])

@@ -47,6 +47,32 @@ def test_passes_respect_the_budget_and_short_requests_finish_first(tmp_path) -> 
     assert finished[-1] == "u0" and passes >= 302 // 32
 
 
+def _recount(sched: Scheduler) -> int:
+    """``remaining_tokens`` summed over every admitted request (what the scheduler keeps incrementally)."""
+    blocked = [s for q in sched.blocked.values() for s in q]
+    return sum(s.remaining_tokens for s in sched.running) + sum(s.req.items.numel() + s.req.num_candidates for s in blocked)
+
+
+def test_remaining_tokens_kept_equals_a_recount(tmp_path) -> None:
+    engine = _engine(tmp_path)
+    engine.pool = KVCachePool.for_engine(engine, PoolConfig(device_mb=1, block_size=16))
+    sched = Scheduler(engine, SchedulerConfig(token_budget=40, prefill_chunk=24))
+    reqs = _requests(engine) + _requests(engine, lengths=(310, 9), cands=(5, 4))  # u0, u1 twice: the second ones blocked
+    seqs = [Sequence(req, Future(), 0.0) for req in reqs]
+    for seq in seqs:
+        sched.add(seq)
+        assert sched.remaining_tokens() == _recount(sched)
+    assert sched.num_blocked == 2
+    sched.remove(seqs[3])  # a running request leaves
+    sched.remove(seqs[-1])  # a blocked one
+    assert sched.remaining_tokens() == _recount(sched) > 0
+    while sched.running:
+        plan = sched.schedule()
+        sched.update(plan, engine.run(plan.items))
+        assert sched.remaining_tokens() == _recount(sched)
+    assert sched.remaining_tokens() == 0 and not sched.blocked
+
+
 def test_batched_scores_equal_one_request_at_a_time(tmp_path) -> None:
     engine = _engine(tmp_path)
     engine.pool = KVCachePool.for_engine(engine, PoolConfig(device_mb=1, block_size=16))
