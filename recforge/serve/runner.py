@@ -76,6 +76,7 @@ class BatchRunner(GuardedWorker):
         self.on_pass = on_pass
         self._incoming: deque[Sequence] = deque()
         self._incoming_tokens = 0
+        self._wait_per_token = 0.0  # recent requests' wait per token queued ahead of them (queued_seconds)
         self._backlog_tokens = 0  # the scheduler's remaining tokens, published by the worker after each pass
         self._cost = _PassCost()
         self._reload: tuple[RankEngine, KVCachePool | None, Future] | None = None
@@ -97,7 +98,7 @@ class BatchRunner(GuardedWorker):
         with self._cond:
             own = self._tokens_estimate(req.items.numel(), req.num_candidates)
             self._admit_counted(now, deadline, own)
-            seq = Sequence(req, Future(), now, deadline)
+            seq = Sequence(req, Future(), now, deadline, tokens_ahead=self._backlog_tokens + self._incoming_tokens)
             self._incoming.append(seq)
             self._incoming_tokens += own
             self._cond.notify()
@@ -133,12 +134,27 @@ class BatchRunner(GuardedWorker):
             return {**self.counters, "t": time.monotonic()}
 
     def queued_seconds(self) -> float:
-        """How long a new request would wait before its first pass: the larger of the queued work's estimated
-        time (tokens x measured seconds per token) and the wait recent requests actually had (which also
-        sees what the cost model misses: per-request overheads, a busy host). 0 when nothing is queued."""
-        if not (self._backlog_tokens or self._incoming_tokens):
+        """How long a new request would wait before its first pass: the queued tokens times the larger of two
+        rates, the passes' measured seconds per token (the cost model) and the wait recent requests actually had
+        per token queued ahead of them at admission (which also sees what the cost model misses: per-request
+        host work, a busy host). 0 when nothing is queued.
+
+        Per queued token, not the recent wait itself: the recent wait describes the queue those requests met.
+        Once refusals let the queue drain, the estimate falls with it, and admission resumes before the worker
+        runs dry (with the recent wait alone, a burst alternated between refusing everything and an idle
+        worker)."""
+        tokens = self._backlog_tokens + self._incoming_tokens
+        if not tokens:
             return 0.0
-        return max(self._cost.estimate(self._backlog_tokens + self._incoming_tokens), self._queue_delay)
+        return max(self._cost.estimate(tokens), self._wait_per_token * max(tokens, self.config.token_budget))
+
+    def _started(self, seq: Sequence) -> None:
+        """Fold a request's wait (arrival to its first pass) into the recent queue delay and the wait per
+        queued token (less than a pass's tokens ahead of it: it waited about one pass)."""
+        wait = seq.first_pass - seq.arrival
+        self._waited(seq.first_pass, seq.arrival)
+        ahead = max(seq.tokens_ahead, self.config.token_budget)
+        self._wait_per_token = 0.8 * self._wait_per_token + 0.2 * wait / ahead
 
     def pending(self) -> int:
         return len(self._incoming) + len(self.scheduler)
@@ -253,7 +269,7 @@ class BatchRunner(GuardedWorker):
 
     def _run_alone(self, seq: Sequence) -> None:
         seq.first_pass = time.monotonic()
-        self._waited(seq.first_pass, seq.arrival)
+        self._started(seq)
         t0 = time.perf_counter()
         try:
             result = self.engine.rank_encoded(seq.req)
@@ -288,7 +304,7 @@ class BatchRunner(GuardedWorker):
         for seq, _ in plan.work:
             if not seq.first_pass:
                 seq.first_pass = now
-                self._waited(now, seq.arrival)
+                self._started(seq)
         ok = [(pair, out) for pair, out in zip(plan.work, outputs) if not isinstance(out, Exception)]
         for (seq, _), out in zip(plan.work, outputs):
             if isinstance(out, Exception):

@@ -109,6 +109,7 @@ class Sequence:
     scores: list[torch.Tensor] = field(default_factory=list)
     scored: int = 0  # candidates done
     first_pass: float = 0.0  # time.monotonic() of its first engine pass (0: none yet)
+    tokens_ahead: float = 0.0  # tokens queued ahead of it when it was admitted (the runner's delay per token)
     own_state: bool = False  # started from the caller's state (not the pool's)
     counted: int = 0  # its share of ``Scheduler.remaining_tokens()``, as last counted
 

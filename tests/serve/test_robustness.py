@@ -177,6 +177,36 @@ def test_admission_is_bounded_in_time_and_says_when_to_retry(run) -> None:
         runner.close()
 
 
+def test_the_queue_estimate_falls_as_the_queue_drains(run) -> None:
+    """Requests that waited long behind a deep queue do not keep the estimate up once the queue is short: the
+    observed wait counts per token queued ahead at admission, so admission resumes before the worker runs dry."""
+    engine = _engine(run, pool=False)
+    _slow(engine, 0.05)
+    runner = BatchRunner(engine, SchedulerConfig(max_queue_ms=400, max_wait_ms=0, token_budget=64))
+    try:
+        gate = threading.Event()
+        real = engine.run
+        engine.run = lambda items: (gate.wait(30), real(items))[1]
+        futures = [runner.submit(_request(engine, f"u{i}", random_history(30, seed=i))) for i in range(12)]
+        time.sleep(0.3)  # every request waits behind the gate: the later ones had many tokens ahead
+        gate.set()
+        for f in futures:
+            f.result(timeout=60)
+        per_token = runner._wait_per_token
+        assert per_token > 0 and runner._queue_delay > 0.1  # the last ones waited long
+        with runner._cond:
+            runner._backlog_tokens, runner._incoming_tokens = 0, 0
+            assert runner.queued_seconds() == 0.0
+            runner._backlog_tokens = 64 * 8  # eight passes queued, then two
+            deep = runner.queued_seconds()
+            runner._backlog_tokens = 64 * 2
+            short = runner.queued_seconds()
+        assert deep >= per_token * 64 * 8 * (1 - 1e-9)
+        assert short < deep / 2 and short < runner._queue_delay  # not held up at the last requests' long wait
+    finally:
+        runner.close()
+
+
 def test_an_unexpected_worker_error_fails_only_the_requests_in_flight(run) -> None:
     engine = _engine(run)
     runner = BatchRunner(engine, SchedulerConfig(max_wait_ms=1, max_queue_ms=QUEUE_MS))
