@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -134,6 +135,9 @@ class EngineCore:
 
     def serve(self, stop: threading.Event) -> None:
         """Answer front ends until ``stop`` is set; then refuse new work, drain the runner and return."""
+        # what start-up made (model, modules, imports) leaves the collector's generations: a full collection
+        # no longer walks it while holding the GIL the batching worker needs
+        gc.freeze()
         ctx = zmq.Context()
         router, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
         for sock in (router, pub):

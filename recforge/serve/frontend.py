@@ -68,6 +68,11 @@ def fetch_spec(endpoints: Endpoints, timeout_s: float) -> EngineSpec:
 class RemoteBackend:
     """The engine in another process (see the module docstring); the app-facing members are ``LocalBackend``'s."""
 
+    # Refuse before reading a request past 80% of max_queue_ms: the queue estimate comes with the engine's
+    # heartbeat (up to 20 ms old) and every front end admits on it at once, so at 100% a burst overshoots and
+    # the engine refuses what the front ends already read and forwarded (its own check stays at 100%)
+    shed_fraction = 0.8
+
     def __init__(self, endpoints: Endpoints, config: ServerConfig, spec: EngineSpec,
                  multiprocess_metrics: bool = True) -> None:  # fmt: skip
         """``multiprocess_metrics``: HTTP metrics summed over every front-end process (prometheus_client's

@@ -94,6 +94,8 @@ class LocalBackend:
     encodes requests), ``unavailable()``, ``queued_seconds()``, ``rank()``, ``health()``, ``reload()``,
     ``metrics_text()``, ``start()`` and ``close()``; ``frontend.RemoteBackend`` is the other one."""
 
+    shed_fraction = 1.0  # refuse past this share of max_queue_ms before reading a request (its queue is live here)
+
     def __init__(self, engine: RankEngine, config: ServerConfig) -> None:
         attach_pool(engine, config)
         self.config = config
@@ -210,7 +212,8 @@ def build_app(backend, config: ServerConfig) -> FastAPI:
         if down is not None:
             return 1.0, down
         queued = backend.queued_seconds()
-        return overload_refusal(queued, lag.lag_s, config.scheduler.max_queue_ms, config.max_loop_lag_ms)
+        return overload_refusal(queued, lag.lag_s, config.scheduler.max_queue_ms * backend.shed_fraction,
+                                config.max_loop_lag_ms)  # fmt: skip
 
     app, errors = guarded_app(
         config, metrics.on_status, shed, lifespan=lifespan, title="recforge ranking server", version=backend.spec.version,

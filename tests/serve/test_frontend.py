@@ -240,6 +240,11 @@ def test_overload_and_a_gone_engine_are_refused_before_parsing(run) -> None:
             refused = client.post("/v1/rank", content=b"not even json")
             assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1, refused.text
             assert "not been heard" not in refused.text
+            # a front end refuses from 80% of max_queue_ms (its estimate is a heartbeat old; the engine's is live)
+            backend.status = {**backend.status, "queued_s": 0.085}
+            assert client.post("/v1/rank", content=b"not even json").status_code == 503
+            backend.status = {**backend.status, "queued_s": 0.075}
+            assert client.post("/v1/rank", content=b"not even json").status_code == 422  # admitted, then parsed
             backend.status = {**backend.status, "queued_s": 0.0}
             backend._heard = time.monotonic() - 100.0  # the engine now looks silent (stopped, wedged)
             refused = client.post("/v1/rank", content=b"not even json")
