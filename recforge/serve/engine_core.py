@@ -135,9 +135,6 @@ class EngineCore:
 
     def serve(self, stop: threading.Event) -> None:
         """Answer front ends until ``stop`` is set; then refuse new work, drain the runner and return."""
-        # what start-up made (model, modules, imports) leaves the collector's generations: a full collection
-        # no longer walks it while holding the GIL the batching worker needs
-        gc.freeze()
         ctx = zmq.Context()
         router, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
         for sock in (router, pub):
@@ -263,6 +260,7 @@ class EngineCore:
         def work() -> None:  # stage_reload loads from disk: off the I/O thread
             try:
                 outcome: tuple = ("reloaded", self.runner.reload(str(run_dir)))
+                gc.unfreeze()  # an engine process froze the old model at start (procs): let the collector reach it
             except Exception as err:  # noqa: BLE001 - reported to the caller
                 outcome = ("reload_failed", err)
             self._push(ident, rid, outcome)

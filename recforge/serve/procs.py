@@ -26,6 +26,7 @@ starts the front ends and then only watches them:
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -207,6 +208,10 @@ def _engine_main(run_dir, engine_config, config, endpoints, ready, threads: int,
     ready.close()
     parent = os.getppid()
     threading.Thread(target=_stop_when_orphaned, args=(parent, stop), daemon=True).start()
+    # what start-up made (the model, modules, imports) leaves the collector's generations: a full collection
+    # no longer walks it while holding the GIL the batching worker needs (a reload unfreezes: the old model
+    # must stay collectable)
+    gc.freeze()
     core.serve(stop)
 
 

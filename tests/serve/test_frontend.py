@@ -6,6 +6,7 @@ The real multi-process server is tested in ``test_procs.py``."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 import shutil
@@ -192,8 +193,10 @@ def test_reload_through_one_frontend_reaches_every_frontend(core, run, tmp_path)
         failed = one.post("/v1/reload", json={"run_dir": str(broken)})
         assert failed.status_code == 422 and "still serving" in failed.json()["detail"]
         assert two.post("/v1/rank", json=body).json()["scores"] == before["scores"]  # a failed reload changes nothing
+        gc.freeze()  # as an engine process does at start (procs._engine_main)
         done = one.post("/v1/reload", json={"run_dir": str(new_run)})
         assert done.status_code == 200, done.text
+        assert gc.get_freeze_count() == 0  # the old model is collectable again
         version = done.json()["model_version"]
         after = two.post("/v1/rank", json=body).json()  # two may still hold the old spec: stale -> re-encoded
         assert after["model_version"] == version != before["model_version"]
