@@ -116,6 +116,7 @@ class GraphedStep:
                     log.warning("train.cuda_graphs: capturing the step failed (%s); the rest of the run trains with the "
                                 "eager step. A step that synchronises with the host cannot be captured: find the sync "
                                 "with torch.cuda.set_sync_debug_mode('error')", self.failed)  # fmt: skip
+                    log.debug("train.cuda_graphs: where the capture failed", exc_info=True)
                     return loss
                 log.info("train.cuda_graphs: captured the step for %d tokens in %d sequences (%d graphs)",
                          padded.batch.num_tokens, padded.batch.batch_size, len(self.graphs))  # fmt: skip
