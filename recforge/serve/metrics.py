@@ -52,8 +52,24 @@ class EngineMetrics:
                          ("host_bytes_used", "KV-cache host tier bytes in use"),
                          ("metadata_bytes", "KV-cache per-user metadata in host memory (tokens, keys)"),
                          ("users_device", "users cached on the device tier"),
-                         ("users_host", "users cached on the host tier")):  # fmt: skip
+                         ("users_host", "users cached on the host tier"),
+                         ("users_protected", "device-tier users in the protected segment (slru: seen twice)"),
+                         ("lookups", "KV-cache lookups since start"),
+                         ("device_hits", "lookups found on the device tier since start"),
+                         ("host_hits", "lookups found on the host tier (copied back) since start"),
+                         ("misses", "lookups with nothing cached since start"),
+                         ("stale", "lookups whose entry had nothing reusable since start"),
+                         ("evicted_to_host", "entries moved from the device to the host tier since start"),
+                         ("dropped", "entries dropped from the cache since start"),
+                         ("ghost_admissions", "users cached again as protected after a drop (slru) since start")):  # fmt: skip
             Gauge(f"recforge_kv_cache_{key}", doc, registry=registry).set_function(pool_value(key))
+        for key, doc in (("uploads", "host-to-device copies of engine-pass inputs since start"),
+                         ("downloads", "device-to-host copies of engine-pass results since start"),
+                         ("staging_waits", "waits for a staging buffer still in use by the device since start")):  # fmt: skip
+            Gauge(f"recforge_engine_{key}", doc, registry=registry).set_function(
+                lambda k=key: float(runner.engine.transfers.get(k, 0)))
+        Gauge("recforge_rank_refused", "requests refused by admission control (503) since start",
+              registry=registry).set_function(lambda: runner.counters["refused"])  # fmt: skip
         Gauge("recforge_queue_depth", "requests waiting or running", registry=registry).set_function(runner.pending)
         for reason in ("deadline", "cancelled"):
             Gauge(f"recforge_rank_dropped_{reason}", f"requests dropped unanswered ({reason})",

@@ -96,6 +96,12 @@ def test_health_metrics_and_openapi(client) -> None:
     assert 'recforge_rank_requests_total{status="200"} 2.0' in metrics
     assert "recforge_rank_latency_seconds_bucket" in metrics and "recforge_batch_tokens_bucket" in metrics
     assert "recforge_kv_cache_hit_rate 0.5" in metrics
+    kv = health["kv_cache"]  # the pool's counters and the engine's copies, as /health reports them
+    assert f"recforge_kv_cache_lookups {float(kv['lookups'])}" in metrics and kv["lookups"] == 2
+    assert f"recforge_kv_cache_device_hits {float(kv['device_hits'])}" in metrics
+    assert f"recforge_kv_cache_misses {float(kv['misses'])}" in metrics and kv["misses"] >= 1
+    assert "recforge_engine_uploads " in metrics and "recforge_engine_uploads 0.0" not in metrics
+    assert "recforge_rank_refused 0.0" in metrics
     schema = client.get("/openapi.json").json()
     assert "/v1/rank" in schema["paths"] and "RankRequestIn" in schema["components"]["schemas"]
     assert client.get("/docs").status_code == 200
