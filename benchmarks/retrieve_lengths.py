@@ -19,7 +19,7 @@ Modes, interleaved every round on the same requests:
   unpadded key lengths (``sid_seq2seq.SDPA_BACKENDS = None``, ``KEY_ALIGN = 1``);
 - masked: flash / memory-efficient / math, masked keys padded to ``KEY_ALIGN``, the key mask passed to SDPA
   (so a padded batch runs the memory-efficient kernel);
-- new: recforge's: as masked, and at inference in half precision on CUDA the key mask folded into the head
+- new: recforge's: as masked, and at inference in bfloat16 on CUDA the key mask folded into the head
   dimension (``sid_seq2seq.attention``), so flash attention runs on padded batches too.
 
 The backend PyTorch picks for the encoder's attention in each mode is recorded, and the modes' answers

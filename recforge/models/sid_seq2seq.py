@@ -15,7 +15,7 @@ math: not cuDNN), because PyTorch's first choice on H100/H200 (cuDNN attention, 
 enough) builds an execution plan for every new shape (tens of ms each), and serving and training see a
 new key length (and batch size) in nearly every batch. Masked key lengths are padded to a multiple of
 ``KEY_ALIGN`` with masked zero tokens, so the memory-efficient kernel takes the (B, 1, 1, S) mask as a
-broadcast bias without copying it. At inference in half precision on CUDA the mask instead rides in
+broadcast bias without copying it. At inference in bfloat16 on CUDA the mask instead rides in
 the head dimension (``attention``): flash attention takes no mask, and with one the memory-efficient
 kernel ran a batch of varying lengths 2x slower than flash on the same keys unmasked (H200). All of
 this only changes float rounding (tested: padded == unpadded, folded == masked).
@@ -99,9 +99,10 @@ MASK_DIMS = 8  # head-dimension columns that carry a folded key mask (flash take
 
 
 def fold_key_mask(q: Tensor) -> bool:
-    """Whether ``attention`` folds the key mask into the head dimension for ``q``: at inference, in half
-    precision, on CUDA (where flash attention would run but for the mask)."""
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not torch.is_grad_enabled()
+    """Whether ``attention`` folds the key mask into the head dimension for ``q``: at inference, in bfloat16,
+    on CUDA (where flash attention would run but for the mask). Not float16: its largest finite offset
+    (-16,376) would suppress a masked key only while its logit stays within ~16k of the real keys'."""
+    return q.is_cuda and q.dtype == torch.bfloat16 and not torch.is_grad_enabled()
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, dropout_p: float = 0.0) -> Tensor:
@@ -110,15 +111,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, dropout_
 
     Where ``fold_key_mask(q)``, the mask rides in ``MASK_DIMS`` extra head-dimension columns instead: q gains
     (1, 0, ...), k (0 or a huge negative, 0, ...), v zeros, so each logit is q.k plus 0 for a real key and
-    minus ~1e38 (fp16: ~1.6e4) for a masked one; softmax gives masked keys exactly 0 weight (every row
-    has a real key), the scale stays 1/sqrt(dh), and the output drops the extra columns. With no mask
-    tensor, SDPA can pick flash attention."""
+    minus ~8e37 for a masked one; softmax gives masked keys exactly 0 weight, the scale stays 1/sqrt(dh),
+    and the output drops the extra columns. With no mask tensor, SDPA can pick flash attention. Every
+    row must have a real key (a request's history is never empty): a row without one would average the
+    masked values where SDPA returns zeros."""
     if key_mask is None or not fold_key_mask(q):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=dropout_p)
     b, heads, s, dh = k.shape
     masked = -0.25 * torch.finfo(k.dtype).max
     k_extra = k.new_zeros(b, 1, s, MASK_DIMS)
-    k_extra[..., 0].masked_fill_(~key_mask.reshape(b, 1, s), masked)  # fill_: no host scalar copy
+    k_extra[..., 0].masked_fill_(~key_mask.expand(b, 1, 1, s).reshape(b, 1, s), masked)  # fill_: no host scalar copy
     q_extra = q.new_zeros(1, 1, 1, MASK_DIMS)
     q_extra[..., 0].fill_(1.0)
     q = torch.cat([q, q_extra.expand(*q.shape[:3], MASK_DIMS)], -1)

@@ -108,6 +108,7 @@ class EngineCore:
         os.set_blocking(self._wake_w, False)
         self._wake_pending = threading.Event()
         self._reloading = False
+        self.froze_at_start = False  # set by the engine process, which gc.freeze()s what start-up made
         # the I/O thread's cumulative work (in /health's counters): rank messages, those refused before decoding
         # them, seconds spent decoding/checking, and its busy (not polling) wall and CPU seconds
         self.io = {"io_rank_messages": 0, "io_refused_before_decode": 0, "io_refused_at_submit": 0,
@@ -260,7 +261,8 @@ class EngineCore:
         def work() -> None:  # stage_reload loads from disk: off the I/O thread
             try:
                 outcome: tuple = ("reloaded", self.runner.reload(str(run_dir)))
-                gc.unfreeze()  # an engine process froze the old model at start (procs): let the collector reach it
+                if self.froze_at_start:  # the old model was frozen with the rest (procs): let the collector reach it
+                    gc.unfreeze()
             except Exception as err:  # noqa: BLE001 - reported to the caller
                 outcome = ("reload_failed", err)
             self._push(ident, rid, outcome)

@@ -212,6 +212,7 @@ def _engine_main(run_dir, engine_config, config, endpoints, ready, threads: int,
     # no longer walks it while holding the GIL the batching worker needs (a reload unfreezes: the old model
     # must stay collectable)
     gc.freeze()
+    core.froze_at_start = True
     core.serve(stop)
 
 

@@ -348,6 +348,7 @@ class BatchRunner(GuardedWorker):
         for seq in [*sched.running, *(s for q in sched.blocked.values() for s in q)]:
             _resolve(seq.future, error=err)
         self.scheduler = Scheduler(self.engine, self.config)
+        self._backlog_tokens = 0  # else the failed requests' work stays in queued_seconds: an idle worker refusing all
 
     def _fail_all(self, err: Exception) -> None:
         with self._cond:

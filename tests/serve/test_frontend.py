@@ -194,6 +194,7 @@ def test_reload_through_one_frontend_reaches_every_frontend(core, run, tmp_path)
         assert failed.status_code == 422 and "still serving" in failed.json()["detail"]
         assert two.post("/v1/rank", json=body).json()["scores"] == before["scores"]  # a failed reload changes nothing
         gc.freeze()  # as an engine process does at start (procs._engine_main)
+        core.core.froze_at_start = True
         done = one.post("/v1/reload", json={"run_dir": str(new_run)})
         assert done.status_code == 200, done.text
         assert gc.get_freeze_count() == 0  # the old model is collectable again

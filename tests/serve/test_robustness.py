@@ -231,6 +231,40 @@ def test_an_unexpected_worker_error_fails_only_the_requests_in_flight(run) -> No
     assert original is not None and original.__self__ is not runner.scheduler  # the broken one was replaced
 
 
+def test_after_a_worker_error_an_idle_runner_admits_again(run) -> None:
+    """The requests an unexpected error failed leave no queued work behind: an idle runner does not keep refusing."""
+    engine = _engine(run)
+    gate = threading.Event()
+    _slow(engine, 0.02, gate)
+    calls = {"n": 0}
+
+    def on_pass(requests: int, tokens: int, seconds: float) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:  # with work still queued behind this pass
+            raise RuntimeError("a metrics hook failed once")
+
+    runner = BatchRunner(engine, SchedulerConfig(max_queue_ms=300, max_wait_ms=0, token_budget=64, prefill_chunk=32),
+                         on_pass=on_pass)  # fmt: skip
+    try:
+        futures = [runner.submit(_request(engine, "first", random_history(100, seed=0)))]
+        time.sleep(0.1)
+        futures += [runner.submit(_request(engine, f"v{i}", random_history(100, seed=100 + i))) for i in range(10)]
+        gate.set()
+        for f in futures:
+            try:
+                f.result(timeout=60)
+            except RuntimeError:
+                pass
+        assert runner.restarts == 1
+        deadline = time.monotonic() + 10
+        while runner.pending() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert runner.pending() == 0 and runner.queued_seconds() == 0.0
+        runner.submit(_request(engine, "w", random_history(10, seed=999))).result(timeout=30)  # admitted, answered
+    finally:
+        runner.close()
+
+
 def test_a_dead_worker_thread_is_restarted_and_a_stuck_one_is_reported(run) -> None:
     engine = _engine(run)
     gate = threading.Event()
