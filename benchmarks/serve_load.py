@@ -45,6 +45,24 @@ from _machine import cpu_model
 
 NUM_ITEMS, DIM = 100_000, 64
 ACTIONS = ["view", "click", "cart", "buy"]
+VOCAB = {"item_ids": list(range(1, NUM_ITEMS + 1)), "action_column": "action", "actions": ACTIONS,
+         "user_features": {"user_id": {"offset": 0, "values": [str(i) for i in range(1000)]},
+                           "gender": {"offset": 1000, "values": ["f", "m"]}}}  # fmt: skip
+
+
+def returning_history(rng: np.random.Generator, events: list | None, history: int) -> list:
+    """A returning user's [items, timestamps, actions] for their next request: ``events`` (None: a new user
+    with ``history`` - 40 events) grown by 0-2 events, up to ``history``. Extends ``events`` in place."""
+    if events is None:
+        n = history - 40
+        events = [rng.integers(1, NUM_ITEMS + 1, n).tolist(), (1_700_000_000 + np.cumsum(rng.integers(1, 600, n))).tolist(),
+                  [ACTIONS[a] for a in rng.integers(0, len(ACTIONS), n)]]  # fmt: skip
+    if len(events[0]) < history:
+        for _ in range(int(rng.integers(0, 3))):
+            events[0].append(int(rng.integers(1, NUM_ITEMS + 1)))
+            events[1].append(events[1][-1] + int(rng.integers(1, 600)))
+            events[2].append(ACTIONS[int(rng.integers(len(ACTIONS)))])
+    return events
 
 
 def export_model(out: Path, max_len: int, kernel: str = "auto") -> Path:
@@ -55,9 +73,7 @@ def export_model(out: Path, max_len: int, kernel: str = "auto") -> Path:
                                kernel=kernel)),
         MultiTaskMLP(DIM, 2, hidden=128),
     )
-    vocab = {"item_ids": list(range(1, NUM_ITEMS + 1)), "action_column": "action", "actions": ACTIONS,
-             "user_features": {"user_id": {"offset": 0, "values": [str(i) for i in range(1000)]},
-                               "gender": {"offset": 1000, "values": ["f", "m"]}}}  # fmt: skip
+    vocab = VOCAB
     extra = {"step": 0, "action_encoding": "sum", "max_seq_len": max_len, "num_contextual": 2,
              "user_features": ["user_id", "gender"]}  # fmt: skip
     tasks = [{"name": "click", "kind": "binary"}, {"name": "buy", "kind": "binary"}]

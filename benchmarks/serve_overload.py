@@ -70,7 +70,7 @@ import numpy as np
 import torch
 
 from _machine import cpu_model
-from serve_load import ACTIONS, NUM_ITEMS, export_model, free_port, wait_until_up
+from serve_load import NUM_ITEMS, export_model, free_port, returning_history, wait_until_up
 
 
 def rss_mb(pid: int) -> float:
@@ -116,17 +116,7 @@ class Users:
             self.next_new += 1
         else:
             user = self.first + int(rng.integers(self.count))
-        events = self.items.get(user)
-        if events is None:
-            n = self.history - 40
-            events = [rng.integers(1, NUM_ITEMS + 1, n).tolist(), (1_700_000_000 + np.cumsum(rng.integers(1, 600, n))).tolist(),
-                      [ACTIONS[a] for a in rng.integers(0, len(ACTIONS), n)]]  # fmt: skip
-        if len(events[0]) < self.history:
-            for _ in range(int(rng.integers(0, 3))):
-                events[0].append(int(rng.integers(1, NUM_ITEMS + 1)))
-                events[1].append(events[1][-1] + int(rng.integers(1, 600)))
-                events[2].append(ACTIONS[int(rng.integers(len(ACTIONS)))])
-        self.items[user] = events
+        events = self.items[user] = returning_history(rng, self.items.get(user), self.history)
         body = {"user_id": f"user{user}", "history": {"items": events[0], "timestamps": events[1], "actions": events[2]},
                 "candidates": rng.integers(1, NUM_ITEMS + 1, self.candidates).tolist(),
                 "user_features": {"user_id": str(user % 1000), "gender": "f"}, "timestamp": events[1][-1] + 60}  # fmt: skip

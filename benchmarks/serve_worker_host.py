@@ -66,7 +66,7 @@ def child(args: argparse.Namespace) -> dict:
     from recforge.serve.scheduler import SchedulerConfig
     from recforge.models import HSTUConfig, HSTUEncoder
     from recforge.models.ranking import MultiTaskMLP, RankingModel, RankingPrefix, save_slices
-    from serve_load import ACTIONS, NUM_ITEMS
+    from serve_load import ACTIONS, NUM_ITEMS, VOCAB, returning_history
 
     import recforge
 
@@ -78,9 +78,7 @@ def child(args: argparse.Namespace) -> dict:
                          HSTUEncoder(HSTUConfig(dim=dim, num_blocks=2, num_heads=2, dqk=args.dqk, dv=args.dqk, dropout=0.0,
                                                 max_seq_len=args.history * 2 + 64)),
                          MultiTaskMLP(dim, 2, hidden=32))  # fmt: skip
-    vocab = {"item_ids": list(range(1, NUM_ITEMS + 1)), "action_column": "action", "actions": ACTIONS,
-             "user_features": {"user_id": {"offset": 0, "values": [str(i) for i in range(1000)]},
-                               "gender": {"offset": 1000, "values": ["f", "m"]}}}  # fmt: skip
+    vocab = VOCAB
     with tempfile.TemporaryDirectory() as tmp:
         save_slices(model, Path(tmp) / "model", tasks=[{"name": "click", "kind": "binary"}, {"name": "buy", "kind": "binary"}],
                     extra={"step": 0, "action_encoding": "sum", "max_seq_len": args.history * 2 + 64, "num_contextual": 2,
@@ -100,17 +98,7 @@ def child(args: argparse.Namespace) -> dict:
                 user, next_new = next_new, next_new + 1
             else:
                 user = int(rng.integers(args.users))
-        events = histories.get(user)
-        if events is None:
-            n = args.history - 40
-            events = [rng.integers(1, NUM_ITEMS + 1, n).tolist(), (1_700_000_000 + np.cumsum(rng.integers(1, 600, n))).tolist(),
-                      [ACTIONS[a] for a in rng.integers(0, len(ACTIONS), n)]]  # fmt: skip
-        if len(events[0]) < args.history:
-            for _ in range(int(rng.integers(0, 3))):
-                events[0].append(int(rng.integers(1, NUM_ITEMS + 1)))
-                events[1].append(events[1][-1] + int(rng.integers(1, 600)))
-                events[2].append(ACTIONS[int(rng.integers(len(ACTIONS)))])
-        histories[user] = events
+        events = histories[user] = returning_history(rng, histories.get(user), args.history)
         return engine.encode(f"user{user}", {"items": list(events[0]), "timestamps": list(events[1]), "actions": list(events[2])},
                              rng.integers(1, NUM_ITEMS + 1, args.candidates).tolist(),
                              user_features={"user_id": str(user % 1000), "gender": "f"}, timestamp=events[1][-1] + 60)  # fmt: skip
