@@ -179,7 +179,7 @@ def test_folded_key_mask_leaves_the_model_answers(monkeypatch: pytest.MonkeyPatc
     torch.testing.assert_close(folded, masked, rtol=1e-9, atol=1e-9)
 
 
-def test_the_mask_is_folded_only_at_half_precision_inference_on_cuda() -> None:
+def test_the_mask_is_folded_only_at_bfloat16_inference_on_cuda() -> None:
     q = torch.zeros(1, 1, 1, 8, dtype=torch.bfloat16)
     with torch.no_grad():
         assert not sid_seq2seq.fold_key_mask(q)  # CPU
