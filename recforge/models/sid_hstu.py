@@ -54,6 +54,9 @@ class HSTUMemory:
 class SIDHSTU(nn.Module):
     """Decoder-only HSTU over SID tokens (see the module docstring)."""
 
+    # no item-ID input: every SID token is also a target here, so an item's ID would give away its own digits
+    reads_item_ids = False
+
     def __init__(self, cfg: SIDHSTUConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -95,8 +98,11 @@ class SIDHSTU(nn.Module):
         digit = nxt - 1 - level[use] * self.cfg.vocab_size
         return F.cross_entropy(logits.float(), digit)
 
-    def start(self, history_codes: Tensor, history_mask: Tensor | None) -> HSTUMemory:
-        """Run the histories once; keep every block's keys/values for the beams."""
+    def start(self, history_codes: Tensor, history_mask: Tensor | None, history_items: Tensor | None = None) -> HSTUMemory:
+        """Run the histories once; keep every block's keys/values for the beams (``history_items``: must be None,
+        the interface of ``SIDSeq2Seq.start``)."""
+        if history_items is not None:
+            raise ValueError("sid_hstu reads no item IDs (generative.item_id_embedding is for model.kind=tiger)")
         b, h, L = history_codes.shape
         mask = torch.ones(b, h, dtype=torch.bool, device=history_codes.device) if history_mask is None else history_mask
         tokens, offsets, lengths = self._jagged(history_codes, mask)
