@@ -89,6 +89,8 @@ def test_a_model_with_ids_refuses_a_history_without_them_and_hstu_refuses_ids() 
     assert not hstu.reads_item_ids
     with pytest.raises(ValueError, match="reads no item IDs"):
         hstu.start(codes, mask, items)
+    with pytest.raises(ValueError, match="reads no item IDs"):
+        hstu.loss(codes, mask, target, items)
 
 
 def _chains(g: torch.Generator, item_codes: torch.Tensor, successor: torch.Tensor, b: int, h: int):

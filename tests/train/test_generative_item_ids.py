@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute  # noqa: F401  (pa.compute)
+import pyarrow.compute as pc
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -133,10 +133,10 @@ def test_items_coded_after_training_read_the_zero_row(tmp_path: Path, data: Path
     torch.testing.assert_close(memory, again, rtol=0, atol=0)
     # evaluation on another catalogue of the same size is refused: the table's rows are the training catalogue's
     dataset = load_dataset(grown)
-    first = dataset.events.column("item_id")[0].as_py()
-    moved = pa.compute.if_else(pa.compute.equal(dataset.events.column("item_id"), first), 5000, dataset.events.column("item_id"))
-    other = write_dataset(tmp_path / "other", dataset.events.set_column(dataset.events.schema.get_field_index("item_id"),
-                          "item_id", moved.cast(pa.int64())), dataset.items, name="o", source="t")  # fmt: skip
+    item_ids = dataset.events.column("item_id")
+    moved = pc.if_else(pc.equal(item_ids, item_ids[0]), 5000, item_ids).cast(pa.int64())  # one item renamed: same size
+    events = dataset.events.set_column(dataset.events.schema.get_field_index("item_id"), "item_id", moved)
+    other = write_dataset(tmp_path / "other", events, dataset.items, name="o", source="t")
     with pytest.raises(ValueError, match="another item catalogue"):
         generative.evaluate_run(run, overrides=[f"data.path={other}", f"generative.sids={run / 'sids'}"])
     # a run loads with the table its checkpoint holds, whatever the catalogue has become since
