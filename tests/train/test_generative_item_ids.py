@@ -141,3 +141,18 @@ def test_items_coded_after_training_read_the_zero_row(tmp_path: Path, data: Path
         generative.evaluate_run(run, overrides=[f"data.path={other}", f"generative.sids={run / 'sids'}"])
     # a run loads with the table its checkpoint holds, whatever the catalogue has become since
     assert load_sid_run(run, device=torch.device("cpu")).model.item_embedding.weight.shape == (31, 16)
+
+
+@pytest.mark.gpu
+def test_gpu_retrieve_with_item_ids_matches_cpu(tmp_path: Path, data: Path, cuda_device: torch.device) -> None:
+    assert main(["--no-progress", "train", CONFIG, *_args(tmp_path, data, "train.epochs=1", "train.device=cpu")]) == 0
+    cpu = Retriever.from_run(tmp_path / "run", device="cpu")
+    gpu = Retriever.from_run(tmp_path / "run", device=str(cuda_device))
+    assert torch.equal(gpu.item_rows.cpu(), cpu.item_rows)
+    raw = load_dataset(data).events.column("item_id").to_pylist()
+    histories = [raw[i : i + 1 + i % 9] for i in range(0, 64, 8)]  # mixed lengths: padded batches
+    want = cpu.retrieve(histories, k=10, beam=16)
+    for (items_cpu, scores_cpu), (items_gpu, scores_gpu) in zip(want, gpu.retrieve(histories, k=10, beam=16), strict=True):
+        assert items_cpu == items_gpu
+        # CUDA matmuls run in TF32 (train.runtime): scores agree to ~1e-3, the items exactly
+        torch.testing.assert_close(torch.tensor(scores_gpu), torch.tensor(scores_cpu), rtol=2e-3, atol=2e-3)
