@@ -183,6 +183,14 @@ def find_checkpoint(run_dir: Path, which: str = "latest") -> Path | None:
     return ckpt_root / name if name else None
 
 
+def read_manifest(path: Path) -> dict:
+    """A checkpoint directory's manifest alone (e.g. what size of model to build before loading its weights)."""
+    manifest_path = Path(path) / "manifest.json"
+    if not manifest_path.is_file():
+        raise ValueError(f"{path} is not a recforge checkpoint (no manifest.json)")
+    return _read_json(manifest_path, "checkpoint manifest")
+
+
 def load_checkpoint(
     path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, device: str | torch.device = "cpu"
 ) -> dict:

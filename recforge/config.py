@@ -190,6 +190,9 @@ class GenerativeConfig:
     beam: int = 20  # beam width at evaluation: SIDs generated per user
     exclude_seen_in_search: bool = True  # the user's other history items are excluded during the search, not only after
     trie: str = "dense"  # valid-SID trie layout: dense (one gather per step) | csr (edges only, for huge catalogues)
+    # tiger: also add a learned embedding of each history item's ID to its SID tokens in the encoder (hybrid
+    # ID + SID input); items without a row (coded after training) read a zero row. The decoder still generates SIDs
+    item_id_embedding: bool = False
 
 
 @dataclass
@@ -480,6 +483,10 @@ def _validate_generative(cfg: RunConfig) -> list[str]:
                         f"(decoder-only HSTU), got {cfg.model.kind!r}")
     if cfg.model.dim % cfg.model.num_heads:
         problems.append(f"model.dim {cfg.model.dim} must be divisible by model.num_heads {cfg.model.num_heads}")
+    if g.item_id_embedding and cfg.model.kind != "tiger":
+        problems.append(f"generative.item_id_embedding: only model.kind=tiger reads history item IDs (its encoder; "
+                        f"in {cfg.model.kind} every SID token is also a target, so an item's ID would give away its "
+                        "own digits); set generative.item_id_embedding=false or use model.kind=tiger")
     if cfg.eval_ks and max(cfg.eval_ks) > g.beam:
         problems.append(f"eval.ks / eval.select_metric go up to {max(cfg.eval_ks)} but generative.beam is {g.beam}: "
                         "a beam yields one SID each, so larger cut-offs mostly count misses; raise generative.beam "

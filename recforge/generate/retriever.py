@@ -11,6 +11,10 @@ Requests that name a user reuse that user's cached history encoding when ``cache
 that extends the cached one by appended events runs only the new events' tokens (``encodings.py``).
 The answer is the cold one's up to float rounding (tested: the same items, scores within 1e-4).
 
+A model with an item-ID embedding (``generative.item_id_embedding``) also reads each history item's
+table row: the catalogue's dense indices map to the model's rows once, at construction (an item coded
+after training, e.g. by `recforge sid add`, maps to the zero row 0).
+
 Like evaluation (``recforge eval``), the items of a request's history are never returned
 (``exclude_history=False`` keeps them, e.g. for re-purchases): for a history without its target,
 ``retrieve`` returns exactly the list the evaluation scores (tested).
@@ -87,6 +91,11 @@ class Retriever:
         self.catalogue = Catalogue(item_vocab)
         self.device = trie.leaf_offsets.device
         self.item_codes = item_codes.to(self.device)
+        # (N + 1,) the model's item-ID table row of each dense index (0: padding, or no row); None: SIDs only
+        self.item_rows: Tensor | None = None
+        if model.reads_item_ids:
+            self.item_rows = model.item_rows(torch.from_numpy(np.asarray(item_vocab, dtype=np.int64))).to(self.device)
+            self.item_rows[0] = 0
         self.cache: HistoryCache | None = None
         self.version = "0"
 
@@ -116,19 +125,23 @@ class Retriever:
         """Check one request against the engine's limits and map its IDs (``ValueError`` says what is wrong)."""
         return self.catalogue.encode_request(request, self.config)
 
-    def history_batch(self, batch: Sequence[EncodedRetrieve]) -> tuple[Tensor, Tensor | None]:
-        """((B, T, L) SID digits of each request's last ``max_items`` history items, right-aligned; (B, T) mask,
-        None when every request fills the T items: no padding, so attention runs without a mask)."""
+    def history_batch(self, batch: Sequence[EncodedRetrieve]) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The model's ``start`` inputs: ((B, T, L) SID digits of each request's last ``max_items`` history items,
+        right-aligned; (B, T) mask, None when every request fills the T items: no padding, so attention runs
+        without a mask; (B, T) the items' item-ID table rows, None for a model without one)."""
         width = min(self.max_items, max(r.history.size for r in batch))
         if all(r.history.size >= width for r in batch):
-            rows = np.stack([r.history[-width:] for r in batch])
-            return self.item_codes[torch.from_numpy(rows).to(self.device)], None
+            items_t = torch.from_numpy(np.stack([r.history[-width:] for r in batch])).to(self.device)
+            return self.item_codes[items_t], None, self._rows(items_t)
         items = np.zeros((len(batch), width), dtype=np.int64)
         for row, req in enumerate(batch):
             recent = req.history[-width:]
             items[row, width - recent.size :] = recent
         items_t = torch.from_numpy(items).to(self.device)
-        return self.item_codes[items_t], items_t > 0
+        return self.item_codes[items_t], items_t > 0, self._rows(items_t)
+
+    def _rows(self, items: Tensor) -> Tensor | None:
+        return self.item_rows[items] if self.item_rows is not None else None
 
     def _masks(self, batch: Sequence[EncodedRetrieve]) -> tuple[Tensor | None, Tensor | None]:
         """((B, N) items each request may get, (B, N) its allowed items) on the device; None where unrestricted."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from recforge.checkpoint import find_checkpoint, load_checkpoint
+from recforge.checkpoint import find_checkpoint, load_checkpoint, read_manifest
 from recforge.config import RunConfig, load_config
 from recforge.data.sids import META_FILE, SemanticIds, read_sids
 from recforge.models.sid_hstu import SIDHSTU, SIDHSTUConfig
@@ -40,9 +40,12 @@ def sid_dir_of(cfg: RunConfig) -> Path:
     return Path(cfg.generative.sids or Path(cfg.data.path) / "sids")
 
 
-def build_sid_model(cfg: RunConfig, num_levels: int, vocab_size: int) -> SIDSeq2Seq | SIDHSTU:
-    """``model.kind``: tiger (encoder-decoder) or sid_hstu (decoder-only HSTU); same decoding interface."""
+def build_sid_model(cfg: RunConfig, num_levels: int, vocab_size: int, num_items: int = 0) -> SIDSeq2Seq | SIDHSTU:
+    """``model.kind``: tiger (encoder-decoder) or sid_hstu (decoder-only HSTU); same decoding interface.
+    ``num_items``: the training catalogue's size, the rows of the item-ID table (``generative.item_id_embedding``)."""
     m = cfg.model
+    if cfg.generative.item_id_embedding and num_items < 1:
+        raise ValueError("generative.item_id_embedding needs the training catalogue's size (num_items >= 1)")
     if m.kind == "sid_hstu":
         return SIDHSTU(SIDHSTUConfig(
             num_levels=num_levels, vocab_size=vocab_size, dim=m.dim, num_blocks=m.num_blocks, num_heads=m.num_heads,
@@ -51,7 +54,7 @@ def build_sid_model(cfg: RunConfig, num_levels: int, vocab_size: int) -> SIDSeq2
     return SIDSeq2Seq(Seq2SeqConfig(
         num_levels=num_levels, vocab_size=vocab_size, dim=m.dim, encoder_layers=m.num_blocks,
         decoder_layers=cfg.generative.decoder_blocks, num_heads=m.num_heads, ffn_dim=m.ffn_dim, dropout=m.dropout,
-        max_items=cfg.data.max_seq_len,
+        max_items=cfg.data.max_seq_len, num_item_ids=num_items if cfg.generative.item_id_embedding else 0,
     ))  # fmt: skip
 
 
@@ -79,6 +82,8 @@ def load_sid_run(
     cfg, ckpt = read_run(run_dir, checkpoint, overrides)
     sids = read_sids(Path(run_dir) / "sids")
     torch.manual_seed(cfg.train.seed)  # the same init as training; every weight is then overwritten
-    model = build_sid_model(cfg, sids.num_levels, sids.vocab_size).to(device)
+    # an item-ID table has a row per training item: its size (and each row's raw ID) come with the checkpoint
+    num_items = int(read_manifest(ckpt).get("num_items", 0)) if cfg.generative.item_id_embedding else 0
+    model = build_sid_model(cfg, sids.num_levels, sids.vocab_size, num_items).to(device)
     manifest = load_checkpoint(ckpt, model, device=device)
     return SidRun(cfg, model.eval(), sids, ckpt, manifest)

@@ -51,8 +51,16 @@ class HSTUMemory:
     last: Tensor  # (B, d) output at each history's last token (predicts digit 0)
 
 
+def _no_item_ids(history_items: Tensor | None) -> None:
+    if history_items is not None:
+        raise ValueError("sid_hstu reads no item IDs (generative.item_id_embedding is for model.kind=tiger)")
+
+
 class SIDHSTU(nn.Module):
     """Decoder-only HSTU over SID tokens (see the module docstring)."""
+
+    # no item-ID input: every SID token is also a target here, so an item's ID would give away its own digits
+    reads_item_ids = False
 
     def __init__(self, cfg: SIDHSTUConfig) -> None:
         super().__init__()
@@ -78,8 +86,12 @@ class SIDHSTU(nn.Module):
     def _hidden(self, tokens: Tensor, offsets: Tensor) -> Tensor:
         return self.norm(self.encoder(self.drop(self.token_embedding(tokens)), offsets, self.max_len, AttentionMask()))
 
-    def loss(self, history_codes: Tensor, history_mask: Tensor | None, target_codes: Tensor) -> Tensor:
-        """Mean next-token cross-entropy over every item after the first of [history, target]."""
+    def loss(
+        self, history_codes: Tensor, history_mask: Tensor | None, target_codes: Tensor, history_items: Tensor | None = None
+    ) -> Tensor:  # fmt: skip
+        """Mean next-token cross-entropy over every item after the first of [history, target] (``history_items``:
+        must be None, the interface of ``SIDSeq2Seq.loss``)."""
+        _no_item_ids(history_items)
         b, h, L = history_codes.shape
         mask = torch.ones(b, h, dtype=torch.bool, device=history_codes.device) if history_mask is None else history_mask
         codes = torch.cat([history_codes, target_codes[:, None]], 1)  # (B, H+1, L)
@@ -95,8 +107,10 @@ class SIDHSTU(nn.Module):
         digit = nxt - 1 - level[use] * self.cfg.vocab_size
         return F.cross_entropy(logits.float(), digit)
 
-    def start(self, history_codes: Tensor, history_mask: Tensor | None) -> HSTUMemory:
-        """Run the histories once; keep every block's keys/values for the beams."""
+    def start(self, history_codes: Tensor, history_mask: Tensor | None, history_items: Tensor | None = None) -> HSTUMemory:
+        """Run the histories once; keep every block's keys/values for the beams (``history_items``: must be None,
+        the interface of ``SIDSeq2Seq.start``)."""
+        _no_item_ids(history_items)
         b, h, L = history_codes.shape
         mask = torch.ones(b, h, dtype=torch.bool, device=history_codes.device) if history_mask is None else history_mask
         tokens, offsets, lengths = self._jagged(history_codes, mask)

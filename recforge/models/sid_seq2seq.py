@@ -1,7 +1,10 @@
 """TIGER-style generative retrieval: history SID tokens -> bidirectional encoder -> decoder of one item's SID.
 
 The history's items become ``L`` tokens each (token id ``1 + level * V + digit``, 0 = padding),
-plus a level embedding and the item's position counted from the most recent item. The decoder
+plus a level embedding and the item's position counted from the most recent item. With
+``num_item_ids > 0`` (``generative.item_id_embedding``) each of an item's tokens also gets a learned
+embedding of the item's ID (hybrid ID + SID input, as in LIGER / COBRA): a table row per training item,
+row 0 (zeros) for padding and for items the table does not hold (coded after training). The decoder
 reads ``[BOS, d_0, ..., d_{t-1}]`` and predicts digit ``d_t`` with a per-level output head.
 
 Beam search shares each request's encoding across its beams: ``encode`` runs once per request,
@@ -53,6 +56,7 @@ class Seq2SeqConfig:
     ffn_dim: int = 512
     dropout: float = 0.1
     max_items: int = 50  # history items the position embedding covers (older ones are cut by the caller)
+    num_item_ids: int = 0  # > 0: item-ID embedding rows 1..num_item_ids added to the history's SID tokens; 0: none
 
 
 def _split_heads(x: Tensor, heads: int) -> Tensor:
@@ -211,12 +215,41 @@ class SIDSeq2Seq(nn.Module):
         self.decoder_norm = nn.LayerNorm(d)
         self.heads = nn.Parameter(torch.randn(L, V, d) * d**-0.5)  # per-level output projection
         self.drop = nn.Dropout(cfg.dropout)
+        if cfg.num_item_ids > 0:  # built last: every other weight draws the same initial values as without it
+            self.item_embedding = nn.Embedding(1 + cfg.num_item_ids, d, padding_idx=0)  # row 0: padding / unknown
+            # raw item ID of each row (row 0: -1), saved with the weights so any checkpoint maps raw IDs to its rows
+            self.register_buffer("item_id_vocab", torch.full((1 + cfg.num_item_ids,), -1, dtype=torch.long))
+
+    @property
+    def reads_item_ids(self) -> bool:
+        """Whether the encoder adds an item-ID embedding (callers then pass ``history_items``)."""
+        return self.cfg.num_item_ids > 0
+
+    def set_item_vocab(self, item_vocab: Tensor) -> None:
+        """Name the raw item ID of each table row: ``item_vocab`` (num_item_ids + 1,) int64, [0] the padding row."""
+        if not self.reads_item_ids or item_vocab.shape != self.item_id_vocab.shape:
+            raise ValueError(f"item_vocab of shape {tuple(item_vocab.shape)} does not fit a model with "
+                             f"num_item_ids={self.cfg.num_item_ids}")  # fmt: skip
+        self.item_id_vocab.copy_(item_vocab)
+        self.item_id_vocab[0] = -1
+
+    def item_rows(self, raw_item_ids: Tensor) -> Tensor:
+        """Table row of each raw item ID (same shape, int64): 0 for an ID the table does not hold."""
+        if not self.reads_item_ids:
+            raise ValueError("this model has no item-ID embedding (generative.item_id_embedding is off)")
+        order = torch.argsort(self.item_id_vocab[1:])  # num_item_ids >= 1 rows
+        sorted_ids = self.item_id_vocab[1:][order]
+        raw = raw_item_ids.to(sorted_ids.device, torch.long)
+        pos = torch.searchsorted(sorted_ids, raw).clamp(max=sorted_ids.numel() - 1)
+        return torch.where(sorted_ids[pos] == raw, order[pos] + 1, 0)
 
     def _token_ids(self, codes: Tensor) -> Tensor:
         levels = torch.arange(codes.shape[-1], device=codes.device)
         return 1 + levels * self.cfg.vocab_size + codes
 
-    def encode(self, history_codes: Tensor, history_mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def encode(
+        self, history_codes: Tensor, history_mask: Tensor | None, history_items: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
         """(memory (B, S, d), key mask (B, 1, 1, S) or None) of right-aligned histories.
 
         ``S`` is ``H * L``, or with a mask ``H * L`` rounded up to a multiple of ``KEY_ALIGN`` (masked
@@ -225,6 +258,8 @@ class SIDSeq2Seq(nn.Module):
         Args:
             history_codes: (B, H, L) SIDs of each request's last H items, most recent last.
             history_mask: (B, H) bool, False for padding (on the left); None when nothing is padded.
+            history_items: (B, H) item-ID table rows of the same items (0: padding or unknown); needed by,
+                and only read by, a model with ``num_item_ids > 0``. Rows outside the table count as unknown.
         """
         b, h, L = history_codes.shape
         if h > self.cfg.max_items:
@@ -232,6 +267,8 @@ class SIDSeq2Seq(nn.Module):
         tokens = self._token_ids(history_codes)  # (B, H, L)
         recency = torch.arange(h - 1, -1, -1, device=tokens.device)  # 0 = the most recent item
         x = self.token_embedding(tokens) + self.level_embedding.weight + self.position_embedding(recency)[:, None]
+        if self.reads_item_ids:
+            x = x + self._item_embedding(history_items, (b, h))[:, :, None]  # (B, H, 1, d): on each of the L tokens
         x = self.drop(x.view(b, h * L, -1))  # (B, S, d)
         key_mask = None
         if history_mask is not None:
@@ -242,9 +279,19 @@ class SIDSeq2Seq(nn.Module):
                 x = block(x, key_mask)
         return self.encoder_norm(x), key_mask
 
-    def start(self, history_codes: Tensor, history_mask: Tensor | None) -> Memory:
+    def _item_embedding(self, history_items: Tensor | None, shape: tuple[int, int]) -> Tensor:
+        """(B, H, d) item-ID embeddings; rows outside the table read the zero row 0 (never an index error)."""
+        if history_items is None:
+            raise ValueError("this model adds an item-ID embedding to its history (generative.item_id_embedding): "
+                             "pass history_items, the (B, H) table rows of the history's items")  # fmt: skip
+        if tuple(history_items.shape) != shape:
+            raise ValueError(f"history_items has shape {tuple(history_items.shape)}, the history {shape}")
+        rows = torch.where((history_items >= 0) & (history_items <= self.cfg.num_item_ids), history_items, 0)
+        return self.item_embedding(rows)
+
+    def start(self, history_codes: Tensor, history_mask: Tensor | None, history_items: Tensor | None = None) -> Memory:
         """Encode the histories once and project them for every decoder layer (what beams share)."""
-        memory, key_mask = self.encode(history_codes, history_mask)
+        memory, key_mask = self.encode(history_codes, history_mask, history_items)
         return Memory([block.memory_kv(memory) for block in self.decoder], key_mask)
 
     def decode(self, memory: Memory, codes: Tensor) -> Tensor:
@@ -264,9 +311,11 @@ class SIDSeq2Seq(nn.Module):
         last = self.decode(memory, codes)[:, :, t]  # (B, W, d)
         return (last @ self.heads[t].T).float().log_softmax(-1)
 
-    def loss(self, history_codes: Tensor, history_mask: Tensor | None, target_codes: Tensor) -> Tensor:
+    def loss(
+        self, history_codes: Tensor, history_mask: Tensor | None, target_codes: Tensor, history_items: Tensor | None = None
+    ) -> Tensor:  # fmt: skip
         """Mean cross-entropy of each target SID's digits given the history (teacher forcing)."""
-        memory = self.start(history_codes, history_mask)
+        memory = self.start(history_codes, history_mask, history_items)
         states = self.decode(memory, target_codes[:, None, :-1])[:, 0]  # (B, L, d)
         logits = torch.einsum("bld,lvd->blv", states, self.heads)  # (B, L, V)
         return F.cross_entropy(logits.float().flatten(0, 1), target_codes.flatten())

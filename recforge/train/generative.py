@@ -16,6 +16,10 @@ resolves to its items (a SID shared by several items yields them all, cut at the
 the user's other history items are excluded (during the search when
 ``generative.exclude_seen_in_search``), and HR@k / NDCG@k are taken from the target's position
 in that list. A target outside the list is a miss; MRR is therefore a lower bound.
+
+``generative.item_id_embedding`` (tiger) also feeds each history item's ID to the encoder: its table has a
+row per item of the training catalogue (dense index = row), and the model saves each row's raw ID with its
+weights, so serving maps raw IDs to rows without the dataset (an item coded after training reads row 0).
 """
 
 from __future__ import annotations
@@ -69,10 +73,12 @@ class SidBatch:
     mask: torch.Tensor  # (B, T) bool, True at real history items
     targets: torch.Tensor  # (B, L) the target item's digits
     num_tokens: int  # SID tokens in the histories (counted on the host)
+    items: torch.Tensor | None = None  # (B, T) dense item index of each history item (0: padding); item-ID models only
 
     def to(self, device: torch.device, non_blocking: bool = False) -> SidBatch:
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return SidBatch(move(self.history), move(self.mask), move(self.targets), self.num_tokens)
+        items = move(self.items) if self.items is not None else None
+        return SidBatch(move(self.history), move(self.mask), move(self.targets), self.num_tokens, items)
 
 
 def setup(cfg: RunConfig, sid_dir: Path | None = None, ctx: DistContext | None = None) -> Setup:
@@ -88,28 +94,33 @@ def setup(cfg: RunConfig, sid_dir: Path | None = None, ctx: DistContext | None =
     item_codes = torch.cat([torch.zeros(1, codes.shape[1], dtype=torch.long), codes])
     trie = SidTrie.build(codes, sids.vocab_size, cfg.generative.trie).to(device)
     torch.manual_seed(cfg.train.seed)
-    model = build_sid_model(cfg, sids.num_levels, sids.vocab_size).to(device)
+    model = build_sid_model(cfg, sids.num_levels, sids.vocab_size, seqs.num_items).to(device)
+    if model.reads_item_ids:  # the table's rows are the dense item indices
+        model.set_item_vocab(torch.from_numpy(seqs.item_vocab).to(device))
     s = Setup(cfg, seqs, item_codes, trie, model, None, device, PROTOCOL_HOLDOUT[cfg.data.protocol], ctx)
     s.runner = StepRunner(cfg, model, device, ctx, loss_fn=lambda b: _loss(s, b), units_fn=lambda b: b.targets.shape[0])
     s.optimizer = s.runner.optimizer
     return s
 
 
-def _inputs(s: Setup, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _inputs(s: Setup, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(history codes (B, T, L), mask (B, T), item-ID rows (B, T) or None, targets (B,) on the host) of ``samples``."""
     items, mask, targets = history_windows(s.seqs, samples, s.cfg.data.max_seq_len)
-    return s.item_codes[items].to(s.device), mask.to(s.device), targets
+    rows = items.to(s.device) if s.model.reads_item_ids else None
+    return s.item_codes[items].to(s.device), mask.to(s.device), rows, targets
 
 
 def training_batch(s: Setup, samples: torch.Tensor) -> SidBatch:
     """The CPU batch of training transitions ``samples`` (the loop moves it to the device)."""
     items, mask, targets = history_windows(s.seqs, samples, s.cfg.data.max_seq_len)
     history = s.item_codes[items]
-    return SidBatch(history, mask, s.item_codes[targets], int(mask.sum()) * history.shape[2])
+    rows = items if s.model.reads_item_ids else None
+    return SidBatch(history, mask, s.item_codes[targets], int(mask.sum()) * history.shape[2], rows)
 
 
 def _loss(s: Setup, batch: SidBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(objective, loss to log) of a device batch: mean cross-entropy over its targets' digits."""
-    loss = s.model.loss(batch.history, batch.mask, batch.targets)
+    loss = s.model.loss(batch.history, batch.mask, batch.targets, batch.items)
     return loss, loss
 
 
@@ -117,13 +128,13 @@ def _loss(s: Setup, batch: SidBatch) -> tuple[torch.Tensor, torch.Tensor]:
 def generated_items(s: Setup, samples: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(items (B, k) dense indices (0: empty slot), scores (B, k), targets (B,)) on the host: each sample's
     generated list, its user's earlier items excluded (the target never is, as in ``target_ranks``)."""
-    history, mask, targets = _inputs(s, samples)
+    history, mask, rows, targets = _inputs(s, samples)
     seen = seen_mask(s.seqs, samples)
     seen[torch.arange(targets.numel()), targets] = False
     allowed_items = (~seen[:, 1:]).to(s.device)  # over trie items
     was_training = s.model.training
     s.model.eval()
-    memory = s.model.start(history, mask)
+    memory = s.model.start(history, mask, rows)
     items, scores = search_items(lambda c: s.model.next_token_logprobs(memory, c), s.trie, batch_size=targets.numel(),
                                  beam=s.cfg.generative.beam, k=k, item_mask=allowed_items,
                                  search_mask=allowed_items if s.cfg.generative.exclude_seen_in_search else None)  # fmt: skip
@@ -218,6 +229,9 @@ def load_run(run_dir: str | Path, checkpoint: str = "auto", overrides: list[str]
     cfg, ckpt = read_run(run_dir, checkpoint, overrides)
     s = setup(cfg, Path(run_dir) / "sids")
     manifest = load_checkpoint(ckpt, s.model, device=s.device)
+    if s.model.reads_item_ids and not torch.equal(s.model.item_id_vocab.cpu(), torch.from_numpy(s.seqs.item_vocab)):
+        raise ValueError(f"{ckpt}: its item-ID table was trained on another item catalogue than {s.cfg.data.path}'s "
+                         "(generative.item_id_embedding); evaluate on the dataset the run was trained on")  # fmt: skip
     s.model.eval()
     return s, ckpt, manifest
 

@@ -68,7 +68,7 @@ def test_history_items_come_back_only_when_asked(tmp_path: Path, data: Path) -> 
     s = _setup(data, tmp_path)
     retriever = Retriever(s.model, s.seqs.item_vocab, s.item_codes, s.trie, s.cfg.data.max_seq_len)
     histories = _histories(s, eval_samples(s.seqs, s.seqs.evaluable_users(1)[:8], 1))
-    codes, mask = retriever.history_batch([retriever.encode(RetrieveRequest(h)) for h in histories])
+    codes, mask, _ = retriever.history_batch([retriever.encode(RetrieveRequest(h)) for h in histories])
     with torch.no_grad():
         memory = s.model.start(codes, mask)
         plain, _ = search_items(lambda c: s.model.next_token_logprobs(memory, c), s.trie, batch_size=8, beam=12, k=10)
@@ -88,7 +88,7 @@ def test_history_items_come_back_only_when_asked(tmp_path: Path, data: Path) -> 
 
 def _exhaustive(retriever: Retriever, histories: list[list[int]]) -> torch.Tensor:
     """(B, N) total SID log-probability of every catalogue item for each history, one digit at a time."""
-    codes, mask = retriever.history_batch([retriever.encode(RetrieveRequest(h)) for h in histories])
+    codes, mask, _ = retriever.history_batch([retriever.encode(RetrieveRequest(h)) for h in histories])
     every = retriever.item_codes[1:]  # (N, L)
     b = len(histories)
     with torch.no_grad():

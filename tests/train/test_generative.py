@@ -66,9 +66,9 @@ def test_windows_cover_every_training_transition(sid_data: Path) -> None:
 
 def _exhaustive_scores(s, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(targets, (B, N) total SID log-probability of every item), one digit at a time, no search."""
-    history, mask, targets = generative._inputs(s, samples)
+    history, mask, rows, targets = generative._inputs(s, samples)
     with torch.no_grad():
-        memory = s.model.start(history, mask)
+        memory = s.model.start(history, mask, rows)
         codes = s.item_codes[1:]  # (N, L) every item
         total = torch.zeros(targets.numel(), codes.shape[0])
         for t in range(codes.shape[1]):
@@ -210,7 +210,7 @@ def test_gpu_retrieve_matches_cpu_and_decodes_without_host_sync(tmp_path: Path, 
         assert items_cpu == items_gpu
         # CUDA matmuls run in TF32 (train.runtime): scores agree to ~1e-3, the items exactly
         torch.testing.assert_close(torch.tensor(scores_gpu), torch.tensor(scores_cpu), rtol=2e-3, atol=2e-3)
-    codes, mask = gpu.history_batch([gpu.encode(RetrieveRequest(h)) for h in histories])
+    codes, mask, _ = gpu.history_batch([gpu.encode(RetrieveRequest(h)) for h in histories])
     with torch.no_grad():
         memory = gpu.model.start(codes, mask)
         torch.cuda.synchronize()

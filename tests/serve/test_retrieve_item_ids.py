@@ -1,0 +1,74 @@
+"""`/v1/retrieve` on a run trained with ``generative.item_id_embedding``: the same items as ``Retriever``, cached
+users' histories, mixed padded batches, and an item coded after training (no table row) in a history."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from recforge.cli import main
+from recforge.data.dataset import load_dataset, write_dataset
+from recforge.data.synthetic import SyntheticConfig, write_synthetic
+from recforge.generate import RetrieveRequest
+from recforge.serve.retrieve_app import RetrieveSettings, create_retrieve_app, load_retriever
+from recforge.serve.scheduler import SchedulerConfig
+from recforge.serve.server import ServerConfig
+from recforge.train.sid_fit import add_items
+
+TINY = ["model.dim=16", "model.num_blocks=1", "generative.decoder_blocks=1", "model.num_heads=2", "model.ffn_dim=32",
+        "optim.warmup_steps=0", "train.batch_size=64", "train.threads=1", "eval.batch_size=64", "data.max_seq_len=8",
+        "generative.beam=12", "eval.ks=[1,5,10]", "train.epochs=1"]  # fmt: skip
+NEW_ITEM = 7000
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("retrieve-ids")
+    data = write_synthetic(root / "data", SyntheticConfig(num_users=40, num_items=30, seed=6, mean_seq_len=10, max_seq_len=20))
+    assert main(["sid", "fit", str(data), "--out", str(data / "sids"), "--codebook-size", "8", "--levels", "2"]) == 0
+    run = root / "run"
+    assert main(["--no-progress", "train", "configs/beauty-sid-tiger-ids.yaml", f"data.path={data}",
+                 f"generative.sids={data / 'sids'}", f"train.output_dir={run}", *TINY]) == 0  # fmt: skip
+    dataset = load_dataset(data)  # an item coded after training: in the catalogue, not in the ID table
+    extra = dataset.items.slice(0, 1).set_column(0, "item_id", pa.array([NEW_ITEM], pa.int64()))
+    grown = write_dataset(root / "grown", dataset.events, pa.concat_tables([dataset.items, extra]), name="g", source="t")
+    assert add_items(run / "sids", grown)["added"] == 1
+    return run
+
+
+def test_retrieve_with_item_ids_equals_the_retriever_cached_or_not(run_dir: Path) -> None:
+    settings = RetrieveSettings(max_k=20, max_batch=8, max_history=50, max_allowed=40, cache_mb=1)
+    retriever, version = load_retriever(run_dir, settings, device="cpu")
+    assert retriever.item_rows is not None and retriever.cache is not None
+    assert int(retriever.item_rows[int(retriever.catalogue.dense_ids([NEW_ITEM], "history")[0][0])]) == 0
+    items = [int(v) for v in retriever.item_vocab[1:]]
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    bodies = []
+    for i in range(12):
+        history = [items[j] for j in torch.randint(len(items), (int(torch.randint(1, 12, (1,), generator=g)),), generator=g)]
+        if i % 3 == 0:
+            history.append(NEW_ITEM)
+        bodies.append({"user_id": f"u{i % 4}", "history": history, "k": 8})
+    want = [retriever.retrieve([b["history"]], k=8, beam=retriever.config.beam)[0] for b in bodies]
+    config = ServerConfig(scheduler=SchedulerConfig(max_wait_ms=20.0))
+    with TestClient(create_retrieve_app(retriever, version, config, settings)) as client:
+        for _ in range(2):  # the second round finds every user's last history in the cache
+            with ThreadPoolExecutor(6) as pool:  # concurrent requests: padded batches of mixed lengths
+                answers = list(pool.map(lambda b: client.post("/v1/retrieve", json=b), bodies))
+            for body, answer, (items_want, scores_want) in zip(bodies, answers, want, strict=True):
+                assert answer.status_code == 200, answer.text
+                out = answer.json()
+                assert out["items"] == items_want and not set(out["items"]) & set(body["history"])
+                torch.testing.assert_close(torch.tensor(out["scores"]), torch.tensor(scores_want), rtol=1e-4, atol=1e-4)
+    assert retriever.cache.entries
+    # the table row changes the answer: the same history without the IDs' contribution scores differently
+    codes, mask, rows = retriever.history_batch([retriever.encode(RetrieveRequest(bodies[1]["history"]))])
+    with torch.no_grad():
+        with_ids, _ = retriever.model.encode(codes, mask, rows)
+        without, _ = retriever.model.encode(codes, mask, torch.zeros_like(rows))
+    assert (with_ids - without).abs().amax() > 1e-3
