@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 import torch
+import torch._dynamo
+import torch._inductor.config
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
@@ -58,6 +60,10 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
+    torch._inductor.config.fallback_random = True  # as train_mfu: compiled variants score the same draws as eager
+    for name in ("cache_size_limit", "recompile_limit"):  # two objectives per variant, one compile each
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
     opts = argparse.Namespace(chunk_size=0, bucket_ratio=1.125)
     batches = [b.to(device) for b in tm.make_batches(args.case, 2, seed=1)]
     rows = []
@@ -98,6 +104,7 @@ def main() -> None:
                 print(f"  {name:<7}{op['mb']:9.1f} MB {op['calls']:4.0f}x {op['op']:<32}{op['shape']:<22}"
                       f"{op['called_from'][:90]}", flush=True)  # fmt: skip
         del sides
+        torch._dynamo.reset()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.out:

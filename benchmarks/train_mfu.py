@@ -264,7 +264,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler (0: none)")
     parser.add_argument("--copies", type=int, default=0, help="list this many top copy ops and memcpy/memset kernels "
-                        "of the profiled steps (their shapes, MB and callers; 0: none)")
+                        "of the profiled steps (their shapes, MB and callers; 0: none)")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=220.0, help="skip variants not started within this time")
     parser.add_argument("--out", default=None, help="JSON output path (e.g. benchmarks/results/train_mfu-h200.json)")
     args = parser.parse_args()

@@ -156,7 +156,7 @@ def sampled_softmax_loss(
                                  f"whole table, num_items + 1 = {num_items + 1} (row 0 the padding item)")  # fmt: skip
             vectors = lambda ids: F.embedding(ids, table)  # noqa: E731
         return _sampled_softmax_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, weights,
-                                     merged=table is not None)
+                                     merged=table is not None)  # fmt: skip
 
 
 def use_chunks(chunk_size: int, positions: int) -> bool:
