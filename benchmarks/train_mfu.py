@@ -12,6 +12,7 @@ sampled softmax with 128 negatives per position over 100K items, attention in Tr
     medium    8 blocks, d 512, 4 heads of 128, users up to 1024 tokens, 4K-token batches
     ml1m      configs/ml1m-hstu-plus-d128.yaml's shape: 8 blocks, d 128, 2 heads of 64, users up to 200 tokens,
               256 users per batch (about 38K tokens), full softmax over 3,706 items
+    small     2 blocks, d 128, 2 heads of 64, users up to 512 tokens, 2K-token batches, 20K items (CPU-feasible)
     tiny      2 blocks, d 32 (CPU smoke run)
 Variants (``--variants``): fp32-eager, bf16-eager, bf16-compile (train.compile=default),
 bf16-compile-max-autotune (train.compile=max-autotune-no-cudagraphs; long compile, not run by default),
@@ -59,6 +60,7 @@ CASES = {  # name: (model, max_len, tokens per batch (0: users), users per batch
     "large": (dict(dim=1024, num_blocks=8, num_heads=4, dqk=128, dv=128), 4096, 16384, 0, "per_position", 100_000),
     "medium": (dict(dim=512, num_blocks=8, num_heads=4, dqk=128, dv=128), 1024, 4096, 0, "per_position", 100_000),
     "ml1m": (dict(dim=128, num_blocks=8, num_heads=2, dqk=64, dv=64), 200, 0, 256, "full", 3706),
+    "small": (dict(dim=128, num_blocks=2, num_heads=2, dqk=64, dv=64), 512, 2048, 0, "per_position", 20_000),
     "tiny": (dict(dim=32, num_blocks=2, num_heads=2, dqk=16, dv=16), 64, 512, 0, "per_position", 1000),
 }
 VARIANTS = {  # name: (train.precision, train.compile, train.cuda_graphs, loss tolerance against fp32-eager)
@@ -99,7 +101,8 @@ def make_batches(case: str, count: int, seed: int) -> list[JaggedBatch]:
     return batches
 
 
-def make_runner(case: str, variant: str, device: torch.device, args) -> tuple[StepRunner, object]:
+def make_runner(case: str, variant: str, device: torch.device, args, loss=None) -> tuple[StepRunner, object]:
+    """The variant's ``StepRunner`` and config; ``loss``: in place of ``sampled_softmax_loss`` (same arguments)."""
     model_kw, max_len, _, _, negatives, items = CASES[case]
     precision, compile_mode, graphs, _ = VARIANTS[variant]
     cfg = config_from_dict({
@@ -109,16 +112,17 @@ def make_runner(case: str, variant: str, device: torch.device, args) -> tuple[St
         "train": {"device": str(device), "precision": precision, "compile": compile_mode, "cuda_graphs": graphs,
                   "graph_bucket_ratio": args.bucket_ratio},
     })  # fmt: skip
+    score = loss or sampled_softmax_loss
     torch.manual_seed(0)
     model = build_retrieval_model(cfg.model, items, max_len).to(device)
     lc = cfg.loss
 
     def loss_fn(batch, draws=None):  # as recforge.train.retrieval._loss
         user = model(batch)  # padded for train.cuda_graphs: padding positions weigh 0 (loss_weights)
-        loss = sampled_softmax_loss(user, batch.labels["next_item"], model.item_vectors, items, negatives=lc.negatives,
-                                    num_negatives=lc.num_negatives, temperature=lc.temperature, chunk_size=lc.chunk_size,
-                                    sampled=draws, weights=loss_weights(batch))  # fmt: skip
-        return loss, loss
+        value = score(user, batch.labels["next_item"], model.item_vectors, items, negatives=lc.negatives,
+                      num_negatives=lc.num_negatives, temperature=lc.temperature, chunk_size=lc.chunk_size,
+                      sampled=draws, weights=loss_weights(batch))  # fmt: skip
+        return value, value
 
     def draw(batch, seed):
         return draw_negatives(batch.labels["next_item"], items, negatives=lc.negatives, num_negatives=lc.num_negatives,
@@ -137,25 +141,54 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+COPY_OPS = ("aten::copy_", "aten::fill_", "aten::cat", "aten::_index_put_impl_", "aten::embedding_dense_backward")
+
+
 def categorize(name: str) -> str:
     low = name.lower()
+    if low.startswith(("triton_poi", "triton_red", "triton_per")):  # Inductor's fused kernels, named after their ops:
+        return "elementwise/norm"  # "..._to_copy_..." (a fused dtype cast) is no memcpy
     return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
 
 
-def profile_steps(runner: StepRunner, batches: list, device: torch.device, steps: int) -> dict:
-    """GPU time per kernel category (ms per step) and the host gap, from ``torch.profiler``."""
+def copy_ops(prof, steps: int, top: int) -> list[dict]:
+    """The aten copies / fills / scatters of the profiled steps (``--copies``): per op, input shape, dtypes and
+    calling op chain, the calls and MB (first input's size) per step, largest first."""
+    rows: dict[tuple, list[float]] = {}
+    for e in prof.events():
+        if e.name not in COPY_OPS or not e.input_shapes or not e.input_shapes[0]:
+            continue
+        chain, parent = [], e.cpu_parent
+        while parent is not None and len(chain) < 3:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        dtypes = [str(d) for d in (getattr(e, "input_dtypes", None) or [])[:2]]
+        size = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4, "bool": 1}
+        numel = torch.Size(e.input_shapes[0]).numel() if isinstance(e.input_shapes[0], list) else 0
+        row = rows.setdefault((e.name, str(e.input_shapes[0]), " ".join(dtypes), " < ".join(chain)), [0, 0.0])
+        row[0] += 1
+        row[1] += numel * size.get(dtypes[0] if dtypes else "float", 4) / 1e6
+    out = [{"op": k[0], "shape": k[1], "dtypes": k[2], "called_from": k[3], "calls": v[0] / steps, "mb": v[1] / steps}
+           for k, v in rows.items()]  # fmt: skip
+    return sorted(out, key=lambda r: -r["mb"])[:top]
+
+
+def profile_steps(runner: StepRunner, batches: list, device: torch.device, steps: int, copies: int = 0) -> dict:
+    """GPU time per kernel category (ms per step) and the host gap, from ``torch.profiler``; ``copies`` > 0: also
+    the top copy ops (``copy_ops``) and memcpy/memset kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     _sync(device)
     t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=copies > 0) as prof:
         for i in range(steps):
             runner([batches[i % len(batches)]])
         _sync(device)
     wall_ms = (time.perf_counter() - t0) * 1e3 / steps
     kernels: dict[str, float] = {}
     top: dict[str, float] = {}
+    copying: dict[str, float] = {}
     for event in prof.key_averages():
         device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
         if device.type != "cuda" or not device_us or event.device_type != torch.autograd.DeviceType.CUDA:
@@ -163,8 +196,14 @@ def profile_steps(runner: StepRunner, batches: list, device: torch.device, steps
         cat = categorize(event.key)
         kernels[cat] = kernels.get(cat, 0.0) + device_us / 1e3 / steps
         top[event.key[:90]] = device_us / 1e3 / steps
+        if cat == "memcpy/memset":
+            copying[event.key[:160]] = copying.get(event.key[:160], 0.0) + device_us / 1e3 / steps
     busy = sum(kernels.values())
-    return {"profiled_step_ms": wall_ms, "gpu_ms_by_category": dict(sorted(kernels.items(), key=lambda kv: -kv[1])),
+    extra = {}
+    if copies:
+        extra = {"copy_ops": copy_ops(prof, steps, copies),
+                 "memcpy_kernels_ms": dict(sorted(copying.items(), key=lambda kv: -kv[1])[:copies])}  # fmt: skip
+    return {**extra, "profiled_step_ms": wall_ms, "gpu_ms_by_category": dict(sorted(kernels.items(), key=lambda kv: -kv[1])),
             "host_gap_ms": max(0.0, wall_ms - busy), "gpu_busy_fraction": busy / wall_ms if wall_ms else 0.0,
             "top_kernels_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:12])}  # fmt: skip
 
@@ -201,7 +240,7 @@ def run_variant(case: str, variant: str, device: torch.device, cpu_batches: list
         if peak:
             row[f"mfu_{name}"] = row["tflops"] / peak
     if args.profile_steps:
-        row["profile"] = profile_steps(runner, batches, device, args.profile_steps)
+        row["profile"] = profile_steps(runner, batches, device, args.profile_steps, args.copies)
     if runner.graphed is not None:
         row["graphs"] = {"captured": len(runner.graphed.graphs), "replays": runner.graphed.replays,
                          "eager_steps": runner.graphed.eager_steps, "failed": runner.graphed.failed}  # fmt: skip
@@ -224,6 +263,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler (0: none)")
+    parser.add_argument("--copies", type=int, default=0, help="list this many top copy ops and memcpy/memset kernels "
+                        "of the profiled steps (their shapes, MB and callers; 0: none)")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=220.0, help="skip variants not started within this time")
     parser.add_argument("--out", default=None, help="JSON output path (e.g. benchmarks/results/train_mfu-h200.json)")
     args = parser.parse_args()
@@ -288,6 +329,11 @@ def _print_row(row: dict) -> None:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in prof["gpu_ms_by_category"].items())
         print(f"{'':<36}GPU ms/step: {parts}; host gap {prof['host_gap_ms']:.2f} ms "
               f"(GPU busy {100 * prof['gpu_busy_fraction']:.0f}%)", flush=True)  # fmt: skip
+    for name, ms in (prof or {}).get("memcpy_kernels_ms", {}).items():
+        print(f"{'':<36}{ms:7.2f} ms  {name}", flush=True)
+    for op in (prof or {}).get("copy_ops", []):
+        print(f"{'':<36}{op['mb']:9.1f} MB {op['calls']:5.1f}x {op['op']:<32}{op['shape']:<24}{op['dtypes']:<28}"
+              f"{op['called_from'][:100]}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

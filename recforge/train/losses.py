@@ -122,6 +122,11 @@ def sampled_softmax_loss(
     Sampled negatives equal to the target ("accidental hits") and in-batch columns of the padding id 0 are
     masked out.
 
+    Unchunked per-position negatives with more draws (T x K) than the table has rows, and ``exact_distinct``
+    off (lookups without side effects), are scored as rows of ``item_vectors(None)``: each item is normalised
+    once instead of once per draw, and the (T, K, d) lookup's gradient is one scatter; the same value and
+    gradients up to float rounding.
+
     Returns:
         Mean (or weighted mean) loss over positions (scalar), computed in float32 also under bfloat16 autocast: at
         temperature 0.05 bf16's ~3 significant digits would put ~0.1 of noise on each logit.
@@ -143,7 +148,15 @@ def sampled_softmax_loss(
             weights = weights.to(dtype)
         if use_chunks(chunk_size, user.shape[0]):
             return _chunked_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, chunk_size, weights)
-        return _sampled_softmax_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, weights)
+        table = None
+        if negatives == "per_position" and not exact_distinct and targets.shape[0] * num_negatives > num_items + 1:
+            table = item_vectors(None).to(dtype)  # (N+1, d): each row normalised once, not once per draw
+            if table.shape[0] != num_items + 1:
+                raise ValueError(f"sampled_softmax_loss: item_vectors(None) gave {table.shape[0]} rows; expected the "
+                                 f"whole table, num_items + 1 = {num_items + 1} (row 0 the padding item)")  # fmt: skip
+            vectors = lambda ids: F.embedding(ids, table)  # noqa: E731
+        return _sampled_softmax_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, weights,
+                                     merged=table is not None)  # fmt: skip
 
 
 def use_chunks(chunk_size: int, positions: int) -> bool:
@@ -159,20 +172,29 @@ def use_chunks(chunk_size: int, positions: int) -> bool:
 
 
 def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor | None], Tensor], negatives: str,
-                          sampled: SampledNegatives, temperature: float, weights: Tensor | None) -> Tensor:  # fmt: skip
+                          sampled: SampledNegatives, temperature: float, weights: Tensor | None,
+                          merged: bool = False) -> Tensor:  # fmt: skip
+    """The unchunked loss; ``merged``: ``item_vectors`` has no side effects (rows of a normalised table), so a
+    position's target and per-position negatives are looked up together."""
     if negatives == "full":
         logits = user @ item_vectors(None).T / temperature  # (T, N+1)
         logits[:, 0].fill_(float("-inf"))  # padding row is not an item (fill_: __setitem__ would copy a host scalar, a sync)
         if weights is None:
             return F.cross_entropy(logits, targets)
         return _weighted_mean(F.cross_entropy(logits, targets, reduction="none"), weights)
-    pos = (user * item_vectors(targets)).sum(-1, keepdim=True) / temperature  # (T, 1)
-    parts = [pos]
     neg_ids = sampled.ids
-    if negatives == "per_position":  # neg_ids (T, K)
-        neg_logits = torch.einsum("td,tkd->tk", user, item_vectors(neg_ids)) / temperature
-        parts.append(neg_logits.masked_fill(neg_ids == targets[:, None], float("-inf")))
+    if negatives == "per_position":  # neg_ids (T, K); bmm, not einsum: einsum's gradient of the (T, K, d) lookup
+        hits = neg_ids == targets[:, None]  # came out transposed, and was copied whole before the embedding scatter
+        if merged:  # side-effect-free lookups: [target | negatives] rows in one lookup, scored by one bmm
+            ids = torch.cat([targets[:, None], neg_ids], 1)  # (T, 1+K)
+            logits = torch.bmm(item_vectors(ids), user.unsqueeze(2)).squeeze(2) / temperature  # (T, 1+K)
+            parts = [logits.masked_fill(torch.cat([torch.zeros_like(hits[:, :1]), hits], 1), float("-inf"))]
+        else:  # the very tensors a pipelined table staged (recforge.train.pipeline_step): looked up as they are
+            neg_logits = torch.bmm(item_vectors(neg_ids), user.unsqueeze(2)).squeeze(2) / temperature  # (T, K)
+            parts = [(user * item_vectors(targets)).sum(-1, keepdim=True) / temperature,
+                     neg_logits.masked_fill(hits, float("-inf"))]  # fmt: skip
     else:  # shared: neg_ids (K,)
+        parts = [(user * item_vectors(targets)).sum(-1, keepdim=True) / temperature]  # (T, 1)
         neg_logits = user @ item_vectors(neg_ids).T / temperature  # (T, K)
         parts.append(neg_logits.masked_fill(neg_ids[None, :] == targets[:, None], float("-inf")))
     if sampled.in_batch is not None:
