@@ -18,7 +18,8 @@ Usage (one H200; mostly compiling, estimated under 10 minutes on a machine with 
    ``per-tile`` (this release), ``per-tile, unrolled`` (``hstu.time_loop_in_masked_tiles`` off: the
    masked tiles' time buckets also unrolled, every tile loop software-pipelined), ``per-pair``
    (``hstu.pair_atomics``: earlier releases) and
-   ``no bias grad`` (the weights frozen: POS_GRAD/TIME_GRAD off, the lower bound). Per-tile and
+   ``no bias grad`` (the weights frozen: POS_GRAD/TIME_GRAD off, the lower bound), and per-tile with
+   only one of the two weights trained (``pos grad only``, ``time grad only``). Per-tile and
    per-pair bias gradients must agree (float32 sums in another order). Every kernel is autotuned
    over the first three tiles of its list (``--autotune``: the whole list, many minutes of
    compiling); the autotuning key holds no variant flag, so all variants run the tile tuned first.
@@ -44,7 +45,7 @@ from recforge.ops.triton import tuning
 
 NUM_BUCKETS = 128
 TOL = {torch.float32: {"qkv": 2e-5, "weights": 2e-4}, torch.bfloat16: {"qkv": 2e-2, "weights": 2e-2}}
-VARIANTS = ("per-tile", "per-tile, unrolled", "per-pair", "no bias grad")
+VARIANTS = ("per-tile", "per-tile, unrolled", "per-pair", "no bias grad", "pos grad only", "time grad only")
 
 
 def timestamps(gen: torch.Generator, total: int) -> torch.Tensor:
@@ -102,7 +103,7 @@ def time_backward(run, reps: int, budget_s: float, device: torch.device) -> tupl
 
 
 def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budget_s: float,
-                device: torch.device) -> list[dict]:
+                device: torch.device, variants: tuple[str, ...] = VARIANTS) -> list[dict]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter's bf16 is wrong
     gen = torch.Generator().manual_seed(seed + max_len + dim)
     lengths = make_lengths(max_len, tokens, seed)
@@ -121,7 +122,8 @@ def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budge
         hstu_kernels.pair_atomics = variant == "per-pair"
         hstu_kernels.time_loop_in_masked_tiles = variant != "per-tile, unrolled"
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        weights = [w.detach().requires_grad_(variant != "no bias grad") for w in (pos_w, time_w)]
+        wants = {"no bias grad": (False, False), "pos grad only": (True, False), "time grad only": (False, True)}
+        weights = [w.detach().requires_grad_(want) for w, want in zip((pos_w, time_w), wants.get(variant, (True, True)))]
         out = hstu_attention(*leaves, offsets, max_len, AttentionMask(), scale=1 / max_len, pos_weights=weights[0],
                              timestamps=ts, time_weights=weights[1], kernel="triton")
         wanted = leaves + [w for w in weights if w.requires_grad]
@@ -133,22 +135,23 @@ def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budge
         ms, calls = time_backward(run, reps if variant != "per-pair" else min(reps, 3), budget_s, device)
         return ms, calls, [g.float() for g in grads[3:]]
 
-    for variant in VARIANTS:
+    for variant in variants:
         ms, calls, bias_grads[variant] = backward_of(variant)
         rows.append({**head, "variant": variant, "backward_ms": ms, "calls_timed": calls,
                      "backward_tflops": (fl_all - fl_fwd) / ms / 1e9})
         print(rows[-1], flush=True)
     hstu_kernels.pair_atomics, hstu_kernels.time_loop_in_masked_tiles = False, True
-    old = bias_grads["per-pair"]
+    old = bias_grads.get("per-pair")
     agree = {f"{variant}: {name}": float((a - b).norm() / b.norm().clamp_min(1e-30))
-             for variant in ("per-tile", "per-tile, unrolled")
+             for variant in ("per-tile", "per-tile, unrolled") if variant in bias_grads and old is not None
              for name, a, b in zip(("pos", "time"), bias_grads[variant], old)}
     by = {r["variant"]: r["backward_ms"] for r in rows}
     for r in rows:
         r["per_tile_vs_per_pair_relative_diff"] = agree
         r["agree"] = all(e <= 1e-3 for e in agree.values())
-        r["speedup_vs_per_pair"] = by["per-pair"] / by[r["variant"]]
-        r["ms_over_no_bias_grad"] = r["backward_ms"] - by["no bias grad"]
+        r["speedup_vs_per_pair"] = by["per-pair"] / by[r["variant"]] if "per-pair" in by else float("nan")
+        if "no bias grad" in by:
+            r["ms_over_no_bias_grad"] = r["backward_ms"] - by["no bias grad"]
     return rows
 
 
@@ -169,6 +172,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=10, help="timed backward calls (per-pair: 3)")
     p.add_argument("--budget", type=float, default=5.0, help="seconds of timed calls per case and variant")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="variants timed")
     p.add_argument("--device", default="cuda", help="cuda; cpu: a smoke test under TRITON_INTERPRET=1")
     p.add_argument("--reference-lengths", type=int, nargs="+", default=[700, 333, 1, 512, 90],
                    help="the jagged batch checked against the reference")
@@ -183,7 +187,7 @@ def main() -> int:
         pin_tiles()
     checks = reference_check(args.dims[0], device, args.seed, args.reference_lengths)
     rows = [row for L in args.lengths for dim in args.dims
-            for row in timing_case(L, dim, args.tokens, args.seed, args.reps, args.budget, device)]
+            for row in timing_case(L, dim, args.tokens, args.seed, args.reps, args.budget, device, tuple(args.variants))]
     print(f"\n{'L':>6} {'D':>4} {'variant':>18} {'bwd ms':>9} {'TFLOP/s':>8} {'vs per-pair':>11} {'agree':>6}")
     for r in rows:
         print(f"{r['max_len']:>6} {r['head_dim']:>4} {r['variant']:>18} {r['backward_ms']:>9.2f} "

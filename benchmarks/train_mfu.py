@@ -151,6 +151,12 @@ def categorize(name: str) -> str:
     return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
 
 
+def is_annotation(name: str) -> bool:
+    """A profiler range recorded on the GPU timeline, not a kernel: Inductor's ``## Call CompiledFxGraph ... ##``
+    and the optimizer's ``Optimizer.step#AdamW.step`` span the kernels they launch."""
+    return name.startswith("## ") or name.startswith("Optimizer.")
+
+
 def copy_ops(prof, steps: int, top: int) -> list[dict]:
     """The aten copies / fills / scatters of the profiled steps (``--copies``): per op, input shape, dtypes and
     calling op chain, the calls and MB (first input's size) per step, largest first."""
@@ -192,6 +198,8 @@ def profile_steps(runner: StepRunner, batches: list, device: torch.device, steps
     for event in prof.key_averages():
         device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
         if device.type != "cuda" or not device_us or event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if is_annotation(event.key):  # a range over kernels counted on their own: summing it would count them twice
             continue
         cat = categorize(event.key)
         kernels[cat] = kernels.get(cat, 0.0) + device_us / 1e3 / steps

@@ -23,6 +23,7 @@ checks the retrieval step with ``torch.cuda.set_sync_debug_mode``).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -179,10 +180,20 @@ class GraphedStep:
             for group, lr in zip(groups, self._lr, strict=True):
                 group["lr"], group["capturable"] = lr, True
             self._stream.wait_stream(torch.cuda.current_stream())
-            # thread_local: the input prefetch thread may allocate and copy meanwhile; the backward's autograd
-            # thread launches onto the capture stream, so it is captured all the same
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-                loss = self._body(batch, draws, scales)
+            # No garbage collection while capturing: a collection that frees CUDA objects of earlier work (a dropped
+            # graph, its memory pool, events) calls CUDA APIs a capture forbids, and the capture fails (it did in the
+            # GPU tests, after earlier steppers became garbage). Collected now instead, and off until the end.
+            gc.collect()
+            gc_was_on = gc.isenabled()
+            gc.disable()
+            try:
+                # thread_local: the input prefetch thread may allocate and copy meanwhile; the backward's autograd
+                # thread launches onto the capture stream, so it is captured all the same
+                with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                    loss = self._body(batch, draws, scales)
+            finally:
+                if gc_was_on:
+                    gc.enable()
         finally:
             for group, (lr, capturable) in zip(groups, before, strict=True):
                 group["lr"], group["capturable"] = lr, capturable  # a checkpoint saves the run's own settings

@@ -3,6 +3,7 @@ the eager padded step), the padded step trains like the eager one, and on a GPU 
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 
@@ -180,6 +181,32 @@ def test_graphed_step_matches_eager(tmp_path: Path, data_dir: Path, cuda_device,
     assert graphed.replays >= 5 and graphed.eager_steps == len(graphed.graphs) == 8 - graphed.replays
     for step, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert abs(a - b) <= tol * abs(b), f"step {step + 1}: graphed {a} vs eager {b}"
+
+
+@pytest.mark.gpu
+def test_no_garbage_collection_inside_a_capture(tmp_path: Path, data_dir: Path, cuda_device,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A collection inside a capture that frees an earlier stepper's graphs (cyclic garbage) calls CUDA APIs the
+    capture forbids, and the capture fails: seen in this file's parametrized test, whichever case ran last. The
+    capture runs with the collector off (and on again after), garbage collected just before."""
+    seen = []
+    body = GraphedStep._body
+
+    def watched(self, *args):
+        seen.append(gc.isenabled())
+        return body(self, *args)
+
+    monkeypatch.setattr(GraphedStep, "_body", watched)
+    earlier = retrieval.setup(_gpu_cfg(tmp_path, data_dir, "train.cuda_graphs=true"))
+    batches = _batches(earlier, [16, 9])
+    _train(earlier, batches[:1])
+    cycle = [earlier]
+    cycle.append(cycle)  # garbage only the collector frees, holding a captured graph and its pool
+    del earlier, cycle
+    s = retrieval.setup(_gpu_cfg(tmp_path, data_dir, "train.cuda_graphs=true"))
+    _train(s, batches[1:])
+    assert s.runner.graphed.failed is None and len(s.runner.graphed.graphs) == 1
+    assert seen == [True, False, True, False] and gc.isenabled()  # eager, capture; per stepper
 
 
 @pytest.mark.gpu
