@@ -16,7 +16,10 @@ Usage (one H200; mostly compiling, estimated under 10 minutes on a machine with 
    P = L position weights and 128 + 1 time buckets (as ``models.hstu``), timestamps 1 s - 1 h
    apart (as ``benchmarks/long_seq.py``). One backward (the dQ and dK/dV kernels) is timed:
    ``per-tile`` (this release), ``per-tile, unrolled`` (``hstu.time_loop_in_masked_tiles`` off: the
-   masked tiles' time buckets also unrolled, every tile loop software-pipelined), ``per-pair``
+   masked tiles' time buckets also unrolled, every tile loop software-pipelined), ``per-tile, reused
+   buckets`` (``hstu.reuse_time_bucket``: the time buckets of the scores reused for the gradient), ``per-tile,
+   8 warps`` (``tuning.bias_grad_fixed_warps``: the fixed-tile launch of L <= 256 with 8 warps instead of 4;
+   the same as ``per-tile`` on longer, autotuned launches), ``per-pair``
    (``hstu.pair_atomics``: earlier releases) and
    ``no bias grad`` (the weights frozen: POS_GRAD/TIME_GRAD off, the lower bound), and per-tile with
    only one of the two weights trained (``pos grad only``, ``time grad only``). Per-tile and
@@ -45,7 +48,8 @@ from recforge.ops.triton import tuning
 
 NUM_BUCKETS = 128
 TOL = {torch.float32: {"qkv": 2e-5, "weights": 2e-4}, torch.bfloat16: {"qkv": 2e-2, "weights": 2e-2}}
-VARIANTS = ("per-tile", "per-tile, unrolled", "per-pair", "no bias grad", "pos grad only", "time grad only")
+VARIANTS = ("per-tile", "per-tile, unrolled", "per-tile, reused buckets", "per-tile, 8 warps", "per-pair",
+            "no bias grad", "pos grad only", "time grad only")
 
 
 def timestamps(gen: torch.Generator, total: int) -> torch.Tensor:
@@ -121,6 +125,8 @@ def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budge
         """(median ms, calls timed, bias gradients) of one variant's backward."""
         hstu_kernels.pair_atomics = variant == "per-pair"
         hstu_kernels.time_loop_in_masked_tiles = variant != "per-tile, unrolled"
+        hstu_kernels.reuse_time_bucket = variant == "per-tile, reused buckets"
+        tuning.bias_grad_fixed_warps = 8 if variant == "per-tile, 8 warps" else None
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         wants = {"no bias grad": (False, False), "pos grad only": (True, False), "time grad only": (False, True)}
         weights = [w.detach().requires_grad_(want) for w, want in zip((pos_w, time_w), wants.get(variant, (True, True)))]
@@ -140,10 +146,12 @@ def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budge
         rows.append({**head, "variant": variant, "backward_ms": ms, "calls_timed": calls,
                      "backward_tflops": (fl_all - fl_fwd) / ms / 1e9})
         print(rows[-1], flush=True)
-    hstu_kernels.pair_atomics, hstu_kernels.time_loop_in_masked_tiles = False, True
+    hstu_kernels.pair_atomics, hstu_kernels.time_loop_in_masked_tiles, hstu_kernels.reuse_time_bucket = False, True, False
+    tuning.bias_grad_fixed_warps = None
     old = bias_grads.get("per-pair")
     agree = {f"{variant}: {name}": float((a - b).norm() / b.norm().clamp_min(1e-30))
-             for variant in ("per-tile", "per-tile, unrolled") if variant in bias_grads and old is not None
+             for variant in ("per-tile", "per-tile, unrolled", "per-tile, reused buckets", "per-tile, 8 warps")
+             if variant in bias_grads and old is not None
              for name, a, b in zip(("pos", "time"), bias_grads[variant], old)}
     by = {r["variant"]: r["backward_ms"] for r in rows}
     for r in rows:
@@ -186,21 +194,26 @@ def main() -> int:
     if not args.autotune:
         pin_tiles()
     checks = reference_check(args.dims[0], device, args.seed, args.reference_lengths)
-    rows = [row for L in args.lengths for dim in args.dims
-            for row in timing_case(L, dim, args.tokens, args.seed, args.reps, args.budget, device, tuple(args.variants))]
+    rows: list[dict] = []
+
+    def result() -> dict:
+        return {
+            "benchmark": "attention_bias_grad", "date": datetime.datetime.now(datetime.UTC).isoformat(),
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)", "torch": torch.__version__, "triton": __import__("triton").__version__,
+            "command": " ".join(sys.argv), "autotuned": args.autotune, "time_steps": hstu_kernels.TIME_STEPS, "reference_checks": checks,
+            "rows": rows, "correct": all(c["ok"] for c in checks) and all(r["agree"] for r in rows),
+        }  # fmt: skip
+
+    for L in args.lengths:
+        for dim in args.dims:
+            rows += timing_case(L, dim, args.tokens, args.seed, args.reps, args.budget, device, tuple(args.variants))
+            if args.out:  # after every case: a run stopped by a time limit keeps what it measured
+                atomic_write_json(Path(args.out), result())
     print(f"\n{'L':>6} {'D':>4} {'variant':>18} {'bwd ms':>9} {'TFLOP/s':>8} {'vs per-pair':>11} {'agree':>6}")
     for r in rows:
         print(f"{r['max_len']:>6} {r['head_dim']:>4} {r['variant']:>18} {r['backward_ms']:>9.2f} "
               f"{r['backward_tflops']:>8.1f} {r['speedup_vs_per_pair']:>10.1f}x {str(r['agree']):>6}")
-    correct = all(c["ok"] for c in checks) and all(r["agree"] for r in rows)
-    result = {
-        "benchmark": "attention_bias_grad", "date": datetime.datetime.now(datetime.UTC).isoformat(),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)", "torch": torch.__version__, "triton": __import__("triton").__version__,
-        "command": " ".join(sys.argv), "autotuned": args.autotune, "time_steps": hstu_kernels.TIME_STEPS, "reference_checks": checks,
-        "rows": rows, "correct": correct,
-    }  # fmt: skip
-    if args.out:
-        atomic_write_json(Path(args.out), result)
+    correct = result()["correct"]
     if not correct:
         print("FAILED: a gradient is off the reference, or per-tile and per-pair bias gradients differ", file=sys.stderr)
         return 1

@@ -106,6 +106,20 @@ def test_interpreter_bias_grads(interpreter, monkeypatch, kind: str, num_pos: in
     assert not bad, f"{kind} P={num_pos} {spread} steps={steps} {walk} seed {seed}: relative errors {bad}"
 
 
+@pytest.mark.parametrize("walk", ["split", "merged"])
+def test_interpreter_reused_time_buckets_agree(interpreter, monkeypatch, walk: str) -> None:
+    """``reuse_time_bucket`` (the dK/dV kernel sums the time gradient by the buckets of its scores, for A/B
+    benchmarks) gives the reference's gradients, with two tile loops and with one."""
+    from recforge.ops.triton import tuning
+
+    monkeypatch.setattr(interpreter, "reuse_time_bucket", True)
+    monkeypatch.setattr(tuning, "split_loops", lambda fixed_tile: walk != "merged")
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    lengths = _lengths(torch.Generator().manual_seed(seed), 72)
+    errors = bias_grad_errors("context_targets", 40, "many", torch.float32, "cpu", seed, lengths)
+    assert all(e <= TOL[torch.float32] for e in errors.values()), f"{walk} seed {seed}: {errors}"
+
+
 @pytest.mark.slow
 def test_interpreter_pair_atomics_agree(interpreter, monkeypatch) -> None:
     """The per-pair atomics kept for A/B benchmarks still give the reference's gradients."""
@@ -130,3 +144,22 @@ def test_gpu_bias_grads_long(cuda_device, dtype: torch.dtype, kind: str, num_pos
     errors = bias_grad_errors(kind, num_pos, spread, dtype, cuda_device, seed, lengths, heads=2, dim=64)
     bad = {k: e for k, e in errors.items() if k.endswith("_weights") and not e <= TOL[dtype]}
     assert not bad, f"{kind} P={num_pos} {spread} {dtype} seed {seed}: relative errors {bad}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switch", ["reuse_time_bucket", "bias_grad_fixed_warps"])
+def test_gpu_bias_grad_ab_switches(cuda_device, monkeypatch, switch: str) -> None:
+    """The A/B switches of the dK/dV kernel (``attention_bias_grad.py``'s variants) keep the reference's
+    gradients: short sequences (the fixed-tile launch that ``bias_grad_fixed_warps`` changes) and long ones."""
+    from recforge.ops.triton import hstu, tuning
+
+    if switch == "reuse_time_bucket":
+        monkeypatch.setattr(hstu, "reuse_time_bucket", True)
+    else:
+        monkeypatch.setattr(tuning, "bias_grad_fixed_warps", 8)
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    gen = torch.Generator().manual_seed(seed)
+    for lengths in ([200, int(torch.randint(2, 200, (1,), generator=gen)), 1, 77], [1500, 700, 1]):
+        errors = bias_grad_errors("context_targets", 300, "many", torch.bfloat16, cuda_device, seed, lengths, heads=2, dim=64)
+        bad = {k: e for k, e in errors.items() if not e <= TOL[torch.bfloat16]}
+        assert not bad, f"{switch} lengths {lengths} seed {seed}: relative errors {bad}"

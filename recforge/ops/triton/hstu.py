@@ -54,6 +54,19 @@ def _scores(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, 
 
 
 @triton.jit
+def _scores_and_bucket(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, seq_end_mask,
+                       HAS_POS: tl.constexpr, DOT_PREC: tl.constexpr):
+    """``_scores`` with the time bias, also returning each pair's (time bucket, gets a time bias): the dK/dV
+    kernel sums its time-weight gradient by these buckets instead of computing them a second time."""
+    s = tl.dot(q, kT, input_precision=DOT_PREC)
+    if HAS_POS:
+        s += tl.load(pos_w + tl.minimum(tl.maximum(tl.minimum(i, he) - tl.minimum(j, he), 0), P - 1)).to(tl.float32)
+    bucket, events = time_index(i, j, c, start_tok, ts_bias, time_thr, NB, seq_end_mask)
+    s += tl.where(events, tl.load(time_w + bucket).to(tl.float32), 0.0)
+    return s, bucket, events
+
+
+@triton.jit
 def _sigmoid(x, FAST: tl.constexpr):
     """1 / (1 + exp(-x)) in float32. FAST (bf16/fp16 inputs): 0.5 + 0.5 tanh(x / 2) on the
     hardware tanh (relative error ~2^-11, under bf16/fp16 rounding of the tile before the next
@@ -209,7 +222,7 @@ def _hstu_bwd_dkdv(
     S: tl.constexpr, FULL_BITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr, PAIR_ATOMICS: tl.constexpr,
-    NB_PAD: tl.constexpr, TIME_STEPS: tl.constexpr, TIME_LOOP: tl.constexpr,
+    NB_PAD: tl.constexpr, TIME_STEPS: tl.constexpr, TIME_LOOP: tl.constexpr, REUSE_BUCKET: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
     DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -257,8 +270,12 @@ def _hstu_bwd_dkdv(
             qT = tl.load(Q_h + tok[None, :] * sq_t + dq_[:, None], mask=row_ok[None, :] & (dq_[:, None] < DQK), other=0.0)
             doT = tl.load(DO_h + tok[None, :] * so_t + dv_[:, None], mask=row_ok[None, :] & (dv_[:, None] < DV), other=0.0)
             i = i_vec[None, :]
-            sT = _scores(k, qT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
-                         HAS_POS, HAS_TIME, DOT_PREC)  # (BLOCK_N, BLOCK_M)
+            if TIME_GRAD and REUSE_BUCKET and not PAIR_ATOMICS:
+                sT, bucket, events = _scores_and_bucket(k, qT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr,
+                                                        P, NB, (i < n) & (j < n), HAS_POS, DOT_PREC)  # fmt: skip
+            else:
+                sT = _scores(k, qT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
+                             HAS_POS, HAS_TIME, DOT_PREC)  # (BLOCK_N, BLOCK_M)
             sig = _sigmoid(sT, FAST_SIGMOID)
             aT = sT * sig * scale
             daT = tl.dot(v, doT, input_precision=DOT_PREC)
@@ -286,7 +303,8 @@ def _hstu_bwd_dkdv(
                     pos_first, pos_last = pos_grad_tile(dsT, i, j, i_start, j0, he, P, dpos, pos_first, pos_last,
                                                         HAS_TARGETS, BLOCK_N, BLOCK_M)
                 if TIME_GRAD:
-                    bucket, events = time_index(i, j, c, start_tok, ts_bias, time_thr, NB, (i < n) & (j < n))
+                    if not REUSE_BUCKET:
+                        bucket, events = time_index(i, j, c, start_tok, ts_bias, time_thr, NB, (i < n) & (j < n))
                     # the masked tiles (phase 0 of two loops) every bucket in a loop; see time_grad_tile
                     time_hist = time_grad_tile(dsT, bucket, events, time_hist, dtime, NB_PAD, TIME_STEPS,
                                                TIME_LOOP and SPLIT_LOOPS and phase == 0)
@@ -309,6 +327,10 @@ TIME_STEPS = 4
 # a loop: the diagonal tiles span many. That loop keeps Triton from software-pipelining the first
 # tile loop (a few tiles per key block); False: the masked tiles as the others (for A/B benchmarks).
 time_loop_in_masked_tiles = True
+# True: the dK/dV kernel sums the time-weight gradient by the buckets it computed for the scores, instead of
+# computing them a second time (two timestamp loads, a log and two threshold loads per pair) -- for A/B
+# benchmarks until the GPU numbers decide the default (fewer ptxas spills on sm_90; see BENCHMARKS.md).
+reuse_time_bucket = False
 # True: the bias gradients by one atomic per pair, as in earlier releases (for A/B benchmarks:
 # serialises on long sequences); read at each backward call.
 pair_atomics = False
@@ -376,7 +398,7 @@ def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
                 (q, k, v, do, dk, dv, *strides, *dk.stride()[:2], *dv.stride()[:2], *common, dpos, dtime, *scalars),
                 dict(meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad, PAIR_ATOMICS=bool(pair_atomics),
                      NB_PAD=next_power_of_2(num_buckets + 1) if time_grad else 16, TIME_STEPS=TIME_STEPS,
-                     TIME_LOOP=bool(time_loop_in_masked_tiles)))
+                     TIME_LOOP=bool(time_loop_in_masked_tiles), REUSE_BUCKET=bool(reuse_time_bucket)))
     else:
         dq.zero_(), dk.zero_(), dv.zero_()
     d_pos = dpos.to(pos_w.dtype) if pos_grad else None

@@ -149,6 +149,12 @@ def fixed_config(bd_qk: int, bd_v: int, dot_prec: str) -> triton.Config:
     return _cfg(64, 64, 4, 2)
 
 
+# Warps of the fixed-tile dK/dV launch when it sums bias gradients (None: the fixed tile's own). For A/B
+# benchmarks until GPU timings decide: ptxas (sm_90, benchmarks/kernel_spills.py) spills ~1.4 KB per thread
+# at 4 warps and ~0.15 KB at 8 for the bf16 64x64 tile with both bias gradients.
+bias_grad_fixed_warps: int | None = None
+
+
 def split_loops(fixed_tile: bool) -> bool:
     """SPLIT_LOOPS for a launch: walk the tiles that need the mask and the mask-free span in two
     loops (the second without any mask code), or in one loop with the mask math behind a
@@ -188,6 +194,8 @@ def launch(kernel, grid_blocks: str, batch: int, heads: int, max_seq_len: int, a
         return (-(-len_key // m[block_key]) * batch * heads, 1, 1)
 
     cfg = fixed_config(meta["BD_QK"], meta["BD_V"], meta["DOT_PREC"]) if fixed else None
+    if cfg is not None and not interpreting and bias_grad_fixed_warps and (meta.get("POS_GRAD") or meta.get("TIME_GRAD")):
+        cfg = triton.Config(cfg.kwargs, num_warps=bias_grad_fixed_warps, num_stages=cfg.num_stages)
     key = None if interpreting else plans.key(kernel, torch.cuda.current_device(), cfg, args, meta)
     plan = plans.get(key)
     if plan is not None:
