@@ -26,8 +26,8 @@ def _keep(SEED, rows, cols, N, p):
 
 
 @triton.jit
-def _fwd(X, U, W, B, Y, MEAN, RSTD, SEED, T, N, stride_x, stride_u, eps, p, scale,
-         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr):  # fmt: skip
+def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, SEED, T, N, stride_x, stride_u, eps, p, scale,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < T, cols < N
@@ -49,9 +49,10 @@ def _fwd(X, U, W, B, Y, MEAN, RSTD, SEED, T, N, stride_x, stride_u, eps, p, scal
 
 
 @triton.jit
-def _bwd(DY, X, U, W, B, MEAN, RSTD, SEED, DX, DU, DW_PART, DB_PART, T, N, stride_dy, stride_x, stride_u, p, scale,
-         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr):  # fmt: skip
-    """Row blocks pid, pid + programs, ...; dWeight/dBias partial sums over them in registers, one row per program."""
+def _norm_gate_bwd(DY, X, U, W, B, MEAN, RSTD, SEED, DX, DU, DW_PART, DB_PART, T, N, stride_dy, stride_x, stride_u,
+                   p, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr):  # fmt: skip
+    """Row blocks pid, pid + programs, ...; dWeight/dBias partial sums over them in registers, one row of partials
+    per program (kernel names hold "norm": ``benchmarks/train_mfu.py`` counts them as elementwise/norm)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -83,6 +84,9 @@ def _bwd(DY, X, U, W, B, MEAN, RSTD, SEED, DX, DU, DW_PART, DB_PART, T, N, strid
         tl.store(DX + r64 * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=ok)
     tl.store(DW_PART + pid * N + cols, dw, mask=col_ok)
     tl.store(DB_PART + pid * N + cols, db, mask=col_ok)
+
+
+_fwd = _norm_gate_fwd  # the name the tests' interpreter fixture checks (tests/ops/conftest.py)
 
 
 def _tile(width: int) -> tuple[int, int, int]:
@@ -123,9 +127,9 @@ def norm_gate_forward(x: Tensor, u: Tensor, weight: Tensor, bias: Tensor, seed: 
     seed_arg, scale, dropout = _dropout_args(seed, p, mean)
     block_m, block_n, warps = _tile(width)
     if tokens:
-        _fwd[(triton.cdiv(tokens, block_m),)](x, u, weight, bias, y, mean, rstd, seed_arg, tokens, width, x.stride(0),
-                                              u.stride(0), float(eps), float(p), scale, BLOCK_M=block_m,
-                                              BLOCK_N=block_n, DROPOUT=dropout, num_warps=warps)  # fmt: skip
+        _norm_gate_fwd[(triton.cdiv(tokens, block_m),)](
+            x, u, weight, bias, y, mean, rstd, seed_arg, tokens, width, x.stride(0), u.stride(0), float(eps), float(p),
+            scale, BLOCK_M=block_m, BLOCK_N=block_n, DROPOUT=dropout, num_warps=warps)  # fmt: skip
     return y, mean, rstd
 
 
@@ -141,9 +145,9 @@ def norm_gate_backward(dy: Tensor, x: Tensor, u: Tensor, weight: Tensor, bias: T
     dw_part = torch.empty((programs, width), dtype=torch.float32, device=x.device)
     db_part = torch.empty_like(dw_part)
     seed_arg, scale, dropout = _dropout_args(seed, p, mean)
-    _bwd[(programs,)](dy, x, u, weight, bias, mean, rstd, seed_arg, dx, du, dw_part, db_part, tokens, width,
-                      dy.stride(0), x.stride(0), u.stride(0), float(p), scale, BLOCK_M=block_m, BLOCK_N=block_n,
-                      DROPOUT=dropout, num_warps=warps)  # fmt: skip
+    _norm_gate_bwd[(programs,)](dy, x, u, weight, bias, mean, rstd, seed_arg, dx, du, dw_part, db_part, tokens, width,
+                                dy.stride(0), x.stride(0), u.stride(0), float(p), scale, BLOCK_M=block_m,
+                                BLOCK_N=block_n, DROPOUT=dropout, num_warps=warps)  # fmt: skip
     return dx, du, dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(bias.dtype)
 
 
