@@ -6,10 +6,13 @@
                                     (``recforge.models.slices``)
     RECFORGE_TRITON_LAUNCH_PLANS    0 (or false/off/no): launch every Triton kernel through Triton's own launch path
                                     (``recforge.ops.triton.tuning``; default 1)
+    RECFORGE_FUSED_NORM_GATE        0 (or false/off/no): the HSTU block's LayerNorm * gate * dropout as PyTorch ops,
+                                    not the fused Triton kernel (A/B runs; ``recforge.ops.norm_gate``; default 1)
     TRITON_INTERPRET                1: Triton kernels run in Triton's CPU interpreter (tests)
 
 Each is read when its function is called, so a test can set it with ``monkeypatch.setenv``;
-``RECFORGE_TRITON_LAUNCH_PLANS`` is read once, when the Triton kernels are first imported.
+``RECFORGE_TRITON_LAUNCH_PLANS`` is read once, when the Triton kernels are first imported, and
+``RECFORGE_FUSED_NORM_GATE`` once, when ``recforge.ops.norm_gate`` is imported.
 """
 
 from __future__ import annotations
@@ -34,9 +37,14 @@ def triton_launch_plans() -> bool:
     return os.environ.get("RECFORGE_TRITON_LAUNCH_PLANS", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+def fused_norm_gate() -> bool:
+    """False when ``$RECFORGE_FUSED_NORM_GATE`` is 0, false, off or no (any case)."""
+    return os.environ.get("RECFORGE_FUSED_NORM_GATE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def triton_interpret() -> bool:
     """``$TRITON_INTERPRET`` is set to something other than 0 (Triton reads it when kernels are defined)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-__all__ = ["TRUSTED_SLICE_MODULES", "data_dir", "triton_interpret", "triton_launch_plans", "trusted_slice_modules"]
+__all__ = ["TRUSTED_SLICE_MODULES", "data_dir", "fused_norm_gate", "triton_interpret", "triton_launch_plans", "trusted_slice_modules"]

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from recforge.jagged.index import lengths_from_offsets, padding_index
 from recforge.jagged.mask import AttentionMask
 from recforge.ops.hstu_attention import hstu_attention
+from recforge.ops.norm_gate import norm_gate
 
 
 @dataclass
@@ -72,19 +73,27 @@ class HSTUBlock(nn.Module):
         return (u, q.view(tokens, cfg.num_heads, cfg.dqk), k.view(tokens, cfg.num_heads, cfg.dqk),
                 v.view(tokens, cfg.num_heads, cfg.dv))  # fmt: skip
 
-    def combine(self, x: Tensor, attn: Tensor, u: Tensor, visible_keys: Tensor | None = None) -> Tensor:
-        """The block's output from its attention ``attn`` (T, H, Dv): x + out(norm(attn) * u).
+    def combine(self, x: Tensor, attn: Tensor, u: Tensor, visible_keys: Tensor | None = None,
+                kernel: str | None = None) -> Tensor:  # fmt: skip
+        """The block's output from its attention ``attn`` (T, H, Dv): x + out(dropout(norm(attn) * u)).
 
         ``visible_keys`` (T,): how many keys each token attended to, needed by ``attn_norm=visible_mean``
-        (which undoes the attention's 1/max_seq_len and divides by it instead)."""
+        (which undoes the attention's 1/max_seq_len and divides by it instead). ``kernel``: the backend of
+        LayerNorm * u * dropout (``ops.norm_gate``: one Triton kernel each way on CUDA); ``forward`` passes
+        its attention's ``cfg.kernel``; None (callers with their own attention, e.g. serving or export on
+        CPU): "auto", or "pytorch" when ``cfg.kernel`` is."""
         cfg = self.cfg
         attn = attn.reshape(x.shape[0], cfg.num_heads * cfg.dv)  # (T, H*Dv)
         if self.attn_norm is not None:
-            attn = self.attn_norm(attn)
-        elif visible_keys is None:
+            if kernel is None:
+                kernel = "pytorch" if cfg.kernel == "pytorch" else "auto"
+            norm = self.attn_norm
+            gated = norm_gate(attn, u, norm.weight, norm.bias, eps=norm.eps, p=self.dropout.p, training=self.training,
+                              kernel=kernel)  # (T, H*Dv); on CPU: F.dropout(F.layer_norm(attn) * u) as nn.Modules do
+            return x + self.out(gated)  # (T, d)
+        if visible_keys is None:
             raise ValueError("HSTUConfig.attn_norm=visible_mean: combine() needs each token's visible-key count")
-        else:
-            attn = attn * (cfg.max_seq_len / visible_keys.to(attn.dtype)).unsqueeze(1)
+        attn = attn * (cfg.max_seq_len / visible_keys.to(attn.dtype)).unsqueeze(1)
         return x + self.out(self.dropout(attn * u))  # (T, d)
 
     def forward(self, x: Tensor, seq_offsets: Tensor, max_seq_len: int, mask: AttentionMask, timestamps: Tensor | None,
@@ -108,7 +117,7 @@ class HSTUBlock(nn.Module):
         )  # (T, H, Dv)
         if self.attn_norm is None and visible_keys is None:
             visible_keys = visible_key_counts(seq_offsets, max_seq_len, mask, x.shape[0])
-        return self.combine(x, attn, u, visible_keys)
+        return self.combine(x, attn, u, visible_keys, kernel=cfg.kernel)
 
 
 def visible_key_counts(seq_offsets: Tensor, max_seq_len: int, mask: AttentionMask, tokens: int,

@@ -5,7 +5,8 @@ Eager calls take ``recforge.ops.triton.hstu.hstu_attention_triton`` directly (an
 ``hstu_attention_op`` instead: Dynamo sees one opaque node per block (forward and backward ops
 with fake implementations for shape propagation), so it neither traces into the Triton launch
 code nor breaks the graph at every block. The mask travels as its tensors and scalars (custom
-ops take no dataclasses); the kernels module is imported on the first real call.
+ops take no dataclasses); the kernels module is imported on the first real call. The HSTU block's
+fused ``dropout(layer_norm(a) * u)`` (``recforge.ops.norm_gate``) is a custom op here the same way.
 """
 
 # no ``from __future__ import annotations``: torch.library reads the ops' schemas from real annotations
@@ -121,4 +122,53 @@ def hstu_attention_op(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_
                        timestamps if has_time else None, time_weights if has_time else None)  # fmt: skip
 
 
-__all__ = ["hstu_attention_op"]
+@torch.library.custom_op("recforge::norm_gate", mutates_args=())
+def _norm_gate_op(x: Tensor, u: Tensor, weight: Tensor, bias: Tensor, seed: Optional[Tensor], eps: float,
+                  p: float) -> Tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(y, row means, row 1/std) of ``recforge.ops.triton.norm_gate.norm_gate_forward``."""
+    from recforge.ops.triton.norm_gate import norm_gate_forward
+
+    return norm_gate_forward(x, u, weight, bias, seed, eps, p)
+
+
+@_norm_gate_op.register_fake
+def _(x, u, weight, bias, seed, eps, p):
+    rows = x.new_empty(x.shape[0], dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, u.dtype)), rows, rows.new_empty(rows.shape)
+
+
+@torch.library.custom_op("recforge::norm_gate_backward", mutates_args=())
+def _norm_gate_backward_op(dy: Tensor, x: Tensor, u: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, rstd: Tensor,
+                           seed: Optional[Tensor], p: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    from recforge.ops.triton.norm_gate import norm_gate_backward
+
+    return norm_gate_backward(dy, x, u, weight, bias, mean, rstd, seed, p)
+
+
+@_norm_gate_backward_op.register_fake
+def _(dy, x, u, weight, bias, mean, rstd, seed, p):
+    return x.new_empty(x.shape), u.new_empty(x.shape), weight.new_empty(weight.shape), bias.new_empty(bias.shape)
+
+
+def _norm_gate_setup_context(ctx, inputs, output) -> None:
+    x, u, weight, bias, seed, _, p = inputs
+    ctx.save_for_backward(x, u, weight, bias, output[1], output[2], seed)
+    ctx.p = p
+
+
+def _norm_gate_backward(ctx, dy, _dmean, _drstd):
+    x, u, weight, bias, mean, rstd, seed = ctx.saved_tensors
+    dx, du, dw, db = _norm_gate_backward_op(dy, x, u, weight, bias, mean, rstd, seed, ctx.p)
+    return dx, du, dw, db, None, None, None
+
+
+_norm_gate_op.register_autograd(_norm_gate_backward, setup_context=_norm_gate_setup_context)
+
+
+def norm_gate_op(x: Tensor, u: Tensor, weight: Tensor, bias: Tensor, seed: Optional[Tensor], eps: float,
+                 p: float) -> Tensor:  # fmt: skip
+    """``recforge.ops.triton.norm_gate.NormGate`` through the custom op (same contract): what a compiled model calls."""
+    return _norm_gate_op(x, u, weight, bias, seed, float(eps), float(p))[0]
+
+
+__all__ = ["hstu_attention_op", "norm_gate_op"]
