@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import math
 import sys
 import time
@@ -138,6 +139,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", help="cuda; cpu: a smoke test under TRITON_INTERPRET=1")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
+    importlib.import_module("recforge.ops.norm_gate").fused = True  # the Triton path is opt-in in training runs
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1 for a smoke test)", file=sys.stderr)
