@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
-from recforge.checkpoint import load_checkpoint
+from recforge.checkpoint import load_checkpoint, resume_candidates
 from recforge.config import RunConfig
 from recforge.io import atomic_directory
 from recforge.data.dataset import load_dataset
@@ -209,6 +210,8 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     sid_dir = _copy_sids(cfg, run_dir, resume) if ctx.is_main else run_dir / "sids"
     ctx.barrier()  # rank 0 copied the SIDs every rank reads
     s = setup(cfg, sid_dir, ctx)
+    if resume and s.model.reads_item_ids:
+        _check_resumed_catalogue(run_dir, s)
     samples = transition_samples(s.seqs, s.holdout)
     state = run_loop(
         cfg, model=s.model, optimizer=s.optimizer, device=s.device, num_samples=samples.shape[0],
@@ -222,6 +225,22 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     summary = evaluate_run(run_dir)
     summary.update({k: state[k] for k in ("train_minutes", "stop_reason", "stop_message")})
     return summary
+
+
+def _check_resumed_catalogue(run_dir: Path, s: Setup) -> None:
+    """Refuse to resume a run with ``generative.item_id_embedding`` on another item catalogue: the ID table's rows
+    are the training catalogue's items (``item_id_vocab``), and resuming would train them as other items."""
+    for ckpt in resume_candidates(run_dir)[0]:
+        try:
+            with safe_open(ckpt / "model.safetensors", "pt") as f:
+                saved = f.get_tensor("item_id_vocab") if "item_id_vocab" in f.keys() else None
+        except (OSError, SafetensorError):
+            continue  # a damaged candidate: the resume goes on to the next one, as loading does
+        if saved is not None and not torch.equal(saved.cpu(), torch.from_numpy(s.seqs.item_vocab)):
+            raise ValueError(f"{ckpt}: its item-ID table was trained on another item catalogue than "
+                             f"{s.cfg.data.path}'s (generative.item_id_embedding); resume on the dataset the run was "
+                             "trained on, or start a new run")  # fmt: skip
+        return  # the checkpoint the resume loads
 
 
 def load_run(run_dir: str | Path, checkpoint: str = "auto", overrides: list[str] | None = None) -> tuple[Setup, Path, dict]:

@@ -189,10 +189,11 @@ def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[
             ids = torch.cat([targets[:, None], neg_ids], 1)  # (T, 1+K)
             logits = torch.bmm(item_vectors(ids), user.unsqueeze(2)).squeeze(2) / temperature  # (T, 1+K)
             parts = [logits.masked_fill(torch.cat([torch.zeros_like(hits[:, :1]), hits], 1), float("-inf"))]
-        else:  # the very tensors a pipelined table staged (recforge.train.pipeline_step): looked up as they are
+        else:  # the very tensors a pipelined table staged (recforge.train.pipeline_step): looked up as they are,
+            # targets first (a dynamic table admits and evicts rows in lookup order: the positives keep theirs)
+            pos = (user * item_vectors(targets)).sum(-1, keepdim=True) / temperature  # (T, 1)
             neg_logits = torch.bmm(item_vectors(neg_ids), user.unsqueeze(2)).squeeze(2) / temperature  # (T, K)
-            parts = [(user * item_vectors(targets)).sum(-1, keepdim=True) / temperature,
-                     neg_logits.masked_fill(hits, float("-inf"))]  # fmt: skip
+            parts = [pos, neg_logits.masked_fill(hits, float("-inf"))]
     else:  # shared: neg_ids (K,)
         parts = [(user * item_vectors(targets)).sum(-1, keepdim=True) / temperature]  # (T, 1)
         neg_logits = user @ item_vectors(neg_ids).T / temperature  # (T, K)

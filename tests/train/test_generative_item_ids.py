@@ -141,6 +141,12 @@ def test_items_coded_after_training_read_the_zero_row(tmp_path: Path, data: Path
         generative.evaluate_run(run, overrides=[f"data.path={other}", f"generative.sids={run / 'sids'}"])
     # a run loads with the table its checkpoint holds, whatever the catalogue has become since
     assert load_sid_run(run, device=torch.device("cpu")).model.item_embedding.weight.shape == (31, 16)
+    # and resuming it on that other catalogue is refused before any step (it trained on the wrong rows: review)
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    cfg = load_config(CONFIG, _args(tmp_path, data, "train.epochs=3", f"data.path={other}", f"generative.sids={run / 'sids'}"))
+    with pytest.raises(ValueError, match="another item catalogue"):
+        generative.train(cfg, resume=True, progress=False)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 
 
 @pytest.mark.gpu

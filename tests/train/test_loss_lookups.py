@@ -97,3 +97,22 @@ def test_no_copy_of_the_lookup(num_items: int) -> None:
     copies = [(e.name, e.input_shapes[0]) for e in prof.events() if e.name in ("aten::copy_", "aten::clone")
               and e.input_shapes and e.input_shapes[0] and torch.Size(e.input_shapes[0]).numel() >= positions * k * dim]  # fmt: skip
     assert not copies, copies
+
+
+@pytest.mark.parametrize("negatives", ["per_position", "shared"])
+def test_lookups_with_side_effects_read_targets_first(negatives: str) -> None:
+    """``exact_distinct`` tables (dynamic embeddings) admit and evict rows in lookup order: the targets are looked up
+    before the negatives, as before the bmm scoring, so a full table never gives the positives' rows to random
+    draws (a review found the per-position branch had turned the order around)."""
+    user, weight, targets = _inputs(12, 200, 8)
+    calls = []
+
+    def vectors(ids):
+        calls.append(None if ids is None else tuple(ids.shape))
+        return F.normalize(F.embedding(ids, weight), dim=-1)
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    sampled = draw_negatives(targets, 200, negatives=negatives, num_negatives=6, generator=gen)
+    sampled_softmax_loss(user, targets, vectors, 200, negatives=negatives, num_negatives=6, exact_distinct=True,
+                         sampled=sampled)  # fmt: skip
+    assert calls[0] == (12,), f"first lookup {calls[0]}: the targets must come first"
