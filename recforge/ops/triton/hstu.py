@@ -223,7 +223,7 @@ def _hstu_bwd_dkdv(
     HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr, PAIR_ATOMICS: tl.constexpr,
     NB_PAD: tl.constexpr, TIME_STEPS: tl.constexpr, TIME_LOOP: tl.constexpr, REUSE_BUCKET: tl.constexpr,
-    DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
+    ACCUM_DKDV: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
     DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -248,8 +248,9 @@ def _hstu_bwd_dkdv(
     k = tl.load(K + keys * sk_t + h * sk_h + dq_[None, :], mask=key_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
     v = tl.load(V + keys * sv_t + h * sv_h + dv_[None, :], mask=key_ok[:, None] & (dv_[None, :] < DV), other=0.0)
     ts_j = tl.load(ts_mask + start_tok + offs_n, mask=key_ok, other=0) if HAS_TS else offs_n
-    dk = tl.zeros((BLOCK_N, BD_QK), dtype=tl.float32)
-    dv = tl.zeros((BLOCK_N, BD_V), dtype=tl.float32)
+    if ACCUM_DKDV:  # off: a launch that only sums the bias gradients (``separate_bias_grad``)
+        dk = tl.zeros((BLOCK_N, BD_QK), dtype=tl.float32)
+        dv = tl.zeros((BLOCK_N, BD_V), dtype=tl.float32)
     j = offs_n[:, None]  # tiles here are (keys, queries)
     Q_h = Q + h * sq_h
     DO_h = DO + h * so_h
@@ -286,8 +287,9 @@ def _hstu_bwd_dkdv(
                               S, FULL_BITS, HAS_WINDOW, HAS_TS) & (i < hi)
                 aT = tl.where(vis, aT, 0.0)
                 dsT = tl.where(vis, dsT, 0.0)
-            dv += tl.dot(aT.to(doT.dtype), tl.trans(doT), input_precision=DOT_PREC)
-            dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
+            if ACCUM_DKDV:
+                dv += tl.dot(aT.to(doT.dtype), tl.trans(doT), input_precision=DOT_PREC)
+                dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
             if PAIR_ATOMICS:  # the per-pair atomics of earlier releases, for A/B benchmarks only
                 if POS_GRAD:
                     dist = tl.minimum(i, he) - tl.minimum(j, he)
@@ -314,10 +316,11 @@ def _hstu_bwd_dkdv(
     if TIME_GRAD and not PAIR_ATOMICS:
         slots = tl.arange(0, NB_PAD)
         tl.atomic_add(dtime + slots, time_hist, mask=(slots <= NB) & (time_hist != 0.0))
-    tl.store(DK + keys * sdk_t + h * sdk_h + dq_[None, :], dk.to(DK.dtype.element_ty),
-             mask=key_ok[:, None] & (dq_[None, :] < DQK))
-    tl.store(DV_ + keys * sdv_t + h * sdv_h + dv_[None, :], dv.to(DV_.dtype.element_ty),
-             mask=key_ok[:, None] & (dv_[None, :] < DV))
+    if ACCUM_DKDV:
+        tl.store(DK + keys * sdk_t + h * sdk_h + dq_[None, :], dk.to(DK.dtype.element_ty),
+                 mask=key_ok[:, None] & (dq_[None, :] < DQK))
+        tl.store(DV_ + keys * sdv_t + h * sdv_h + dv_[None, :], dv.to(DV_.dtype.element_ty),
+                 mask=key_ok[:, None] & (dv_[None, :] < DV))
 
 
 # Time buckets a mask-free tile of the dK/dV kernel sums one at a time, from its highest down, and
@@ -331,6 +334,10 @@ time_loop_in_masked_tiles = True
 # computing them a second time (two timestamp loads, a log and two threshold loads per pair) -- for A/B
 # benchmarks until the GPU numbers decide the default (fewer ptxas spills on sm_90; see BENCHMARKS.md).
 reuse_time_bucket = False
+# True: the bias gradients summed by a second dK/dV launch that holds no dK/dV accumulators (two dots per tile
+# recomputed): with both gradients in one launch, every sm_90 tile of the D = 128 list spills >= 1.2 KB per thread
+# (benchmarks/kernel_spills.py), without them 36-88 B at the best tiles. For A/B benchmarks until the GPU decides.
+separate_bias_grad = False
 # True: the bias gradients by one atomic per pair, as in earlier releases (for A/B benchmarks:
 # serialises on long sequences); read at each backward call.
 pair_atomics = False
@@ -394,11 +401,19 @@ def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
         strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2])
         launch(_bwd_dq, "m", batch, heads, max_seq_len,
                 (q, k, v, do, dq, *strides, *dq.stride()[:2], *common, *scalars), meta)
-        launch(_bwd_dkdv, "n", batch, heads, max_seq_len,
-                (q, k, v, do, dk, dv, *strides, *dk.stride()[:2], *dv.stride()[:2], *common, dpos, dtime, *scalars),
-                dict(meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad, PAIR_ATOMICS=bool(pair_atomics),
-                     NB_PAD=next_power_of_2(num_buckets + 1) if time_grad else 16, TIME_STEPS=TIME_STEPS,
-                     TIME_LOOP=bool(time_loop_in_masked_tiles), REUSE_BUCKET=bool(reuse_time_bucket)))
+        dkdv_args = (q, k, v, do, dk, dv, *strides, *dk.stride()[:2], *dv.stride()[:2], *common, dpos, dtime, *scalars)
+        bias_meta = dict(meta, PAIR_ATOMICS=bool(pair_atomics), NB_PAD=next_power_of_2(num_buckets + 1) if time_grad else 16,
+                         TIME_STEPS=TIME_STEPS, TIME_LOOP=bool(time_loop_in_masked_tiles),
+                         REUSE_BUCKET=bool(reuse_time_bucket))  # fmt: skip
+        if separate_bias_grad and (pos_grad or time_grad) and not pair_atomics:
+            # dK/dV without the bias sums, then a launch that only sums them (no dK/dV accumulators held)
+            launch(_bwd_dkdv, "n", batch, heads, max_seq_len, dkdv_args,
+                   dict(bias_meta, POS_GRAD=False, TIME_GRAD=False, ACCUM_DKDV=True))
+            launch(_bwd_dkdv, "n", batch, heads, max_seq_len, dkdv_args,
+                   dict(bias_meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad, ACCUM_DKDV=False))
+        else:
+            launch(_bwd_dkdv, "n", batch, heads, max_seq_len, dkdv_args,
+                   dict(bias_meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad, ACCUM_DKDV=True))
     else:
         dq.zero_(), dk.zero_(), dv.zero_()
     d_pos = dpos.to(pos_w.dtype) if pos_grad else None
