@@ -2,24 +2,25 @@
 checkpoint, and what the run imports, source trees side by side.
 
 Usage (from the repo root; ML-1M prepared at data/ml-1m):
-    python benchmarks/train_startup.py configs/ml1m-hstu-plus-d128.yaml --tree base=/path/to/old/checkout --tree new=. \
-        --set train.precision=bfloat16 train.cuda_graphs=true --repeats 5 --checkpoint --importtime \
+    python benchmarks/train_startup.py configs/ml1m-hstu-plus-d128.yaml --tree base=/path/to/old/checkout \
+        --tree new=. --set train.precision=bfloat16 train.cuda_graphs=true --repeats 5 --checkpoint --importtime \
         --out benchmarks/results/train_startup-h200.json
     # CPU: a small model and batch, so the steps' own compute does not hide the start-up
-    python benchmarks/train_startup.py configs/ml1m-hstu-plus-d128.yaml --data /tmp/ml-1m --tree base=/tmp/base --tree new=. \
-        --set train.batch_size=8 model.dim=16 model.dqk=8 model.dv=8 train.threads=1 --steps 3 --repeats 7 \
-        --checkpoint --importtime --out benchmarks/results/train_startup-cpu-2core.json
+    python benchmarks/train_startup.py configs/ml1m-hstu-plus-d128.yaml --data /tmp/ml-1m \
+        --tree base=/tmp/base --tree new=. --set train.batch_size=8 model.dim=16 model.dqk=8 model.dv=8 \
+        train.threads=1 --steps 3 --repeats 9 --checkpoint --importtime --out benchmarks/results/train_startup-cpu.json
 
-Each run starts ``python -m recforge.cli --no-progress train CONFIG`` in the tree's root (so that tree's ``recforge``
-is imported) with ``train.log_every=1``, reads its ``train_log.jsonl`` as it grows and stops it once step
-``--steps`` is logged. ``first_step_s`` is the launch-to-first-step time: Python start-up and imports, the
+Each run starts ``python -m recforge.cli --no-progress train CONFIG`` in the tree's root (so that tree's
+``recforge`` is imported) with ``train.log_every=1``, reads its ``train_log.jsonl`` as it grows and stops it once
+step ``--steps`` is logged. ``first_step_s`` is the launch-to-first-step time: Python start-up and imports, the
 device's start, data loading, model building, and the first step (kernel compilation and autotuning
-included); ``step_k_s`` the time to step K. ``--checkpoint``: the run checkpoints at step K (``train.checkpoint_every``, no
-evaluation before it) and is timed to that checkpoint's directory (``checkpoint_s``: what a run pays on its way
-to a checkpoint, the first checkpoint's own imports included). Trees alternate within each repeat, so a busy machine slows them alike;
-medians are reported. ``--importtime``: one more launch per tree under ``python -X importtime`` (not timed): the
-number of modules imported, the cumulative import seconds of ``WATCHED`` modules (absent: not imported) and the
-outermost imports of >= 50 ms. The config and data paths are made absolute, so every tree trains the same run.
+included); ``step_k_s`` the time to step K. ``--checkpoint``: the run checkpoints at step K
+(``train.checkpoint_every``, no evaluation before it) and is timed to that checkpoint's directory (``checkpoint_s``:
+what a run pays on its way to a checkpoint, the first checkpoint's own imports included). Trees alternate within
+each repeat, so a busy machine slows them alike; medians are reported. ``--importtime``: one more launch per tree
+under ``python -X importtime`` (not timed): the number of modules imported, the cumulative import seconds of the
+``WATCHED`` modules (null: not imported; nested ones overlap) and the outermost imports of >= 50 ms. The config and
+data paths are made absolute, so every tree trains the same run.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def _launch(tree: Path, config: Path, data: Path, overrides: list[str], steps: i
     log.close()
     shutil.rmtree(run_dir, ignore_errors=True)
     if 1 not in marks or (checkpoint and saved is None):
-        raise SystemExit(f"{tree}: no step or checkpoint in {timeout:.0f} s (exit {child.returncode}):\n{output[-3000:]}")
+        raise SystemExit(f"{tree}: no step or checkpoint in {timeout:.0f} s "
+                         f"(exit {child.returncode}):\n{output[-3000:]}")  # fmt: skip
     result = {"first_step_s": marks[1], "step_k_s": marks.get(steps), "checkpoint_s": saved}
     if importtime:
         result["imports"] = _import_profile(output)
@@ -139,14 +141,17 @@ def main() -> None:
     imports = {}
     if args.importtime:
         for name, tree in trees.items():
-            imports[name] = _launch(tree, config, data, args.set, args.steps, args.timeout, args.checkpoint, True)["imports"]
+            profiled = _launch(tree, config, data, args.set, args.steps, args.timeout, args.checkpoint, importtime=True)
+            imports[name] = profiled["imports"]
             watched = ", ".join(f"{k} {v:.2f} s" for k, v in imports[name]["watched_s"].items() if v is not None)
             print(f"{name:>8} imports {imports[name]['modules']} modules; {watched}", flush=True)
     median = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
     keys = ("first_step_s", "step_k_s", "checkpoint_s")
-    summary = {name: {key: median([r[key] for r in rs if r[key] is not None]) for key in keys} for name, rs in runs.items()}
+    summary = {name: {key: median([r[key] for r in rs if r[key] is not None]) for key in keys}
+               for name, rs in runs.items()}  # fmt: skip
     for name, s in summary.items():
-        print(f"{name:>8}: median first step {s['first_step_s']:.2f} s, step {args.steps} {s['step_k_s'] or float('nan'):.2f} s, "
+        print(f"{name:>8}: median first step {s['first_step_s']:.2f} s, "
+              f"step {args.steps} {s['step_k_s'] or float('nan'):.2f} s, "
               f"checkpoint {s['checkpoint_s'] or float('nan'):.2f} s")  # fmt: skip
     ratios = {}
     if len(trees) == 2:
@@ -154,7 +159,8 @@ def main() -> None:
         ratios = {key: summary[b][key] / summary[a][key] for key in keys if summary[a][key] and summary[b][key]}
         print(f"{b}/{a}: " + ", ".join(f"{key} {value:.2f}x" for key, value in ratios.items()))
     if args.out:
-        result = {"benchmark": "train_startup", "config": args.config, "overrides": args.set, "steps": args.steps, "checkpoint": args.checkpoint,
+        result = {"benchmark": "train_startup", "config": args.config, "overrides": args.set, "steps": args.steps,
+                  "checkpoint": args.checkpoint,
                   "trees": {k: str(v) for k, v in trees.items()}, "median": summary, "ratios": ratios,
                   "runs": runs, "imports": imports, "torch": _torch_version(),
                   "python": sys.version.split()[0], "date": datetime.date.today().isoformat()}  # fmt: skip

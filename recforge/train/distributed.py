@@ -202,7 +202,7 @@ def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
 def full_dense_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict | None]:
     """FSDP2: the model's and optimizer's full ``state_dict``s (each DTensor gathered; a collective, call on
     every rank), so checkpoints keep the single-process format. (None, None) when nothing is sharded."""
-    tensors = sys.modules.get("torch.distributed.tensor")  # not imported here: 0.5 s+ (sympy) of a run's first checkpoint
+    tensors = sys.modules.get("torch.distributed.tensor")  # not imported here: 0.5 s+ (sympy) at a first checkpoint
     if tensors is None:  # nothing is a DTensor before its module is loaded (FSDP2 loads it)
         return None, None
     DTensor = tensors.DTensor

@@ -1,4 +1,4 @@
-"""Start-up cost of ``recforge train``: what a plain run imports, and the optimizer that keeps it from importing more."""
+"""Start-up of ``recforge train``: what a plain run imports, and the optimizer that keeps it from importing more."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ NOT_IMPORTED = ("torch._dynamo", "torch._inductor", "sympy", "torch.distributed.
 
 
 def test_plain_cpu_run_imports_no_dynamo(tmp_path: Path) -> None:
-    data = write_synthetic(tmp_path / "synth", SyntheticConfig(num_users=40, num_items=50, num_clusters=4, mean_seq_len=8,
-                                                               min_seq_len=3, max_seq_len=20, seed=3))  # fmt: skip
+    synthetic = SyntheticConfig(num_users=40, num_items=50, num_clusters=4, mean_seq_len=8, min_seq_len=3,
+                                max_seq_len=20, seed=3)  # fmt: skip
+    data = write_synthetic(tmp_path / "synth", synthetic)
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump({
         "name": "startup-tiny", "data": {"path": str(data), "protocol": "paper", "max_seq_len": 16},
@@ -35,9 +36,11 @@ def test_plain_cpu_run_imports_no_dynamo(tmp_path: Path) -> None:
     }))  # fmt: skip
     script = ("import json, sys\nfrom recforge.cli import main\n"
               f"code = main(['--quiet', 'train', {str(config)!r}])\n"
-              f"print(json.dumps({{'code': code, 'imported': [m for m in {NOT_IMPORTED!r} if m in sys.modules]}}))")  # fmt: skip
+              f"imported = [m for m in {NOT_IMPORTED!r} if m in sys.modules]\n"
+              "print(json.dumps({'code': code, 'imported': imported}))")  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["code"] == 0, done.stderr[-3000:]
@@ -60,8 +63,8 @@ def _train(optimizer_cls, fused: bool | None, seed: int) -> tuple[torch.nn.Modul
 
 @pytest.mark.parametrize("dynamo_loaded", [False, True])
 @pytest.mark.parametrize("fused", [True, None])
-def test_eager_adamw_equals_torch_adamw(monkeypatch: pytest.MonkeyPatch, dynamo_loaded: bool, fused: bool | None) -> None:
-    """Both paths (torch's undecorated methods; torch's own once torch._dynamo is loaded) give torch's update and state."""
+def test_eager_adamw_equals_torch_adamw(monkeypatch: pytest.MonkeyPatch, dynamo_loaded: bool, fused: bool | None):
+    """Both paths (torch's undecorated methods; torch's own once torch._dynamo is loaded): torch's update and state."""
     monkeypatch.setattr(runtime, "_dynamo_loaded", lambda: dynamo_loaded)
     seed = int(torch.randint(0, 2**31 - 1, ()))
     ours, ours_opt = _train(EagerAdamW, fused, seed)
