@@ -63,8 +63,8 @@ class EagerAdamW(torch.optim.AdamW):
 
     torch's optimizer methods (``add_param_group``, which the constructor calls, ``step``, ``zero_grad``,
     ``state_dict``, ``load_state_dict``) import ``torch._dynamo`` for decorators that only matter while
-    ``torch.compile`` traces them: seconds of a run's start-up (5.5 s on a fresh GPU host, ~1 s warm) in a run
-    that never compiles. This class calls the undecorated methods while ``torch._dynamo`` is not loaded (``step``
+    ``torch.compile`` traces them: seconds of a run's start-up (5.5 s on a fresh GPU host, 1.2 s on a warm 2-core CPU) in
+    a run that never compiles. This class calls the undecorated methods while ``torch._dynamo`` is not loaded (``step``
     under the grad mode its decorator sets: ``defaults["differentiable"]``), and torch's own once it is
     (``train.compile``, or anything else that loaded it).
     """
@@ -106,4 +106,4 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimi
     one_kind = bool(params) and (all(p.is_cuda for p in params) or all(p.device.type == "cpu" for p in params))
     fused = True if one_kind and cfg.dist.dense != "fsdp2" else None
     return EagerAdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
-                             fused=fused)  # fmt: skip
+                      fused=fused)  # fmt: skip
