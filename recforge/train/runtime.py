@@ -63,10 +63,10 @@ class EagerAdamW(torch.optim.AdamW):
 
     torch's optimizer methods (``add_param_group``, which the constructor calls, ``step``, ``zero_grad``,
     ``state_dict``, ``load_state_dict``) import ``torch._dynamo`` for decorators that only matter while
-    ``torch.compile`` traces them: seconds of a run's start-up (5.5 s on a fresh GPU host, 1.2 s on a warm 2-core CPU) in
-    a run that never compiles. This class calls the undecorated methods while ``torch._dynamo`` is not loaded (``step``
-    under the grad mode its decorator sets: ``defaults["differentiable"]``), and torch's own once it is
-    (``train.compile``, or anything else that loaded it).
+    ``torch.compile`` traces them: seconds of a run's start-up (5.5 s on a fresh GPU host, 1.2 s on a warm
+    2-core CPU) in a run that never compiles. This class calls the undecorated methods while ``torch._dynamo`` is
+    not loaded (``step`` under the grad mode its decorator sets: ``defaults["differentiable"]``), and torch's own
+    once it is (``train.compile``, or anything else that loaded it).
     """
 
     def add_param_group(self, param_group: dict) -> None:
