@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -272,8 +273,7 @@ def _check_shapes(path: Path, saved: dict[str, torch.Tensor], current: dict[str,
 
 def _like(full: torch.Tensor, reference: torch.Tensor | None) -> torch.Tensor:
     """``full`` sharded as ``reference`` when that is a DTensor (FSDP2 weights and moments), else as is."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if not isinstance(reference, DTensor):
+    tensors = sys.modules.get("torch.distributed.tensor")  # not imported here (0.5 s+): FSDP2 has loaded it
+    if tensors is None or not isinstance(reference, tensors.DTensor):
         return full
-    return distribute_tensor(full.to(reference.device), reference.device_mesh, reference.placements)
+    return tensors.distribute_tensor(full.to(reference.device), reference.device_mesh, reference.placements)

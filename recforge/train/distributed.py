@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -201,7 +202,10 @@ def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
 def full_dense_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict | None]:
     """FSDP2: the model's and optimizer's full ``state_dict``s (each DTensor gathered; a collective, call on
     every rank), so checkpoints keep the single-process format. (None, None) when nothing is sharded."""
-    from torch.distributed.tensor import DTensor
+    tensors = sys.modules.get("torch.distributed.tensor")  # not imported here: 0.5 s+ (sympy) at a first checkpoint
+    if tensors is None:  # nothing is a DTensor before its module is loaded (FSDP2 loads it)
+        return None, None
+    DTensor = tensors.DTensor
 
     full = lambda v: v.full_tensor() if isinstance(v, DTensor) else v  # noqa: E731
     weights = model.state_dict()
