@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import time
 from pathlib import Path
 
 
@@ -24,3 +25,19 @@ def write_result(out: str | Path, doc: dict, indent: int = 1) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=indent) + "\n")
     print(f"wrote {out}")
+
+
+def call_ms(run, device) -> float:
+    """Milliseconds of one ``run()``: CUDA events on a GPU (device time, no host sync inside), else the wall clock."""
+    if device.type == "cuda":
+        import torch
+
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        run()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end)
+    t0 = time.perf_counter()
+    run()
+    return (time.perf_counter() - t0) * 1e3

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from _machine import call_ms
 from attention import HEADS, flops, make_lengths
 
 from recforge.io import atomic_write_json
@@ -93,17 +94,7 @@ def time_backward(run, reps: int, budget_s: float, device: torch.device) -> tupl
     times = []
     start = time.perf_counter()
     while len(times) < reps and (not times or time.perf_counter() - start < budget_s):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - t0) * 1e3)
+        times.append(call_ms(run, device))
     return sorted(times)[len(times) // 2], len(times)
 
 

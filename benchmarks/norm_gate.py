@@ -28,11 +28,11 @@ import datetime
 import importlib
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _machine import call_ms
 
 from recforge.io import atomic_write_json
 from recforge.ops.norm_gate import norm_gate, norm_gate_reference
@@ -87,19 +87,7 @@ def check(fn, inputs, width: int, p: float, autocast) -> dict:
 
 def timed(run, reps: int, iters: int, device: torch.device) -> float:
     """Median ms per call of ``run`` (``iters`` calls per sample)."""
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end) / iters)
-        else:
-            t0 = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - t0) * 1e3 / iters)
+    times = [call_ms(run, device) / iters for _ in range(reps)]
     return sorted(times)[len(times) // 2]
 
 
