@@ -157,14 +157,6 @@ def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budge
     return rows
 
 
-def pin_tiles() -> None:
-    """Each HSTU kernel's autotuning list cut to its first three tiles (short compiles; with more than one
-    candidate the autotuner drops a tile that needs more shared memory than the GPU has: a single pinned
-    tile is launched untried, and the first forward tile ran out of shared memory on the H200)."""
-    for kind in ("fwd", "bwd_dq", "bwd_dkdv"):
-        tuning._TABLES[kind] = {dims: tiles[:3] for dims, tiles in tuning._TABLES[kind].items()}
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096, 16384],
@@ -186,7 +178,7 @@ def main() -> int:
         print("needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1 for a smoke test)", file=sys.stderr)
         return 2
     if not args.autotune:
-        pin_tiles()
+        tuning.shorten_hstu_candidates(3)  # short compiles
     checks = reference_check(args.dims[0], device, args.seed, args.reference_lengths)
     rows: list[dict] = []
 

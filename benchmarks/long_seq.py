@@ -130,8 +130,7 @@ def main() -> int:
     args = p.parse_args()
     device = torch.device(args.device)
     if args.tiles:
-        for kind in ("fwd", "bwd_dq", "bwd_dkdv"):
-            tuning._TABLES[kind] = {dims: tiles[: args.tiles] for dims, tiles in tuning._TABLES[kind].items()}
+        tuning.shorten_hstu_candidates(args.tiles)
     rows = []
     for length in args.lengths:
         users = max(1, args.tokens // length)

@@ -44,12 +44,19 @@ def _scores(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, 
     """q . k + rab for one tile; i, j positions broadcast to the tile's shape. Targets (positions
     >= he, the history end) all take position he for the position bias; contextual tokens
     (positions < c) are not events and get no time bias."""
+    if HAS_TIME:
+        s, _, _ = _scores_and_bucket(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB,
+                                     seq_end_mask, HAS_POS, DOT_PREC)  # fmt: skip
+    else:
+        s = _scores_without_time(q, kT, i, j, he, pos_w, P, HAS_POS, DOT_PREC)
+    return s
+
+
+@triton.jit
+def _scores_without_time(q, kT, i, j, he, pos_w, P, HAS_POS: tl.constexpr, DOT_PREC: tl.constexpr):
     s = tl.dot(q, kT, input_precision=DOT_PREC)
     if HAS_POS:
         s += tl.load(pos_w + tl.minimum(tl.maximum(tl.minimum(i, he) - tl.minimum(j, he), 0), P - 1)).to(tl.float32)
-    if HAS_TIME:
-        bucket, events = time_index(i, j, c, start_tok, ts_bias, time_thr, NB, seq_end_mask)
-        s += tl.where(events, tl.load(time_w + bucket).to(tl.float32), 0.0)
     return s
 
 
@@ -57,10 +64,8 @@ def _scores(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, 
 def _scores_and_bucket(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, seq_end_mask,
                        HAS_POS: tl.constexpr, DOT_PREC: tl.constexpr):
     """``_scores`` with the time bias, also returning each pair's (time bucket, gets a time bias): the dK/dV
-    kernel sums its time-weight gradient by these buckets instead of computing them a second time."""
-    s = tl.dot(q, kT, input_precision=DOT_PREC)
-    if HAS_POS:
-        s += tl.load(pos_w + tl.minimum(tl.maximum(tl.minimum(i, he) - tl.minimum(j, he), 0), P - 1)).to(tl.float32)
+    kernel can sum its time-weight gradient by these buckets instead of computing them a second time."""
+    s = _scores_without_time(q, kT, i, j, he, pos_w, P, HAS_POS, DOT_PREC)
     bucket, events = time_index(i, j, c, start_tok, ts_bias, time_thr, NB, seq_end_mask)
     s += tl.where(events, tl.load(time_w + bucket).to(tl.float32), 0.0)
     return s, bucket, events

@@ -67,6 +67,15 @@ _SM_BWD_DKDV = {
 _TABLES = {"fwd": _FWD, "bwd_dq": _BWD, "bwd_dkdv": _BWD, "softmax_bwd_dq": _SM_BWD_DQ, "softmax_bwd_dkdv": _SM_BWD_DKDV}
 
 
+def shorten_hstu_candidates(n: int) -> None:
+    """Cut each HSTU kernel's autotuning list (forward, dQ, dK/dV) to its first ``n`` tiles, for benchmarks whose
+    shapes make every candidate's compile and timing costly (long sequences). Keep ``n`` >= 2: with more than one
+    candidate the autotuner drops a tile that needs more shared memory than the GPU has, while a single pinned
+    tile is launched untried (the first forward tile ran out of shared memory on the H200)."""
+    for kind in ("fwd", "bwd_dq", "bwd_dkdv"):
+        _TABLES[kind] = {dims: tiles[:n] for dims, tiles in _TABLES[kind].items()}
+
+
 def _dim_class(bd: int) -> int:
     return 64 if bd <= 64 else (128 if bd <= 128 else 256)
 
