@@ -236,11 +236,16 @@ def _check_resumed_catalogue(run_dir: Path, s: Setup) -> None:
                 saved = f.get_tensor("item_id_vocab") if "item_id_vocab" in f.keys() else None
         except (OSError, SafetensorError):
             continue  # a damaged candidate: the resume goes on to the next one, as loading does
-        if saved is not None and not torch.equal(saved.cpu(), torch.from_numpy(s.seqs.item_vocab)):
-            raise ValueError(f"{ckpt}: its item-ID table was trained on another item catalogue than "
-                             f"{s.cfg.data.path}'s (generative.item_id_embedding); resume on the dataset the run was "
-                             "trained on, or start a new run")  # fmt: skip
+        if saved is not None:
+            _check_item_table(ckpt, saved, s, "resume on the dataset the run was trained on, or start a new run")
         return  # the checkpoint the resume loads
+
+
+def _check_item_table(ckpt: Path, saved_vocab: torch.Tensor, s: Setup, fix: str) -> None:
+    """``ValueError`` (saying ``fix``) unless the item-ID table's raw IDs (``item_id_vocab``) are ``s``'s catalogue."""
+    if not torch.equal(saved_vocab.cpu(), torch.from_numpy(s.seqs.item_vocab)):
+        raise ValueError(f"{ckpt}: its item-ID table was trained on another item catalogue than {s.cfg.data.path}'s "
+                         f"(generative.item_id_embedding); {fix}")  # fmt: skip
 
 
 def load_run(run_dir: str | Path, checkpoint: str = "auto", overrides: list[str] | None = None) -> tuple[Setup, Path, dict]:
@@ -248,9 +253,8 @@ def load_run(run_dir: str | Path, checkpoint: str = "auto", overrides: list[str]
     cfg, ckpt = read_run(run_dir, checkpoint, overrides)
     s = setup(cfg, Path(run_dir) / "sids")
     manifest = load_checkpoint(ckpt, s.model, device=s.device)
-    if s.model.reads_item_ids and not torch.equal(s.model.item_id_vocab.cpu(), torch.from_numpy(s.seqs.item_vocab)):
-        raise ValueError(f"{ckpt}: its item-ID table was trained on another item catalogue than {s.cfg.data.path}'s "
-                         "(generative.item_id_embedding); evaluate on the dataset the run was trained on")  # fmt: skip
+    if s.model.reads_item_ids:
+        _check_item_table(ckpt, s.model.item_id_vocab, s, "evaluate on the dataset the run was trained on")
     s.model.eval()
     return s, ckpt, manifest
 
