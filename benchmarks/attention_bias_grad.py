@@ -19,7 +19,8 @@ Usage (one H200; mostly compiling, estimated under 10 minutes on a machine with 
    masked tiles' time buckets also unrolled, every tile loop software-pipelined), ``per-tile, reused
    buckets`` (``hstu.reuse_time_bucket``: the time buckets of the scores reused for the gradient), ``per-tile,
    8 warps`` (``tuning.bias_grad_fixed_warps``: the fixed-tile launch of L <= 256 with 8 warps instead of 4;
-   the same as ``per-tile`` on longer, autotuned launches), ``per-tile, separate`` (``hstu.separate_bias_grad``:
+   the same as ``per-tile`` on longer, autotuned launches), ``per-tile, reused buckets, 8 warps`` (both),
+   ``per-tile, separate`` (``hstu.separate_bias_grad``:
    dK/dV without the bias sums, then a second launch that only sums them), ``per-pair``
    (``hstu.pair_atomics``: earlier releases) and
    ``no bias grad`` (the weights frozen: POS_GRAD/TIME_GRAD off, the lower bound), and per-tile with
@@ -50,7 +51,8 @@ from recforge.ops.triton import tuning
 
 NUM_BUCKETS = 128
 TOL = {torch.float32: {"qkv": 2e-5, "weights": 2e-4}, torch.bfloat16: {"qkv": 2e-2, "weights": 2e-2}}
-VARIANTS = ("per-tile", "per-tile, unrolled", "per-tile, reused buckets", "per-tile, 8 warps", "per-tile, separate",
+VARIANTS = ("per-tile", "per-tile, unrolled", "per-tile, reused buckets", "per-tile, 8 warps",
+            "per-tile, reused buckets, 8 warps", "per-tile, separate",
             "per-pair", "no bias grad", "pos grad only", "time grad only")
 
 
@@ -117,8 +119,8 @@ def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budge
         """(median ms, calls timed, bias gradients) of one variant's backward."""
         hstu_kernels.pair_atomics = variant == "per-pair"
         hstu_kernels.time_loop_in_masked_tiles = variant != "per-tile, unrolled"
-        hstu_kernels.reuse_time_bucket = variant == "per-tile, reused buckets"
-        tuning.bias_grad_fixed_warps = 8 if variant == "per-tile, 8 warps" else None
+        hstu_kernels.reuse_time_bucket = variant.startswith("per-tile, reused buckets")
+        tuning.bias_grad_fixed_warps = 8 if variant.endswith("8 warps") else None
         hstu_kernels.separate_bias_grad = variant == "per-tile, separate"
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         wants = {"no bias grad": (False, False), "pos grad only": (True, False), "time grad only": (False, True)}
@@ -143,8 +145,7 @@ def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budge
     tuning.bias_grad_fixed_warps, hstu_kernels.separate_bias_grad = None, False
     old = bias_grads.get("per-pair")
     agree = {f"{variant}: {name}": float((a - b).norm() / b.norm().clamp_min(1e-30))
-             for variant in ("per-tile", "per-tile, unrolled", "per-tile, reused buckets", "per-tile, 8 warps",
-                             "per-tile, separate")
+             for variant in VARIANTS[:6]
              if variant in bias_grads and old is not None
              for name, a, b in zip(("pos", "time"), bias_grads[variant], old)}
     by = {r["variant"]: r["backward_ms"] for r in rows}

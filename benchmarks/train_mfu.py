@@ -9,6 +9,8 @@ Usage (one H200, about 3 minutes; every case and variant in one process):
 Cases (``--cases``; jagged batches of random user lengths in [max_len / 4, max_len] up to a token budget,
 sampled softmax with 128 negatives per position over 100K items, attention in Triton):
     large     8 blocks, d 1024, 4 heads of 128, users up to 4096 tokens, 16K-token batches
+    large-shared  the same model and batches, 8,192 negatives shared by the batch's positions
+              (``loss.negatives=shared``: the loss is one matmul instead of 128 gathered rows per position)
     medium    8 blocks, d 512, 4 heads of 128, users up to 1024 tokens, 4K-token batches
     ml1m      configs/ml1m-hstu-plus-d128.yaml's shape: 8 blocks, d 128, 2 heads of 64, users up to 200 tokens,
               256 users per batch (about 38K tokens), full softmax over 3,706 items
@@ -56,12 +58,14 @@ from recforge.train.losses import draw_negatives, sampled_softmax_loss
 from recforge.train.step import StepRunner
 from recforge.train.step_padding import RetrievalPadding, loss_weights
 
-CASES = {  # name: (model, max_len, tokens per batch (0: users), users per batch, loss, items)
-    "large": (dict(dim=1024, num_blocks=8, num_heads=4, dqk=128, dv=128), 4096, 16384, 0, "per_position", 100_000),
-    "medium": (dict(dim=512, num_blocks=8, num_heads=4, dqk=128, dv=128), 1024, 4096, 0, "per_position", 100_000),
-    "ml1m": (dict(dim=128, num_blocks=8, num_heads=2, dqk=64, dv=64), 200, 0, 256, "full", 3706),
-    "small": (dict(dim=128, num_blocks=2, num_heads=2, dqk=64, dv=64), 512, 2048, 0, "per_position", 20_000),
-    "tiny": (dict(dim=32, num_blocks=2, num_heads=2, dqk=16, dv=16), 64, 512, 0, "per_position", 1000),
+_LARGE = dict(dim=1024, num_blocks=8, num_heads=4, dqk=128, dv=128)
+CASES = {  # name: (model, max_len, tokens per batch (0: users), users per batch, loss, negatives, items)
+    "large": (_LARGE, 4096, 16384, 0, "per_position", 128, 100_000),
+    "large-shared": (_LARGE, 4096, 16384, 0, "shared", 8192, 100_000),
+    "medium": (dict(dim=512, num_blocks=8, num_heads=4, dqk=128, dv=128), 1024, 4096, 0, "per_position", 128, 100_000),
+    "ml1m": (dict(dim=128, num_blocks=8, num_heads=2, dqk=64, dv=64), 200, 0, 256, "full", 0, 3706),
+    "small": (dict(dim=128, num_blocks=2, num_heads=2, dqk=64, dv=64), 512, 2048, 0, "per_position", 128, 20_000),
+    "tiny": (dict(dim=32, num_blocks=2, num_heads=2, dqk=16, dv=16), 64, 512, 0, "per_position", 128, 1000),
 }
 VARIANTS = {  # name: (train.precision, train.compile, train.cuda_graphs, loss tolerance against fp32-eager)
     "fp32-eager": ("float32", "none", False, 0.0),
@@ -85,7 +89,7 @@ CATEGORIES = [  # (category, substrings of kernel names), first match wins
 
 def make_batches(case: str, count: int, seed: int) -> list[JaggedBatch]:
     """``count`` CPU batches of ``case`` (random lengths; next-item labels at every position)."""
-    _, max_len, tokens, users, _, items = CASES[case]
+    _, max_len, tokens, users, _, _, items = CASES[case]
     gen = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(count):
@@ -103,12 +107,12 @@ def make_batches(case: str, count: int, seed: int) -> list[JaggedBatch]:
 
 def make_runner(case: str, variant: str, device: torch.device, args, loss=None) -> tuple[StepRunner, object]:
     """The variant's ``StepRunner`` and config; ``loss``: in place of ``sampled_softmax_loss`` (same arguments)."""
-    model_kw, max_len, _, _, negatives, items = CASES[case]
+    model_kw, max_len, _, _, negatives, num_negatives, items = CASES[case]
     precision, compile_mode, graphs, _ = VARIANTS[variant]
     cfg = config_from_dict({
         "data": {"path": "-", "max_seq_len": max_len},
         "model": {"kind": "hstu", "dropout": 0.0, "kernel": "triton" if device.type == "cuda" else "pytorch", **model_kw},
-        "loss": {"negatives": negatives, "num_negatives": 128, "temperature": 0.05, "chunk_size": args.chunk_size},
+        "loss": {"negatives": negatives, "num_negatives": num_negatives or 128, "temperature": 0.05, "chunk_size": args.chunk_size},
         "train": {"device": str(device), "precision": precision, "compile": compile_mode, "cuda_graphs": graphs,
                   "graph_bucket_ratio": args.bucket_ratio},
     })  # fmt: skip
@@ -220,7 +224,7 @@ def run_variant(case: str, variant: str, device: torch.device, cpu_batches: list
                 args, peaks: dict) -> dict:  # fmt: skip
     runner, cfg = make_runner(case, variant, device, args)
     batches = [b.to(device) for b in cpu_batches]
-    count = step_flops_counter(cfg.model, cfg.loss, CASES[case][5])
+    count = step_flops_counter(cfg.model, cfg.loss, CASES[case][6])
     flops = [count(b) for b in cpu_batches]
     t0 = time.perf_counter()
     losses = [float(runner([batches[i % len(batches)]]).loss) for i in range(args.check_steps)]  # compiles here
@@ -319,7 +323,7 @@ def main() -> None:
             "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "matmul_precision_fp32": matmul_precision("float32"), "peaks_tflops_bf16": peaks,
             "date": datetime.date.today().isoformat(), "cases": {c: {k: v for k, v in zip(
-                ("model", "max_len", "tokens", "users", "negatives", "items"), CASES[c], strict=True)} for c in args.cases},
+                ("model", "max_len", "tokens", "users", "negatives", "num_negatives", "items"), CASES[c], strict=True)} for c in args.cases},
             "rows": rows,
         })  # fmt: skip
 
