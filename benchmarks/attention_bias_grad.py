@@ -15,13 +15,14 @@ Usage (one H200; mostly compiling, estimated under 10 minutes on a machine with 
    N(0.6 L, 0.25 L), as ``benchmarks/attention.py``), bf16, 4 heads,
    P = L position weights and 128 + 1 time buckets (as ``models.hstu``), timestamps 1 s - 1 h
    apart (as ``benchmarks/long_seq.py``). One backward (the dQ and dK/dV kernels) is timed:
-   ``per-tile`` (this release), ``per-tile, unrolled`` (``hstu.time_loop_in_masked_tiles`` off: the
-   masked tiles' time buckets also unrolled, every tile loop software-pipelined), ``per-tile, reused
-   buckets`` (``hstu.reuse_time_bucket``: the time buckets of the scores reused for the gradient), ``per-tile,
-   8 warps`` (``tuning.bias_grad_fixed_warps``: the fixed-tile launch of L <= 256 with 8 warps instead of 4;
-   the same as ``per-tile`` on longer, autotuned launches), ``per-tile, reused buckets, 8 warps`` (both),
-   ``per-tile, separate`` (``hstu.separate_bias_grad``:
-   dK/dV without the bias sums, then a second launch that only sums them), ``per-pair``
+   ``per-tile`` (per-tile sums, the time buckets computed twice, the fixed tile's 4 warps),
+   ``per-tile, unrolled`` (``hstu.time_loop_in_masked_tiles`` off: the masked tiles' time buckets
+   also unrolled, every tile loop software-pipelined), ``per-tile, reused buckets``
+   (``hstu.reuse_time_bucket``: the time buckets of the scores reused for the gradient), ``per-tile,
+   8 warps`` (``tuning.bias_grad_fixed_warps``: the fixed-tile launch of L <= 256 with 8 warps instead
+   of 4; the same as ``per-tile`` on longer, autotuned launches), ``per-tile, reused buckets, 8 warps``
+   (both: this release's default), ``per-tile, separate`` (``hstu.separate_bias_grad``: dK/dV
+   without the bias sums, then a second launch that only sums them), ``per-pair``
    (``hstu.pair_atomics``: earlier releases) and
    ``no bias grad`` (the weights frozen: POS_GRAD/TIME_GRAD off, the lower bound), and per-tile with
    only one of the two weights trained (``pos grad only``, ``time grad only``). Per-tile and
@@ -114,6 +115,9 @@ def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budge
     fl_fwd, fl_all = flops(lengths, dim)
     head = {"max_len": max_len, "head_dim": dim, "sequences": len(lengths), "tokens": total, "heads": HEADS}
     rows, bias_grads = [], {}
+    defaults = [(module, name, getattr(module, name)) for module, name in (
+        (hstu_kernels, "pair_atomics"), (hstu_kernels, "time_loop_in_masked_tiles"), (hstu_kernels, "reuse_time_bucket"),
+        (tuning, "bias_grad_fixed_warps"), (hstu_kernels, "separate_bias_grad"))]  # fmt: skip
 
     def backward_of(variant: str) -> tuple[float, int, list[torch.Tensor]]:
         """(median ms, calls timed, bias gradients) of one variant's backward."""
@@ -141,8 +145,8 @@ def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budge
         rows.append({**head, "variant": variant, "backward_ms": ms, "calls_timed": calls,
                      "backward_tflops": (fl_all - fl_fwd) / ms / 1e9})
         print(rows[-1], flush=True)
-    hstu_kernels.pair_atomics, hstu_kernels.time_loop_in_masked_tiles, hstu_kernels.reuse_time_bucket = False, True, False
-    tuning.bias_grad_fixed_warps, hstu_kernels.separate_bias_grad = None, False
+    for module, name, value in defaults:
+        setattr(module, name, value)
     old = bias_grads.get("per-pair")
     agree = {f"{variant}: {name}": float((a - b).norm() / b.norm().clamp_min(1e-30))
              for variant in VARIANTS[:6]

@@ -336,9 +336,10 @@ TIME_STEPS = 4
 # tile loop (a few tiles per key block); False: the masked tiles as the others (for A/B benchmarks).
 time_loop_in_masked_tiles = True
 # True: the dK/dV kernel sums the time-weight gradient by the buckets it computed for the scores, instead of
-# computing them a second time (two timestamp loads, a log and two threshold loads per pair) -- for A/B
-# benchmarks until the GPU numbers decide the default (fewer ptxas spills on sm_90; see BENCHMARKS.md).
-reuse_time_bucket = False
+# computing them a second time (two timestamp loads, a log and two threshold loads per pair; more ptxas spills on
+# sm_90). H200, bf16, 64K-token batches (benchmarks/attention_bias_grad.py): the backward 1.13-1.22x faster at
+# L 1024-4096, within noise at L 256 (BENCHMARKS.md). False: for A/B benchmarks.
+reuse_time_bucket = True
 # True: the bias gradients summed by a second dK/dV launch that holds no dK/dV accumulators (two dots per tile
 # recomputed): with both gradients in one launch, every sm_90 tile of the D = 128 list spills >= 1.2 KB per thread
 # (benchmarks/kernel_spills.py), without them 36-88 B at the best tiles. For A/B benchmarks until the GPU decides.

@@ -158,10 +158,11 @@ def fixed_config(bd_qk: int, bd_v: int, dot_prec: str) -> triton.Config:
     return _cfg(64, 64, 4, 2)
 
 
-# Warps of the fixed-tile dK/dV launch when it sums bias gradients (None: the fixed tile's own). For A/B
-# benchmarks until GPU timings decide: ptxas (sm_90, benchmarks/kernel_spills.py) spills ~1.4 KB per thread
-# at 4 warps and ~0.15 KB at 8 for the bf16 64x64 tile with both bias gradients.
-bias_grad_fixed_warps: int | None = None
+# Warps of the fixed-tile (64 x 64, tensor-core) dK/dV launch when it sums bias gradients (None: the fixed tile's
+# own 4). ptxas (sm_90, benchmarks/kernel_spills.py) spills ~1.4 KB per thread at 4 warps and ~0.15 KB at 8 for the
+# bf16 64x64 tile with both bias gradients; on an H200 (benchmarks/attention_bias_grad.py, L = 256, 64K tokens) the
+# backward took 1.03x (D 64) / 1.08x (D 128) less time at 8 with reused time buckets (BENCHMARKS.md).
+bias_grad_fixed_warps: int | None = 8
 
 
 def split_loops(fixed_tile: bool) -> bool:
@@ -203,7 +204,8 @@ def launch(kernel, grid_blocks: str, batch: int, heads: int, max_seq_len: int, a
         return (-(-len_key // m[block_key]) * batch * heads, 1, 1)
 
     cfg = fixed_config(meta["BD_QK"], meta["BD_V"], meta["DOT_PREC"]) if fixed else None
-    if cfg is not None and not interpreting and bias_grad_fixed_warps and (meta.get("POS_GRAD") or meta.get("TIME_GRAD")):
+    if (cfg is not None and not interpreting and bias_grad_fixed_warps and meta["DOT_PREC"] != "ieee"
+            and (meta.get("POS_GRAD") or meta.get("TIME_GRAD"))):  # fmt: skip
         cfg = triton.Config(cfg.kwargs, num_warps=bias_grad_fixed_warps, num_stages=cfg.num_stages)
     key = None if interpreting else plans.key(kernel, torch.cuda.current_device(), cfg, args, meta)
     plan = plans.get(key)
