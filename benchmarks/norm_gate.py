@@ -127,7 +127,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", help="cuda; cpu: a smoke test under TRITON_INTERPRET=1")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    importlib.import_module("recforge.ops.norm_gate").fused = True  # the Triton path is opt-in in training runs
+    importlib.import_module("recforge.ops.norm_gate").fused = True  # the Triton path whatever RECFORGE_FUSED_NORM_GATE says
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1 for a smoke test)", file=sys.stderr)

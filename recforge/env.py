@@ -6,9 +6,9 @@
                                     (``recforge.models.slices``)
     RECFORGE_TRITON_LAUNCH_PLANS    0 (or false/off/no): launch every Triton kernel through Triton's own launch path
                                     (``recforge.ops.triton.tuning``; default 1)
-    RECFORGE_FUSED_NORM_GATE        1 (or true/on/yes): the HSTU block's LayerNorm * gate * dropout as one fused Triton
-                                    kernel on CUDA (``recforge.ops.norm_gate``); default 0, PyTorch ops, until its GPU
-                                    timings are in BENCHMARKS.md
+    RECFORGE_FUSED_NORM_GATE        0 (or false/off/no): the HSTU block's LayerNorm * gate * dropout as PyTorch ops
+                                    on CUDA too (``recforge.ops.norm_gate``); default 1, one fused Triton kernel
+                                    each way on CUDA
     TRITON_INTERPRET                1: Triton kernels run in Triton's CPU interpreter (tests)
 
 Each is read when its function is called, so a test can set it with ``monkeypatch.setenv``;
@@ -39,8 +39,8 @@ def triton_launch_plans() -> bool:
 
 
 def fused_norm_gate() -> bool:
-    """True when ``$RECFORGE_FUSED_NORM_GATE`` is 1, true, on or yes (any case); off by default."""
-    return os.environ.get("RECFORGE_FUSED_NORM_GATE", "0").strip().lower() in ("1", "true", "on", "yes")
+    """False when ``$RECFORGE_FUSED_NORM_GATE`` is 0, false, off or no (any case); on by default."""
+    return os.environ.get("RECFORGE_FUSED_NORM_GATE", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def triton_interpret() -> bool:

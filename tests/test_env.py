@@ -24,3 +24,11 @@ def test_launch_plans_switch_words(monkeypatch) -> None:
     for value, on in (("0", False), ("false", False), ("OFF", False), ("no", False), ("1", True), ("yes", True)):
         monkeypatch.setenv("RECFORGE_TRITON_LAUNCH_PLANS", value)
         assert env.triton_launch_plans() is on, value
+
+
+def test_fused_norm_gate_on_unless_switched_off(monkeypatch) -> None:
+    monkeypatch.delenv("RECFORGE_FUSED_NORM_GATE", raising=False)
+    assert env.fused_norm_gate()
+    for value, on in (("0", False), ("false", False), ("Off", False), ("no", False), ("1", True), ("on", True)):
+        monkeypatch.setenv("RECFORGE_FUSED_NORM_GATE", value)
+        assert env.fused_norm_gate() is on, value
