@@ -34,10 +34,10 @@ def _inputs(tokens: int, width: int, dtype: torch.dtype, device: torch.device | 
     """a (T, N), u a column slice of a wider (T, 3N) projection (a row stride != N, as in HSTUBlock), weight, bias."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**30, ())) if seed is None else seed)
     a = torch.randn(tokens, width, generator=gen).to(device, dtype).requires_grad_()
-    proj = torch.randn(tokens, 3 * width, generator=gen)
-    # no exact zeros (torch.randn gives some: ~1 in 10^7 draws): a zero gate would make a kept element 0, and
-    # _check reads the dropout mask off the output
-    proj = torch.where(proj == 0, 1.0, proj).to(device, dtype).requires_grad_()
+    proj = torch.randn(tokens, 3 * width, generator=gen).to(dtype)
+    # no exact zeros (torch.randn gives some, ~1 in 10^7 draws, and float16 rounds |x| < 3e-8 to 0): a zero gate
+    # would make a kept element 0, and _check reads the dropout mask off the output
+    proj = torch.where(proj == 0, 1.0, proj).to(device).requires_grad_()
     weight = (1 + 0.5 * torch.randn(width, generator=gen)).to(device).requires_grad_()
     bias = (0.5 * torch.randn(width, generator=gen)).to(device).requires_grad_()
     return a, proj, weight, bias
