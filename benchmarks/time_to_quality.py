@@ -6,6 +6,9 @@ Usage (on the GPU machine, from the repo root, ML-1M prepared as data/ml-1m):
     python benchmarks/time_to_quality.py configs/ml1m-hstu-large.yaml --no-stop     # the whole run's time too
     python benchmarks/time_to_quality.py configs/ml1m-hstu-plus-d128.yaml --name d128-graphs \
         --set train.cuda_graphs=true --out benchmarks/results/time_to_quality-graphs-h200.json   # the whole step graphed
+    python benchmarks/time_to_quality.py configs/ml1m-hstu-plus-d128.yaml --name ng --seeds 1 2 3 \
+        --set train.eval_every=5 train.precision=bfloat16 train.cuda_graphs=true \
+        --variants chain:RECFORGE_FUSED_NORM_GATE=0 fused:RECFORGE_FUSED_NORM_GATE=1 --out ttq-ab.json   # A/B, 6 runs
 
 Starts ``python -m recforge.cli train CONFIG`` as a child process and reads its ``evals.jsonl`` as it
 grows. The quality is what the run itself evaluates (``evals.jsonl``: the test target under
@@ -23,10 +26,13 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from recforge.io import atomic_write_json
 
 PAPER_HSTU_LARGE = {"hr@10": 0.3294, "ndcg@10": 0.1893}  # arXiv 2402.17152, ML-1M
 
@@ -44,7 +50,7 @@ def _rows(path: Path) -> list[dict]:
 
 
 def _median(values: list[float]) -> float | None:
-    return sorted(values)[len(values) // 2] if values else None
+    return statistics.median(values) if values else None
 
 
 def _parse_targets(items: list[str]) -> dict[str, float]:
@@ -59,26 +65,26 @@ def _parse_targets(items: list[str]) -> dict[str, float]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config")
-    parser.add_argument("--name", default=None, help="run name (default: the config's name + '-ttq')")
-    parser.add_argument("--data", default="data/ml-1m", help="data.path")
-    parser.add_argument("--target", nargs="*", default=[], metavar="METRIC=VALUE",
-                        help="default: the paper's HSTU-large, hr@10=0.3294 ndcg@10=0.1893")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
-    parser.add_argument("--no-stop", action="store_true", help="let the run finish after the target is reached")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the child is stopped")
-    parser.add_argument("--out", default=None, help="JSON output path")
-    args = parser.parse_args()
-    targets = _parse_targets(args.target)
-    name = args.name or Path(args.config).stem + "-ttq"
+def _parse_variants(items: list[str]) -> list[tuple[str, dict[str, str]]]:
+    """``NAME`` or ``NAME:KEY=VALUE,KEY=VALUE`` (environment variables of that variant's runs)."""
+    out = []
+    for item in items:
+        name, _, env = item.partition(":")
+        pairs = [kv.partition("=") for kv in env.split(",") if kv]
+        if not name or any(not sep for _, sep, _ in pairs):
+            raise SystemExit(f"--variants {item!r}: expected NAME or NAME:KEY=VALUE[,KEY=VALUE]")
+        out.append((name, {k: v for k, _, v in pairs}))
+    return out
+
+
+def run_once(args, targets: dict[str, float], name: str, overrides: list[str], extra_env: dict[str, str]) -> dict:
+    """One ``recforge train`` child watched to the target (see the module doc); its result row."""
     command = [sys.executable, "-m", "recforge.cli", "--no-progress", "train", args.config, f"name={name}",
-               f"data.path={args.data}", *args.set]  # fmt: skip
+               f"data.path={args.data}", *overrides]  # fmt: skip
     run_dir = Path("runs") / name
     if run_dir.exists():
         raise SystemExit(f"{run_dir} exists: remove it or pass another --name")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.environ.get("PYTHONPATH", str(Path.cwd())))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.environ.get("PYTHONPATH", str(Path.cwd())), **extra_env)
     log_path = Path("runs") / f"{name}.log"
     log_path.parent.mkdir(exist_ok=True)
     launched = time.time()
@@ -107,8 +113,8 @@ def main() -> None:
     steps = _rows(run_dir / "train_log.jsonl")
     rated = [r for r in steps if "tokens_per_s" in r]
     result = {
-        "benchmark": "time_to_quality", "command": " ".join(command), "config": args.config, "targets": targets,
-        "reached": reached is not None and "checkpoint_s" in reached,
+        "benchmark": "time_to_quality", "command": " ".join(command), "env": extra_env, "config": args.config,
+        "targets": targets, "reached": reached is not None and "checkpoint_s" in reached,
         "time_to_quality_s": reached.get("checkpoint_s") if reached else None,
         "eval_at_target": reached, "total_s": total, "stopped_at_target": reached is not None and not args.no_stop,
         "timed_out": timed_out, "returncode": child.returncode,
@@ -125,12 +131,63 @@ def main() -> None:
         print(f"step {r['step']:>6} epoch {r['epoch']:>4} at {r['since_launch_s']:7.1f} s: "
               + " ".join(f"{k} {r[k]:.4f}" for k in targets if r.get(k) is not None))  # fmt: skip
     if result["reached"]:
-        print(f"{args.config}: {targets} reached at step {reached['step']}; checkpoint {reached['checkpoint_s']:.1f} s after launch")
+        print(f"{name}: {targets} reached at step {reached['step']}; checkpoint {reached['checkpoint_s']:.1f} s after launch")
     else:
-        print(f"{args.config}: {targets} not reached in {total:.0f} s (returncode {child.returncode}; see {log_path})")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"{name}: {targets} not reached in {total:.0f} s (returncode {child.returncode}; see {log_path})")
+    return result
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per variant: runs, how many reached the target, and the median time of those that did."""
+    out = {}
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        mine = [r for r in rows if r["variant"] == variant]
+        times = [r["time_to_quality_s"] for r in mine if r["reached"]]
+        out[variant] = {"runs": len(mine), "reached": len(times), "median_time_to_quality_s": _median(times),
+                        "times_s": times}  # fmt: skip
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config")
+    parser.add_argument("--name", default=None, help="run name (default: the config's name + '-ttq'); with --seeds "
+                        "or --variants, the prefix of each run's name")  # fmt: skip
+    parser.add_argument("--data", default="data/ml-1m", help="data.path")
+    parser.add_argument("--target", nargs="*", default=[], metavar="METRIC=VALUE",
+                        help="default: the paper's HSTU-large, hr@10=0.3294 ndcg@10=0.1893")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
+    parser.add_argument("--seeds", nargs="*", type=int, default=[], help="train.seed of each run (default: the "
+                        "config's, one run): whether one seed crosses a target near the config's final quality is "
+                        "chance, so compare variants over several")  # fmt: skip
+    parser.add_argument("--variants", nargs="*", default=[], metavar="NAME[:KEY=VALUE,...]",
+                        help="variants run alternately for each seed, each with its environment variables "
+                        "(e.g. chain:RECFORGE_FUSED_NORM_GATE=0 fused:RECFORGE_FUSED_NORM_GATE=1)")  # fmt: skip
+    parser.add_argument("--no-stop", action="store_true", help="let the run finish after the target is reached")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a child is stopped")
+    parser.add_argument("--out", default=None, help="JSON output path")
+    args = parser.parse_args()
+    targets = _parse_targets(args.target)
+    name = args.name or Path(args.config).stem + "-ttq"
+    if not args.seeds and not args.variants:  # one run: its row is the whole output, as before
+        result = run_once(args, targets, name, args.set, {})
+        if args.out:
+            atomic_write_json(Path(args.out), result)
+        return
+    variants = _parse_variants(args.variants) or [("run", {})]
+    rows = []
+    for seed in args.seeds or [None]:
+        for variant, env in variants:  # alternating: drifts of the machine fall on every variant alike
+            seeded = [] if seed is None else [f"train.seed={seed}"]
+            run_name = "-".join([name, variant] + ([] if seed is None else [f"s{seed}"]))
+            rows.append(run_once(args, targets, run_name, [*args.set, *seeded], env) | {"variant": variant, "seed": seed})
+            if args.out:  # after every run: a stopped benchmark keeps what it measured
+                atomic_write_json(Path(args.out), {"benchmark": "time_to_quality", "config": args.config,
+                                                   "targets": targets, "summary": summarize(rows), "runs": rows})  # fmt: skip
+    for variant, row in summarize(rows).items():
+        median = row["median_time_to_quality_s"]
+        print(f"{variant}: reached {row['reached']} of {row['runs']}"
+              + (f", median {median:.1f} s ({', '.join(f'{t:.1f}' for t in row['times_s'])})" if median else ""))
 
 
 if __name__ == "__main__":
