@@ -21,9 +21,7 @@ Usage (one H200; mostly compiling, estimated under 10 minutes on a machine with 
    (``hstu.reuse_time_bucket``: the time buckets of the scores reused for the gradient), ``per-tile,
    8 warps`` (``tuning.bias_grad_fixed_warps``: the fixed-tile launch of L <= 256 with 8 warps instead
    of 4; the same as ``per-tile`` on longer, autotuned launches), ``per-tile, reused buckets, 8 warps``
-   (both: this release's default), ``per-tile, separate`` (``hstu.separate_bias_grad``: dK/dV
-   without the bias sums, then a second launch that only sums them), ``per-pair``
-   (``hstu.pair_atomics``: earlier releases) and
+   (both: this release's default), ``per-pair`` (``hstu.pair_atomics``: earlier releases) and
    ``no bias grad`` (the weights frozen: POS_GRAD/TIME_GRAD off, the lower bound), and per-tile with
    only one of the two weights trained (``pos grad only``, ``time grad only``). Per-tile and
    per-pair bias gradients must agree (float32 sums in another order). Every kernel is autotuned
@@ -53,7 +51,7 @@ from recforge.ops.triton import tuning
 NUM_BUCKETS = 128
 TOL = {torch.float32: {"qkv": 2e-5, "weights": 2e-4}, torch.bfloat16: {"qkv": 2e-2, "weights": 2e-2}}
 VARIANTS = ("per-tile", "per-tile, unrolled", "per-tile, reused buckets", "per-tile, 8 warps",
-            "per-tile, reused buckets, 8 warps", "per-tile, separate",
+            "per-tile, reused buckets, 8 warps",
             "per-pair", "no bias grad", "pos grad only", "time grad only")
 
 
@@ -117,7 +115,7 @@ def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budge
     rows, bias_grads = [], {}
     defaults = [(module, name, getattr(module, name)) for module, name in (
         (hstu_kernels, "pair_atomics"), (hstu_kernels, "time_loop_in_masked_tiles"), (hstu_kernels, "reuse_time_bucket"),
-        (tuning, "bias_grad_fixed_warps"), (hstu_kernels, "separate_bias_grad"))]  # fmt: skip
+        (tuning, "bias_grad_fixed_warps"))]  # fmt: skip
 
     def backward_of(variant: str) -> tuple[float, int, list[torch.Tensor]]:
         """(median ms, calls timed, bias gradients) of one variant's backward."""
@@ -125,7 +123,6 @@ def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budge
         hstu_kernels.time_loop_in_masked_tiles = variant != "per-tile, unrolled"
         hstu_kernels.reuse_time_bucket = variant.startswith("per-tile, reused buckets")
         tuning.bias_grad_fixed_warps = 8 if variant.endswith("8 warps") else None
-        hstu_kernels.separate_bias_grad = variant == "per-tile, separate"
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         wants = {"no bias grad": (False, False), "pos grad only": (True, False), "time grad only": (False, True)}
         weights = [w.detach().requires_grad_(want) for w, want in zip((pos_w, time_w), wants.get(variant, (True, True)))]
@@ -149,7 +146,7 @@ def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budge
         setattr(module, name, value)
     old = bias_grads.get("per-pair")
     agree = {f"{variant}: {name}": float((a - b).norm() / b.norm().clamp_min(1e-30))
-             for variant in VARIANTS[:6]
+             for variant in VARIANTS[:5]
              if variant in bias_grads and old is not None
              for name, a, b in zip(("pos", "time"), bias_grads[variant], old)}
     by = {r["variant"]: r["backward_ms"] for r in rows}

@@ -12,9 +12,10 @@ is static: the Triton here may allocate differently from the GPU machine's (this
 and only the GPU's timing decides (``benchmarks/attention_bias_grad.py``).
 
 Variants of the dK/dV kernel (``--variants``): ``grads`` (position and time-weight gradients, as training
-with learned biases), ``grads-reused`` (the same with ``reuse_time_bucket``), ``no-grads`` (biases frozen),
-``pos-grad``, ``time-grad``, ``grads-only`` (``separate_bias_grad``'s second launch: bias sums, no dK/dV). Integer arguments are compiled as 32-bit, pointers and strides as 16-byte aligned
-(as PyTorch's contiguous tensors are specialised at launch).
+with learned biases, the time buckets computed a second time), ``grads-reused`` (the same with
+``reuse_time_bucket``, the default since the H200 timings), ``no-grads`` (biases frozen), ``pos-grad``,
+``time-grad``. Integer arguments are compiled as 32-bit, pointers and strides as 16-byte aligned (as
+PyTorch's contiguous tensors are specialised at launch).
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ VARIANTS = {
     "no-grads": dict(POS_GRAD=False, TIME_GRAD=False),
     "pos-grad": dict(POS_GRAD=True, TIME_GRAD=False),
     "time-grad": dict(POS_GRAD=False, TIME_GRAD=True),
-    "grads-only": dict(POS_GRAD=True, TIME_GRAD=True, ACCUM_DKDV=False),  # the separate bias-gradient launch
 }
 
 
@@ -53,7 +53,7 @@ def constexprs(dim: int, block_m: int, block_n: int, split_loops: bool, override
     """A causal jagged batch with learned position and time biases, bf16, as ``configs/ml1m-hstu-plus-d128.yaml``."""
     meta = dict(S=1, FULL_BITS=0, CAUSAL=True, HAS_TARGETS=False, HAS_CONTEXT=False, HAS_WINDOW=False, HAS_TS=False,
                 HAS_POS=True, HAS_TIME=True, POS_GRAD=True, TIME_GRAD=True, PAIR_ATOMICS=False, NB_PAD=256,
-                TIME_STEPS=hstu.TIME_STEPS, TIME_LOOP=True, REUSE_BUCKET=False, ACCUM_DKDV=True, DQK=dim, DV=dim, BD_QK=dim, BD_V=dim,
+                TIME_STEPS=hstu.TIME_STEPS, TIME_LOOP=True, REUSE_BUCKET=False, DQK=dim, DV=dim, BD_QK=dim, BD_V=dim,
                 DOT_PREC="tf32", FAST_SIGMOID=True, SPLIT_LOOPS=split_loops, BLOCK_M=block_m, BLOCK_N=block_n)  # fmt: skip
     return {**meta, **overrides}
 

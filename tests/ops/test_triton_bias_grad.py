@@ -107,15 +107,12 @@ def test_interpreter_bias_grads(interpreter, monkeypatch, kind: str, num_pos: in
 
 
 @pytest.mark.parametrize("walk", ["split", "merged"])
-@pytest.mark.parametrize("switch", ["reuse_time_bucket", "separate_bias_grad"])
-def test_interpreter_ab_switches_agree(interpreter, monkeypatch, walk: str, switch: str) -> None:
-    """The dK/dV kernel's A/B switches, each away from its default, give the reference's gradients (q, k, v and
-    both weights), with two tile loops and with one: ``reuse_time_bucket`` (on by default: the time gradient summed
-    by the buckets of the scores) and ``separate_bias_grad`` (dK/dV without the bias sums, then a launch that only
-    sums them)."""
+def test_interpreter_time_buckets_computed_twice_agree(interpreter, monkeypatch, walk: str) -> None:
+    """``reuse_time_bucket`` off (on by default: the time gradient summed by the buckets of the scores) gives the
+    reference's gradients (q, k, v and both weights) too, with two tile loops and with one."""
     from recforge.ops.triton import tuning
 
-    monkeypatch.setattr(interpreter, switch, not getattr(interpreter, switch))
+    monkeypatch.setattr(interpreter, "reuse_time_bucket", not interpreter.reuse_time_bucket)
     monkeypatch.setattr(tuning, "split_loops", lambda fixed_tile: walk != "merged")
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     lengths = _lengths(torch.Generator().manual_seed(seed), 72)
@@ -150,14 +147,14 @@ def test_gpu_bias_grads_long(cuda_device, dtype: torch.dtype, kind: str, num_pos
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["reuse_time_bucket", "bias_grad_fixed_warps", "separate_bias_grad"])
+@pytest.mark.parametrize("switch", ["reuse_time_bucket", "bias_grad_fixed_warps"])
 def test_gpu_bias_grad_ab_switches(cuda_device, monkeypatch, switch: str) -> None:
     """The A/B switches of the dK/dV kernel (``attention_bias_grad.py``'s variants), each away from its default,
     keep the reference's gradients: short sequences (the fixed-tile launch that ``bias_grad_fixed_warps`` changes)
     and long ones."""
     from recforge.ops.triton import hstu, tuning
 
-    if switch in ("reuse_time_bucket", "separate_bias_grad"):
+    if switch == "reuse_time_bucket":
         monkeypatch.setattr(hstu, switch, not getattr(hstu, switch))
     else:
         monkeypatch.setattr(tuning, "bias_grad_fixed_warps", None if tuning.bias_grad_fixed_warps else 8)

@@ -228,7 +228,7 @@ def _hstu_bwd_dkdv(
     HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr, PAIR_ATOMICS: tl.constexpr,
     NB_PAD: tl.constexpr, TIME_STEPS: tl.constexpr, TIME_LOOP: tl.constexpr, REUSE_BUCKET: tl.constexpr,
-    ACCUM_DKDV: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
     DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -253,9 +253,8 @@ def _hstu_bwd_dkdv(
     k = tl.load(K + keys * sk_t + h * sk_h + dq_[None, :], mask=key_ok[:, None] & (dq_[None, :] < DQK), other=0.0)
     v = tl.load(V + keys * sv_t + h * sv_h + dv_[None, :], mask=key_ok[:, None] & (dv_[None, :] < DV), other=0.0)
     ts_j = tl.load(ts_mask + start_tok + offs_n, mask=key_ok, other=0) if HAS_TS else offs_n
-    if ACCUM_DKDV:  # off: a launch that only sums the bias gradients (``separate_bias_grad``)
-        dk = tl.zeros((BLOCK_N, BD_QK), dtype=tl.float32)
-        dv = tl.zeros((BLOCK_N, BD_V), dtype=tl.float32)
+    dk = tl.zeros((BLOCK_N, BD_QK), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BD_V), dtype=tl.float32)
     j = offs_n[:, None]  # tiles here are (keys, queries)
     Q_h = Q + h * sq_h
     DO_h = DO + h * so_h
@@ -292,9 +291,8 @@ def _hstu_bwd_dkdv(
                               S, FULL_BITS, HAS_WINDOW, HAS_TS) & (i < hi)
                 aT = tl.where(vis, aT, 0.0)
                 dsT = tl.where(vis, dsT, 0.0)
-            if ACCUM_DKDV:
-                dv += tl.dot(aT.to(doT.dtype), tl.trans(doT), input_precision=DOT_PREC)
-                dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
+            dv += tl.dot(aT.to(doT.dtype), tl.trans(doT), input_precision=DOT_PREC)
+            dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
             if PAIR_ATOMICS:  # the per-pair atomics of earlier releases, for A/B benchmarks only
                 if POS_GRAD:
                     dist = tl.minimum(i, he) - tl.minimum(j, he)
@@ -321,11 +319,10 @@ def _hstu_bwd_dkdv(
     if TIME_GRAD and not PAIR_ATOMICS:
         slots = tl.arange(0, NB_PAD)
         tl.atomic_add(dtime + slots, time_hist, mask=(slots <= NB) & (time_hist != 0.0))
-    if ACCUM_DKDV:
-        tl.store(DK + keys * sdk_t + h * sdk_h + dq_[None, :], dk.to(DK.dtype.element_ty),
-                 mask=key_ok[:, None] & (dq_[None, :] < DQK))
-        tl.store(DV_ + keys * sdv_t + h * sdv_h + dv_[None, :], dv.to(DV_.dtype.element_ty),
-                 mask=key_ok[:, None] & (dv_[None, :] < DV))
+    tl.store(DK + keys * sdk_t + h * sdk_h + dq_[None, :], dk.to(DK.dtype.element_ty),
+             mask=key_ok[:, None] & (dq_[None, :] < DQK))
+    tl.store(DV_ + keys * sdv_t + h * sdv_h + dv_[None, :], dv.to(DV_.dtype.element_ty),
+             mask=key_ok[:, None] & (dv_[None, :] < DV))
 
 
 # Time buckets a mask-free tile of the dK/dV kernel sums one at a time, from its highest down, and
@@ -340,10 +337,8 @@ time_loop_in_masked_tiles = True
 # sm_90). H200, bf16, 64K-token batches (benchmarks/attention_bias_grad.py): the backward 1.13-1.22x faster at
 # L 1024-4096, within noise at L 256 (BENCHMARKS.md). False: for A/B benchmarks.
 reuse_time_bucket = True
-# True: the bias gradients summed by a second dK/dV launch that holds no dK/dV accumulators (two dots per tile
-# recomputed): with both gradients in one launch, every sm_90 tile of the D = 128 list spills >= 1.2 KB per thread
-# (benchmarks/kernel_spills.py), without them 36-88 B at the best tiles. For A/B benchmarks until the GPU decides.
-separate_bias_grad = False
+# (A second dK/dV launch that only summed the bias gradients, spill-free in ptxas, was 1.1-1.2x slower on an
+# H200 than one launch: two dots per tile recomputed cost more than the spills. Removed; BENCHMARKS.md.)
 # True: the bias gradients by one atomic per pair, as in earlier releases (for A/B benchmarks:
 # serialises on long sequences); read at each backward call.
 pair_atomics = False
@@ -411,15 +406,8 @@ def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
         bias_meta = dict(meta, PAIR_ATOMICS=bool(pair_atomics), NB_PAD=next_power_of_2(num_buckets + 1) if time_grad else 16,
                          TIME_STEPS=TIME_STEPS, TIME_LOOP=bool(time_loop_in_masked_tiles),
                          REUSE_BUCKET=bool(reuse_time_bucket))  # fmt: skip
-        if separate_bias_grad and (pos_grad or time_grad) and not pair_atomics:
-            # dK/dV without the bias sums, then a launch that only sums them (no dK/dV accumulators held)
-            launch(_bwd_dkdv, "n", batch, heads, max_seq_len, dkdv_args,
-                   dict(bias_meta, POS_GRAD=False, TIME_GRAD=False, ACCUM_DKDV=True))
-            launch(_bwd_dkdv, "n", batch, heads, max_seq_len, dkdv_args,
-                   dict(bias_meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad, ACCUM_DKDV=False))
-        else:
-            launch(_bwd_dkdv, "n", batch, heads, max_seq_len, dkdv_args,
-                   dict(bias_meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad, ACCUM_DKDV=True))
+        launch(_bwd_dkdv, "n", batch, heads, max_seq_len, dkdv_args,
+               dict(bias_meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad))
     else:
         dq.zero_(), dk.zero_(), dv.zero_()
     d_pos = dpos.to(pos_w.dtype) if pos_grad else None
