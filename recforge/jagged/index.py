@@ -73,7 +73,9 @@ def padding_index(offsets: Tensor, total: int) -> tuple[Tensor, Tensor]:
     The cache holds a reference to ``offsets`` and checks identity and version, so a new or
     modified offsets tensor can never hit a stale entry.
     """
-    if offsets.is_inference():  # inference tensors have no version counter: don't cache
+    # inference tensors have no version counter, and under torch.compile (which cannot trace is_inference) the
+    # traced graph computes it once anyway: don't cache
+    if torch.compiler.is_compiling() or offsets.is_inference():
         return sequence_ids(offsets, total), positions_in_sequence(offsets, total)
     cache = _padding_index_cache
     if cache[0] is offsets and cache[1] == offsets._version and cache[2] == total:

@@ -133,7 +133,8 @@ class AttentionMask:
         is kept on this (per-batch) object, since every layer asks for the same mask.
         """
         tensors = (offsets, self.num_targets, self.num_contextual, self.segment_lengths, self.timestamps)
-        if any(t is not None and t.is_inference() for t in tensors):  # no version counters: don't cache
+        # no version counters (inference tensors), or traced by torch.compile (no is_inference there): don't cache
+        if torch.compiler.is_compiling() or any(t is not None and t.is_inference() for t in tensors):
             return self._build_dense(offsets, max_len)
         # identity + version of every tensor the mask depends on, and the plain fields
         key = (

@@ -22,14 +22,14 @@ _logged: set[tuple[str, str, str]] = set()
 log = logging.getLogger("recforge.ops")
 
 
-_has_triton: list[bool] = []  # found once (a plain global, not lru_cache: torch.compile traces this check)
+# found once, at import (finding the package imports nothing): a constant for torch.compile, which traces this
+# check; a lazily filled global changed under the first trace and made every compiled step recompile once
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def triton_available() -> bool:
     """Triton can be imported (the one capability check for the Triton kernels)."""
-    if not _has_triton:
-        _has_triton.append(importlib.util.find_spec("triton") is not None)
-    return _has_triton[0]
+    return _HAS_TRITON
 
 
 def resolve_device(name: str, setting: str = "device") -> torch.device:

@@ -146,7 +146,7 @@ def sampled_softmax_loss(
                 raise ValueError(f"sampled_softmax_loss: weights of shape {tuple(weights.shape)}; expected one per "
                                  f"position, {tuple(targets.shape)}")  # fmt: skip
             weights = weights.to(dtype)
-        if use_chunks(chunk_size, user.shape[0]):
+        if not _whole_under_compile(negatives, user.shape[0], num_items) and use_chunks(chunk_size, user.shape[0]):
             return _chunked_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, chunk_size, weights)
         table = None
         if negatives == "per_position" and not exact_distinct and targets.shape[0] * num_negatives > num_items + 1:
@@ -157,6 +157,22 @@ def sampled_softmax_loss(
             vectors = lambda ids: F.embedding(ids, table)  # noqa: E731
         return _sampled_softmax_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, weights,
                                      merged=table is not None)  # fmt: skip
+
+
+# torch.compile: a full-catalogue softmax of at most this many logits is computed whole, not in chunks (1 GiB in
+# float32). The chunk loop's trip count needs a concrete position count, so a chunked loss compiled a new graph for
+# every batch size (every CUDA-graph shape bucket); whole, one graph serves every size.
+COMPILED_WHOLE_LOGITS = 2**28
+
+
+def _whole_under_compile(negatives: str, positions, num_items: int) -> bool:
+    """Whether a compiled step computes this full-softmax loss unchunked (``COMPILED_WHOLE_LOGITS``). Sampled
+    negatives keep their chunks: their draws were laid out for them before the step."""
+    if negatives != "full" or not torch.compiler.is_compiling():
+        return False
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return False  # every rank must issue the same lookups (use_chunks)
+    return positions * (num_items + 1) <= COMPILED_WHOLE_LOGITS
 
 
 def use_chunks(chunk_size: int, positions: int) -> bool:

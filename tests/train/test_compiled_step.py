@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,29 @@ def test_log_rows_carry_throughput(tmp_path: Path, data_dir: Path) -> None:
     rated = [r for r in rows if "tokens_per_s" in r]
     assert rated and all(r["step"] % 2 == 0 or r is rows[-1] for r in rated)
     assert all(r["tflops"] > 0 and r["mfu"] == pytest.approx(r["tflops"] / 0.5) for r in rated)
+
+
+@pytest.mark.parametrize("chunk_size", [0, 16])
+def test_one_traced_graph_for_every_batch_size(tmp_path: Path, data_dir: Path, chunk_size: int) -> None:
+    """Dynamo traces the objective (model + loss) once for batches of every size: no graph breaks, no shape
+    specialisation (the chunked full softmax's loop is computed whole under compile; the capability and cache
+    checks trace as constants). Each new size recompiled before: a compile per CUDA-graph bucket on the GPU."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    cfg = _cfg(tmp_path, data_dir, f"loss.chunk_size={chunk_size}", "model.kernel=pytorch", "model.dropout=0.2")
+    s = retrieval.setup(cfg)
+    counter = CompileCounter()
+    s.runner.objective.compile(backend=counter, dynamic=True)  # as train.compile does, tracing only
+    samples = s.seqs.training_samples(s.holdout, cfg.data.max_seq_len, cfg.data.train_windows)
+    tokens = []
+    for users in (16, 11, 7):  # every batch over the chunk size: the chunked path without compile
+        batch = s.seqs.training_batch(samples[:users], cfg.data.max_seq_len)
+        tokens.append(batch.labels["next_item"].numel())
+        loss, _ = retrieval._train_step(s, batch)
+        assert math.isfinite(loss)
+    assert len(set(tokens)) == 3 and min(tokens) > 16, tokens
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs traced for token counts {tokens}"
 
 
 @pytest.mark.gpu
