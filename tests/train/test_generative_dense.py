@@ -179,3 +179,22 @@ def test_items_coded_after_training_keep_their_sid_score_and_other_catalogues_ar
     cfg = load_config(CONFIG, _args(tmp_path, data, "train.epochs=2", f"data.path={other}", f"generative.sids={run / 'sids'}"))
     with pytest.raises(ValueError, match="another item catalogue"):
         generative.train(cfg, resume=True, progress=False)
+
+
+@pytest.mark.gpu
+def test_gpu_rescored_retrieve_matches_cpu(tmp_path: Path, data: Path, cuda_device: torch.device) -> None:
+    assert main(["--no-progress", "train", CONFIG, *_args(tmp_path, data, "train.epochs=1", "train.device=cpu")]) == 0
+    cpu = Retriever.from_run(tmp_path / "run", device="cpu")
+    gpu = Retriever.from_run(tmp_path / "run", device=str(cuda_device))
+    assert gpu.rescore == cpu.rescore == 1.0
+    raw = load_dataset(data).events.column("item_id").to_pylist()
+    histories = [raw[i : i + 1 + i % 9] for i in range(0, 64, 8)]  # mixed lengths: padded batches
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # TF32's ~1e-3 on a cosine is ~0.02 on a logit: it could swap items
+    try:
+        want, got = cpu.retrieve(histories, k=10, beam=16), gpu.retrieve(histories, k=10, beam=16)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    for (items_cpu, scores_cpu), (items_gpu, scores_gpu) in zip(want, got, strict=True):
+        assert items_cpu == items_gpu
+        torch.testing.assert_close(torch.tensor(scores_gpu), torch.tensor(scores_cpu), rtol=1e-4, atol=1e-4)
