@@ -174,7 +174,8 @@ def generated_ranks(s: Setup, samples: torch.Tensor, k: int) -> torch.Tensor:
     hit = items == targets[:, None]  # (B, k); empty slots (0) never match an item
     first = hit.int().argmax(1)
     # items sharing the target's SID (no collision level) tie with it: ties count against the target,
-    # as in the ID models' target_ranks, so its rank is the last slot holding its score
+    # as in the ID models' target_ranks, so its rank is the last slot holding its score (re-scored by a dense head,
+    # items of one SID tie only when neither has a dense row: the head's scores tell the others apart)
     tied = scores == scores.gather(1, first[:, None])
     last_tie = torch.where(tied, torch.arange(k), -1).amax(1)
     return torch.where(hit.any(1), last_tie, s.seqs.num_items)
