@@ -193,6 +193,13 @@ class GenerativeConfig:
     # tiger: also add a learned embedding of each history item's ID to its SID tokens in the encoder (hybrid
     # ID + SID input); items without a row (coded after training) read a zero row. The decoder still generates SIDs
     item_id_embedding: bool = False
+    # tiger: also train a dense head (LIGER): a user vector from the encoder and an item table over the training
+    # catalogue, with dense_weight * full-catalogue softmax cross-entropy (loss.temperature) added to the SID loss
+    dense_head: bool = False
+    dense_weight: float = 1.0  # weight of the dense head's loss
+    # evaluation and /v1/retrieve: the beam's items are re-sorted by log p(SID) + rescore * cos(user, item) /
+    # loss.temperature (needs dense_head; items without a dense row keep their SID score). 0: generation only
+    rescore: float = 0.0
 
 
 @dataclass
@@ -255,7 +262,7 @@ POSITIVE = (
     "model.ffn_dim", "model.head_hidden", "model.num_experts", "ranking.period_seconds",
     "ranking.max_targets", "train.epochs", "train.batch_size", "eval.batch_size", "train.keep_checkpoints",
     "train.log_every", "train.log_seconds", "dist.grad_accum", "dist.timeout_minutes", "optim.lr", "sparse.lr",
-    "loss.temperature", "generative.decoder_blocks", "generative.beam",
+    "loss.temperature", "generative.decoder_blocks", "generative.beam", "generative.dense_weight",
 )  # fmt: skip
 # Keys that may be 0 (the comment says what 0 means), never negative.
 NON_NEGATIVE = {
@@ -268,6 +275,7 @@ NON_NEGATIVE = {
     "train.token_budget": " (0: train.batch_size rows per batch)", "ranking.listwise_weight": " (0: off)",
     "sparse.capacity": " (0: catalogue size + 1)", "sparse.max_rows": " (0: no limit)", "sparse.cache_rows": " (0: no cache)",
     "sparse.eviction_every": " (0: only on capacity pressure)", "sparse.ttl_steps": "",
+    "generative.rescore": " (0: generation only)",
 }  # fmt: skip
 # Keys bounded on both sides: (low, high, high included).
 INTERVALS = {
@@ -487,6 +495,13 @@ def _validate_generative(cfg: RunConfig) -> list[str]:
         problems.append(f"generative.item_id_embedding: only model.kind=tiger reads history item IDs (its encoder; "
                         f"in {cfg.model.kind} every SID token is also a target, so an item's ID would give away its "
                         "own digits); set generative.item_id_embedding=false or use model.kind=tiger")
+    if g.dense_head and cfg.model.kind != "tiger":
+        problems.append("generative.dense_head: only model.kind=tiger has a dense head (its encoder's user vector); "
+                        "set generative.dense_head=false or use model.kind=tiger")
+    if g.rescore and not g.dense_head:
+        problems.append(f"generative.rescore={g.rescore} re-scores the beam's items with the dense head's scores, but "
+                        "generative.dense_head is off; set generative.dense_head=true (and train), or "
+                        "generative.rescore=0")  # fmt: skip
     if cfg.eval_ks and max(cfg.eval_ks) > g.beam:
         problems.append(f"eval.ks / eval.select_metric go up to {max(cfg.eval_ks)} but generative.beam is {g.beam}: "
                         "a beam yields one SID each, so larger cut-offs mostly count misses; raise generative.beam "

@@ -266,6 +266,7 @@ BAD_VALUES = {
     "train.token_budget": (-1, ">= 0"), "train.peak_tflops": (-1.0, ">= 0"), "train.graph_bucket_ratio": (0.9, "[1, 4]"), "dist.grad_accum": (0, "> 0"),
     "dist.timeout_minutes": (0.0, "> 0"),
     "eval.batch_size": (0, "> 0"), "generative.decoder_blocks": (0, "> 0"), "generative.beam": (0, "> 0"),
+    "generative.dense_weight": (0, "> 0"), "generative.rescore": (-0.5, ">= 0"),
 }  # fmt: skip
 TRAINING_SECTIONS = ("data", "ranking", "model", "sparse", "loss", "optim", "train", "dist", "eval", "generative")
 

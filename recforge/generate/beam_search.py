@@ -9,6 +9,12 @@ Beams that run out of valid continuations keep a score of -inf and resolve to no
 ``constrained=False`` (free beam) any digit may follow any prefix; sequences that are not a
 catalogue SID are dropped when resolving to items.
 
+A model with a dense head (``generative.dense_head``, LIGER) re-scores the beam's items: ``search_items``
+with ``dense`` and ``rescore > 0`` resolves every item of the beam's SIDs, scores each
+``log p(SID) + rescore * dense_logit`` and re-sorts them (``rescore_items``), so the beam proposes the
+candidates and the dense head orders them; items beyond the beam stay misses. The one path of evaluation
+and serving.
+
 Example:
     >>> step = lambda codes: model.next_token_logprobs(memory, codes)   # (B, W, t) -> (B, W, V)
     >>> out = beam_search(step, trie, batch_size=8, beam=256)
@@ -26,6 +32,7 @@ from torch import Tensor
 from recforge.generate.trie import SidTrie
 
 StepFn = Callable[[Tensor], Tensor]  # (B, W, t) int64 digits so far -> (B, W, V) next-digit log-probabilities
+DenseFn = Callable[[Tensor], Tensor]  # (B, K) int64 trie items (-1: empty slot) -> (B, K) float32 dense logits
 
 
 @dataclass
@@ -133,9 +140,35 @@ def resolve_items(
     return item, score
 
 
+def rescore_items(items: Tensor, scores: Tensor, dense_logits: Tensor, rescore: float, k: int) -> tuple[Tensor, Tensor]:
+    """The first ``k`` of ``items`` re-sorted by ``scores + rescore * dense_logits`` (ties keep their order).
+
+    Args:
+        items: (B, K) int64 items, -1 for empty slots (``resolve_items``'s output, best SID first).
+        scores: (B, K) float32 their SID log-probabilities (-inf at empty slots).
+        dense_logits: (B, K) float32 their dense logits; 0 for an item the dense head has no row for, which so
+            keeps its SID score (values at empty slots are ignored).
+        rescore: weight of the dense term (0: the same list, cut at ``k``).
+        k: items per request.
+
+    Returns:
+        (items (B, k) int64, -1 for empty slots; scores (B, k) float32, the combined score, -inf there).
+    """
+    present = items >= 0
+    combined = scores + rescore * torch.where(present, dense_logits.float(), 0.0)
+    combined = torch.where(present, combined, float("-inf"))  # (B, K)
+    order = torch.sort(combined, dim=1, descending=True, stable=True).indices[:, :k]
+    items, combined = items.gather(1, order), combined.gather(1, order)
+    if items.shape[1] < k:  # fewer candidates than k: pad
+        pad = k - items.shape[1]
+        items = torch.cat([items, items.new_full((items.shape[0], pad), -1)], 1)
+        combined = torch.cat([combined, combined.new_full((items.shape[0], pad), float("-inf"))], 1)
+    return items, combined
+
+
 def search_items(
     step: StepFn, trie: SidTrie, *, batch_size: int, beam: int, k: int, item_mask: Tensor | None = None,
-    search_mask: Tensor | None = None, constrained: bool = True,
+    search_mask: Tensor | None = None, constrained: bool = True, dense: DenseFn | None = None, rescore: float = 0.0,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Beam search, then the top-``k`` items: the one generate-to-items path of evaluation and serving.
 
@@ -147,10 +180,16 @@ def search_items(
         search_mask: (B, N) bool restricting the search itself to prefixes with such items, so no beam
             is spent on SIDs whose items are all excluded (usually ``item_mask``; None: unrestricted).
             Needs the constrained beam.
+        dense: the dense head's logits of trie items (None: generation only).
+        rescore: > 0 with ``dense``: every item of the beam's SIDs is scored ``log p(SID) + rescore *
+            dense_logit`` and the top ``k`` by that score are returned (``rescore_items``); 0: generation only.
 
     Returns:
         (items (B, k) int64 trie items, -1 for empty slots; scores (B, k) float32, -inf there).
     """
     allowed = trie.allowed_nodes(search_mask) if search_mask is not None else None
     out = beam_search(step, trie, batch_size=batch_size, beam=beam, constrained=constrained, allowed=allowed)
-    return resolve_items(out, trie, k, item_mask=item_mask)
+    if dense is None or not rescore:
+        return resolve_items(out, trie, k, item_mask=item_mask)
+    items, scores = resolve_items(out, trie, out.leaves.shape[1] * trie.max_items_per_leaf, item_mask=item_mask)
+    return rescore_items(items, scores, dense(items), rescore, k)

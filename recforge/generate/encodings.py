@@ -5,8 +5,9 @@ A batch's memory (what ``model.start`` returns and every beam reads) is cut into
 memory (``assemble``), and a decoder-only model's piece is extended with new history items
 (``extend_hstu``). A piece is a tuple of tensors holding only the request's real tokens:
 
-    SIDSeq2Seq  (k_0, v_0, ..., k_{D-1}, v_{D-1})    each (H, S_b, dh): every decoder layer's cross-attention
-                                                       keys/values of the encoder output (S_b = items * L)
+    SIDSeq2Seq  (k_0, v_0, ..., k_{D-1}, v_{D-1}[, user])  each (H, S_b, dh): every decoder layer's cross-attention
+                                                       keys/values of the encoder output (S_b = items * L);
+                                                       user (d,): the dense head's user vector, if it has one
     SIDHSTU     (last, k_0, v_0, ..., k_{N-1}, v_{N-1}) last (d,): the output at the history's last token;
                                                        k_i/v_i (S_b, H, D): block i's keys/values
 
@@ -47,7 +48,9 @@ def split(model: SIDSeq2Seq | SIDHSTU, memory: Memory | HSTUMemory, tokens: Sequ
         return [(memory.last[b].clone(), *(t[b, :n].clone() for kv in zip(memory.keys, memory.values, strict=True)
                                             for t in kv)) for b, n in enumerate(tokens)]  # fmt: skip
     width = memory.kv[0][0].shape[2]  # right-aligned: request b's tokens are the last n of the row
-    return [tuple(t[b, :, width - n :].clone() for kv in memory.kv for t in kv) for b, n in enumerate(tokens)]
+    user = [] if memory.user is None else [memory.user]
+    return [(*(t[b, :, width - n :].clone() for kv in memory.kv for t in kv), *(u[b].clone() for u in user))
+            for b, n in enumerate(tokens)]  # fmt: skip
 
 
 def assemble(model: SIDSeq2Seq | SIDHSTU, pieces: Sequence[Piece]) -> Memory | HSTUMemory:
@@ -66,15 +69,17 @@ def assemble(model: SIDSeq2Seq | SIDHSTU, pieces: Sequence[Piece]) -> Memory | H
                           torch.stack([p[0] for p in pieces]))  # fmt: skip
     lengths = [p[0].shape[1] for p in pieces]
     width = max(lengths) + -max(lengths) % sid_seq2seq.KEY_ALIGN  # as SIDSeq2Seq.encode pads a masked batch
+    num_kv = 2 * len(model.decoder)  # then the dense user vector, for a model with a dense head
+    user = torch.stack([p[num_kv] for p in pieces]) if len(pieces[0]) > num_kv else None  # (B, d)
     tensors = []
-    for i in range(len(pieces[0])):  # (B, H, S, dh) right-aligned, zeros before
+    for i in range(num_kv):  # (B, H, S, dh) right-aligned, zeros before
         out = pieces[0][i].new_zeros(len(pieces), pieces[0][i].shape[0], width, pieces[0][i].shape[2])
         for b, p in enumerate(pieces):
             out[b, :, width - lengths[b] :] = p[i]
         tensors.append(out)
     start = torch.tensor([width - n for n in lengths], device=tensors[0].device)
     key_mask = (torch.arange(width, device=start.device) >= start[:, None]).view(len(pieces), 1, 1, width)
-    return Memory(list(zip(tensors[0::2], tensors[1::2], strict=True)), key_mask)
+    return Memory(list(zip(tensors[0::2], tensors[1::2], strict=True)), key_mask, user)
 
 
 @torch.no_grad()

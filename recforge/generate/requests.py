@@ -66,7 +66,7 @@ class RetrieveResult:
     """Top items of one request, best first (fewer than k when fewer valid items exist)."""
 
     items: list[int]  # raw item IDs
-    scores: list[float]  # SID log-probabilities
+    scores: list[float]  # SID log-probabilities (+ rescore x dense logits for a run with generative.rescore)
 
 
 class Catalogue:

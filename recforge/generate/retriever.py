@@ -15,6 +15,11 @@ A model with an item-ID embedding (``generative.item_id_embedding``) also reads 
 table row: the catalogue's dense indices map to the model's rows once, at construction (an item coded
 after training, e.g. by `recforge sid add`, maps to the zero row 0).
 
+A run with a dense head and ``generative.rescore`` > 0 re-sorts each request's beam items by
+``log p(SID) + rescore * cos(user, item) / temperature`` (``beam_search.rescore_items``, the evaluation's
+path); the returned scores are those combined scores. An item without a dense row (coded after training)
+keeps its SID score.
+
 Like evaluation (``recforge eval``), the items of a request's history are never returned
 (``exclude_history=False`` keeps them, e.g. for re-purchases): for a history without its target,
 ``retrieve`` returns exactly the list the evaluation scores (tested).
@@ -75,6 +80,8 @@ class Retriever:
         trie: the valid SIDs over items 1..N (trie item i = dense index i + 1), on ``device``.
         max_items: most recent history items the model reads.
         config: limits and settings (beam, exclusion inside the search, ...).
+        rescore: weight of the dense head's logits in the items' scores (a run's ``generative.rescore``;
+            0: generation only; > 0 needs a model with a dense head).
 
     Attributes:
         cache: per-user history encodings reused across requests (None: every history is encoded).
@@ -83,17 +90,21 @@ class Retriever:
 
     def __init__(
         self, model: SIDSeq2Seq | SIDHSTU, item_vocab: np.ndarray, item_codes: Tensor, trie: SidTrie, max_items: int,
-        config: RetrieveConfig | None = None,
+        config: RetrieveConfig | None = None, *, rescore: float = 0.0,
     ) -> None:  # fmt: skip
         self.config = config or RetrieveConfig()
         self.config.validate()
+        if rescore and not getattr(model, "has_dense_head", False):
+            raise ValueError(f"rescore={rescore} needs a model with a dense head (generative.dense_head); "
+                             "use rescore=0 for this model")  # fmt: skip
+        self.rescore = rescore
         self.model, self.item_vocab, self.trie, self.max_items = model.eval(), item_vocab, trie, max_items
         self.catalogue = Catalogue(item_vocab)
         self.device = trie.leaf_offsets.device
         self.item_codes = item_codes.to(self.device)
-        # (N + 1,) the model's item-ID table row of each dense index (0: padding, or no row); None: SIDs only
+        # (N + 1,) the model's item-table row of each dense index (0: padding, or no row); None: SIDs only
         self.item_rows: Tensor | None = None
-        if model.reads_item_ids:
+        if model.reads_item_ids or self.rescore:
             self.item_rows = model.item_rows(torch.from_numpy(np.asarray(item_vocab, dtype=np.int64))).to(self.device)
             self.item_rows[0] = 0
         self.cache: HistoryCache | None = None
@@ -119,7 +130,7 @@ class Retriever:
         trie = SidTrie.build(sids.codes, sids.vocab_size, run.cfg.generative.trie).to(target)
         g = run.cfg.generative
         config = config or RetrieveConfig(beam=g.beam, exclude_in_search=g.exclude_seen_in_search)
-        return Retriever(run.model, vocab, codes, trie, run.cfg.data.max_seq_len, config)
+        return Retriever(run.model, vocab, codes, trie, run.cfg.data.max_seq_len, config, rescore=g.rescore)
 
     def encode(self, request: RetrieveRequest) -> EncodedRetrieve:
         """Check one request against the engine's limits and map its IDs (``ValueError`` says what is wrong)."""
@@ -141,7 +152,8 @@ class Retriever:
         return self.item_codes[items_t], items_t > 0, self._rows(items_t)
 
     def _rows(self, items: Tensor) -> Tensor | None:
-        return self.item_rows[items] if self.item_rows is not None else None
+        """The item-ID input's table rows of dense indices ``items`` (None for a model without that input)."""
+        return self.item_rows[items] if self.item_rows is not None and self.model.reads_item_ids else None
 
     def _masks(self, batch: Sequence[EncodedRetrieve]) -> tuple[Tensor | None, Tensor | None]:
         """((B, N) items each request may get, (B, N) its allowed items) on the device; None where unrestricted."""
@@ -175,9 +187,13 @@ class Retriever:
         keep, allowed = self._masks(batch)
         search_mask = (keep if self.config.exclude_in_search else allowed) if constrained else None
         memory = self._memory(batch)
+        dense = None
+        if self.rescore:  # trie item i is dense index i + 1 (-1, an empty slot: index 0, row 0, no dense term)
+            dense = lambda trie_items: self.model.dense_logits(memory.user, self.item_rows[trie_items + 1])  # noqa: E731
         items, scores = search_items(
             lambda codes: self.model.next_token_logprobs(memory, codes), self.trie, batch_size=len(batch), beam=beam,
-            k=max(r.k for r in batch), item_mask=keep, search_mask=search_mask, constrained=constrained,
+            k=max(r.k for r in batch), item_mask=keep, search_mask=search_mask, constrained=constrained, dense=dense,
+            rescore=self.rescore,
         )  # fmt: skip
         items, scores = items.cpu().numpy(), scores.float().cpu().numpy()  # the one host sync of the batch
         results = []

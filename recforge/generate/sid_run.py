@@ -42,10 +42,11 @@ def sid_dir_of(cfg: RunConfig) -> Path:
 
 def build_sid_model(cfg: RunConfig, num_levels: int, vocab_size: int, num_items: int = 0) -> SIDSeq2Seq | SIDHSTU:
     """``model.kind``: tiger (encoder-decoder) or sid_hstu (decoder-only HSTU); same decoding interface.
-    ``num_items``: the training catalogue's size, the rows of the item-ID table (``generative.item_id_embedding``)."""
-    m = cfg.model
-    if cfg.generative.item_id_embedding and num_items < 1:
-        raise ValueError("generative.item_id_embedding needs the training catalogue's size (num_items >= 1)")
+    ``num_items``: the training catalogue's size, the rows of the item tables (``generative.item_id_embedding``,
+    ``generative.dense_head``)."""
+    m, g = cfg.model, cfg.generative
+    if uses_item_table(cfg) and num_items < 1:
+        raise ValueError("generative.item_id_embedding / dense_head need the training catalogue's size (num_items >= 1)")
     if m.kind == "sid_hstu":
         return SIDHSTU(SIDHSTUConfig(
             num_levels=num_levels, vocab_size=vocab_size, dim=m.dim, num_blocks=m.num_blocks, num_heads=m.num_heads,
@@ -54,8 +55,14 @@ def build_sid_model(cfg: RunConfig, num_levels: int, vocab_size: int, num_items:
     return SIDSeq2Seq(Seq2SeqConfig(
         num_levels=num_levels, vocab_size=vocab_size, dim=m.dim, encoder_layers=m.num_blocks,
         decoder_layers=cfg.generative.decoder_blocks, num_heads=m.num_heads, ffn_dim=m.ffn_dim, dropout=m.dropout,
-        max_items=cfg.data.max_seq_len, num_item_ids=num_items if cfg.generative.item_id_embedding else 0,
+        max_items=cfg.data.max_seq_len, num_item_ids=num_items if g.item_id_embedding else 0,
+        dense_items=num_items if g.dense_head else 0, dense_temperature=cfg.loss.temperature,
     ))  # fmt: skip
+
+
+def uses_item_table(cfg: RunConfig) -> bool:
+    """Whether the run's model has item tables over the training catalogue (item-ID input, dense head)."""
+    return cfg.generative.item_id_embedding or cfg.generative.dense_head
 
 
 def read_run(run_dir: str | Path, checkpoint: str = "auto", overrides: list[str] | None = None) -> tuple[RunConfig, Path]:
@@ -82,8 +89,8 @@ def load_sid_run(
     cfg, ckpt = read_run(run_dir, checkpoint, overrides)
     sids = read_sids(Path(run_dir) / "sids")
     torch.manual_seed(cfg.train.seed)  # the same init as training; every weight is then overwritten
-    # an item-ID table has a row per training item: its size (and each row's raw ID) come with the checkpoint
-    num_items = int(read_manifest(ckpt).get("num_items", 0)) if cfg.generative.item_id_embedding else 0
+    # an item table has a row per training item: its size (and each row's raw ID) come with the checkpoint
+    num_items = int(read_manifest(ckpt).get("num_items", 0)) if uses_item_table(cfg) else 0
     model = build_sid_model(cfg, sids.num_levels, sids.vocab_size, num_items).to(device)
     manifest = load_checkpoint(ckpt, model, device=device)
     return SidRun(cfg, model.eval(), sids, ckpt, manifest)

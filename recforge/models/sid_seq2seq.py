@@ -7,6 +7,12 @@ embedding of the item's ID (hybrid ID + SID input, as in LIGER / COBRA): a table
 row 0 (zeros) for padding and for items the table does not hold (coded after training). The decoder
 reads ``[BOS, d_0, ..., d_{t-1}]`` and predicts digit ``d_t`` with a per-level output head.
 
+With ``dense_items > 0`` (``generative.dense_head``, LIGER) the model also has a dense head: a user vector
+(the encoder's output at the history's last token, the most recent item's last digit, projected and
+L2-normalised) and an L2-normalised item table over the training catalogue (row 0: padding / unknown), scored
+as ``cos(user, item) / dense_temperature`` (``dense_logits``). Both item tables share one row mapping
+(``item_id_vocab``: raw ID of each row, ``set_item_vocab``, ``item_rows``).
+
 Beam search shares each request's encoding across its beams: ``encode`` runs once per request,
 ``memory_kv`` projects the encoder output to every decoder layer's cross-attention keys/values
 once, and the ``W`` beams' decoder queries attend to them as ``W * t`` query rows of the same
@@ -57,6 +63,8 @@ class Seq2SeqConfig:
     dropout: float = 0.1
     max_items: int = 50  # history items the position embedding covers (older ones are cut by the caller)
     num_item_ids: int = 0  # > 0: item-ID embedding rows 1..num_item_ids added to the history's SID tokens; 0: none
+    dense_items: int = 0  # > 0: dense head over items 1..dense_items (= num_item_ids when both are on); 0: none
+    dense_temperature: float = 0.05  # dense logits are cosine / this (loss.temperature)
 
 
 def _split_heads(x: Tensor, heads: int) -> Tensor:
@@ -195,6 +203,7 @@ class Memory:
 
     kv: list[tuple[Tensor, Tensor]]
     key_mask: Tensor | None  # (B, 1, 1, S) bool, True = a real token; None when nothing is padded
+    user: Tensor | None = None  # (B, d) L2-normalised dense user vectors (models with a dense head), else None
 
 
 class SIDSeq2Seq(nn.Module):
@@ -215,28 +224,48 @@ class SIDSeq2Seq(nn.Module):
         self.decoder_norm = nn.LayerNorm(d)
         self.heads = nn.Parameter(torch.randn(L, V, d) * d**-0.5)  # per-level output projection
         self.drop = nn.Dropout(cfg.dropout)
-        if cfg.num_item_ids > 0:  # built last: every other weight draws the same initial values as without it
+        if cfg.num_item_ids > 0 and cfg.dense_items > 0 and cfg.num_item_ids != cfg.dense_items:
+            raise ValueError(f"num_item_ids ({cfg.num_item_ids}) and dense_items ({cfg.dense_items}) must both be the "
+                             "training catalogue's size: the two item tables share one row mapping")  # fmt: skip
+        # built last: every other weight draws the same initial values as without them
+        if cfg.num_item_ids > 0:
             self.item_embedding = nn.Embedding(1 + cfg.num_item_ids, d, padding_idx=0)  # row 0: padding / unknown
+        if self.item_table_rows:
             # raw item ID of each row (row 0: -1), saved with the weights so any checkpoint maps raw IDs to its rows
-            self.register_buffer("item_id_vocab", torch.full((1 + cfg.num_item_ids,), -1, dtype=torch.long))
+            self.register_buffer("item_id_vocab", torch.full((self.item_table_rows,), -1, dtype=torch.long))
+        if cfg.dense_items > 0:
+            self.dense_user = nn.Linear(d, d)  # encoder output at the last history token -> user vector
+            self.dense_items = nn.Embedding(1 + cfg.dense_items, d)  # row 0: padding / unknown (never a class)
 
     @property
     def reads_item_ids(self) -> bool:
         """Whether the encoder adds an item-ID embedding (callers then pass ``history_items``)."""
         return self.cfg.num_item_ids > 0
 
+    @property
+    def has_dense_head(self) -> bool:
+        """Whether the model has a dense user vector and item table (``generative.dense_head``)."""
+        return self.cfg.dense_items > 0
+
+    @property
+    def item_table_rows(self) -> int:
+        """Rows of the model's item tables (training items + the padding row 0); 0 when it has none."""
+        n = max(self.cfg.num_item_ids, self.cfg.dense_items)
+        return n + 1 if n else 0
+
     def set_item_vocab(self, item_vocab: Tensor) -> None:
-        """Name the raw item ID of each table row: ``item_vocab`` (num_item_ids + 1,) int64, [0] the padding row."""
-        if not self.reads_item_ids or item_vocab.shape != self.item_id_vocab.shape:
+        """Name the raw item ID of each table row: ``item_vocab`` (item_table_rows,) int64, [0] the padding row."""
+        if not self.item_table_rows or item_vocab.shape != self.item_id_vocab.shape:
             raise ValueError(f"item_vocab of shape {tuple(item_vocab.shape)} does not fit a model with "
-                             f"num_item_ids={self.cfg.num_item_ids}")  # fmt: skip
+                             f"{max(self.item_table_rows - 1, 0)} item-table rows")  # fmt: skip
         self.item_id_vocab.copy_(item_vocab)
         self.item_id_vocab[0] = -1
 
     def item_rows(self, raw_item_ids: Tensor) -> Tensor:
         """Table row of each raw item ID (same shape, int64): 0 for an ID the table does not hold."""
-        if not self.reads_item_ids:
-            raise ValueError("this model has no item-ID embedding (generative.item_id_embedding is off)")
+        if not self.item_table_rows:
+            raise ValueError("this model has no item-ID embedding nor dense head (generative.item_id_embedding and "
+                             "generative.dense_head are off)")  # fmt: skip
         order = torch.argsort(self.item_id_vocab[1:])  # num_item_ids >= 1 rows
         sorted_ids = self.item_id_vocab[1:][order]
         raw = raw_item_ids.to(sorted_ids.device, torch.long)
@@ -290,9 +319,31 @@ class SIDSeq2Seq(nn.Module):
         return self.item_embedding(rows)
 
     def start(self, history_codes: Tensor, history_mask: Tensor | None, history_items: Tensor | None = None) -> Memory:
-        """Encode the histories once and project them for every decoder layer (what beams share)."""
+        """Encode the histories once and project them for every decoder layer (what beams share); with a dense
+        head also the user vectors."""
         memory, key_mask = self.encode(history_codes, history_mask, history_items)
-        return Memory([block.memory_kv(memory) for block in self.decoder], key_mask)
+        user = self.user_vectors(memory) if self.has_dense_head else None
+        return Memory([block.memory_kv(memory) for block in self.decoder], key_mask, user)
+
+    def user_vectors(self, encoded: Tensor) -> Tensor:
+        """(B, d) L2-normalised dense user vectors of encoder outputs (B, S, d): the projected output at the last
+        token (histories are right-aligned, so it is always the most recent item's last digit, never padding)."""
+        return F.normalize(self.dense_user(encoded[:, -1]).float(), dim=-1)
+
+    def dense_item_vectors(self, rows: Tensor | None = None) -> Tensor:
+        """L2-normalised dense item vectors of table ``rows`` (any shape, + (d,)); None: the whole table (N+1, d)."""
+        table = self.dense_items.weight if rows is None else self.dense_items(rows)
+        return F.normalize(table.float(), dim=-1)
+
+    def dense_logits(self, user: Tensor, rows: Tensor) -> Tensor:
+        """(B, K) float32 ``cos(user, item) / dense_temperature`` of each request's items, given as dense-table
+        ``rows`` (B, K); 0 for row 0 and rows outside the table (padding, or an item without a row)."""
+        if not self.has_dense_head:
+            raise ValueError("this model has no dense head (generative.dense_head is off)")
+        known = (rows > 0) & (rows <= self.cfg.dense_items)
+        items = self.dense_item_vectors(torch.where(known, rows, 0))  # (B, K, d)
+        logits = torch.bmm(items, user.float()[:, :, None]).squeeze(2) / self.cfg.dense_temperature  # (B, K)
+        return torch.where(known, logits, 0.0)
 
     def decode(self, memory: Memory, codes: Tensor) -> Tensor:
         """(B, W, t+1, d) decoder states after reading ``[BOS, codes]`` (codes: (B, W, t))."""
@@ -315,7 +366,14 @@ class SIDSeq2Seq(nn.Module):
         self, history_codes: Tensor, history_mask: Tensor | None, target_codes: Tensor, history_items: Tensor | None = None
     ) -> Tensor:  # fmt: skip
         """Mean cross-entropy of each target SID's digits given the history (teacher forcing)."""
+        return self.loss_and_user(history_codes, history_mask, target_codes, history_items)[0]
+
+    def loss_and_user(
+        self, history_codes: Tensor, history_mask: Tensor | None, target_codes: Tensor, history_items: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        """(``loss``, the (B, d) dense user vectors or None without a dense head) from one encoder pass: the
+        dense head's loss (``recforge.train.losses``) scores the user vectors against ``dense_item_vectors()``."""
         memory = self.start(history_codes, history_mask, history_items)
         states = self.decode(memory, target_codes[:, None, :-1])[:, 0]  # (B, L, d)
         logits = torch.einsum("bld,lvd->blv", states, self.heads)  # (B, L, V)
-        return F.cross_entropy(logits.float().flatten(0, 1), target_codes.flatten())
+        return F.cross_entropy(logits.float().flatten(0, 1), target_codes.flatten()), memory.user

@@ -121,7 +121,8 @@ def load_retriever(run_dir: str | Path, settings: RetrieveSettings, device: str 
 class RetrieveResponseOut(BaseModel):
     user_id: StrictInt | StrictStr
     items: list[int] = Field(description="raw item IDs, best first (fewer than k when fewer items are eligible)")
-    scores: list[float] = Field(description="SID log-probability of each item, in the same order")
+    scores: list[float] = Field(description="SID log-probability of each item, in the same order (a run with "
+                                "generative.rescore: plus rescore x its dense logit)")
     model_version: str = Field(description="the model that generated this response")
     latency_ms: float
 

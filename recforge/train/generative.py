@@ -20,6 +20,14 @@ in that list. A target outside the list is a miss; MRR is therefore a lower boun
 ``generative.item_id_embedding`` (tiger) also feeds each history item's ID to the encoder: its table has a
 row per item of the training catalogue (dense index = row), and the model saves each row's raw ID with its
 weights, so serving maps raw IDs to rows without the dataset (an item coded after training reads row 0).
+
+``generative.dense_head`` (tiger, LIGER) trains a dense head on the same encoder: its loss adds
+``generative.dense_weight`` x the full-catalogue softmax cross-entropy of the user vector against every
+item's row (``sampled_softmax_loss`` with ``negatives=full``, ``loss.temperature``, chunked as
+``loss.chunk_size``) to the SID loss. Its table shares the item-ID table's rows and saved raw IDs.
+``generative.rescore`` > 0 then re-sorts each user's generated items by ``log p(SID) + rescore *
+cos(user, item) / loss.temperature`` (``recforge.generate.beam_search.rescore_items``, the path serving
+takes too); the candidates are still the beam's items only.
 """
 
 from __future__ import annotations
@@ -41,10 +49,11 @@ from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences
 from recforge.data.sid_sequences import eval_samples, history_windows, seen_mask, transition_samples
 from recforge.data.sids import SIDS_FILE, check_embedding_run, read_sids
 from recforge.generate import SidTrie, search_items
-from recforge.generate.sid_run import build_sid_model, read_run, sid_dir_of
+from recforge.generate.sid_run import build_sid_model, read_run, sid_dir_of, uses_item_table
 from recforge.models.sid_hstu import SIDHSTU
 from recforge.models.sid_seq2seq import SIDSeq2Seq
 from recforge.train.distributed import DistContext, init_distributed
+from recforge.train.losses import sampled_softmax_loss
 from recforge.train.loop import prepare_run_dir, run_loop
 from recforge.train.metrics import retrieval_metrics
 from recforge.train.run_files import check_eval_split, invoked_command, write_eval
@@ -75,11 +84,12 @@ class SidBatch:
     targets: torch.Tensor  # (B, L) the target item's digits
     num_tokens: int  # SID tokens in the histories (counted on the host)
     items: torch.Tensor | None = None  # (B, T) dense item index of each history item (0: padding); item-ID models only
+    target_items: torch.Tensor | None = None  # (B,) dense item index of each target; dense-head models only
 
     def to(self, device: torch.device, non_blocking: bool = False) -> SidBatch:
-        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
-        items = move(self.items) if self.items is not None else None
-        return SidBatch(move(self.history), move(self.mask), move(self.targets), self.num_tokens, items)
+        move = lambda t: t.to(device, non_blocking=non_blocking) if t is not None else None  # noqa: E731
+        return SidBatch(move(self.history), move(self.mask), move(self.targets), self.num_tokens, move(self.items),
+                        move(self.target_items))  # fmt: skip
 
 
 def setup(cfg: RunConfig, sid_dir: Path | None = None, ctx: DistContext | None = None) -> Setup:
@@ -96,7 +106,7 @@ def setup(cfg: RunConfig, sid_dir: Path | None = None, ctx: DistContext | None =
     trie = SidTrie.build(codes, sids.vocab_size, cfg.generative.trie).to(device)
     torch.manual_seed(cfg.train.seed)
     model = build_sid_model(cfg, sids.num_levels, sids.vocab_size, seqs.num_items).to(device)
-    if model.reads_item_ids:  # the table's rows are the dense item indices
+    if uses_item_table(cfg):  # the tables' rows are the dense item indices
         model.set_item_vocab(torch.from_numpy(seqs.item_vocab).to(device))
     s = Setup(cfg, seqs, item_codes, trie, model, None, device, PROTOCOL_HOLDOUT[cfg.data.protocol], ctx)
     s.runner = StepRunner(cfg, model, device, ctx, loss_fn=lambda b: _loss(s, b), units_fn=lambda b: b.targets.shape[0])
@@ -116,12 +126,22 @@ def training_batch(s: Setup, samples: torch.Tensor) -> SidBatch:
     items, mask, targets = history_windows(s.seqs, samples, s.cfg.data.max_seq_len)
     history = s.item_codes[items]
     rows = items if s.model.reads_item_ids else None
-    return SidBatch(history, mask, s.item_codes[targets], int(mask.sum()) * history.shape[2], rows)
+    target_items = targets if s.cfg.generative.dense_head else None
+    return SidBatch(history, mask, s.item_codes[targets], int(mask.sum()) * history.shape[2], rows, target_items)
 
 
 def _loss(s: Setup, batch: SidBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(objective, loss to log) of a device batch: mean cross-entropy over its targets' digits."""
-    loss = s.model.loss(batch.history, batch.mask, batch.targets, batch.items)
+    """(objective, loss to log) of a device batch: mean cross-entropy over its targets' digits, plus with a dense
+    head ``dense_weight`` x its softmax cross-entropy over the whole catalogue."""
+    if batch.target_items is None:
+        loss = s.model.loss(batch.history, batch.mask, batch.targets, batch.items)
+        return loss, loss
+    sid_loss, user = s.model.loss_and_user(batch.history, batch.mask, batch.targets, batch.items)
+    dense_loss = sampled_softmax_loss(
+        user, batch.target_items, s.model.dense_item_vectors, s.seqs.num_items, negatives="full",
+        temperature=s.cfg.loss.temperature, chunk_size=s.cfg.loss.chunk_size,
+    )  # fmt: skip
+    loss = sid_loss + s.cfg.generative.dense_weight * dense_loss
     return loss, loss
 
 
@@ -136,9 +156,14 @@ def generated_items(s: Setup, samples: torch.Tensor, k: int) -> tuple[torch.Tens
     was_training = s.model.training
     s.model.eval()
     memory = s.model.start(history, mask, rows)
+    # trie item i is dense item i + 1, the dense table's row i + 1 (-1, an empty slot: row 0, no dense term)
+    dense = None
+    if s.cfg.generative.dense_head:
+        dense = lambda trie_items: s.model.dense_logits(memory.user, trie_items + 1)  # noqa: E731
     items, scores = search_items(lambda c: s.model.next_token_logprobs(memory, c), s.trie, batch_size=targets.numel(),
                                  beam=s.cfg.generative.beam, k=k, item_mask=allowed_items,
-                                 search_mask=allowed_items if s.cfg.generative.exclude_seen_in_search else None)  # fmt: skip
+                                 search_mask=allowed_items if s.cfg.generative.exclude_seen_in_search else None,
+                                 dense=dense, rescore=s.cfg.generative.rescore)  # fmt: skip
     s.model.train(was_training)
     return items.cpu() + 1, scores.cpu(), targets
 
@@ -149,7 +174,8 @@ def generated_ranks(s: Setup, samples: torch.Tensor, k: int) -> torch.Tensor:
     hit = items == targets[:, None]  # (B, k); empty slots (0) never match an item
     first = hit.int().argmax(1)
     # items sharing the target's SID (no collision level) tie with it: ties count against the target,
-    # as in the ID models' target_ranks, so its rank is the last slot holding its score
+    # as in the ID models' target_ranks, so its rank is the last slot holding its score (re-scored by a dense head,
+    # items of one SID tie only when neither has a dense row: the head's scores tell the others apart)
     tied = scores == scores.gather(1, first[:, None])
     last_tie = torch.where(tied, torch.arange(k), -1).amax(1)
     return torch.where(hit.any(1), last_tie, s.seqs.num_items)
@@ -210,7 +236,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     sid_dir = _copy_sids(cfg, run_dir, resume) if ctx.is_main else run_dir / "sids"
     ctx.barrier()  # rank 0 copied the SIDs every rank reads
     s = setup(cfg, sid_dir, ctx)
-    if resume and s.model.reads_item_ids:
+    if resume and uses_item_table(cfg):
         _check_resumed_catalogue(run_dir, s)
     samples = transition_samples(s.seqs, s.holdout)
     state = run_loop(
@@ -228,8 +254,9 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
 
 
 def _check_resumed_catalogue(run_dir: Path, s: Setup) -> None:
-    """Refuse to resume a run with ``generative.item_id_embedding`` on another item catalogue: the ID table's rows
-    are the training catalogue's items (``item_id_vocab``), and resuming would train them as other items."""
+    """Refuse to resume a run with item tables (``generative.item_id_embedding``, ``dense_head``) on another item
+    catalogue: the tables' rows are the training catalogue's items (``item_id_vocab``), and resuming would train
+    them as other items."""
     for ckpt in resume_candidates(run_dir)[0]:
         try:
             with safe_open(ckpt / "model.safetensors", "pt") as f:
@@ -242,10 +269,10 @@ def _check_resumed_catalogue(run_dir: Path, s: Setup) -> None:
 
 
 def _check_item_table(ckpt: Path, saved_vocab: torch.Tensor, s: Setup, fix: str) -> None:
-    """``ValueError`` (saying ``fix``) unless the item-ID table's raw IDs (``item_id_vocab``) are ``s``'s catalogue."""
+    """``ValueError`` (saying ``fix``) unless the item tables' raw IDs (``item_id_vocab``) are ``s``'s catalogue."""
     if not torch.equal(saved_vocab.cpu(), torch.from_numpy(s.seqs.item_vocab)):
-        raise ValueError(f"{ckpt}: its item-ID table was trained on another item catalogue than {s.cfg.data.path}'s "
-                         f"(generative.item_id_embedding); {fix}")  # fmt: skip
+        raise ValueError(f"{ckpt}: its item tables were trained on another item catalogue than {s.cfg.data.path}'s "
+                         f"(generative.item_id_embedding / dense_head); {fix}")  # fmt: skip
 
 
 def load_run(run_dir: str | Path, checkpoint: str = "auto", overrides: list[str] | None = None) -> tuple[Setup, Path, dict]:
@@ -253,7 +280,7 @@ def load_run(run_dir: str | Path, checkpoint: str = "auto", overrides: list[str]
     cfg, ckpt = read_run(run_dir, checkpoint, overrides)
     s = setup(cfg, Path(run_dir) / "sids")
     manifest = load_checkpoint(ckpt, s.model, device=s.device)
-    if s.model.reads_item_ids:
+    if uses_item_table(s.cfg):
         _check_item_table(ckpt, s.model.item_id_vocab, s, "evaluate on the dataset the run was trained on")
     s.model.eval()
     return s, ckpt, manifest
@@ -276,7 +303,7 @@ def evaluate_run(
     result = {
         **metrics, "split": split, "protocol": s.cfg.data.protocol, "model": s.cfg.model.kind,
         "dataset": Path(s.cfg.data.path).name, "checkpoint": ckpt.name, "step": manifest["step"],
-        "beam": s.cfg.generative.beam, "sids": read_sids(Path(run_dir) / "sids").meta["source"],
+        "beam": s.cfg.generative.beam, "rescore": s.cfg.generative.rescore, "sids": read_sids(Path(run_dir) / "sids").meta["source"],
         "eval_seconds": time.perf_counter() - started,
         "command": command or invoked_command(),
     }  # fmt: skip

@@ -1,0 +1,77 @@
+"""`/v1/retrieve` on a run trained with ``generative.dense_head`` and ``generative.rescore``: the beam's items in the
+re-scored order (checked against its definition), cached users' histories included."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from recforge.cli import main
+from recforge.data.synthetic import SyntheticConfig, write_synthetic
+from recforge.generate import RetrieveRequest, Retriever
+from recforge.serve.retrieve_app import RetrieveSettings, create_retrieve_app, load_retriever
+from recforge.serve.scheduler import SchedulerConfig
+from recforge.serve.server import ServerConfig
+
+TINY = ["model.dim=16", "model.num_blocks=1", "generative.decoder_blocks=1", "model.num_heads=2", "model.ffn_dim=32",
+        "optim.warmup_steps=0", "train.batch_size=64", "train.threads=1", "eval.batch_size=64", "data.max_seq_len=8",
+        "generative.beam=12", "eval.ks=[1,5,10]", "train.epochs=1", "generative.rescore=2.0"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("retrieve-dense")
+    data = write_synthetic(root / "data", SyntheticConfig(num_users=40, num_items=30, seed=7, mean_seq_len=10, max_seq_len=20))
+    assert main(["sid", "fit", str(data), "--out", str(data / "sids"), "--codebook-size", "8", "--levels", "2"]) == 0
+    run = root / "run"
+    assert main(["--no-progress", "train", "configs/beauty-sid-tiger-dense.yaml", f"data.path={data}",
+                 f"generative.sids={data / 'sids'}", f"train.output_dir={run}", *TINY]) == 0  # fmt: skip
+    return run
+
+
+def _rescored(retriever: Retriever, history: list[int], k: int) -> tuple[list[int], list[int]]:
+    """(the definition: every item of the generation-only beam, sorted by SID score + rescore x dense logit; the
+    generation-only list), top ``k`` each."""
+    generation = Retriever(retriever.model, retriever.item_vocab, retriever.item_codes, retriever.trie,
+                           retriever.max_items, retriever.config)  # fmt: skip
+    ((items, scores),) = generation.retrieve([history], k=retriever.config.max_k, beam=retriever.config.beam)
+    with torch.no_grad():
+        user = retriever.model.start(*retriever.history_batch([retriever.encode(RetrieveRequest(history))])).user
+        dense_index = torch.from_numpy(retriever.catalogue.dense_ids(items, "allowed")[0])
+        dense = retriever.model.dense_logits(user, retriever.item_rows[dense_index][None])[0]
+    combined = torch.tensor(scores) + retriever.rescore * dense
+    return [items[i] for i in torch.argsort(combined, descending=True, stable=True)[:k].tolist()], items[:k]
+
+
+def test_retrieve_returns_the_rescored_order_cached_or_not(run_dir: Path) -> None:
+    settings = RetrieveSettings(max_k=40, max_batch=8, max_history=50, max_allowed=40, cache_mb=1)
+    retriever, version = load_retriever(run_dir, settings, device="cpu")
+    assert retriever.rescore == 2.0 and retriever.cache is not None
+    items = [int(v) for v in retriever.item_vocab[1:]]
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    bodies = []
+    for i in range(10):
+        history = [items[j] for j in torch.randint(len(items), (int(torch.randint(1, 12, (1,), generator=g)),), generator=g)]
+        bodies.append({"user_id": f"u{i % 4}", "history": history, "k": 8})
+    want = [retriever.retrieve([b["history"]], k=8, beam=retriever.config.beam)[0] for b in bodies]
+    changed = 0
+    for body, (items_want, _) in zip(bodies, want, strict=True):
+        rescored, generated = _rescored(retriever, body["history"], 8)
+        assert items_want == rescored
+        changed += rescored != generated
+    assert changed  # the dense head reorders some lists
+    config = ServerConfig(max_loop_lag_ms=60_000, scheduler=SchedulerConfig(max_wait_ms=20.0))  # no lag shedding
+    with TestClient(create_retrieve_app(retriever, version, config, settings)) as client:
+        for _ in range(2):  # the second round finds every user's last history in the cache
+            with ThreadPoolExecutor(5) as pool:  # concurrent requests: padded batches of mixed lengths
+                answers = list(pool.map(lambda b: client.post("/v1/retrieve", json=b), bodies))
+            for body, answer, (items_want, scores_want) in zip(bodies, answers, want, strict=True):
+                assert answer.status_code == 200, answer.text
+                out = answer.json()
+                assert out["items"] == items_want and not set(out["items"]) & set(body["history"])
+                torch.testing.assert_close(torch.tensor(out["scores"]), torch.tensor(scores_want), rtol=1e-4, atol=1e-4)
+    assert retriever.cache.entries
