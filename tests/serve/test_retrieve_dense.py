@@ -3,30 +3,26 @@ re-scored order (checked against its definition), cached users' histories includ
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from fastapi.testclient import TestClient
 
 from recforge.cli import main
-from recforge.data.synthetic import SyntheticConfig, write_synthetic
 from recforge.generate import RetrieveRequest, Retriever
 from recforge.serve.retrieve_app import RetrieveSettings, create_retrieve_app, load_retriever
 from recforge.serve.scheduler import SchedulerConfig
 from recforge.serve.server import ServerConfig
+from _sid_runs import TINY as SID_TINY
+from _sid_runs import serve_matches, sid_dataset
 
-TINY = ["model.dim=16", "model.num_blocks=1", "generative.decoder_blocks=1", "model.num_heads=2", "model.ffn_dim=32",
-        "optim.warmup_steps=0", "train.batch_size=64", "train.threads=1", "eval.batch_size=64", "data.max_seq_len=8",
-        "generative.beam=12", "eval.ks=[1,5,10]", "train.epochs=1", "generative.rescore=2.0"]  # fmt: skip
+TINY = [*SID_TINY, "generative.beam=12", "train.epochs=1", "generative.rescore=2.0"]
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("retrieve-dense")
-    data = write_synthetic(root / "data", SyntheticConfig(num_users=40, num_items=30, seed=7, mean_seq_len=10, max_seq_len=20))
-    assert main(["sid", "fit", str(data), "--out", str(data / "sids"), "--codebook-size", "8", "--levels", "2"]) == 0
+    data = sid_dataset(root / "data", seed=7, num_users=40)
     run = root / "run"
     assert main(["--no-progress", "train", "configs/beauty-sid-tiger-dense.yaml", f"data.path={data}",
                  f"generative.sids={data / 'sids'}", f"train.output_dir={run}", *TINY]) == 0  # fmt: skip
@@ -65,13 +61,5 @@ def test_retrieve_returns_the_rescored_order_cached_or_not(run_dir: Path) -> Non
         changed += rescored != generated
     assert changed  # the dense head reorders some lists
     config = ServerConfig(max_loop_lag_ms=60_000, scheduler=SchedulerConfig(max_wait_ms=20.0))  # no lag shedding
-    with TestClient(create_retrieve_app(retriever, version, config, settings)) as client:
-        for _ in range(2):  # the second round finds every user's last history in the cache
-            with ThreadPoolExecutor(5) as pool:  # concurrent requests: padded batches of mixed lengths
-                answers = list(pool.map(lambda b: client.post("/v1/retrieve", json=b), bodies))
-            for body, answer, (items_want, scores_want) in zip(bodies, answers, want, strict=True):
-                assert answer.status_code == 200, answer.text
-                out = answer.json()
-                assert out["items"] == items_want and not set(out["items"]) & set(body["history"])
-                torch.testing.assert_close(torch.tensor(out["scores"]), torch.tensor(scores_want), rtol=1e-4, atol=1e-4)
+    serve_matches(create_retrieve_app(retriever, version, config, settings), bodies, want, workers=5)
     assert retriever.cache.entries

@@ -3,34 +3,30 @@ users' histories, mixed padded batches, and an item coded after training (no tab
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 import torch
-from fastapi.testclient import TestClient
 
 from recforge.cli import main
 from recforge.data.dataset import load_dataset, write_dataset
-from recforge.data.synthetic import SyntheticConfig, write_synthetic
 from recforge.generate import RetrieveRequest
 from recforge.serve.retrieve_app import RetrieveSettings, create_retrieve_app, load_retriever
 from recforge.serve.scheduler import SchedulerConfig
 from recforge.serve.server import ServerConfig
+from _sid_runs import TINY as SID_TINY
+from _sid_runs import serve_matches, sid_dataset
 from recforge.train.sid_fit import add_items
 
-TINY = ["model.dim=16", "model.num_blocks=1", "generative.decoder_blocks=1", "model.num_heads=2", "model.ffn_dim=32",
-        "optim.warmup_steps=0", "train.batch_size=64", "train.threads=1", "eval.batch_size=64", "data.max_seq_len=8",
-        "generative.beam=12", "eval.ks=[1,5,10]", "train.epochs=1"]  # fmt: skip
+TINY = [*SID_TINY, "generative.beam=12", "train.epochs=1"]
 NEW_ITEM = 7000
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("retrieve-ids")
-    data = write_synthetic(root / "data", SyntheticConfig(num_users=40, num_items=30, seed=6, mean_seq_len=10, max_seq_len=20))
-    assert main(["sid", "fit", str(data), "--out", str(data / "sids"), "--codebook-size", "8", "--levels", "2"]) == 0
+    data = sid_dataset(root / "data", seed=6, num_users=40)
     run = root / "run"
     assert main(["--no-progress", "train", "configs/beauty-sid-tiger-ids.yaml", f"data.path={data}",
                  f"generative.sids={data / 'sids'}", f"train.output_dir={run}", *TINY]) == 0  # fmt: skip
@@ -56,15 +52,7 @@ def test_retrieve_with_item_ids_equals_the_retriever_cached_or_not(run_dir: Path
         bodies.append({"user_id": f"u{i % 4}", "history": history, "k": 8})
     want = [retriever.retrieve([b["history"]], k=8, beam=retriever.config.beam)[0] for b in bodies]
     config = ServerConfig(max_loop_lag_ms=60_000, scheduler=SchedulerConfig(max_wait_ms=20.0))  # no lag shedding
-    with TestClient(create_retrieve_app(retriever, version, config, settings)) as client:
-        for _ in range(2):  # the second round finds every user's last history in the cache
-            with ThreadPoolExecutor(6) as pool:  # concurrent requests: padded batches of mixed lengths
-                answers = list(pool.map(lambda b: client.post("/v1/retrieve", json=b), bodies))
-            for body, answer, (items_want, scores_want) in zip(bodies, answers, want, strict=True):
-                assert answer.status_code == 200, answer.text
-                out = answer.json()
-                assert out["items"] == items_want and not set(out["items"]) & set(body["history"])
-                torch.testing.assert_close(torch.tensor(out["scores"]), torch.tensor(scores_want), rtol=1e-4, atol=1e-4)
+    serve_matches(create_retrieve_app(retriever, version, config, settings), bodies, want, workers=6)
     assert retriever.cache.entries
     # the table row changes the answer: the same history without the IDs' contribution scores differently
     codes, mask, rows = retriever.history_batch([retriever.encode(RetrieveRequest(bodies[1]["history"]))])

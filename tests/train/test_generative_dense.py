@@ -17,23 +17,19 @@ from recforge.cli import main
 from recforge.config import ConfigError, load_config
 from recforge.data.dataset import load_dataset, write_dataset
 from recforge.data.sid_sequences import eval_samples, transition_samples
-from recforge.data.synthetic import SyntheticConfig, write_synthetic
 from recforge.generate import Retriever
 from recforge.train import generative
 from recforge.train.sid_fit import add_items
+from _sid_runs import TINY as SID_TINY
+from _sid_runs import sid_dataset
 
-TINY = ["model.dim=16", "model.num_blocks=1", "generative.decoder_blocks=1", "model.num_heads=2", "model.ffn_dim=32",
-        "optim.warmup_steps=0", "train.batch_size=64", "train.threads=1", "eval.batch_size=64", "data.max_seq_len=8",
-        "generative.beam=10", "eval.ks=[1,5,10]", "optim.schedule=constant"]  # fmt: skip
+TINY = [*SID_TINY, "generative.beam=10", "optim.schedule=constant"]
 CONFIG = "configs/beauty-sid-tiger-dense.yaml"
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = write_synthetic(tmp_path_factory.mktemp("dense") / "data",
-                           SyntheticConfig(num_users=50, num_items=30, seed=5, mean_seq_len=10, max_seq_len=20))  # fmt: skip
-    assert main(["sid", "fit", str(path), "--out", str(path / "sids"), "--codebook-size", "8", "--levels", "2"]) == 0
-    return path
+    return sid_dataset(tmp_path_factory.mktemp("dense") / "data", seed=5)
 
 
 def _args(tmp_path: Path, data: Path, *extra: str) -> list[str]:

@@ -1,0 +1,40 @@
+"""Shared pieces of the tests that train tiny SID runs and serve them: the small model settings, a synthetic
+dataset with its SIDs, and the `/v1/retrieve` round trip checked against the ``Retriever``'s answers."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from fastapi.testclient import TestClient
+
+from recforge.cli import main
+from recforge.data.synthetic import SyntheticConfig, write_synthetic
+
+# the model and loop of a seconds-long CPU run (each test file adds its beam, epochs, ...)
+TINY = ["model.dim=16", "model.num_blocks=1", "generative.decoder_blocks=1", "model.num_heads=2", "model.ffn_dim=32",
+        "optim.warmup_steps=0", "train.batch_size=64", "train.threads=1", "eval.batch_size=64", "data.max_seq_len=8",
+        "eval.ks=[1,5,10]"]  # fmt: skip
+
+
+def sid_dataset(path: Path, seed: int, num_users: int = 50) -> Path:
+    """A synthetic dataset at ``path`` (30 items) with 2-level SIDs of 8 codes in ``path / 'sids'``."""
+    data = write_synthetic(path, SyntheticConfig(num_users=num_users, num_items=30, seed=seed, mean_seq_len=10,
+                                                 max_seq_len=20))  # fmt: skip
+    assert main(["sid", "fit", str(data), "--out", str(data / "sids"), "--codebook-size", "8", "--levels", "2"]) == 0
+    return data
+
+
+def serve_matches(app, bodies: list[dict], want: list[tuple[list[int], list[float]]], workers: int) -> None:
+    """Two rounds of concurrent ``/v1/retrieve`` calls (the second finds every user's last history in the cache;
+    padded batches of mixed lengths): each answer is ``want``'s items and scores, none from its history."""
+    with TestClient(app) as client:
+        for _ in range(2):
+            with ThreadPoolExecutor(workers) as pool:
+                answers = list(pool.map(lambda b: client.post("/v1/retrieve", json=b), bodies))
+            for body, answer, (items_want, scores_want) in zip(bodies, answers, want, strict=True):
+                assert answer.status_code == 200, answer.text
+                out = answer.json()
+                assert out["items"] == items_want and not set(out["items"]) & set(body["history"])
+                torch.testing.assert_close(torch.tensor(out["scores"]), torch.tensor(scores_want), rtol=1e-4, atol=1e-4)
