@@ -38,3 +38,8 @@ def serve_matches(app, bodies: list[dict], want: list[tuple[list[int], list[floa
                 out = answer.json()
                 assert out["items"] == items_want and not set(out["items"]) & set(body["history"])
                 torch.testing.assert_close(torch.tensor(out["scores"]), torch.tensor(scores_want), rtol=1e-4, atol=1e-4)
+
+
+def run_args(tmp_path: Path, data: Path, *extra: str) -> list[str]:
+    """Overrides of a run on ``data`` (its SIDs) written to ``tmp_path / 'run'``, then ``extra``."""
+    return [f"data.path={data}", f"generative.sids={data / 'sids'}", f"train.output_dir={tmp_path / 'run'}", *extra]

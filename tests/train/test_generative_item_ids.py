@@ -23,7 +23,7 @@ from recforge.generate.trie import SidTrie
 from recforge.train import generative
 from recforge.train.sid_fit import add_items
 from _sid_runs import TINY as SID_TINY
-from _sid_runs import sid_dataset
+from _sid_runs import run_args, sid_dataset
 
 TINY = [*SID_TINY, "generative.beam=10", "optim.schedule=constant"]
 CONFIG = "configs/beauty-sid-tiger-ids.yaml"
@@ -35,7 +35,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _args(tmp_path: Path, data: Path, *extra: str) -> list[str]:
-    return [f"data.path={data}", f"generative.sids={data / 'sids'}", f"train.output_dir={tmp_path / 'run'}", *TINY, *extra]
+    return run_args(tmp_path, data, *TINY, *extra)
 
 
 def test_the_ids_config_is_the_tiger_config_plus_the_option() -> None:
