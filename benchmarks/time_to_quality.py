@@ -138,7 +138,8 @@ def run_once(args, targets: dict[str, float], name: str, overrides: list[str], e
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Per variant: runs, how many reached the target, and the median time of those that did."""
+    """Per variant: runs, how many reached the target, and the median time of those that did (compare the
+    counts first: a variant that reached the target in fewer runs can show a lower median)."""
     out = {}
     for variant in dict.fromkeys(r["variant"] for r in rows):
         mine = [r for r in rows if r["variant"] == variant]
@@ -175,6 +176,8 @@ def main() -> None:
             atomic_write_json(Path(args.out), result)
         return
     variants = _parse_variants(args.variants) or [("run", {})]
+    if len({v for v, _ in variants}) < len(variants):
+        raise SystemExit(f"--variants: names must differ ({[v for v, _ in variants]}): each names its runs")
     rows = []
     for seed in args.seeds or [None]:
         for variant, env in variants:  # alternating: drifts of the machine fall on every variant alike

@@ -187,6 +187,8 @@ def search_items(
     Returns:
         (items (B, k) int64 trie items, -1 for empty slots; scores (B, k) float32, -inf there).
     """
+    if not rescore >= 0:
+        raise ValueError(f"search_items: rescore={rescore}; expected >= 0 (0: generation only)")
     allowed = trie.allowed_nodes(search_mask) if search_mask is not None else None
     out = beam_search(step, trie, batch_size=batch_size, beam=beam, constrained=constrained, allowed=allowed)
     if dense is None or not rescore:

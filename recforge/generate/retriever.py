@@ -94,6 +94,8 @@ class Retriever:
     ) -> None:  # fmt: skip
         self.config = config or RetrieveConfig()
         self.config.validate()
+        if not rescore >= 0:
+            raise ValueError(f"rescore={rescore}: the dense term's weight must be >= 0 (0: generation only)")
         if rescore and not getattr(model, "has_dense_head", False):
             raise ValueError(f"rescore={rescore} needs a model with a dense head (generative.dense_head); "
                              "use rescore=0 for this model")  # fmt: skip

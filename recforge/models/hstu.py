@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from recforge.jagged.index import lengths_from_offsets, padding_index
 from recforge.jagged.mask import AttentionMask
 from recforge.ops.hstu_attention import hstu_attention
-from recforge.ops.norm_gate import norm_gate
+from recforge.ops.norm_gate import norm_gate, unsupported
 
 
 @dataclass
@@ -80,14 +80,17 @@ class HSTUBlock(nn.Module):
         ``visible_keys`` (T,): how many keys each token attended to, needed by ``attn_norm=visible_mean``
         (which undoes the attention's 1/max_seq_len and divides by it instead). ``kernel``: the backend of
         LayerNorm * u * dropout (``ops.norm_gate``: one Triton kernel each way on CUDA); ``forward`` passes
-        its attention's ``cfg.kernel``; None (callers with their own attention, e.g. serving or export on
-        CPU): "auto", or "pytorch" when ``cfg.kernel`` is."""
+        its attention's ``cfg.kernel`` ("triton" falls back to PyTorch for inputs the fused kernel does not take,
+        e.g. rows wider than 8192); None (callers with their own attention, e.g. serving or export on CPU):
+        "auto", or "pytorch" when ``cfg.kernel`` is."""
         cfg = self.cfg
         attn = attn.reshape(x.shape[0], cfg.num_heads * cfg.dv)  # (T, H*Dv)
         if self.attn_norm is not None:
+            norm = self.attn_norm
             if kernel is None:
                 kernel = "pytorch" if cfg.kernel == "pytorch" else "auto"
-            norm = self.attn_norm
+            elif kernel == "triton" and unsupported(attn, u, norm.weight, norm.bias) is not None:
+                kernel = "auto"  # the attention's setting: this op runs PyTorch where its kernel cannot (logged once)
             gated = norm_gate(attn, u, norm.weight, norm.bias, eps=norm.eps, p=self.dropout.p, training=self.training,
                               kernel=kernel)  # (T, H*Dv); on CPU: F.dropout(F.layer_norm(attn) * u) as nn.Modules do
             return x + self.out(gated)  # (T, d)

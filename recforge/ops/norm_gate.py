@@ -38,7 +38,7 @@ def norm_gate_reference(a: Tensor, u: Tensor, weight: Tensor | None, bias: Tenso
     return F.dropout(F.layer_norm(a, (a.shape[-1],), weight, bias, eps) * u, p, training)
 
 
-def _unsupported(a: Tensor, u: Tensor, weight: Tensor | None, bias: Tensor | None) -> str | None:
+def unsupported(a: Tensor, u: Tensor, weight: Tensor | None, bias: Tensor | None) -> str | None:
     """Why the Triton kernel cannot take these inputs, or None when it can."""
     if weight is None or bias is None:
         return "a LayerNorm without weight and bias"
@@ -86,7 +86,7 @@ def norm_gate(
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"norm_gate: dropout probability p={p} is not in [0, 1]")
     kernel = kernel if fused else "pytorch"
-    if resolve_kernel("norm_gate", kernel, a.device, _unsupported(a, u, weight, bias)) == "pytorch":
+    if resolve_kernel("norm_gate", kernel, a.device, unsupported(a, u, weight, bias)) == "pytorch":
         return norm_gate_reference(a, u, weight, bias, eps, p, training)
     p = p if training else 0.0
     # one int64 drawn on the device by torch's generator (graph-safe Philox offsets); none without dropout
@@ -98,4 +98,4 @@ def norm_gate(
     return NormGate.apply(a, u, weight, bias, seed, eps, p)
 
 
-__all__ = ["MAX_TRITON_WIDTH", "norm_gate", "norm_gate_reference"]
+__all__ = ["MAX_TRITON_WIDTH", "norm_gate", "norm_gate_reference", "unsupported"]

@@ -159,9 +159,11 @@ def sampled_softmax_loss(
                                      merged=table is not None)  # fmt: skip
 
 
-# torch.compile: a full-catalogue softmax of at most this many logits is computed whole, not in chunks (1 GiB in
-# float32). The chunk loop's trip count needs a concrete position count, so a chunked loss compiled a new graph for
-# every batch size (every CUDA-graph shape bucket); whole, one graph serves every size.
+# torch.compile: a full-catalogue softmax of at most this many logits is computed whole, not in chunks (1 GiB of
+# float32 logits; with the saved log-softmax and the logits' gradient the loss's peak is ~3 GiB there, more than
+# chunked). The chunk loop's trip count needs a concrete position count, so a chunked loss compiled a new graph for
+# every batch size (every CUDA-graph shape bucket); whole, one graph serves every size. Sampled negatives, several
+# ranks and larger full softmaxes stay chunked (and compile once per batch size).
 COMPILED_WHOLE_LOGITS = 2**28
 
 

@@ -55,3 +55,8 @@ def test_search_rescores_exactly_the_beams_items(seed: int) -> None:
         torch.testing.assert_close(got_scores[b, :n], combined[order], rtol=0, atol=1e-6)
         assert (got_items[b, n:] == -1).all() and bool(item_mask[b, got_items[b, :n]].all())
     assert not torch.equal(got_items, plain[0])  # the dense term did change some list
+
+
+def test_negative_rescore_is_refused() -> None:
+    with pytest.raises(ValueError, match="rescore=-1"):
+        search_items(lambda codes: codes, None, batch_size=1, beam=1, k=1, rescore=-1.0)

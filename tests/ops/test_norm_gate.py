@@ -263,3 +263,20 @@ def test_checkpointed_blocks_replay_the_fused_dropout(interpreter) -> None:
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
     _, other = _encoder_grads(plain, x, offsets, seed + 1)
     assert not torch.equal(other[0], grads[0])  # another seed: other masks
+
+
+def test_block_with_rows_too_wide_for_the_kernel_runs_the_chain(interpreter) -> None:
+    """A model whose attention runs Triton (kernel="triton") still trains with rows the fused kernel does not take
+    (H * Dv > MAX_TRITON_WIDTH): its combine runs the PyTorch chain instead of refusing."""
+    from recforge.models.hstu import HSTUConfig, HSTUEncoder
+    from recforge.ops.norm_gate import MAX_TRITON_WIDTH
+
+    dv = MAX_TRITON_WIDTH // 2 + 4
+    make = lambda kernel: HSTUEncoder(HSTUConfig(dim=8, num_blocks=1, num_heads=2, dqk=4, dv=dv, dropout=0.0,  # noqa: E731
+                                                 max_seq_len=4, num_time_buckets=0, kernel=kernel))  # fmt: skip
+    wide, plain = make("triton"), make("pytorch")
+    plain.load_state_dict(wide.state_dict())
+    tokens = int(torch.randint(1, 4, ()))
+    x, attn, u = torch.randn(tokens, 8), torch.randn(tokens, 2, dv), torch.randn(tokens, 2 * dv)
+    got = wide.blocks[0].combine(x, attn, u, kernel="triton")
+    torch.testing.assert_close(got, plain.blocks[0].combine(x, attn, u), rtol=1e-5, atol=1e-5)

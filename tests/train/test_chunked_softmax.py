@@ -232,3 +232,32 @@ def test_unweighted_full_softmax_is_exactly_cross_entropy() -> None:
     loss = sampled_softmax_loss(user, targets, lambda ids: table if ids is None else table[ids], table.shape[0] - 1,
                                 negatives="full", temperature=0.05)  # fmt: skip
     torch.testing.assert_close(loss, F.cross_entropy(logits, targets), rtol=0, atol=0)
+
+
+def test_compiled_full_softmax_is_whole_and_equals_the_chunked_one() -> None:
+    """Under torch.compile a full softmax within ``COMPILED_WHOLE_LOGITS`` is computed whole (one traced graph for
+    every batch size): the same loss and gradients as the eager, chunked one (weights with a zero included)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def loss_and_grads(fn, user, table, targets, weights):
+        user, table = user.detach().requires_grad_(), table.detach().requires_grad_()
+        loss = fn(user, table, targets, weights)
+        return (loss.detach(), *torch.autograd.grad(loss, [user, table]))
+
+    def loss_fn(user, table, targets, weights):
+        return sampled_softmax_loss(F.normalize(user, dim=-1), targets,
+                                    lambda ids: F.normalize(table if ids is None else table[ids], dim=-1), 30,
+                                    negatives="full", chunk_size=8, weights=weights)  # fmt: skip
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(loss_fn, backend=counter, dynamic=True)
+    for positions in (37, 23, 50):  # all over the chunk size: eager runs chunks
+        user, table, targets = _inputs(positions, 30, 6)
+        weights = torch.rand(positions, dtype=torch.float64)
+        weights[0] = 0.0
+        got = loss_and_grads(compiled, user, table, targets, weights)
+        want = loss_and_grads(loss_fn, user, table, targets, weights)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
+    assert counter.frame_count == 1

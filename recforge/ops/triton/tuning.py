@@ -204,8 +204,8 @@ def launch(kernel, grid_blocks: str, batch: int, heads: int, max_seq_len: int, a
         return (-(-len_key // m[block_key]) * batch * heads, 1, 1)
 
     cfg = fixed_config(meta["BD_QK"], meta["BD_V"], meta["DOT_PREC"]) if fixed else None
-    if (cfg is not None and not interpreting and bias_grad_fixed_warps and meta["DOT_PREC"] != "ieee"
-            and (meta.get("POS_GRAD") or meta.get("TIME_GRAD"))):  # fmt: skip
+    if (cfg is not None and not interpreting and bias_grad_fixed_warps and cfg.kwargs["BLOCK_M"] == 64
+            and meta["DOT_PREC"] != "ieee" and (meta.get("POS_GRAD") or meta.get("TIME_GRAD"))):  # the timed tile
         cfg = triton.Config(cfg.kwargs, num_warps=bias_grad_fixed_warps, num_stages=cfg.num_stages)
     key = None if interpreting else plans.key(kernel, torch.cuda.current_device(), cfg, args, meta)
     plan = plans.get(key)
