@@ -23,7 +23,8 @@ Usage (one H200; mostly compiling, estimated under 10 minutes on a machine with 
    of 4; the same as ``per-tile`` on longer, autotuned launches), ``per-tile, reused buckets, 8 warps``
    (both: this release's default), ``per-pair`` (``hstu.pair_atomics``: earlier releases) and
    ``no bias grad`` (the weights frozen: POS_GRAD/TIME_GRAD off, the lower bound), and per-tile with
-   only one of the two weights trained (``pos grad only``, ``time grad only``). Per-tile and
+   only one of the two weights trained (``pos grad only``, ``time grad only``); the variants not named
+   after the two switches run with this release's defaults. Per-tile and
    per-pair bias gradients must agree (float32 sums in another order). Every kernel is autotuned
    over the first three tiles of its list (``--autotune``: the whole list, many minutes of
    compiling); the autotuning key holds no variant flag, so all variants run the tile tuned first.
@@ -53,6 +54,10 @@ TOL = {torch.float32: {"qkv": 2e-5, "weights": 2e-4}, torch.bfloat16: {"qkv": 2e
 VARIANTS = ("per-tile", "per-tile, unrolled", "per-tile, reused buckets", "per-tile, 8 warps",
             "per-tile, reused buckets, 8 warps",
             "per-pair", "no bias grad", "pos grad only", "time grad only")
+SWITCHES = {  # variant: (hstu.reuse_time_bucket, tuning.bias_grad_fixed_warps)
+    "per-tile": (False, None), "per-tile, reused buckets": (True, None), "per-tile, 8 warps": (False, 8),
+    "per-tile, reused buckets, 8 warps": (True, 8),
+}
 
 
 def timestamps(gen: torch.Generator, total: int) -> torch.Tensor:
@@ -116,13 +121,14 @@ def timing_case(max_len: int, dim: int, tokens: int, seed: int, reps: int, budge
     defaults = [(module, name, getattr(module, name)) for module, name in (
         (hstu_kernels, "pair_atomics"), (hstu_kernels, "time_loop_in_masked_tiles"), (hstu_kernels, "reuse_time_bucket"),
         (tuning, "bias_grad_fixed_warps"))]  # fmt: skip
+    reuse, warps = hstu_kernels.reuse_time_bucket, tuning.bias_grad_fixed_warps
 
     def backward_of(variant: str) -> tuple[float, int, list[torch.Tensor]]:
         """(median ms, calls timed, bias gradients) of one variant's backward."""
         hstu_kernels.pair_atomics = variant == "per-pair"
         hstu_kernels.time_loop_in_masked_tiles = variant != "per-tile, unrolled"
-        hstu_kernels.reuse_time_bucket = variant.startswith("per-tile, reused buckets")
-        tuning.bias_grad_fixed_warps = 8 if variant.endswith("8 warps") else None
+        # the four per-tile variants set both switches; every other variant runs with this release's defaults
+        hstu_kernels.reuse_time_bucket, tuning.bias_grad_fixed_warps = SWITCHES.get(variant, (reuse, warps))
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         wants = {"no bias grad": (False, False), "pos grad only": (True, False), "time grad only": (False, True)}
         weights = [w.detach().requires_grad_(want) for w, want in zip((pos_w, time_w), wants.get(variant, (True, True)))]
