@@ -7,6 +7,8 @@ import platform
 import time
 from pathlib import Path
 
+from recforge.io import atomic_file
+
 
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo, else what ``platform`` knows."""
@@ -22,8 +24,8 @@ def cpu_model() -> str:
 def write_result(out: str | Path, doc: dict, indent: int = 1) -> None:
     """Write a benchmark's JSON result to ``out`` (its folder made first) and say where."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=indent) + "\n")
+    with atomic_file(out) as tmp:  # a stopped run never leaves half a file
+        tmp.write_text(json.dumps(doc, indent=indent) + "\n")
     print(f"wrote {out}")
 
 

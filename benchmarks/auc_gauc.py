@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ import torch
 from sklearn.metrics import roc_auc_score
 
 from recforge.train.metrics import auc, gauc
+from recforge.io import atomic_write_json
 from _machine import cpu_model
 
 TOLERANCE = 1e-9
@@ -127,7 +127,7 @@ def main() -> None:
             "load_average_1m_at_start": load_at_start,
             "rows": results,
         }
-        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+        atomic_write_json(Path(args.out), payload)
 
 
 if __name__ == "__main__":

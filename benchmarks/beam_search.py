@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 import time
@@ -43,6 +42,7 @@ from recforge.generate import RetrieveConfig, RetrieveRequest, Retriever, SidTri
 from recforge.models.sid_hstu import SIDHSTU, SIDHSTUConfig  # noqa: E402
 from recforge.models.sid_seq2seq import Seq2SeqConfig, SIDSeq2Seq  # noqa: E402
 from recforge.models.sid_tokenizer import add_collision_level  # noqa: E402
+from recforge.io import atomic_write_json
 
 
 def sync(device: torch.device) -> None:
@@ -199,7 +199,7 @@ def main() -> None:
     }  # fmt: skip
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_json(Path(args.out), result)
         print(f"wrote {args.out}")
 
 

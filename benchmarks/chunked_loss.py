@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from recforge.io import atomic_write_json
 
 # ops that only make a view (no kernel, no copy): left out of ``non_view_ops``
 VIEW_OPS = {f"aten::{name}" for name in ("slice", "select", "unsqueeze", "squeeze", "reshape", "view", "t", "transpose",
@@ -141,7 +141,7 @@ def main() -> None:
         if device.type == "cuda":
             out["gpu"] = torch.cuda.get_device_name(device)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+        atomic_write_json(Path(args.out), out)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
 import socket
@@ -28,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from recforge.data.feature_store import ArrowFeatureStore, RedisFeatureStore
+from recforge.io import atomic_write_json
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _machine import cpu_model
@@ -164,7 +164,7 @@ def main() -> None:
         payload = {"benchmark": "feature_store", "command": "python " + " ".join(sys.argv), "machine": machine,
                    "pyarrow": pa.__version__, "sqlite": sqlite3.sqlite_version, "date": datetime.date.today().isoformat(),
                    "load_average_at_start": load_at_start, "args": vars(args), "rows": rows}  # fmt: skip
-        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+        atomic_write_json(Path(args.out), payload)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from recforge.data.dataset import load_dataset
 from recforge.data.synthetic_long import LongSyntheticConfig, recall_ceiling, write_long_synthetic
+from recforge.io import atomic_write_json
 
 CONFIG = "configs/long-synthetic-hstu.yaml"
 # every user long enough for every cycle (2 x 8192): a fifth of the users per cycle length
@@ -84,7 +85,7 @@ def main() -> int:
               "extra": args.extra, "rows": rows, "failed": failed, "hr_rises_with_history": rises}  # fmt: skip
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_json(Path(args.out), result)
     print(f"HR@10 rises with the history read: {rises}")
     return 0 if rises and not failed else 1
 

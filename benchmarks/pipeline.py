@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import multiprocessing
 import os
 import resource
@@ -52,6 +51,7 @@ from recforge.data.pipeline import Pipeline
 from recforge.data.transforms import truncate_lists
 from recforge.jagged.batch import JaggedBatch
 from recforge.jagged.index import offsets_from_lengths
+from recforge.io import atomic_write_json
 from _machine import cpu_model
 
 COLUMNS = ["user_id", "item_ids", "timestamps", "label"]
@@ -262,7 +262,7 @@ def main() -> None:
         payload = {"benchmark": "pipeline", "command": "python " + " ".join(sys.argv), "machine": machine,
                    "torch": torch.__version__, "pyarrow": pa.__version__, "date": datetime.date.today().isoformat(),
                    "load_average_at_start": load_at_start, "args": vars(args), "rows": rows, "summary": summary}  # fmt: skip
-        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+        atomic_write_json(Path(args.out), payload)
     if tmp is not None:
         tmp.cleanup()
 

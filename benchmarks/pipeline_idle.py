@@ -41,6 +41,7 @@ from recforge.data.pipeline import Pipeline, replay
 from recforge.data.transforms import next_item_targets, truncate_lists
 from recforge.models.builders import build_retrieval_model
 from recforge.train.losses import sampled_softmax_loss
+from recforge.io import atomic_write_json
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _machine import cpu_model
@@ -130,7 +131,7 @@ def main() -> None:
         payload = {"benchmark": "pipeline_idle", "command": "python " + " ".join(sys.argv), "machine": machine,
                    "torch": torch.__version__, "date": datetime.date.today().isoformat(),
                    "load_average_at_start": load_at_start, "args": vars(args), "results": results}  # fmt: skip
-        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+        atomic_write_json(Path(args.out), payload)
 
 
 def run_synthetic(args: argparse.Namespace) -> dict:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import tempfile
@@ -38,6 +37,7 @@ import pyarrow.parquet as pq
 from recforge.data.collate import JaggedCollate
 from recforge.data.pipeline import Pipeline
 from recforge.data.transforms import truncate_lists
+from recforge.io import atomic_write_json
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _machine import cpu_model
@@ -134,7 +134,7 @@ def main() -> None:
         payload = {"benchmark": "pipeline_token_budget", "command": "python " + " ".join(sys.argv), "machine": machine,
                    "date": datetime.date.today().isoformat(), "load_average_at_start": load_at_start, "args": vars(args),
                    "rows": rows}  # fmt: skip
-        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+        atomic_write_json(Path(args.out), payload)
 
 
 if __name__ == "__main__":

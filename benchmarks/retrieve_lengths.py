@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 import time
@@ -47,6 +46,7 @@ from recforge.generate.agreement import compare  # noqa: E402
 from recforge.models import sid_seq2seq  # noqa: E402
 from recforge.models.sid_seq2seq import Seq2SeqConfig, SIDSeq2Seq  # noqa: E402
 from recforge.models.sid_tokenizer import add_collision_level  # noqa: E402
+from recforge.io import atomic_write_json
 
 NEW = (sid_seq2seq.SDPA_BACKENDS, sid_seq2seq.KEY_ALIGN, sid_seq2seq.fold_key_mask)
 MODES = ("old", "masked", "new")
@@ -175,7 +175,7 @@ def main() -> None:
     }  # fmt: skip
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_json(Path(args.out), result)
         print(f"wrote {args.out}")
     if args.dtype == "float32":
         bad = {name: a for name, a in agreement.items() if a["max_score_diff"] > atol or a["overlap"] < 0.99}

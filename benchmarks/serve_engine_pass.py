@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ from recforge.serve.engine import EngineConfig, RankEngine
 from recforge.serve.graphs import GraphRunner
 from recforge.serve.layout import candidate_tokens, prefix_tokens
 from recforge.serve.state import WorkItem
+from recforge.io import atomic_write_json
 
 
 class TransferCounter(TorchFunctionMode):
@@ -296,7 +296,7 @@ def write(args: argparse.Namespace, engine: RankEngine, rows: list) -> None:
         result["gpu"] = torch.cuda.get_device_name(engine.device)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_json(Path(args.out), result)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import socket
 import subprocess
@@ -41,6 +40,7 @@ import torch
 
 from recforge.models import HSTUConfig, HSTUEncoder
 from recforge.models.ranking import MultiTaskMLP, RankingModel, RankingPrefix, save_slices
+from recforge.io import atomic_write_json
 from _machine import cpu_model
 
 NUM_ITEMS, DIM = 100_000, 64
@@ -266,7 +266,7 @@ def main() -> None:
                    "kv_cache": health["kv_cache"], "cuda_graphs": health.get("cuda_graphs"),
                    "batch_requests_histogram": batch_lines}  # fmt: skip
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+        atomic_write_json(Path(args.out), payload)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ import torch
 
 from _machine import cpu_model
 from serve_load import NUM_ITEMS, export_model, free_port, returning_history, wait_until_up
+from recforge.io import atomic_write_json
 
 
 def rss_mb(pid: int) -> float:
@@ -348,7 +349,7 @@ def main() -> None:
                    "torch": torch.__version__, "date": datetime.date.today().isoformat(), "args": vars(args),
                    **(results[0] if len(results) == 1 else {"variants": results})}  # fmt: skip
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+        atomic_write_json(Path(args.out), payload)
 
 
 def run_variant(args: argparse.Namespace, http_workers: int) -> dict:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -44,6 +43,7 @@ from recforge.models import HSTUConfig, HSTUEncoder
 from recforge.models.ranking import MultiTaskMLP, RankingModel, RankingPrefix
 from recforge.serve.engine import EngineConfig, RankEngine
 from recforge.serve.layout import EncodedRequest, candidate_tokens
+from recforge.io import atomic_write_json
 from _machine import cpu_model
 
 NUM_ITEMS, NUM_CONTEXT, DIM, BLOCKS, HEADS, DQK, DV, MAX_LEN = 100_000, 4, 64, 2, 2, 32, 32, 4096
@@ -197,7 +197,7 @@ def main() -> None:
             "rows": rows,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+        atomic_write_json(Path(args.out), payload)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ from recforge.generate.agreement import compare  # noqa: E402
 from recforge.models.sid_hstu import SIDHSTU, SIDHSTUConfig  # noqa: E402
 from recforge.models.sid_seq2seq import Seq2SeqConfig, SIDSeq2Seq  # noqa: E402
 from recforge.models.sid_tokenizer import add_collision_level  # noqa: E402
+from recforge.io import atomic_write_json
 
 
 ATOL = 1e-4  # float32 score agreement of two computations of one item's SID log-probability
@@ -275,7 +276,7 @@ def main() -> None:
     }  # fmt: skip
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_json(Path(args.out), result)
         print(f"wrote {args.out}")
     if args.dtype == "float32":  # what rounding cannot change (generate.agreement); bfloat16 is reported only
         for name, a in [("HTTP answers vs the engine's", http_vs_engine), *(

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -52,6 +51,7 @@ from torch import nn
 from recforge.sparse import DynamicEmbedding, SparseOptimConfig, TableConfig, kernels, warm_start
 from recforge.sparse.hash_table import IdHashTable
 from recforge.sparse.sorted_index import SortedIdIndex
+from recforge.io import atomic_write_json
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _machine import cpu_model
@@ -405,7 +405,7 @@ def main() -> None:
             payload = {"benchmark": "sparse_embedding", "command": "python " + " ".join(sys.argv), "machine": machine,
                        "torch": torch.__version__, "date": datetime.date.today().isoformat(), "args": vars(args),
                        "copy_bandwidth_bytes_per_s": bandwidth, "rows": results}  # fmt: skip
-            Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+            atomic_write_json(Path(args.out), payload)
 
     for bs0, l0, dim in CONFIGS:
         bs, length = scaled(bs0, l0, args.scale)

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from recforge.io import atomic_write_json
 
 # ops that only make a view (no kernel, no copy): left out of ``non_view_ops``
 VIEW_OPS = {f"aten::{name}" for name in ("slice", "select", "unsqueeze", "squeeze", "reshape", "view", "t", "transpose",
@@ -170,7 +171,7 @@ def main() -> None:
                   "attention": args.attention, "trees": {k: str(v) for k, v in trees.items()}, "median": summary,
                   "runs": runs, "torch": _torch_version(), "date": datetime.date.today().isoformat()}  # fmt: skip
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_json(Path(args.out), result)
 
 
 def _torch_version() -> str:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
 import subprocess
@@ -37,6 +36,7 @@ import time
 from pathlib import Path
 
 from time_to_quality import _rows  # a growing JSON-lines file's complete rows
+from recforge.io import atomic_write_json
 
 # heavy modules an eager run need not import (the seconds each costs when it does)
 WATCHED = ("torch", "torch._dynamo", "torch._inductor", "sympy", "triton", "torch.distributed.tensor", "pandas",
@@ -165,7 +165,7 @@ def main() -> None:
                   "runs": runs, "imports": imports, "torch": _torch_version(),
                   "python": sys.version.split()[0], "date": datetime.date.today().isoformat()}  # fmt: skip
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_json(Path(args.out), result)
 
 
 def _torch_version() -> str:

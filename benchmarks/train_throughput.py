@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import platform
 import statistics
 import sys
@@ -29,6 +28,7 @@ import torch
 
 from recforge.config import load_config
 from recforge.train.retrieval import _train_step, setup
+from recforge.io import atomic_write_json
 
 CONFIGS = ["configs/ml1m-sasrec.yaml", "configs/ml1m-hstu.yaml", "configs/ml1m-hstu-large.yaml", "configs/ml1m-hstu-large-full.yaml"]
 
@@ -115,7 +115,7 @@ def main() -> None:
             "date": datetime.date.today().isoformat(),
             "rows": rows,
         }
-        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+        atomic_write_json(Path(args.out), payload)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from recforge.data.retrieval_samples import retrieval_pipeline, retrieval_sample
 from recforge.data.sequences import UserSequences
 from recforge.data.synthetic import SyntheticConfig, generate_impressions
 from recforge.jagged.batch import JaggedBatch
+from recforge.io import atomic_write_json
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _machine import cpu_model
@@ -169,7 +170,7 @@ def main() -> None:
                   command=" ".join(["python", *sys.argv]))  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_json(args.out, result)
     print(json.dumps(result, indent=2))
 
 
