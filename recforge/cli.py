@@ -176,7 +176,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
     recipe = get_recipe(load_config(config_path).recipe)
     from recforge.train.run_files import eval_file
 
-    result = recipe.evaluate(args.run_dir, checkpoint=args.checkpoint, split=args.split, command=args.command_line)
+    extra = {}
+    if args.overrides:
+        if recipe.name != "generative":
+            raise ValueError(f"recforge eval: key=value overrides ({' '.join(args.overrides)}) are for generative runs "
+                             f"(beam, re-scoring); {args.run_dir} is a {recipe.name} run: evaluate it as trained")  # fmt: skip
+        extra["overrides"] = list(args.overrides)
+    result = recipe.evaluate(args.run_dir, checkpoint=args.checkpoint, split=args.split, command=args.command_line,
+                             **extra)  # fmt: skip
     written = eval_file(Path(args.run_dir), args.split)
     if recipe.metrics == "ranking":
         print(f"{args.run_dir}: {result['split']} split, {int(result['impressions']):,} impressions, "
@@ -374,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate a trained run and write RUN_DIR/eval.json")
     p.add_argument("run_dir")
+    p.add_argument("overrides", nargs="*", help="generative runs: key=value settings for this evaluation only, e.g. "
+                   "generative.rescore=0.5 generative.beam=100 (recorded in the result); choose them with --split valid")  # fmt: skip
     p.add_argument("--checkpoint", default="auto", help="auto | best | latest | a checkpoint directory")
     p.add_argument("--split", default="test", choices=("test", "valid"),
                    help="test (writes eval.json) or valid (writes eval-valid.json; refused where the run trained on it)")

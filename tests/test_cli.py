@@ -136,6 +136,10 @@ def test_train_and_eval_errors(tmp_path: Path, synthetic_dir: Path, capsys: pyte
     assert "does not exist" in capsys.readouterr().err
     assert main(["eval", str(tmp_path)]) == 2
     assert "not a recforge run directory" in capsys.readouterr().err
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(_config_file(tmp_path, synthetic_dir).read_text())
+    assert main(["eval", str(tmp_path / "run"), "train.epochs=3"]) == 2
+    assert "overrides (train.epochs=3) are for generative runs" in capsys.readouterr().err
     missing_data = _config_file(tmp_path, tmp_path / "no-data")
     assert main(["train", str(missing_data)]) == 2
     assert "recforge data prepare" in capsys.readouterr().err

@@ -107,6 +107,10 @@ def test_train_resume_eval_and_retrieve_with_a_dense_head(tmp_path: Path, data: 
     assert main(["eval", str(straight)]) == 0  # `recforge eval` on the run's own settings (rescore 1.0)
     result = json.loads((straight / "eval.json").read_text())
     assert result["num_users"] == 50 and result["rescore"] == 1.0 and 0.0 <= result["ndcg@10"] <= result["hr@10"] <= 1.0
+    assert main(["eval", str(straight), "generative.rescore=0", "--split", "valid"]) == 0  # another weight, on valid
+    valid = json.loads((straight / "eval-valid.json").read_text())
+    assert valid["split"] == "valid" and valid["rescore"] == 0.0 and "generative.rescore=0" in valid["command"]
+    assert json.loads((straight / "eval.json").read_text()) == result  # the test result is left alone
 
     # the re-scored list is its definition: the generation-only list of every beam item, + rescore x dense logit
     samples = eval_samples(s.seqs, s.seqs.evaluable_users(1)[:24], 1)
