@@ -162,7 +162,7 @@ def _force_tile(monkeypatch, kernel_module, kind: str, tile) -> None:
 
     def forcing_launch(kernel, *args):
         forced = kernel.tuning_kind == kind
-        tuning.fixed_config = (lambda bd_qk, bd_v, dot_prec: tile) if forced else default_tile
+        tuning.fixed_config = (lambda *config_args: tile) if forced else default_tile
         try:
             launch(kernel, *args)
         finally:

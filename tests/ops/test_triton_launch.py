@@ -147,3 +147,15 @@ def test_autotuning_caches_its_results_only_where_triton_takes_the_option(monkey
         kernel = type("Kernel", (), {})()
         assert tuning.tuned(kernel, "fwd") is kernel  # no TypeError from the old signature
     assert seen == [True, "old"]
+
+
+def test_fixed_tile_warps_for_bias_gradients(monkeypatch) -> None:
+    """The tensor-core fixed tile (64 x 64) of a dK/dV launch that sums bias gradients takes
+    ``bias_grad_fixed_warps``; float32 ("ieee") and wide-head tiles, and launches without bias gradients, keep 4."""
+    monkeypatch.setattr(tuning, "is_interpreting", lambda: False)
+    assert tuning.fixed_config(64, 64, "tf32", bias_grads=True).num_warps == tuning.bias_grad_fixed_warps == 8
+    assert tuning.fixed_config(64, 64, "tf32").num_warps == 4
+    assert tuning.fixed_config(64, 64, "ieee", bias_grads=True).num_warps == 4
+    assert tuning.fixed_config(256, 256, "tf32", bias_grads=True).num_warps == 4
+    monkeypatch.setattr(tuning, "bias_grad_fixed_warps", None)
+    assert tuning.fixed_config(64, 64, "tf32", bias_grads=True).num_warps == 4

@@ -143,8 +143,16 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def fixed_config(bd_qk: int, bd_v: int, dot_prec: str) -> triton.Config:
-    """The one tile for short sequences, float32 and the interpreter.
+# Warps of the fixed-tile (64 x 64, tensor-core) dK/dV launch when it sums bias gradients (None: the fixed tile's
+# own 4). ptxas (sm_90, benchmarks/kernel_spills.py) spills ~1.4 KB per thread at 4 warps and ~0.15 KB at 8 for the
+# bf16 64x64 tile with both bias gradients; on an H200 (benchmarks/attention_bias_grad.py, L = 256, 64K tokens) the
+# backward took 1.03x (D 64) / 1.08x (D 128) less time at 8 with reused time buckets (BENCHMARKS.md).
+bias_grad_fixed_warps: int | None = 8
+
+
+def fixed_config(bd_qk: int, bd_v: int, dot_prec: str, bias_grads: bool = False) -> triton.Config:
+    """The one tile for short sequences, float32 and the interpreter; ``bias_grads``: for a dK/dV launch that sums
+    the position/time-bias gradients (the tensor-core tile then takes ``bias_grad_fixed_warps``).
 
     float32 ("ieee" dots) never takes tensor cores: Triton unrolls each dot into scalar FMAs,
     and at 64x64 tiles ptxas spilled 16-33 KB per thread and took up to 159 s for one kernel
@@ -155,14 +163,7 @@ def fixed_config(bd_qk: int, bd_v: int, dot_prec: str) -> triton.Config:
         return _cfg(16, 16, 4, 1)
     if dot_prec == "ieee" or max(bd_qk, bd_v) > 128:
         return _cfg(32, 32, 4, 2)
-    return _cfg(64, 64, 4, 2)
-
-
-# Warps of the fixed-tile (64 x 64, tensor-core) dK/dV launch when it sums bias gradients (None: the fixed tile's
-# own 4). ptxas (sm_90, benchmarks/kernel_spills.py) spills ~1.4 KB per thread at 4 warps and ~0.15 KB at 8 for the
-# bf16 64x64 tile with both bias gradients; on an H200 (benchmarks/attention_bias_grad.py, L = 256, 64K tokens) the
-# backward took 1.03x (D 64) / 1.08x (D 128) less time at 8 with reused time buckets (BENCHMARKS.md).
-bias_grad_fixed_warps: int | None = 8
+    return _cfg(64, 64, (bias_grad_fixed_warps or 4) if bias_grads else 4, 2)
 
 
 def split_loops(fixed_tile: bool) -> bool:
@@ -203,10 +204,8 @@ def launch(kernel, grid_blocks: str, batch: int, heads: int, max_seq_len: int, a
     def grid(m):  # three dimensions: CompiledKernel[grid] reads all three
         return (-(-len_key // m[block_key]) * batch * heads, 1, 1)
 
-    cfg = fixed_config(meta["BD_QK"], meta["BD_V"], meta["DOT_PREC"]) if fixed else None
-    if (cfg is not None and not interpreting and bias_grad_fixed_warps and cfg.kwargs["BLOCK_M"] == 64
-            and meta["DOT_PREC"] != "ieee" and (meta.get("POS_GRAD") or meta.get("TIME_GRAD"))):  # the timed tile
-        cfg = triton.Config(cfg.kwargs, num_warps=bias_grad_fixed_warps, num_stages=cfg.num_stages)
+    bias_grads = bool(meta.get("POS_GRAD") or meta.get("TIME_GRAD"))
+    cfg = fixed_config(meta["BD_QK"], meta["BD_V"], meta["DOT_PREC"], bias_grads) if fixed else None
     key = None if interpreting else plans.key(kernel, torch.cuda.current_device(), cfg, args, meta)
     plan = plans.get(key)
     if plan is not None:
