@@ -91,6 +91,11 @@ def launched_by_torchrun() -> bool:
     return all(key in os.environ for key in ENV_KEYS)
 
 
+def several_ranks() -> bool:
+    """A process group of more than one rank is running (collectives must then be issued alike on every rank)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def init_distributed(cfg: RunConfig, device: torch.device) -> DistContext:
     """Join the ``torchrun`` job (idempotent) or return the single-process context.
 

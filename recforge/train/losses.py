@@ -17,13 +17,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
 from recforge.data.ranking_samples import TokenReference
 from recforge.jagged.index import offsets_from_lengths, sequence_ids
 from recforge.train.chunked_softmax import chunked_full_softmax_cross_entropy, chunked_softmax_cross_entropy
+from recforge.train.distributed import several_ranks
 
 
 @dataclass
@@ -172,7 +172,7 @@ def _whole_under_compile(negatives: str, positions, num_items: int) -> bool:
     negatives keep their chunks: their draws were laid out for them before the step."""
     if negatives != "full" or not torch.compiler.is_compiling():
         return False
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if several_ranks():
         return False  # every rank must issue the same lookups (use_chunks)
     return positions * (num_items + 1) <= COMPILED_WHOLE_LOGITS
 
@@ -186,7 +186,7 @@ def use_chunks(chunk_size: int, positions: int) -> bool:
         return False
     if positions > chunk_size:
         return True
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return several_ranks()
 
 
 def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor | None], Tensor], negatives: str,

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from recforge.sparse.routing import DistributedIds
 from recforge.sparse.sharded import ShardedDynamicEmbedding
+from recforge.train.distributed import several_ranks
 
 log = logging.getLogger(__name__)
 Path = tuple[str, ...]  # where a tensor sits in a batch: ("features", "item_ids"), ("labels", "next_item")
@@ -227,7 +228,7 @@ class LookAhead:
         """After a micro-batch's forward: take the combined lookups off the tables. A learned path that no lookup
         read (the model did not look it up this time) is dropped in one process (its IDs were counted once, for
         nothing); with several ranks it is kept, since every rank must make the same combined lookups."""
-        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        several = several_ranks()
         for name, table in self.tables.items():
             unread = table.uninstall()
             if not unread or self.paths is None:
