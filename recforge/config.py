@@ -200,6 +200,10 @@ class GenerativeConfig:
     # evaluation and /v1/retrieve: the beam's items are re-sorted by log p(SID) + rescore * cos(user, item) /
     # loss.temperature (needs dense_head; items without a dense row keep their SID score). 0: generation only
     rescore: float = 0.0
+    # evaluation and /v1/retrieve: the dense head's top K items over the catalogue (allowed, with a SID) join the
+    # beam's items, scored log p(SID) (teacher forced) + rescore * cos / loss.temperature, so items beyond the beam
+    # can be found (needs dense_head; with rescore=0 the SID score ranks them all). 0: the beam's items only
+    dense_candidates: int = 0
 
 
 @dataclass
@@ -276,6 +280,7 @@ NON_NEGATIVE = {
     "sparse.capacity": " (0: catalogue size + 1)", "sparse.max_rows": " (0: no limit)", "sparse.cache_rows": " (0: no cache)",
     "sparse.eviction_every": " (0: only on capacity pressure)", "sparse.ttl_steps": "",
     "generative.rescore": " (0: generation only)",
+    "generative.dense_candidates": " (0: the beam's items only)",
 }  # fmt: skip
 # Keys bounded on both sides: (low, high, high included).
 INTERVALS = {
@@ -502,10 +507,14 @@ def _validate_generative(cfg: RunConfig) -> list[str]:
         problems.append(f"generative.rescore={g.rescore} re-scores the beam's items with the dense head's scores, but "
                         "generative.dense_head is off; set generative.dense_head=true (and train), or "
                         "generative.rescore=0")  # fmt: skip
-    if cfg.eval_ks and max(cfg.eval_ks) > g.beam:
-        problems.append(f"eval.ks / eval.select_metric go up to {max(cfg.eval_ks)} but generative.beam is {g.beam}: "
-                        "a beam yields one SID each, so larger cut-offs mostly count misses; raise generative.beam "
-                        "or drop them")
+    if g.dense_candidates and not g.dense_head:
+        problems.append(f"generative.dense_candidates={g.dense_candidates} adds the dense head's top items to the beam's, "
+                        "but generative.dense_head is off; set generative.dense_head=true (and train), or "
+                        "generative.dense_candidates=0")  # fmt: skip
+    if cfg.eval_ks and max(cfg.eval_ks) > g.beam + g.dense_candidates:
+        problems.append(f"eval.ks / eval.select_metric go up to {max(cfg.eval_ks)} but generative.beam is {g.beam}"
+                        f"{f' (+ {g.dense_candidates} dense candidates)' if g.dense_candidates else ''}: a beam yields "
+                        "one SID each, so larger cut-offs mostly count misses; raise generative.beam or drop them")
     if cfg.train.loader != "memory" or cfg.model.embedding != "static":
         problems.append("the generative recipe needs train.loader=memory and model.embedding=static")
     return problems

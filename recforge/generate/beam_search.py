@@ -12,8 +12,14 @@ catalogue SID are dropped when resolving to items.
 A model with a dense head (``generative.dense_head``, LIGER) re-scores the beam's items: ``search_items``
 with ``dense`` and ``rescore > 0`` resolves every item of the beam's SIDs, scores each
 ``log p(SID) + rescore * dense_logit`` and re-sorts them (``rescore_items``), so the beam proposes the
-candidates and the dense head orders them; items beyond the beam stay misses. The one path of evaluation
-and serving.
+candidates and the dense head orders them. The one path of evaluation and serving.
+
+``DenseCandidates`` (``generative.dense_candidates`` = K > 0, LIGER's other half) also adds the dense head's own
+top K items (over the request's allowed items that have a dense row) to the beam's items (union, no duplicates),
+so items beyond the beam can be found. An added item's log p(SID) is its whole SID (collision digit included)
+scored teacher-forced with the request's encoding (``ScoreFn``, one decoder pass for all added items); a beam
+item keeps the beam's own score. Every candidate is then ranked by ``log p(SID) + rescore * dense_logit``: with
+``rescore = 0`` the SID score alone ranks the union (the dense head only proposes candidates).
 
 Example:
     >>> step = lambda codes: model.next_token_logprobs(memory, codes)   # (B, W, t) -> (B, W, V)
@@ -33,6 +39,7 @@ from recforge.generate.trie import SidTrie
 
 StepFn = Callable[[Tensor], Tensor]  # (B, W, t) int64 digits so far -> (B, W, V) next-digit log-probabilities
 DenseFn = Callable[[Tensor], Tensor]  # (B, K) int64 trie items (-1: empty slot) -> (B, K) float32 dense logits
+ScoreFn = Callable[[Tensor], Tensor]  # (B, K, L) int64 whole SIDs -> (B, K) float32 log p(SID), teacher forced
 
 
 @dataclass
@@ -48,6 +55,30 @@ class BeamOutput:
     codes: Tensor
     scores: Tensor
     leaves: Tensor
+
+
+@dataclass
+class DenseCandidates:
+    """The dense head's own top items, added to the beam's (``generative.dense_candidates``).
+
+    Attributes:
+        count: K, the dense head's top items per request (0: the beam's items only).
+        logits: (B, N) float32 dense logits of every trie item; -inf for an item without a dense row (never added).
+        item_codes: (N, L) int64 whole SID of each trie item (the collision digit included).
+        score: log p(SID) of whole SIDs, teacher forced with each request's encoding (the one the beam reads).
+    """
+
+    count: int
+    logits: Tensor
+    item_codes: Tensor
+    score: ScoreFn
+
+    @staticmethod
+    def of_model(model, memory, rows: Tensor, item_codes: Tensor, count: int) -> DenseCandidates:
+        """Bound to a dense-head model (``SIDSeq2Seq``) and a batch's encoding ``memory`` (``model.start``): ``rows``
+        (N,) int64 the model's dense-table row of each trie item (0: none); one matmul scores the catalogue."""
+        return DenseCandidates(count, model.catalogue_dense_logits(memory.user, rows), item_codes,
+                               lambda codes: model.sid_log_probs(memory, codes))  # fmt: skip
 
 
 def beam_search(
@@ -166,9 +197,44 @@ def rescore_items(items: Tensor, scores: Tensor, dense_logits: Tensor, rescore: 
     return items, combined
 
 
+def add_dense_candidates(
+    items: Tensor, scores: Tensor, candidates: DenseCandidates, *, item_mask: Tensor | None, dense: DenseFn | None,
+    rescore: float, k: int,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The first ``k`` of the beam's items and the dense head's top ``candidates.count``, ranked together.
+
+    Args:
+        items, scores: (B, M) the beam's items and their SID scores (``resolve_items``, every item of its SIDs).
+        candidates: the dense head's logits of every trie item and the teacher-forced SID scorer.
+        item_mask: (B, N) bool, the items each request may get (None: all); no added item is outside it.
+        dense: the dense logits of given items (the beam's path), needed when ``rescore > 0``.
+        rescore: weight of the dense term; 0: the SID score alone ranks the union.
+        k: items per request.
+
+    Returns:
+        (items (B, k) int64, -1 for empty slots; scores (B, k) float32 ``log p(SID) + rescore * dense_logit``, -inf
+        there). Ties keep the beam's items first, then the added ones in dense order.
+    """
+    logits = candidates.logits if item_mask is None else candidates.logits.masked_fill(~item_mask, float("-inf"))
+    batch, n = logits.shape
+    top_logits, top = logits.topk(min(candidates.count, n), dim=1)  # (B, K) the dense head's best, allowed items
+    in_beam = torch.zeros(batch, n + 1, dtype=torch.bool, device=items.device)
+    in_beam.scatter_(1, items + 1, True)  # column 0: the empty slots (-1)
+    added = torch.isfinite(top_logits) & ~in_beam[:, 1:].gather(1, top)  # (B, K) not already a beam item
+    sid_scores = candidates.score(candidates.item_codes[top]).float()  # (B, K), one batched decoder pass
+    items = torch.cat([items, torch.where(added, top, -1)], 1)  # (B, M + K)
+    scores = torch.cat([scores, torch.where(added, sid_scores, float("-inf"))], 1)
+    if not rescore:
+        return rescore_items(items, scores, torch.zeros_like(scores), 0.0, k)
+    if dense is None:
+        raise ValueError(f"rescore={rescore} needs the dense head's logits (dense)")
+    return rescore_items(items, scores, dense(items), rescore, k)
+
+
 def search_items(
     step: StepFn, trie: SidTrie, *, batch_size: int, beam: int, k: int, item_mask: Tensor | None = None,
     search_mask: Tensor | None = None, constrained: bool = True, dense: DenseFn | None = None, rescore: float = 0.0,
+    candidates: DenseCandidates | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Beam search, then the top-``k`` items: the one generate-to-items path of evaluation and serving.
 
@@ -183,15 +249,22 @@ def search_items(
         dense: the dense head's logits of trie items (None: generation only).
         rescore: > 0 with ``dense``: every item of the beam's SIDs is scored ``log p(SID) + rescore *
             dense_logit`` and the top ``k`` by that score are returned (``rescore_items``); 0: generation only.
+        candidates: with ``count > 0``, the dense head's top items join the beam's before ranking
+            (``add_dense_candidates``); None or ``count = 0``: the beam's items only.
 
     Returns:
         (items (B, k) int64 trie items, -1 for empty slots; scores (B, k) float32, -inf there).
     """
     if not rescore >= 0:
         raise ValueError(f"search_items: rescore={rescore}; expected >= 0 (0: generation only)")
+    if candidates is not None and candidates.count < 0:
+        raise ValueError(f"search_items: dense candidates count={candidates.count}; expected >= 0 (0: the beam's only)")
     allowed = trie.allowed_nodes(search_mask) if search_mask is not None else None
     out = beam_search(step, trie, batch_size=batch_size, beam=beam, constrained=constrained, allowed=allowed)
-    if dense is None or not rescore:
+    adding = candidates is not None and candidates.count > 0
+    if not adding and (dense is None or not rescore):
         return resolve_items(out, trie, k, item_mask=item_mask)
     items, scores = resolve_items(out, trie, out.leaves.shape[1] * trie.max_items_per_leaf, item_mask=item_mask)
+    if adding:
+        return add_dense_candidates(items, scores, candidates, item_mask=item_mask, dense=dense, rescore=rescore, k=k)
     return rescore_items(items, scores, dense(items), rescore, k)

@@ -18,7 +18,9 @@ after training, e.g. by `recforge sid add`, maps to the zero row 0).
 A run with a dense head and ``generative.rescore`` > 0 re-sorts each request's beam items by
 ``log p(SID) + rescore * cos(user, item) / temperature`` (``beam_search.rescore_items``, the evaluation's
 path); the returned scores are those combined scores. An item without a dense row (coded after training)
-keeps its SID score.
+keeps its SID score. With ``generative.dense_candidates`` = K > 0 the dense head's top K allowed items (one matmul
+over the catalogue, items without a dense row left out) join the beam's before that ranking, their log p(SID)
+scored teacher-forced on the request's encoding (``beam_search.add_dense_candidates``, evaluation's path too).
 
 Like evaluation (``recforge eval``), the items of a request's history are never returned
 (``exclude_history=False`` keeps them, e.g. for re-purchases): for a history without its target,
@@ -43,7 +45,7 @@ import torch
 from torch import Tensor
 
 from recforge.generate import encodings
-from recforge.generate.beam_search import search_items
+from recforge.generate.beam_search import DenseCandidates, search_items
 from recforge.generate.history_cache import HistoryCache
 from recforge.generate.requests import Catalogue, EncodedRetrieve, RetrieveConfig, RetrieveRequest, RetrieveResult
 from recforge.generate.sid_run import load_sid_run
@@ -82,6 +84,8 @@ class Retriever:
         config: limits and settings (beam, exclusion inside the search, ...).
         rescore: weight of the dense head's logits in the items' scores (a run's ``generative.rescore``;
             0: generation only; > 0 needs a model with a dense head).
+        dense_candidates: the dense head's top items per request added to the beam's (a run's
+            ``generative.dense_candidates``; 0: the beam's items only; > 0 needs a model with a dense head).
 
     Attributes:
         cache: per-user history encodings reused across requests (None: every history is encoded).
@@ -90,7 +94,7 @@ class Retriever:
 
     def __init__(
         self, model: SIDSeq2Seq | SIDHSTU, item_vocab: np.ndarray, item_codes: Tensor, trie: SidTrie, max_items: int,
-        config: RetrieveConfig | None = None, *, rescore: float = 0.0,
+        config: RetrieveConfig | None = None, *, rescore: float = 0.0, dense_candidates: int = 0,
     ) -> None:  # fmt: skip
         self.config = config or RetrieveConfig()
         self.config.validate()
@@ -99,14 +103,19 @@ class Retriever:
         if rescore and not getattr(model, "has_dense_head", False):
             raise ValueError(f"rescore={rescore} needs a model with a dense head (generative.dense_head); "
                              "use rescore=0 for this model")  # fmt: skip
-        self.rescore = rescore
+        if dense_candidates < 0:
+            raise ValueError(f"dense_candidates={dense_candidates}: must be >= 0 (0: the beam's items only)")
+        if dense_candidates and not getattr(model, "has_dense_head", False):
+            raise ValueError(f"dense_candidates={dense_candidates} needs a model with a dense head "
+                             "(generative.dense_head); use dense_candidates=0 for this model")  # fmt: skip
+        self.rescore, self.dense_candidates = rescore, dense_candidates
         self.model, self.item_vocab, self.trie, self.max_items = model.eval(), item_vocab, trie, max_items
         self.catalogue = Catalogue(item_vocab)
         self.device = trie.leaf_offsets.device
         self.item_codes = item_codes.to(self.device)
         # (N + 1,) the model's item-table row of each dense index (0: padding, or no row); None: SIDs only
         self.item_rows: Tensor | None = None
-        if model.reads_item_ids or self.rescore:
+        if model.reads_item_ids or self.rescore or self.dense_candidates:
             self.item_rows = model.item_rows(torch.from_numpy(np.asarray(item_vocab, dtype=np.int64))).to(self.device)
             self.item_rows[0] = 0
         self.cache: HistoryCache | None = None
@@ -132,7 +141,8 @@ class Retriever:
         trie = SidTrie.build(sids.codes, sids.vocab_size, run.cfg.generative.trie).to(target)
         g = run.cfg.generative
         config = config or RetrieveConfig(beam=g.beam, exclude_in_search=g.exclude_seen_in_search)
-        return Retriever(run.model, vocab, codes, trie, run.cfg.data.max_seq_len, config, rescore=g.rescore)
+        return Retriever(run.model, vocab, codes, trie, run.cfg.data.max_seq_len, config, rescore=g.rescore,
+                         dense_candidates=g.dense_candidates)  # fmt: skip
 
     def encode(self, request: RetrieveRequest) -> EncodedRetrieve:
         """Check one request against the engine's limits and map its IDs (``ValueError`` says what is wrong)."""
@@ -192,10 +202,14 @@ class Retriever:
         dense = None
         if self.rescore:  # trie item i is dense index i + 1 (-1, an empty slot: index 0, row 0, no dense term)
             dense = lambda trie_items: self.model.dense_logits(memory.user, self.item_rows[trie_items + 1])  # noqa: E731
+        candidates = None
+        if self.dense_candidates:  # trie item i: dense index i + 1
+            candidates = DenseCandidates.of_model(self.model, memory, self.item_rows[1:], self.item_codes[1:],
+                                                  self.dense_candidates)  # fmt: skip
         items, scores = search_items(
             lambda codes: self.model.next_token_logprobs(memory, codes), self.trie, batch_size=len(batch), beam=beam,
             k=max(r.k for r in batch), item_mask=keep, search_mask=search_mask, constrained=constrained, dense=dense,
-            rescore=self.rescore,
+            rescore=self.rescore, candidates=candidates,
         )  # fmt: skip
         items, scores = items.cpu().numpy(), scores.float().cpu().numpy()  # the one host sync of the batch
         results = []

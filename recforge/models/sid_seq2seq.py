@@ -345,6 +345,15 @@ class SIDSeq2Seq(nn.Module):
         logits = torch.bmm(items, user.float()[:, :, None]).squeeze(2) / self.cfg.dense_temperature  # (B, K)
         return torch.where(known, logits, 0.0)
 
+    def catalogue_dense_logits(self, user: Tensor, rows: Tensor) -> Tensor:
+        """(B, N) float32 ``cos(user, item) / dense_temperature`` of N items given as dense-table ``rows`` (N,), by one
+        matmul over the table; -inf for row 0 and rows outside the table (items without a dense row)."""
+        if not self.has_dense_head:
+            raise ValueError("this model has no dense head (generative.dense_head is off)")
+        known = (rows > 0) & (rows <= self.cfg.dense_items)
+        logits = user.float() @ self.dense_item_vectors().T / self.cfg.dense_temperature  # (B, rows of the table)
+        return logits[:, torch.where(known, rows, 0)].masked_fill(~known, float("-inf"))
+
     def decode(self, memory: Memory, codes: Tensor) -> Tensor:
         """(B, W, t+1, d) decoder states after reading ``[BOS, codes]`` (codes: (B, W, t))."""
         b, w, t = codes.shape
@@ -361,6 +370,18 @@ class SIDSeq2Seq(nn.Module):
         t = codes.shape[2]
         last = self.decode(memory, codes)[:, :, t]  # (B, W, d)
         return (last @ self.heads[t].T).float().log_softmax(-1)
+
+    def sid_log_probs(self, memory: Memory, codes: Tensor) -> Tensor:
+        """(B, K) float32 log p(SID) of whole SIDs ``codes`` (B, K, L), teacher forced: one decoder pass reads
+        ``[BOS, d_0 .. d_{L-2}]`` per SID; the causal decoder's state at digit t is the one a beam step at level t
+        computes, so a beam's SID gets the beam's score up to float rounding (summed in the beam's order)."""
+        states = self.decode(memory, codes[:, :, :-1])  # (B, K, L, d)
+        logp = torch.einsum("bkld,lvd->bklv", states, self.heads).float().log_softmax(-1)  # (B, K, L, V)
+        digits = logp.gather(3, codes[..., None]).squeeze(3)  # (B, K, L)
+        total = torch.zeros(digits.shape[:2], device=codes.device)
+        for level in range(digits.shape[2]):
+            total = total + digits[:, :, level]
+        return total
 
     def loss(
         self, history_codes: Tensor, history_mask: Tensor | None, target_codes: Tensor, history_items: Tensor | None = None

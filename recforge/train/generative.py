@@ -27,7 +27,10 @@ item's row (``sampled_softmax_loss`` with ``negatives=full``, ``loss.temperature
 ``loss.chunk_size``) to the SID loss. Its table shares the item-ID table's rows and saved raw IDs.
 ``generative.rescore`` > 0 then re-sorts each user's generated items by ``log p(SID) + rescore *
 cos(user, item) / loss.temperature`` (``recforge.generate.beam_search.rescore_items``, the path serving
-takes too); the candidates are still the beam's items only.
+takes too). ``generative.dense_candidates`` = K > 0 adds the dense head's top K items (not in the user's history)
+to the beam's before that ranking (``beam_search.add_dense_candidates``; their log p(SID) teacher forced), so a
+target outside the beam can still be hit; it can be set at evaluation only (``recforge eval RUN
+generative.dense_candidates=200 --split valid``). The list's metrics are item-level as before.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from recforge.data.dataset import load_dataset
 from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences
 from recforge.data.sid_sequences import eval_samples, history_windows, seen_mask, transition_samples
 from recforge.data.sids import SIDS_FILE, check_embedding_run, read_sids
-from recforge.generate import SidTrie, search_items
+from recforge.generate import DenseCandidates, SidTrie, search_items
 from recforge.generate.sid_run import build_sid_model, read_run, sid_dir_of, uses_item_table
 from recforge.models.sid_hstu import SIDHSTU
 from recforge.models.sid_seq2seq import SIDSeq2Seq
@@ -157,13 +160,17 @@ def generated_items(s: Setup, samples: torch.Tensor, k: int) -> tuple[torch.Tens
     s.model.eval()
     memory = s.model.start(history, mask, rows)
     # trie item i is dense item i + 1, the dense table's row i + 1 (-1, an empty slot: row 0, no dense term)
-    dense = None
+    dense, candidates = None, None
     if s.cfg.generative.dense_head:
         dense = lambda trie_items: s.model.dense_logits(memory.user, trie_items + 1)  # noqa: E731
+    if s.cfg.generative.dense_candidates:  # the dense head's top items join the beam's (the Retriever's path too)
+        rows = torch.arange(1, s.trie.num_items + 1, device=s.device)  # trie item i: dense table row i + 1
+        candidates = DenseCandidates.of_model(s.model, memory, rows, s.item_codes[1:].to(s.device),
+                                              s.cfg.generative.dense_candidates)  # fmt: skip
     items, scores = search_items(lambda c: s.model.next_token_logprobs(memory, c), s.trie, batch_size=targets.numel(),
                                  beam=s.cfg.generative.beam, k=k, item_mask=allowed_items,
                                  search_mask=allowed_items if s.cfg.generative.exclude_seen_in_search else None,
-                                 dense=dense, rescore=s.cfg.generative.rescore)  # fmt: skip
+                                 dense=dense, rescore=s.cfg.generative.rescore, candidates=candidates)  # fmt: skip
     s.model.train(was_training)
     return items.cpu() + 1, scores.cpu(), targets
 
@@ -303,7 +310,8 @@ def evaluate_run(
     result = {
         **metrics, "split": split, "protocol": s.cfg.data.protocol, "model": s.cfg.model.kind,
         "dataset": Path(s.cfg.data.path).name, "checkpoint": ckpt.name, "step": manifest["step"],
-        "beam": s.cfg.generative.beam, "rescore": s.cfg.generative.rescore, "sids": read_sids(Path(run_dir) / "sids").meta["source"],
+        "beam": s.cfg.generative.beam, "rescore": s.cfg.generative.rescore,
+        "dense_candidates": s.cfg.generative.dense_candidates, "sids": read_sids(Path(run_dir) / "sids").meta["source"],
         "eval_seconds": time.perf_counter() - started,
         "command": command or invoked_command(),
     }  # fmt: skip
