@@ -4,6 +4,7 @@ today's path, the allowed items, and evaluation and the Retriever on the same re
 
 from __future__ import annotations
 
+import copy
 import itertools
 from pathlib import Path
 
@@ -190,9 +191,31 @@ def test_evaluation_and_the_retriever_agree_and_respect_allowed_items(tmp_path: 
     # an allowed-item set bounds the dense candidates too; they still reach beyond the beam's few SIDs
     raw = [int(v) for v in s.seqs.item_vocab[1:]]
     for history, allowed in itertools.islice(zip(histories, (raw[i::3] for i in itertools.cycle(range(3)))), 6):
-        (got_items, _), = retriever.retrieve([history], k=30, beam=1, allowed_items=[allowed])
+        ((got_items, _),) = retriever.retrieve([history], k=30, beam=1, allowed_items=[allowed])
         assert got_items and set(got_items) <= set(allowed) - set(history)
-        (beam_items, _), = Retriever(s.model, s.seqs.item_vocab, s.item_codes, s.trie, s.cfg.data.max_seq_len,
+        ((beam_items, _),) = Retriever(s.model, s.seqs.item_vocab, s.item_codes, s.trie, s.cfg.data.max_seq_len,
                                      RetrieveConfig(beam=1), rescore=rescore).retrieve(
             [history], k=30, beam=1, allowed_items=[allowed])  # fmt: skip
         assert set(beam_items) < set(got_items)
+
+
+@pytest.mark.gpu
+def test_gpu_dense_candidates_match_cpu(tmp_path: Path, data: Path, cuda_device: torch.device) -> None:
+    args = run_args(tmp_path, data, *TINY, "generative.beam=4", "train.device=cpu")
+    s = generative.setup(load_config(DENSE, args))
+    engines = [Retriever(model, s.seqs.item_vocab, s.item_codes, trie, s.cfg.data.max_seq_len, RetrieveConfig(beam=4),
+                         rescore=rescore, dense_candidates=8)  # fmt: skip
+               for model, trie in ((s.model, s.trie), (copy.deepcopy(s.model).to(cuda_device), s.trie.to(cuda_device)))
+               for rescore in (0.0, 1.0)]  # fmt: skip
+    raw = [int(v) for v in s.seqs.item_vocab[1:]]
+    histories = [raw[i : i + 1 + i % 7] for i in range(0, 24, 3)]  # mixed lengths: padded batches
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # TF32's ~1e-3 on a cosine is ~0.02 on a logit: it could swap items
+    try:
+        answers = [engine.retrieve(histories, k=12, beam=4) for engine in engines]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    for want, got in ((answers[0], answers[2]), (answers[1], answers[3])):
+        for (items_cpu, scores_cpu), (items_gpu, scores_gpu) in zip(want, got, strict=True):
+            assert items_cpu == items_gpu
+            torch.testing.assert_close(torch.tensor(scores_gpu), torch.tensor(scores_cpu), rtol=1e-4, atol=1e-4)
