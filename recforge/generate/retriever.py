@@ -124,11 +124,12 @@ class Retriever:
     @staticmethod
     def from_run(
         run_dir: str | Path, config: RetrieveConfig | None = None, *, checkpoint: str = "auto", device: str = "auto",
-        dtype: str = "float32",
+        dtype: str = "float32", dense_candidates: int | None = None,
     ) -> Retriever:  # fmt: skip
         """Load a generative run's checkpoint (``auto``: best for clean runs, else latest); its catalogue is
         every item in ``RUN_DIR/sids``. ``config`` (default: the run's ``generative.beam`` and
-        ``generative.exclude_seen_in_search``) sets the engine's limits."""
+        ``generative.exclude_seen_in_search``) sets the engine's limits; ``dense_candidates`` (None: the run's
+        ``generative.dense_candidates``) the dense head's items added to the beam's."""
         target = resolve_device(device)
         run = load_sid_run(run_dir, checkpoint, device=target)
         if dtype != "float32":
@@ -142,7 +143,7 @@ class Retriever:
         g = run.cfg.generative
         config = config or RetrieveConfig(beam=g.beam, exclude_in_search=g.exclude_seen_in_search)
         return Retriever(run.model, vocab, codes, trie, run.cfg.data.max_seq_len, config, rescore=g.rescore,
-                         dense_candidates=g.dense_candidates)  # fmt: skip
+                         dense_candidates=g.dense_candidates if dense_candidates is None else dense_candidates)  # fmt: skip
 
     def encode(self, request: RetrieveRequest) -> EncodedRetrieve:
         """Check one request against the engine's limits and map its IDs (``ValueError`` says what is wrong)."""

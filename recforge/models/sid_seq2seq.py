@@ -376,8 +376,8 @@ class SIDSeq2Seq(nn.Module):
         ``[BOS, d_0 .. d_{L-2}]`` per SID; the causal decoder's state at digit t is the one a beam step at level t
         computes, so a beam's SID gets the beam's score up to float rounding (summed in the beam's order)."""
         states = self.decode(memory, codes[:, :, :-1])  # (B, K, L, d)
-        logp = torch.einsum("bkld,lvd->bklv", states, self.heads).float().log_softmax(-1)  # (B, K, L, V)
-        digits = logp.gather(3, codes[..., None]).squeeze(3)  # (B, K, L)
+        logits = torch.einsum("bkld,lvd->bklv", states, self.heads).float()  # (B, K, L, V)
+        digits = logits.gather(3, codes[..., None]).squeeze(3) - logits.logsumexp(-1)  # (B, K, L): no (B, K, L, V) copy
         total = torch.zeros(digits.shape[:2], device=codes.device)
         for level in range(digits.shape[2]):
             total = total + digits[:, :, level]

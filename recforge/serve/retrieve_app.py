@@ -79,6 +79,7 @@ class RetrieveSettings:
     skip_unknown: bool = False  # items without a SID are dropped from history/allowed_items instead of 422
     checkpoint: str = "auto"  # auto (best for clean runs, else latest) | best | latest | a checkpoint directory
     cache_mb: float = 1024.0  # per-user history encodings reused across requests (LRU, on the device); 0: off
+    dense_candidates: int = -1  # the dense head's top items added to the beam's (-1: the run's generative.dense_candidates)
 
     def problems(self) -> list[str]:
         names = ("default_k", "max_k", "max_batch", "max_history", "max_allowed")
@@ -87,6 +88,9 @@ class RetrieveSettings:
             problems.append(f"beam: must be >= 1 (0: the run's generative.beam), got {self.beam}")
         if self.cache_mb < 0:
             problems.append(f"cache_mb: must be >= 0 (0 turns the history cache off), got {self.cache_mb}")
+        if self.dense_candidates < -1:
+            problems.append(f"dense_candidates: must be >= 0 (-1: the run's generative.dense_candidates), "
+                            f"got {self.dense_candidates}")  # fmt: skip
         if self.default_k > self.max_k:
             problems.append(f"default_k: {self.default_k} is over max_k {self.max_k}")
         return problems
@@ -98,7 +102,8 @@ def load_retriever(run_dir: str | Path, settings: RetrieveSettings, device: str 
     history cache of ``settings.cache_mb`` (none when 0) tagged with that version."""
     _, ckpt = read_run(run_dir, settings.checkpoint)
     disable_cudnn_attention()  # once per serving process: no per-call flag flips across threads
-    retriever = Retriever.from_run(run_dir, checkpoint=str(ckpt), device=device, dtype=dtype)
+    candidates = settings.dense_candidates if settings.dense_candidates >= 0 else None
+    retriever = Retriever.from_run(run_dir, checkpoint=str(ckpt), device=device, dtype=dtype, dense_candidates=candidates)
     base = retriever.config
     retriever.config = replace(base, beam=settings.beam or base.beam, max_k=settings.max_k, max_batch=settings.max_batch,
                                max_history=settings.max_history, max_allowed=settings.max_allowed,

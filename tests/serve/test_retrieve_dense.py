@@ -63,3 +63,23 @@ def test_retrieve_returns_the_rescored_order_cached_or_not(run_dir: Path) -> Non
     config = ServerConfig(max_loop_lag_ms=60_000, scheduler=SchedulerConfig(max_wait_ms=20.0))  # no lag shedding
     serve_matches(create_retrieve_app(retriever, version, config, settings), bodies, want, workers=5)
     assert retriever.cache.entries
+
+
+def test_the_serve_config_sets_dense_candidates_and_serving_returns_the_retrievers_lists(run_dir: Path) -> None:
+    assert RetrieveSettings(dense_candidates=-2).problems() == [
+        "dense_candidates: must be >= 0 (-1: the run's generative.dense_candidates), got -2"]  # fmt: skip
+    plain, _ = load_retriever(run_dir, RetrieveSettings(max_k=40, cache_mb=0), device="cpu")
+    assert plain.dense_candidates == 0  # -1: the run's own setting
+    settings = RetrieveSettings(max_k=40, max_batch=8, max_history=50, max_allowed=40, cache_mb=1, dense_candidates=6)
+    retriever, version = load_retriever(run_dir, settings, device="cpu")
+    assert retriever.dense_candidates == 6 and retriever.rescore == 2.0
+    items = [int(v) for v in retriever.item_vocab[1:]]
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    bodies = [{"user_id": f"u{i % 3}", "history": [items[j] for j in torch.randint(len(items), (1 + i % 5,), generator=g)],
+               "k": 20} for i in range(8)]  # fmt: skip
+    want = [retriever.retrieve([b["history"]], k=20, beam=retriever.config.beam)[0] for b in bodies]
+    beam_only = [plain.retrieve([b["history"]], k=20, beam=plain.config.beam)[0] for b in bodies]
+    assert all(set(b) <= set(w) for (w, _), (b, _) in zip(want, beam_only, strict=True))  # the beam's items stay
+    assert sum(len(w) > len(b) for (w, _), (b, _) in zip(want, beam_only, strict=True))  # and the dense head's join
+    config = ServerConfig(max_loop_lag_ms=60_000, scheduler=SchedulerConfig(max_wait_ms=20.0))  # no lag shedding
+    serve_matches(create_retrieve_app(retriever, version, config, settings), bodies, want, workers=4)
