@@ -32,8 +32,10 @@ default_kernel = "auto" if fused_gather_dot() else "pytorch"
 
 
 def gather_dot_reference(q: Tensor, table: Tensor, idx: Tensor) -> Tensor:
-    """PyTorch: the (N, R, D) gathered rows times ``q`` by one bmm (what the loss ran before), float32 out."""
-    return torch.bmm(F.embedding(idx, table), q.unsqueeze(2)).squeeze(2).float()
+    """PyTorch: the (N, R, D) gathered rows times ``q`` by one bmm (what the loss ran before); float32 out (float64
+    for float64 inputs)."""
+    logits = torch.bmm(F.embedding(idx, table), q.unsqueeze(2)).squeeze(2)
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def gather_rows_sum_reference(g: Tensor, table: Tensor, idx: Tensor) -> Tensor:
@@ -78,6 +80,11 @@ def _rows_match(q: Tensor, idx: Tensor) -> str | None:
 
 def _backend(device: torch.device, why: str | None, requested: str | None) -> str:
     return resolve_kernel("gather_dot", default_kernel if requested is None else requested, device, why)
+
+
+def use_triton(q: Tensor, table: Tensor, idx: Tensor, *, kernel: str | None = None) -> bool:
+    """Whether ``gather_dot(q, table, idx, kernel=kernel)`` runs the Triton kernels (raises as it would)."""
+    return _backend(q.device, unsupported(q, table, idx), kernel) == "triton"
 
 
 def gather_dot(q: Tensor, table: Tensor, idx: Tensor, *, kernel: str | None = None) -> Tensor:
@@ -139,4 +146,4 @@ def scatter_rows_sum(g: Tensor, q: Tensor, idx: Tensor, num_rows: int, *, kernel
 
 
 __all__ = ["gather_dot", "gather_dot_logits", "gather_dot_reference", "gather_rows_sum", "gather_rows_sum_reference",
-           "scatter_rows_sum", "scatter_rows_sum_reference", "unsupported"]  # fmt: skip
+           "scatter_rows_sum", "scatter_rows_sum_reference", "unsupported", "use_triton"]  # fmt: skip
