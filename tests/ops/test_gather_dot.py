@@ -41,7 +41,7 @@ def _check(n: int, r: int, d: int, rows: int, dtype=torch.float32, device="cpu",
     logits = gather_dot(q, table, idx, kernel="triton")
     assert logits.dtype == torch.float32 and logits.shape == (n, r)
     q64, t64, expected = _float64(q, table, idx)
-    assert relative_error(logits, expected) < 1e-6  # float32 sums of the inputs' values, whatever their dtype
+    assert relative_error(logits.detach(), expected.detach()) < 1e-6  # float32 sums of the inputs' values, whatever their dtype
     grad = torch.randn(n, r, device=device)
     dq, dtable = torch.autograd.grad(logits, [q, table], grad)
     dq64, dt64 = torch.autograd.grad(expected, [q64, t64], grad.double())
@@ -53,7 +53,7 @@ def _check(n: int, r: int, d: int, rows: int, dtype=torch.float32, device="cpu",
     assert bool((dtable[untouched] == 0).all())  # rows no index points to: exact zeros, written by their program
 
 
-@pytest.mark.parametrize(("n", "r", "d", "rows"), [(37, 5, 24, 6), (3, 129, 300, 40), (50, 1, 1, 3), (17, 9, 513, 1000)])
+@pytest.mark.parametrize(("n", "r", "d", "rows"), [(37, 5, 24, 6), (3, 129, 300, 40), (50, 1, 1, 3), (17, 9, 513, 300)])
 def test_float32_matches_float64_sums(interpreter, n: int, r: int, d: int, rows: int) -> None:
     """Odd widths, D over one 256-column block, N off every tile, few rows (repeats) and many (untouched rows)."""
     _check(n, r, d, rows)
@@ -121,9 +121,9 @@ def test_dispatch_switch_and_refusals(interpreter, monkeypatch) -> None:
         gather_dot(q, table[:, :5], idx, kernel="triton")
 
 
-def _loss_grads(user, table, targets, sampled, num_items: int, **kwargs):
+def _loss_grads(user, table, targets, sampled, num_items: int, loss_fn=sampled_softmax_loss, **kwargs):
     user.grad = table.grad = None
-    loss = sampled_softmax_loss(F.normalize(user, dim=-1), targets,
+    loss = loss_fn(F.normalize(user, dim=-1), targets,
                                 lambda ids: F.normalize(table if ids is None else table[ids], dim=-1), num_items,
                                 sampled=sampled, temperature=0.07, **kwargs)  # fmt: skip
     loss.backward()
@@ -146,6 +146,25 @@ def test_sampled_softmax_through_the_kernels_matches_pytorch(interpreter, monkey
     expected = _loss_grads(user, table, targets, sampled, num_items, **kwargs)
     monkeypatch.setattr(DISPATCH, "default_kernel", "triton")
     got = _loss_grads(user, table, targets, sampled, num_items, **kwargs)
+    for name, g, e in zip(("loss", "user", "table"), got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("chunk", [0, pytest.param(7, marks=pytest.mark.slow)])
+def test_compiled_loss_through_the_kernels_is_one_graph(interpreter, monkeypatch, chunk: int) -> None:
+    """``torch.compile(fullgraph=True)`` of the loss with the kernels (custom ops: no graph break), its value and
+    gradients those of the eager PyTorch path."""
+    positions, num_items, k = 30, 20, 9
+    user, table = torch.randn(positions, 16, requires_grad=True), torch.randn(num_items + 1, 16, requires_grad=True)
+    targets = torch.randint(1, num_items + 1, (positions,))
+    sampled = draw_negatives(targets, num_items, num_negatives=k, chunk_size=chunk)
+    kwargs = dict(num_negatives=k, chunk_size=chunk)
+    monkeypatch.setattr(DISPATCH, "default_kernel", "pytorch")
+    expected = _loss_grads(user, table, targets, sampled, num_items, **kwargs)
+    monkeypatch.setattr(DISPATCH, "default_kernel", "triton")
+    torch._dynamo.reset()
+    compiled = torch.compile(sampled_softmax_loss, backend="aot_eager", fullgraph=True)
+    got = _loss_grads(user, table, targets, sampled, num_items, loss_fn=compiled, **kwargs)
     for name, g, e in zip(("loss", "user", "table"), got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=name)
 

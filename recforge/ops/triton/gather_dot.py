@@ -6,7 +6,7 @@ materialising the (N, R, D) gathered rows, and its two gradients.
     dtable    dtable[e]    = sum_{(n, r): idx[n, r] = e} g[n, r] * q[n]   grid (rows, D blocks), loop over e's pairs
 
 All three are memory bound (each gathered element is used once) and run on CUDA cores in float32 whatever the
-inputs' dtype. ``dq`` and ``dtable`` are one kernel (``_rows_sum``): a weighted sum of gathered rows per output
+inputs' dtype. ``dq`` and ``dtable`` are one kernel (``_gather_rows_sum``): a weighted sum of gathered rows per output
 row, over a regular segment (``dq``: the R pairs of row n) or a sorted one (``dtable``: the pairs of table row e,
 found by sorting the (n, r) pairs by ``idx``). Sorting, not float32 atomics, for ``dtable``, because:
 
@@ -47,7 +47,7 @@ def _gather_dot_fwd(Q, E, IDX, OUT, R, D, stride_q, stride_e, BLOCK_R: tl.conste
 
 
 @triton.jit
-def _rows_sum(G, SRC, IDX, SEG, OUT, R, D, stride_src, stride_out, SORTED: tl.constexpr, BLOCK_P: tl.constexpr,
+def _gather_rows_sum(G, SRC, IDX, SEG, OUT, R, D, stride_src, stride_out, SORTED: tl.constexpr, BLOCK_P: tl.constexpr,
               BLOCK_D: tl.constexpr):  # fmt: skip
     """OUT[s, d-block] = sum over the pairs p of segment s of G[pair] * SRC[source row]. SORTED: the pairs of s are
     IDX[SEG[s]:SEG[s+1]] (flat pair indices, sorted by table row), the source row pair // R (a row of q); else
@@ -115,7 +115,7 @@ def gather_rows_sum(g: Tensor, table: Tensor, idx: Tensor, tile: int = TILE) -> 
     out = torch.empty((n, d), dtype=table.dtype, device=table.device)
     block_p, block_d = tiles(d, r, tile)
     if n:
-        _rows_sum[(n, triton.cdiv(d, block_d))](g, table, idx, idx, out, r, d, table.stride(0), out.stride(0),
+        _gather_rows_sum[(n, triton.cdiv(d, block_d))](g, table, idx, idx, out, r, d, table.stride(0), out.stride(0),
                                                 SORTED=False, BLOCK_P=block_p, BLOCK_D=block_d,
                                                 num_warps=_warps(block_p, block_d))  # fmt: skip
     return out
@@ -140,7 +140,7 @@ def scatter_rows_sum(g: Tensor, q: Tensor, idx: Tensor, num_rows: int, tile: int
     out = torch.empty((num_rows, d), dtype=q.dtype, device=q.device)
     block_p, block_d = tiles(d, max(1, idx.numel() // max(num_rows, 1)), tile)
     if num_rows:
-        _rows_sum[(num_rows, triton.cdiv(d, block_d))](g, q, order, segments, out, r, d, q.stride(0), out.stride(0),
+        _gather_rows_sum[(num_rows, triton.cdiv(d, block_d))](g, q, order, segments, out, r, d, q.stride(0), out.stride(0),
                                                        SORTED=True, BLOCK_P=block_p, BLOCK_D=block_d,
                                                        num_warps=_warps(block_p, block_d))  # fmt: skip
     return out
