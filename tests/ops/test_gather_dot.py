@@ -190,3 +190,34 @@ def test_gpu_sampled_softmax_through_the_kernels_matches_pytorch(cuda_device, mo
         results.append(_loss_grads(user, table, targets, sampled, num_items, num_negatives=k, chunk_size=chunk))
     for name, g, e in zip(("loss", "user", "table"), results[1], results[0], strict=True):
         assert relative_error(g, e) < 1e-5, name
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture_without_syncs(cuda_device) -> None:
+    """Forward + backward (the sort included) captured in a CUDA graph with no host sync, as ``train.cuda_graphs``
+    does; a replay on new indices gives their logits and gradients."""
+    q, table, idx = _inputs(4096, 129, 256, 20_000, torch.float32, cuda_device)
+    grad = torch.randn(4096, 129, device=cuda_device)
+
+    def step():
+        logits = gather_dot(q, table, idx, kernel="triton")
+        return (logits, *torch.autograd.grad(logits, [q, table], grad))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up: kernels compiled outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            out = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    idx.copy_(torch.randint(0, 20_000, idx.shape, device=cuda_device))
+    graph.replay()
+    q64, t64, expected = _float64(q, table, idx)
+    want = (expected, *torch.autograd.grad(expected, [q64, t64], grad.double()))
+    for name, g, e in zip(("logits", "dq", "dtable"), out, want, strict=True):
+        assert relative_error(g, e.detach()) < 1e-5, name
