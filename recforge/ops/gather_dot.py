@@ -75,7 +75,11 @@ def _unsupported_sum(g: Tensor, rows: Tensor, idx: Tensor) -> str | None:
 
 
 def _rows_match(q: Tensor, idx: Tensor) -> str | None:
-    return None if q.shape[0] == idx.shape[0] else f"q {tuple(q.shape)} for idx {tuple(idx.shape)} (expected (N, D), (N, R))"
+    return (
+        None
+        if q.shape[0] == idx.shape[0]
+        else f"q {tuple(q.shape)} for idx {tuple(idx.shape)} (expected (N, D), (N, R))"
+    )
 
 
 def _backend(device: torch.device, why: str | None, requested: str | None) -> str:

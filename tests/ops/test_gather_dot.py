@@ -41,7 +41,9 @@ def _check(n: int, r: int, d: int, rows: int, dtype=torch.float32, device="cpu",
     logits = gather_dot(q, table, idx, kernel="triton")
     assert logits.dtype == torch.float32 and logits.shape == (n, r)
     q64, t64, expected = _float64(q, table, idx)
-    assert relative_error(logits.detach(), expected.detach()) < 1e-6  # float32 sums of the inputs' values, whatever their dtype
+    assert (
+        relative_error(logits.detach(), expected.detach()) < 1e-6
+    )  # float32 sums of the inputs' values, whatever their dtype
     grad = torch.randn(n, r, device=device)
     dq, dtable = torch.autograd.grad(logits, [q, table], grad)
     dq64, dt64 = torch.autograd.grad(expected, [q64, t64], grad.double())
@@ -91,7 +93,9 @@ def test_custom_op_is_the_eager_kernel_and_compiles_in_one_graph(interpreter) ->
     op = gather_dot_op(q, table, idx)
     torch.testing.assert_close(op, eager, rtol=0, atol=0)
     grad = torch.randn_like(eager)
-    for g, e in zip(torch.autograd.grad(op, [q, table], grad), torch.autograd.grad(eager, [q, table], grad), strict=True):
+    for g, e in zip(
+        torch.autograd.grad(op, [q, table], grad), torch.autograd.grad(eager, [q, table], grad), strict=True
+    ):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
     torch.library.opcheck(torch.ops.recforge.gather_dot.default, (q, table, idx),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))  # fmt: skip
@@ -171,7 +175,9 @@ def test_compiled_loss_through_the_kernels_is_one_graph(interpreter, monkeypatch
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("n", "r", "d", "rows"), [(16_384, 129, 1024, 100_001), (4099, 33, 200, 5000), (1000, 8, 64, 3)])
+@pytest.mark.parametrize(
+    ("n", "r", "d", "rows"), [(16_384, 129, 1024, 100_001), (4099, 33, 200, 5000), (1000, 8, 64, 3)]
+)
 def test_gpu_matches_float64_sums(cuda_device, dtype: torch.dtype, n: int, r: int, d: int, rows: int) -> None:
     _check(n, r, d, rows, dtype, cuda_device)
 
