@@ -25,6 +25,9 @@ Each variant runs the training step itself (``recforge.train.step.StepRunner``: 
 compiled objective, AdamW) from the same initial weights on the same batches. Its first steps
 (also the warm-up and compilation) must give the fp32-eager losses within a tolerance (1% bf16,
 0.2% fp32 compiled) before it is timed; a variant that fails or disagrees is reported and skipped.
+The loss's per-position gather-dot runs PyTorch's gather + bmm, or with ``RECFORGE_FUSED_GATHER_DOT=1`` in the
+environment the fused Triton kernels (``recforge.ops.gather_dot``; recorded in the JSON as ``fused_gather_dot``,
+its kernels profiled as ``gather-dot``): run the script once each way to A/B them.
 Sampled negatives are drawn before each step (``StepRunner(draw=...)``, seeded alike in every variant), so
 every variant scores the same ones. A graphs variant's first step of each shape bucket runs eagerly and
 is captured; ``--check-steps`` > ``--batches`` makes the checked steps include replays (each batch is its
@@ -48,6 +51,7 @@ import torch._dynamo
 import torch._inductor.config
 
 from recforge.config import config_from_dict
+from recforge.env import fused_gather_dot
 from recforge.io import atomic_write_json
 from recforge.jagged.batch import JaggedBatch
 from recforge.jagged.index import offsets_from_lengths
@@ -82,6 +86,7 @@ CATEGORIES = [  # (category, substrings of kernel names), first match wins
     ("optimizer", ("adam", "multi_tensor_apply")),
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "_mm_", "triton_tem", "matmul", "splitk")),
     ("memcpy/memset", ("memcpy", "memset", "copy_")),
+    ("gather-dot", ("_gather_dot_fwd", "_gather_rows_sum")),  # recforge.ops.gather_dot (RECFORGE_FUSED_GATHER_DOT=1)
     ("elementwise/norm", ("elementwise", "layer_norm", "triton_poi", "triton_red", "triton_per", "reduce", "softmax",
                           "index", "embedding", "cat", "fill", "silu", "norm", "where", "scatter", "gather")),
 ]  # fmt: skip
@@ -291,7 +296,8 @@ def main() -> None:
     if device.type == "cuda":
         peaks["measured"] = measure_matmul_peak(device, torch.bfloat16)
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}; "
-          f"bf16 peak TFLOP/s: table {peaks['table']}, measured {peaks['measured'] and round(peaks['measured'])}")  # fmt: skip
+          f"bf16 peak TFLOP/s: table {peaks['table']}, measured {peaks['measured'] and round(peaks['measured'])}; "
+          f"fused per-position gather-dot: {fused_gather_dot()} (RECFORGE_FUSED_GATHER_DOT)")  # fmt: skip
     rows = []
     begun = time.perf_counter()
     for case in args.cases:
@@ -322,7 +328,7 @@ def main() -> None:
             "benchmark": "train_mfu", "command": "python benchmarks/train_mfu.py " + " ".join(sys.argv[1:]),
             "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "matmul_precision_fp32": matmul_precision("float32"), "peaks_tflops_bf16": peaks,
-            "date": datetime.date.today().isoformat(), "cases": {c: {k: v for k, v in zip(
+            "date": datetime.date.today().isoformat(), "fused_gather_dot": fused_gather_dot(), "cases": {c: {k: v for k, v in zip(
                 ("model", "max_len", "tokens", "users", "negatives", "num_negatives", "items"), CASES[c], strict=True)} for c in args.cases},
             "rows": rows,
         })  # fmt: skip

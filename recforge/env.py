@@ -9,11 +9,14 @@
     RECFORGE_FUSED_NORM_GATE        0 (or false/off/no): the HSTU block's LayerNorm * gate * dropout as PyTorch ops
                                     on CUDA too (``recforge.ops.norm_gate``); default 1, one fused Triton kernel
                                     each way on CUDA
+    RECFORGE_FUSED_GATHER_DOT       1 (or true/on/yes): sampled softmax's per-position gather-dot as Triton kernels on
+                                    CUDA (``recforge.ops.gather_dot``); default 0, PyTorch's gather + bmm
     TRITON_INTERPRET                1: Triton kernels run in Triton's CPU interpreter (tests)
 
 Each is read when its function is called, so a test can set it with ``monkeypatch.setenv``;
 ``RECFORGE_TRITON_LAUNCH_PLANS`` is read once, when the Triton kernels are first imported, and
-``RECFORGE_FUSED_NORM_GATE`` once, when ``recforge.ops.norm_gate`` is imported.
+``RECFORGE_FUSED_NORM_GATE`` once, when ``recforge.ops.norm_gate`` is imported, and ``RECFORGE_FUSED_GATHER_DOT``
+once, when ``recforge.ops.gather_dot`` is imported.
 """
 
 from __future__ import annotations
@@ -43,9 +46,14 @@ def fused_norm_gate() -> bool:
     return os.environ.get("RECFORGE_FUSED_NORM_GATE", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+def fused_gather_dot() -> bool:
+    """True when ``$RECFORGE_FUSED_GATHER_DOT`` is 1, true, on or yes (any case); off by default."""
+    return os.environ.get("RECFORGE_FUSED_GATHER_DOT", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
 def triton_interpret() -> bool:
     """``$TRITON_INTERPRET`` is set to something other than 0 (Triton reads it when kernels are defined)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-__all__ = ["TRUSTED_SLICE_MODULES", "data_dir", "fused_norm_gate", "triton_interpret", "triton_launch_plans", "trusted_slice_modules"]
+__all__ = ["TRUSTED_SLICE_MODULES", "data_dir", "fused_gather_dot", "fused_norm_gate", "triton_interpret", "triton_launch_plans", "trusted_slice_modules"]

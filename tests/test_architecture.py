@@ -40,7 +40,8 @@ FORBIDDEN_EXTERNAL: dict[str, tuple[str, ...]] = {
 }
 # Inside ops: the kernels never import their dispatchers (the dispatchers import the kernels).
 KERNEL_PACKAGE, DISPATCHERS = "recforge.ops.triton", ("recforge.ops.hstu_attention", "recforge.ops.softmax_attention",
-                                                      "recforge.ops.cached_attention", "recforge.ops")  # fmt: skip
+                                                      "recforge.ops.cached_attention", "recforge.ops.gather_dot",
+                                                      "recforge.ops")  # fmt: skip
 
 
 def module_name(path: Path, root: Path) -> str:

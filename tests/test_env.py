@@ -32,3 +32,19 @@ def test_fused_norm_gate_on_unless_switched_off(monkeypatch) -> None:
     for value, on in (("0", False), ("false", False), ("Off", False), ("no", False), ("1", True), ("on", True)):
         monkeypatch.setenv("RECFORGE_FUSED_NORM_GATE", value)
         assert env.fused_norm_gate() is on, value
+
+
+def test_fused_gather_dot_off_unless_switched_on(monkeypatch) -> None:
+    monkeypatch.delenv("RECFORGE_FUSED_GATHER_DOT", raising=False)
+    assert not env.fused_gather_dot()
+    for value, on in (
+        ("0", False),
+        ("", False),
+        ("off", False),
+        ("1", True),
+        ("TRUE", True),
+        (" on ", True),
+        ("yes", True),
+    ):
+        monkeypatch.setenv("RECFORGE_FUSED_GATHER_DOT", value)
+        assert env.fused_gather_dot() is on, value

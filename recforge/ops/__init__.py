@@ -1,12 +1,13 @@
-"""Attention kernels (and the HSTU block's fused LayerNorm * gate * dropout, ``norm_gate``): a PyTorch
-reference and a Triton kernel behind one dispatch function per op.
+"""Attention kernels (and the HSTU block's fused LayerNorm * gate * dropout, ``norm_gate``, and sampled softmax's
+fused gather-dot, ``gather_dot``): a PyTorch reference and a Triton kernel behind one dispatch function per op.
 
 The vocabulary these ops speak (jagged offsets, ``AttentionMask``) lives in ``recforge.jagged``.
 """
 
 from recforge.ops.cached_attention import cached_hstu_attention
+from recforge.ops.gather_dot import gather_dot
 from recforge.ops.hstu_attention import hstu_attention
 from recforge.ops.norm_gate import norm_gate
 from recforge.ops.softmax_attention import softmax_attention
 
-__all__ = ["cached_hstu_attention", "hstu_attention", "norm_gate", "softmax_attention"]
+__all__ = ["cached_hstu_attention", "gather_dot", "hstu_attention", "norm_gate", "softmax_attention"]

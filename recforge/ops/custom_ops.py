@@ -6,7 +6,8 @@ Eager calls take ``recforge.ops.triton.hstu.hstu_attention_triton`` directly (an
 with fake implementations for shape propagation), so it neither traces into the Triton launch
 code nor breaks the graph at every block. The mask travels as its tensors and scalars (custom
 ops take no dataclasses); the kernels module is imported on the first real call. The HSTU block's
-fused ``dropout(layer_norm(a) * u)`` (``recforge.ops.norm_gate``) is a custom op here the same way.
+fused ``dropout(layer_norm(a) * u)`` (``recforge.ops.norm_gate``) and sampled softmax's gather-dot
+(``recforge.ops.gather_dot``: forward and its two gradients) are custom ops here the same way.
 """
 
 # no ``from __future__ import annotations``: torch.library reads the ops' schemas from real annotations
@@ -171,4 +172,72 @@ def norm_gate_op(x: Tensor, u: Tensor, weight: Tensor, bias: Tensor, seed: Optio
     return _norm_gate_op(x, u, weight, bias, seed, float(eps), float(p))[0]
 
 
-__all__ = ["hstu_attention_op", "norm_gate_op"]
+@torch.library.custom_op("recforge::gather_dot", mutates_args=())
+def _gather_dot_op(q: Tensor, table: Tensor, idx: Tensor) -> Tensor:
+    """(N, R) float32 ``q[n] . table[idx[n, r]]`` of ``recforge.ops.triton.gather_dot.gather_dot_forward``."""
+    from recforge.ops.triton.gather_dot import gather_dot_forward
+
+    return gather_dot_forward(q, table, idx)
+
+
+@_gather_dot_op.register_fake
+def _(q, table, idx):
+    return q.new_empty(idx.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("recforge::gather_rows_sum", mutates_args=())
+def _gather_rows_sum_op(g: Tensor, table: Tensor, idx: Tensor) -> Tensor:
+    """(N, D) ``sum_r g[n, r] * table[idx[n, r]]``: the gather-dot's gradient of ``q``."""
+    from recforge.ops.triton.gather_dot import gather_rows_sum
+
+    return gather_rows_sum(g, table, idx)
+
+
+@_gather_rows_sum_op.register_fake
+def _(g, table, idx):
+    return table.new_empty(idx.shape[0], table.shape[1])
+
+
+@torch.library.custom_op("recforge::scatter_rows_sum", mutates_args=())
+def _scatter_rows_sum_op(g: Tensor, q: Tensor, idx: Tensor, num_rows: int) -> Tensor:
+    """(num_rows, D) ``sum_{idx[n, r] = e} g[n, r] * q[n]``: the gather-dot's gradient of the table."""
+    from recforge.ops.triton.gather_dot import scatter_rows_sum
+
+    return scatter_rows_sum(g, q, idx, num_rows)
+
+
+@_scatter_rows_sum_op.register_fake
+def _(g, q, idx, num_rows):
+    return q.new_empty(num_rows, q.shape[1])
+
+
+def _gather_dot_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _gather_dot_backward(ctx, g):
+    q, table, idx = ctx.saved_tensors
+    dq = _gather_rows_sum_op(g, table, idx) if ctx.needs_input_grad[0] else None
+    dtable = _scatter_rows_sum_op(g, q, idx, table.shape[0]) if ctx.needs_input_grad[1] else None
+    return dq, dtable, None
+
+
+_gather_dot_op.register_autograd(_gather_dot_backward, setup_context=_gather_dot_setup_context)
+
+
+def gather_dot_op(q: Tensor, table: Tensor, idx: Tensor) -> Tensor:
+    """``recforge.ops.triton.gather_dot.GatherDot`` through the custom op (same contract): what compiled code calls."""
+    return _gather_dot_op(q, table, idx)
+
+
+def gather_rows_sum_op(g: Tensor, table: Tensor, idx: Tensor) -> Tensor:
+    """``recforge.ops.triton.gather_dot.gather_rows_sum`` through the custom op."""
+    return _gather_rows_sum_op(g, table, idx)
+
+
+def scatter_rows_sum_op(g: Tensor, q: Tensor, idx: Tensor, num_rows: int) -> Tensor:
+    """``recforge.ops.triton.gather_dot.scatter_rows_sum`` through the custom op."""
+    return _scatter_rows_sum_op(g, q, idx, int(num_rows))
+
+
+__all__ = ["gather_dot_op", "gather_rows_sum_op", "hstu_attention_op", "norm_gate_op", "scatter_rows_sum_op"]

@@ -19,6 +19,11 @@ temporaries are (chunk, S + K) logits and (chunk, K, d) vectors, nothing of size
 ever allocated in float, and no logit is computed twice. Per-position negatives are passed as
 (T, K) row indices into their distinct vectors (U, d), so the index tensors stay O(T K) integers.
 
+With the fused gather-dot (``RECFORGE_FUSED_GATHER_DOT=1``, ``recforge.ops.gather_dot``) the per-position
+negatives' (chunk, K, d) vectors are not gathered either: each chunk's logits and user gradient come from the
+Triton kernels, its (chunk, K) logit gradients are kept in one (T, K) float32 buffer (half the bytes of the
+(T, K) int64 rows), and the gradient of the distinct vectors is one sorted segmented sum after the last chunk.
+
 The full-catalogue softmax (``chunked_full_softmax_cross_entropy``) needs no positive column: the
 target's own column of the catalogue's logits is the positive, so each chunk is a plain
 cross-entropy over (c, N+1) logits with the padding column biased to -inf: 8 ops per chunk
@@ -30,6 +35,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from recforge.ops.gather_dot import gather_dot_logits, gather_rows_sum, scatter_rows_sum, use_triton
 
 
 class _ChunkedSoftmaxCE(torch.autograd.Function):
@@ -47,15 +54,20 @@ class _ChunkedSoftmaxCE(torch.autograd.Function):
         if shared is not None:
             pad_bias = torch.zeros(shared_ids.shape, dtype=user.dtype, device=user.device).masked_fill_(shared_ids == 0, float("-inf"))
         nll = user.new_empty(num_pos)  # (T,) each position's loss
-        grads = None
+        fused = own is not None and use_triton(scaled, own, own_rows)  # the gather-dot kernels: no (c, K, d) vectors
+        grads = own_grad = None
         if want_grads:
-            grads = [torch.empty_like(user), torch.empty_like(positive),
-                     None if shared is None else torch.zeros_like(shared), None if own is None else torch.zeros_like(own)]  # fmt: skip
+            grads = [torch.empty_like(user), torch.empty_like(positive), None if shared is None else torch.zeros_like(shared),
+                     None if own is None or fused else torch.zeros_like(own)]  # fmt: skip
+            own_grad = user.new_empty(own_rows.shape) if fused else None  # (T, K) d nll / d own logits
         for lo in range(0, num_pos, chunk):
             hi = min(lo + chunk, num_pos)
             _chunk(user[lo:hi], scaled[lo:hi], pos[lo:hi], positive[lo:hi], shared, pad_bias, own, targets[lo:hi],
                    shared_ids, None if own_rows is None else own_rows[lo:hi], None if own_ids is None else own_ids[lo:hi],
-                   nll[lo:hi], grads, lo, None if share is None else share[lo:hi, None])  # fmt: skip
+                   nll[lo:hi], grads, lo, None if share is None else share[lo:hi, None], fused,
+                   None if own_grad is None else own_grad[lo:hi])  # fmt: skip
+        if grads is not None and fused:  # every row of own written once, from all positions' logit gradients
+            grads[3] = scatter_rows_sum(own_grad, user, own_rows, own.shape[0], kernel="triton")
         if grads is not None:  # the chunks summed d nll / d logits times the unscaled inputs: 1/T and 1/temperature, once
             scale = inv_temp / num_pos if share is None else inv_temp  # weighted: the chunks applied w / W
             ctx.save_for_backward(*(g.mul_(scale) for g in grads if g is not None))
@@ -75,16 +87,20 @@ class _ChunkedSoftmaxCE(torch.autograd.Function):
 def _chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: Tensor | None, pad_bias: Tensor | None,
            own: Tensor | None, targets: Tensor, shared_ids: Tensor | None, own_rows: Tensor | None,
            own_ids: Tensor | None, nll: Tensor, grads: list[Tensor | None] | None, lo: int,
-           share: Tensor | None) -> None:  # fmt: skip
+           share: Tensor | None, fused: bool = False, own_grad: Tensor | None = None) -> None:  # fmt: skip
     """One chunk of c positions: writes their losses into ``nll`` (c,) and adds d nll / d logits times the unscaled
     inputs into ``grads`` (the caller applies 1/temperature and the mean once). ``scaled``: ``user`` / temperature,
     ``pos`` (c, 1) the positive logits, ``pad_bias`` (S,) -inf at the shared padding columns; ``share`` (c, 1):
-    each row's w / W (weighted), its d nll / d logits scaled by it."""
+    each row's w / W (weighted), its d nll / d logits scaled by it. ``fused``: the own negatives' logits and
+    user gradient by the gather-dot kernels, their logit gradients written to ``own_grad`` (c, K) for the caller."""
     parts = [pos]
     if shared is not None:
         s = torch.addmm(pad_bias, scaled, shared.T)  # (c, S)
         parts.append(s.masked_fill_(shared_ids == targets[:, None], float("-inf")))
-    if own is not None:
+    if own is not None and fused:
+        o = gather_dot_logits(scaled, own, own_rows, kernel="triton").to(scaled.dtype)  # (c, K)
+        parts.append(o.masked_fill_(own_ids == targets[:, None], float("-inf")))
+    elif own is not None:
         own_vec = own[own_rows]  # (c, K, d)
         o = torch.bmm(own_vec, scaled.unsqueeze(2)).squeeze(2)  # (c, K)
         parts.append(o.masked_fill_(own_ids == targets[:, None], float("-inf")))
@@ -106,7 +122,10 @@ def _chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: 
         grad_user.addmm_(g_s, shared)
         grads[2].addmm_(g_s.T, user)
         col += shared.shape[0]
-    if own is not None:
+    if own is not None and fused:
+        g_o = own_grad.copy_(g[:, col:])  # (c, K), contiguous
+        grad_user.add_(gather_rows_sum(g_o, own, own_rows, kernel="triton"))
+    elif own is not None:
         g_o = g[:, col:]  # (c, K)
         grad_user.add_(torch.bmm(g_o.unsqueeze(1), own_vec).squeeze(1))
         grads[3].index_add_(0, own_rows.reshape(-1), (g_o.unsqueeze(2) * user.unsqueeze(1)).reshape(-1, user.shape[1]))

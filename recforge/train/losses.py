@@ -22,6 +22,7 @@ from torch import Tensor
 
 from recforge.data.ranking_samples import TokenReference
 from recforge.jagged.index import offsets_from_lengths, sequence_ids
+from recforge.ops.gather_dot import gather_dot
 from recforge.train.chunked_softmax import chunked_full_softmax_cross_entropy, chunked_softmax_cross_entropy
 from recforge.train.distributed import several_ranks
 
@@ -155,8 +156,7 @@ def sampled_softmax_loss(
                 raise ValueError(f"sampled_softmax_loss: item_vectors(None) gave {table.shape[0]} rows; expected the "
                                  f"whole table, num_items + 1 = {num_items + 1} (row 0 the padding item)")  # fmt: skip
             vectors = lambda ids: F.embedding(ids, table)  # noqa: E731
-        return _sampled_softmax_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, weights,
-                                     merged=table is not None)  # fmt: skip
+        return _sampled_softmax_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, weights, table)
 
 
 # torch.compile: a full-catalogue softmax of at most this many logits is computed whole, not in chunks (1 GiB of
@@ -191,9 +191,10 @@ def use_chunks(chunk_size: int, positions: int) -> bool:
 
 def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor | None], Tensor], negatives: str,
                           sampled: SampledNegatives, temperature: float, weights: Tensor | None,
-                          merged: bool = False) -> Tensor:  # fmt: skip
-    """The unchunked loss; ``merged``: ``item_vectors`` has no side effects (rows of a normalised table), so a
-    position's target and per-position negatives are looked up together."""
+                          table: Tensor | None = None) -> Tensor:  # fmt: skip
+    """The unchunked loss; ``table``: ``item_vectors`` gives its rows, without side effects (a normalised table),
+    so a position's target and per-position negatives are scored together, by one gather-dot (fused with
+    ``RECFORGE_FUSED_GATHER_DOT=1``: ``recforge.ops.gather_dot``; else one lookup and one bmm)."""
     if negatives == "full":
         logits = user @ item_vectors(None).T / temperature  # (T, N+1)
         logits[:, 0].fill_(float("-inf"))  # padding row is not an item (fill_: __setitem__ would copy a host scalar, a sync)
@@ -203,9 +204,9 @@ def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[
     neg_ids = sampled.ids
     if negatives == "per_position":  # neg_ids (T, K); bmm, not einsum: einsum's gradient of the (T, K, d) lookup
         hits = neg_ids == targets[:, None]  # came out transposed, and was copied whole before the embedding scatter
-        if merged:  # side-effect-free lookups: [target | negatives] rows in one lookup, scored by one bmm
+        if table is not None:  # side-effect-free lookups: [target | negatives] rows scored together
             ids = torch.cat([targets[:, None], neg_ids], 1)  # (T, 1+K)
-            logits = torch.bmm(item_vectors(ids), user.unsqueeze(2)).squeeze(2) / temperature  # (T, 1+K)
+            logits = gather_dot(user, table, ids).to(user.dtype) / temperature  # (T, 1+K)
             parts = [logits.masked_fill(torch.cat([torch.zeros_like(hits[:, :1]), hits], 1), float("-inf"))]
         else:  # the very tensors a pipelined table staged (recforge.train.pipeline_step): looked up as they are,
             # targets first (a dynamic table admits and evicts rows in lookup order: the positives keep theirs)
