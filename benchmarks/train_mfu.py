@@ -25,9 +25,10 @@ Each variant runs the training step itself (``recforge.train.step.StepRunner``: 
 compiled objective, AdamW) from the same initial weights on the same batches. Its first steps
 (also the warm-up and compilation) must give the fp32-eager losses within a tolerance (1% bf16,
 0.2% fp32 compiled) before it is timed; a variant that fails or disagrees is reported and skipped.
-The loss's per-position gather-dot runs PyTorch's gather + bmm, or with ``RECFORGE_FUSED_GATHER_DOT=1`` in the
-environment the fused Triton kernels (``recforge.ops.gather_dot``; recorded in the JSON as ``fused_gather_dot``,
-its kernels profiled as ``gather-dot``): run the script once each way to A/B them.
+The loss's per-position gather-dot runs the fused Triton kernels for float32 (``recforge.ops.gather_dot``, the
+default; its kernels profiled as ``gather-dot``), or PyTorch's gather + bmm with ``RECFORGE_FUSED_GATHER_DOT=0`` in
+the environment (recorded in the JSON as ``fused_gather_dot``: null unset, true/false set): run the script once
+each way to A/B them.
 Sampled negatives are drawn before each step (``StepRunner(draw=...)``, seeded alike in every variant), so
 every variant scores the same ones. A graphs variant's first step of each shape bucket runs eagerly and
 is captured; ``--check-steps`` > ``--batches`` makes the checked steps include replays (each batch is its
@@ -86,7 +87,7 @@ CATEGORIES = [  # (category, substrings of kernel names), first match wins
     ("optimizer", ("adam", "multi_tensor_apply")),
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "_mm_", "triton_tem", "matmul", "splitk")),
     ("memcpy/memset", ("memcpy", "memset", "copy_")),
-    ("gather-dot", ("_gather_dot_fwd", "_gather_rows_sum")),  # recforge.ops.gather_dot (RECFORGE_FUSED_GATHER_DOT=1)
+    ("gather-dot", ("_gather_dot_fwd", "_gather_rows_sum")),  # recforge.ops.gather_dot (float32, the default)
     ("elementwise/norm", ("elementwise", "layer_norm", "triton_poi", "triton_red", "triton_per", "reduce", "softmax",
                           "index", "embedding", "cat", "fill", "silu", "norm", "where", "scatter", "gather")),
 ]  # fmt: skip

@@ -34,12 +34,12 @@ def test_fused_norm_gate_on_unless_switched_off(monkeypatch) -> None:
         assert env.fused_norm_gate() is on, value
 
 
-def test_fused_gather_dot_off_unless_switched_on(monkeypatch) -> None:
+def test_fused_gather_dot_switch(monkeypatch) -> None:
     monkeypatch.delenv("RECFORGE_FUSED_GATHER_DOT", raising=False)
-    assert not env.fused_gather_dot()
+    assert env.fused_gather_dot() is None  # unset: the float32-only default
     for value, on in (
         ("0", False),
-        ("", False),
+        ("", None),
         ("off", False),
         ("1", True),
         ("TRUE", True),

@@ -19,7 +19,7 @@ temporaries are (chunk, S + K) logits and (chunk, K, d) vectors, nothing of size
 ever allocated in float, and no logit is computed twice. Per-position negatives are passed as
 (T, K) row indices into their distinct vectors (U, d), so the index tensors stay O(T K) integers.
 
-With the fused gather-dot (``RECFORGE_FUSED_GATHER_DOT=1``, ``recforge.ops.gather_dot``) the per-position
+With the fused gather-dot (float32 on CUDA by default, ``recforge.ops.gather_dot``) the per-position
 negatives' (chunk, K, d) vectors are not gathered either: each chunk's logits and user gradient come from the
 Triton kernels, its (chunk, K) logit gradients are kept in one (T, K) float32 buffer (half the bytes of the
 (T, K) int64 rows), and the gradient of the distinct vectors is one sorted segmented sum after the last chunk.

@@ -194,7 +194,7 @@ def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[
                           table: Tensor | None = None) -> Tensor:  # fmt: skip
     """The unchunked loss; ``table``: ``item_vectors`` gives its rows, without side effects (a normalised table),
     so a position's target and per-position negatives are scored together, by one gather-dot (fused with
-    ``RECFORGE_FUSED_GATHER_DOT=1``: ``recforge.ops.gather_dot``; else one lookup and one bmm)."""
+    float32 on CUDA: ``recforge.ops.gather_dot``; else one lookup and one bmm)."""
     if negatives == "full":
         logits = user @ item_vectors(None).T / temperature  # (T, N+1)
         logits[:, 0].fill_(float("-inf"))  # padding row is not an item (fill_: __setitem__ would copy a host scalar, a sync)

@@ -113,10 +113,16 @@ def test_custom_op_is_the_eager_kernel_and_compiles_in_one_graph(interpreter) ->
 def test_dispatch_switch_and_refusals(interpreter, monkeypatch) -> None:
     q, table, idx = _inputs(5, 3, 8, 4, torch.float32)
     reference = torch.bmm(F.embedding(idx, table), q.unsqueeze(2)).squeeze(2)
-    monkeypatch.setattr(DISPATCH, "default_kernel", "pytorch")  # the default (RECFORGE_FUSED_GATHER_DOT unset)
+    monkeypatch.setattr(DISPATCH, "default_kernel", "pytorch")  # RECFORGE_FUSED_GATHER_DOT=0
     assert torch.equal(gather_dot(q, table, idx), reference)
-    monkeypatch.setattr(DISPATCH, "default_kernel", "auto")  # switched on: CPU tensors still take PyTorch
+    monkeypatch.setattr(DISPATCH, "default_kernel", "auto")  # the default: CPU tensors still take PyTorch
     assert torch.equal(gather_dot(q, table, idx), reference)
+    cuda = torch.device("cuda")  # the default's choice on CUDA inputs: float32 only, unless switched on (=1)
+    monkeypatch.setattr(DISPATCH, "float32_only", True)
+    assert [DISPATCH._backend(cuda, None, None, t) for t in (torch.float32, torch.bfloat16)] == ["triton", "pytorch"]
+    assert DISPATCH._backend(cuda, None, "triton", torch.bfloat16) == "triton"  # an explicit kernel is kept
+    monkeypatch.setattr(DISPATCH, "float32_only", False)
+    assert DISPATCH._backend(cuda, None, None, torch.bfloat16) == "triton"
     with pytest.raises(ValueError, match="float64"):
         gather_dot(q.double(), table.double(), idx, kernel="triton")
     with pytest.raises(ValueError, match="dtypes"):
