@@ -201,7 +201,7 @@ def test_evaluation_and_the_retriever_agree_and_respect_allowed_items(tmp_path: 
 
 @pytest.mark.gpu
 def test_gpu_dense_candidates_match_cpu(tmp_path: Path, data: Path, cuda_device: torch.device) -> None:
-    args = run_args(tmp_path, data, *TINY, "generative.beam=4", "eval.ks=[1,4]", "train.device=cpu")
+    args = run_args(tmp_path, data, *TINY, "generative.beam=4", "eval.ks=[1,4]", "eval.select_metric=ndcg@4", "train.device=cpu")
     s = generative.setup(load_config(DENSE, args))
     engines = [Retriever(model, s.seqs.item_vocab, s.item_codes, trie, s.cfg.data.max_seq_len, RetrieveConfig(beam=4),
                          rescore=rescore, dense_candidates=8)  # fmt: skip
