@@ -9,6 +9,9 @@ Usage (from the repo root; ML-1M prepared at data/ml-1m):
     python benchmarks/train_startup.py configs/ml1m-hstu-plus-d128.yaml --data /tmp/ml-1m \
         --tree base=/tmp/base --tree new=. --set train.batch_size=8 model.dim=16 model.dqk=8 model.dv=8 \
         train.threads=1 --steps 3 --repeats 9 --checkpoint --importtime --out benchmarks/results/train_startup-cpu.json
+    # where the seconds go, phase by phase (both trees)
+    python benchmarks/train_startup.py configs/ml1m-hstu-plus-d128.yaml --tree base=/tmp/base --tree new=. \
+        --set train.precision=bfloat16 train.cuda_graphs=true --steps 20 --repeats 5 --checkpoint --phases
 
 Each run starts ``python -m recforge.cli --no-progress train CONFIG`` in the tree's root (so that tree's
 ``recforge`` is imported) with ``train.log_every=1``, reads its ``train_log.jsonl`` as it grows and stops it once
@@ -19,8 +22,11 @@ included); ``step_k_s`` the time to step K. ``--checkpoint``: the run checkpoint
 what a run pays on its way to a checkpoint, the first checkpoint's own imports included). Trees alternate within
 each repeat, so a busy machine slows them alike; medians are reported. ``--importtime``: one more launch per tree
 under ``python -X importtime`` (not timed): the number of modules imported, the cumulative import seconds of the
-``WATCHED`` modules (null: not imported; nested ones overlap) and the outermost imports of >= 50 ms. The config and
-data paths are made absolute, so every tree trains the same run.
+``WATCHED`` modules (null: not imported; nested ones overlap) and the outermost imports of >= 50 ms. ``--phases``:
+every run goes through ``_startup_phases.py``, which times the start-up's phases where the retrieval recipe calls
+them (imports, device, dataset load, sequences, model, step runner, the first three steps' host time, the
+checkpoint's snapshot and write; medians per tree, ``phases`` in the JSON). The config and data paths are made
+absolute, so every tree trains the same run.
 """
 
 from __future__ import annotations
