@@ -9,6 +9,9 @@ Usage (from the repo root; ML-1M prepared at data/ml-1m):
     python benchmarks/train_startup.py configs/ml1m-hstu-plus-d128.yaml --data /tmp/ml-1m \
         --tree base=/tmp/base --tree new=. --set train.batch_size=8 model.dim=16 model.dqk=8 model.dv=8 \
         train.threads=1 --steps 3 --repeats 9 --checkpoint --importtime --out benchmarks/results/train_startup-cpu.json
+    # where the seconds go, phase by phase (both trees)
+    python benchmarks/train_startup.py configs/ml1m-hstu-plus-d128.yaml --tree base=/tmp/base --tree new=. \
+        --set train.precision=bfloat16 train.cuda_graphs=true --steps 20 --repeats 5 --checkpoint --phases
 
 Each run starts ``python -m recforge.cli --no-progress train CONFIG`` in the tree's root (so that tree's
 ``recforge`` is imported) with ``train.log_every=1``, reads its ``train_log.jsonl`` as it grows and stops it once
@@ -19,8 +22,11 @@ included); ``step_k_s`` the time to step K. ``--checkpoint``: the run checkpoint
 what a run pays on its way to a checkpoint, the first checkpoint's own imports included). Trees alternate within
 each repeat, so a busy machine slows them alike; medians are reported. ``--importtime``: one more launch per tree
 under ``python -X importtime`` (not timed): the number of modules imported, the cumulative import seconds of the
-``WATCHED`` modules (null: not imported; nested ones overlap) and the outermost imports of >= 50 ms. The config and
-data paths are made absolute, so every tree trains the same run.
+``WATCHED`` modules (null: not imported; nested ones overlap) and the outermost imports of >= 50 ms. ``--phases``:
+every run goes through ``_startup_phases.py``, which times the start-up's phases where the retrieval recipe calls
+them (imports, device, dataset load, sequences, model, step runner, the first three steps' host time, the
+checkpoint's snapshot and write; medians per tree, ``phases`` in the JSON). The config and data paths are made
+absolute, so every tree trains the same run.
 """
 
 from __future__ import annotations
@@ -68,13 +74,25 @@ def _import_profile(output: str) -> dict:
             "heavy_s": _heavy_imports(output, 0.05)}  # fmt: skip
 
 
+def _phase_summary(path: Path) -> dict[str, dict[str, float]]:
+    """``_startup_phases.py``'s rows as phase (``#2``, ``#3``: its later calls) -> start and host seconds."""
+    out = {}
+    for row in _rows(path):
+        key = row["phase"] if row["call"] == 1 else f"{row['phase']} #{row['call']}"
+        out[key] = {"start_s": row["start_s"], "seconds": row["seconds"]}
+    return out
+
+
 def _launch(tree: Path, config: Path, data: Path, overrides: list[str], steps: int, timeout: float,
-            checkpoint: bool = False, importtime: bool = False) -> dict:  # fmt: skip
+            checkpoint: bool = False, importtime: bool = False, phases: bool = False) -> dict:  # fmt: skip
     name = f"startup-bench-{os.getpid()}"
     run_dir = tree / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     stop = [f"train.checkpoint_every={steps}"] if checkpoint else []
-    command = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "recforge.cli", "--no-progress", "train", str(config), f"name={name}",
+    phases_file = Path(tempfile.gettempdir()) / f"{name}-phases.jsonl"
+    phases_file.unlink(missing_ok=True)
+    program = [str(Path(__file__).resolve().parent / "_startup_phases.py"), str(phases_file)] if phases else ["-m", "recforge.cli"]
+    command = [sys.executable, *(["-X", "importtime"] if importtime else []), *program, "--no-progress", "train", str(config), f"name={name}",
                f"data.path={data}", "train.log_every=1", "train.eval_every=0", *overrides, *stop]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(tree))
     launched = time.perf_counter()
@@ -92,6 +110,11 @@ def _launch(tree: Path, config: Path, data: Path, overrides: list[str], steps: i
             marks.setdefault(row["step"], time.perf_counter() - launched)
         if checkpoint and saved is None and any((run_dir / "checkpoints").glob("step_*")):
             saved = time.perf_counter() - launched
+    waited = time.perf_counter()  # --phases: the background checkpoint write's own row, after the times are taken
+    while phases and checkpoint and child.poll() is None and time.perf_counter() - waited < 5:
+        if any(row["phase"] == "checkpoint write" for row in _rows(phases_file)):
+            break
+        time.sleep(0.02)
     if child.poll() is None:
         child.kill()
     child.wait()
@@ -105,6 +128,9 @@ def _launch(tree: Path, config: Path, data: Path, overrides: list[str], steps: i
     result = {"first_step_s": marks[1], "step_k_s": marks.get(steps), "checkpoint_s": saved}
     if importtime:
         result["imports"] = _import_profile(output)
+    if phases:
+        result["phases"] = _phase_summary(phases_file)
+        phases_file.unlink(missing_ok=True)
     return result
 
 
@@ -122,6 +148,9 @@ def main() -> None:
                         help="checkpoint at step --steps (train.checkpoint_every) and time each run to it")
     parser.add_argument("--importtime", action="store_true",
                         help="one more (untimed) launch per tree under python -X importtime: what the run imports")
+    parser.add_argument("--phases", action="store_true",
+                        help="time the start-up's phases in every run (_startup_phases.py: data, model, device, "
+                             "first steps, checkpoint) and report their medians")
     args = parser.parse_args()
     trees = {}
     for item in args.tree:
@@ -133,7 +162,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     for repeat in range(args.repeats):
         for name, tree in trees.items():
-            result = _launch(tree, config, data, args.set, args.steps, args.timeout, args.checkpoint)
+            result = _launch(tree, config, data, args.set, args.steps, args.timeout, args.checkpoint, phases=args.phases)
             runs[name].append(result)
             print(f"repeat {repeat} {name:>8}: first step {result['first_step_s']:6.2f} s, "
                   f"step {args.steps} {result['step_k_s'] or float('nan'):6.2f} s, "
@@ -153,6 +182,16 @@ def main() -> None:
         print(f"{name:>8}: median first step {s['first_step_s']:.2f} s, "
               f"step {args.steps} {s['step_k_s'] or float('nan'):.2f} s, "
               f"checkpoint {s['checkpoint_s'] or float('nan'):.2f} s")  # fmt: skip
+    phase_medians = {}
+    if args.phases:
+        for name, rs in runs.items():
+            phase_keys = dict.fromkeys(k for r in rs for k in r.get("phases", {}))
+            phase_medians[name] = {k: {f: median([r["phases"][k][f] for r in rs if k in r.get("phases", {})])
+                                       for f in ("start_s", "seconds")} for k in phase_keys}  # fmt: skip
+        for key in dict.fromkeys(k for m in phase_medians.values() for k in m):
+            cells = "  ".join(f"{name} " + (f"at {m[key]['start_s']:6.2f} s took {m[key]['seconds']:6.3f} s" if key in m else "-")
+                              for name, m in phase_medians.items())  # fmt: skip
+            print(f"  {key:<34} {cells}")
     ratios = {}
     if len(trees) == 2:
         a, b = trees
@@ -162,7 +201,7 @@ def main() -> None:
         result = {"benchmark": "train_startup", "config": args.config, "overrides": args.set, "steps": args.steps,
                   "checkpoint": args.checkpoint,
                   "trees": {k: str(v) for k, v in trees.items()}, "median": summary, "ratios": ratios,
-                  "runs": runs, "imports": imports, "torch": _torch_version(),
+                  "runs": runs, "imports": imports, "phases": phase_medians, "torch": _torch_version(),
                   "python": sys.version.split()[0], "date": datetime.date.today().isoformat()}  # fmt: skip
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(Path(args.out), result)

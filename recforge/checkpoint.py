@@ -102,7 +102,8 @@ def save_checkpoint(
             (tmp / "sparse").mkdir()
             write_sparse(tmp / "sparse", tables)
             full_manifest["files"]["sparse"] = "sparse"
-        atomic_write_json(tmp / "manifest.json", full_manifest)
+        # a plain write: the directory is renamed into place whole, its files fsynced first (atomic_directory)
+        (tmp / "manifest.json").write_text(json.dumps(full_manifest, indent=2) + "\n")
     atomic_write_json(ckpt_root / "latest.json", {"step_dir": name})
     if best:
         atomic_write_json(ckpt_root / "best.json", {"step_dir": name})

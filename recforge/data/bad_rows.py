@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from recforge.data.arrow import pc  # pyarrow.compute, imported on first use
 from recforge.data.parquet_source import ROW_ID, decode_row_ids
 
 POLICIES = ("skip", "raise")

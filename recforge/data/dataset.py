@@ -35,9 +35,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from recforge.data.arrow import column_numpy, pc
 from recforge.io import atomic_directory, atomic_write_json, check_replaceable
 
 FORMAT_VERSION = 1
@@ -83,7 +83,7 @@ def validate_events(events: pa.Table, source: str = "events") -> None:
             if events.column(name).null_count:
                 problems.append(f"column {name!r} has {events.column(name).null_count} null values")
     if not problems and events.num_rows:
-        users = events.column("user_id").to_numpy()
+        users = column_numpy(events.column("user_id"))
         starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]])
         if len(np.unique(users[starts])) != len(starts):
             problems.append("rows of one user are not contiguous (sort by user_id, then time)")

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from recforge.data.arrow import pc  # pyarrow.compute, imported on first use
 
 ROW_ID = "__row_id__"
 ROWS_PER_FILE = 1 << 40

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
+from recforge.data.arrow import pc  # pyarrow.compute, imported on first use
 from recforge.data.collate import ACTION_ENCODINGS, RankingCollate, RankingRows
 from recforge.data.dataset import Dataset
 from recforge.jagged.batch import JaggedBatch

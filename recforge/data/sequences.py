@@ -14,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 import torch
 from torch import Tensor
 
+from recforge.data.arrow import column_numpy
 from recforge.data.dataset import Dataset
-from recforge.jagged.batch import JaggedBatch
+from recforge.jagged.batch import JaggedBatch, readonly_tensor
 from recforge.jagged.index import (
     gather_sequences,
     lengths_from_offsets,
@@ -31,6 +31,23 @@ from recforge.jagged.index import (
 )
 
 PROTOCOL_HOLDOUT = {"paper": 1, "clean": 2}
+_LOOKUP_SPAN = 1 << 26  # raw item IDs below this (and >= 0) are coded through a lookup table, not a sort
+
+
+def _dense_codes(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct values, int64 index of each value among them): ``np.unique(raw, return_inverse=True)``.
+
+    Non-negative IDs below ``_LOOKUP_SPAN`` (and at most a few per event) go through a lookup table, linear
+    instead of a sort of every event (ML-1M: 3 ms instead of 0.15 s of the run's start-up)."""
+    raw = raw.astype(np.int64, copy=False)
+    top = int(raw.max()) if raw.size else -1
+    if raw.size and int(raw.min()) >= 0 and top < min(_LOOKUP_SPAN, 8 * raw.size + 1024):
+        present = np.zeros(top + 1, dtype=bool)
+        present[raw] = True
+        code = np.cumsum(present, dtype=np.int64) - 1
+        return np.flatnonzero(present).astype(np.int64), code[raw]
+    vocab, dense = np.unique(raw, return_inverse=True)
+    return vocab, dense.reshape(-1).astype(np.int64, copy=False)
 
 
 @dataclass
@@ -83,22 +100,19 @@ class UserSequences:
     def from_dataset(dataset: Dataset) -> UserSequences:
         """Group the events table into per-user sequences (vectorised; rows are already grouped)."""
         events = dataset.events
-        users = events.column("user_id").to_numpy()
-        raw_items = events.column("item_id").to_numpy()
-        vocab, dense = np.unique(raw_items, return_inverse=True)
+        users = column_numpy(events.column("user_id"))
+        vocab, dense = _dense_codes(column_numpy(events.column("item_id")))
         starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]]) if len(users) else np.zeros(0, np.int64)
-        offsets = pa.array(np.r_[starts, len(users)].astype(np.int64))  # int64: no 2^31-event limit
-        columns = {"item_ids": pa.LargeListArray.from_arrays(offsets, pa.array(dense.astype(np.int64) + 1))}
+        timestamps = None
         if dataset.has_timestamps:
-            ts = events.column("timestamp").combine_chunks()
+            ts = events.column("timestamp")
             if ts.null_count:
                 raise ValueError(f"{ts.null_count} events have no timestamp while others do; fill or drop them")
-            columns["timestamps"] = pa.LargeListArray.from_arrays(offsets, ts)
-        batch = JaggedBatch.from_arrow(columns)
+            timestamps = readonly_tensor(column_numpy(ts).astype(np.int64, copy=False))
         return UserSequences(
-            item_ids=batch.item_ids,
-            timestamps=batch.timestamps,
-            offsets=batch.seq_offsets,
+            item_ids=torch.from_numpy(dense + 1),
+            timestamps=timestamps,
+            offsets=torch.from_numpy(np.r_[starts, len(users)].astype(np.int64)),  # int64: no 2^31-event limit
             user_ids=users[starts],
             item_vocab=np.r_[-1, vocab].astype(np.int64),
         )

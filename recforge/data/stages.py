@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from recforge.data.arrow import pc  # pyarrow.compute, imported on first use
 from recforge.data.collate import row_ids_of
 from recforge.data.token_batching import token_budget_cuts
 

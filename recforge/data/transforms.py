@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
+
+from recforge.data.arrow import pc  # pyarrow.compute, imported on first use
 
 
 def _replace(rb: pa.RecordBatch, name: str, col: pa.Array) -> pa.RecordBatch:

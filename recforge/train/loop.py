@@ -46,6 +46,7 @@ from recforge.train.progress import STOP_MESSAGES, Progress, progress_mode
 from recforge.train.run_files import (append_jsonl, format_metrics, invoked_command, load_for_resume, prepare_run_dir,
                                       truncate_jsonl)  # fmt: skip
 from recforge.train.step_log import StepLog
+from recforge.train.tb_writer import BackgroundSummaryWriter
 
 __all__ = ["BatchSource", "lr_at", "prepare_run_dir", "run_loop", "run_lr_scale"]
 
@@ -161,10 +162,8 @@ def run_loop(
     total_steps = steps_per_epoch * cfg.train.epochs
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
-    if main:  # imported here, not at module import: only the training loop of the main rank writes TensorBoard
-        from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(run_dir / "tb")) if main else None
+    # the main rank's TensorBoard writer is imported and opened on its own thread while training starts
+    writer = BackgroundSummaryWriter(run_dir / "tb") if main else None
     peak = cfg.train.peak_tflops or peak_tflops(device, matmul_precision(cfg.train.precision))
     report = Progress(progress_mode(progress, main), epochs=cfg.train.epochs, total_steps=total_steps,
                       log_seconds=cfg.train.log_seconds, max_minutes=cfg.train.max_minutes)  # fmt: skip
@@ -301,6 +300,9 @@ def run_loop(
     except BaseException:
         with contextlib.suppress(Exception):  # the error being raised is the one to report
             writer_thread.wait()  # a checkpoint being written when training failed is complete on disk
+        with contextlib.suppress(Exception):
+            if writer is not None:
+                writer.close()  # the scalars logged so far are on disk
         raise
     writer_thread.wait()  # every checkpoint is on disk before the loop returns (an error in one is raised here)
     log.flush()

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from recforge.data.dataset import load_dataset, write_dataset
-from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences
+from recforge.data.arrow import column_numpy
+from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences, _dense_codes
 
 # Raw events of four users, in the order written; user 5 comes last (rows must be contiguous,
 # not sorted). Items repeat within a user (user 10 sees item 100 twice).
@@ -105,6 +106,34 @@ def test_from_dataset_empty_events(tmp_path: Path) -> None:
     seqs = UserSequences.from_dataset(load_dataset(path))
     assert seqs.num_users == 0 and seqs.num_items == 0
     assert seqs.offsets.tolist() == [0]
+
+
+@pytest.mark.parametrize("kind", ["small", "sparse", "negative", "huge", "empty"])
+def test_dense_codes_equal_np_unique(kind: str) -> None:
+    """The lookup-table coding (non-negative, bounded IDs) and the sort fallback both give np.unique's answer."""
+    rng = np.random.default_rng()
+    n = int(rng.integers(1, 5_000))
+    raw = {"small": rng.integers(0, 300, n), "sparse": rng.integers(0, 8 * n + 1024, n),
+           "negative": rng.integers(-50, 50, n), "huge": rng.integers(0, 2**62, n) | (1 << 61),
+           "empty": np.zeros(0, np.int64)}[kind]  # fmt: skip
+    vocab, dense = _dense_codes(raw)
+    want_vocab, want_dense = np.unique(raw, return_inverse=True)
+    assert vocab.dtype == np.int64 and dense.dtype == np.int64
+    assert np.array_equal(vocab, want_vocab) and np.array_equal(dense, want_dense.reshape(-1))
+
+
+def test_column_numpy_equals_to_numpy() -> None:
+    """A view of the buffer where possible (sliced, chunked), to_numpy otherwise (nulls, booleans, strings)."""
+    rng = np.random.default_rng()
+    values = rng.integers(-(2**40), 2**40, 50)
+    cases = [pa.array(values).slice(7, 30), pa.chunked_array([values[:20], values[20:]]), pa.chunked_array([values]),
+             pa.array(values.astype(np.float32)), pa.array([1, None, 3], pa.int64()), pa.array([True, False]),
+             pa.array(["a", "b"]), pa.chunked_array([], pa.int64())]  # fmt: skip
+    for column in cases:
+        got = column_numpy(column)
+        want = column.to_numpy() if isinstance(column, pa.ChunkedArray) else column.to_numpy(zero_copy_only=False)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.array_equal(got, want, equal_nan=got.dtype.kind == "f") or (got == want).all()
 
 
 # --------------------------------------------------------------------------- training_samples

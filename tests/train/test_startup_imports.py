@@ -19,7 +19,8 @@ from recforge.train.runtime import EagerAdamW
 
 ROOT = Path(__file__).resolve().parents[2]
 # seconds of start-up each (torch._dynamo pulls in torch._inductor, sympy and triton), none needed by an eager run
-NOT_IMPORTED = ("torch._dynamo", "torch._inductor", "sympy", "torch.distributed.tensor")
+NOT_IMPORTED = ("torch._dynamo", "torch._inductor", "sympy", "torch.distributed.tensor",
+                "pandas", "pyarrow.compute", "fastapi")  # and pandas (pyarrow's to_numpy), pyarrow.compute, serving
 
 
 def test_plain_cpu_run_imports_no_dynamo(tmp_path: Path) -> None:
