@@ -93,6 +93,11 @@ CATEGORIES = [  # (category, substrings of kernel names), first match wins
 ]  # fmt: skip
 
 
+def _gather_dot_state() -> str:
+    """The gather-dot kernels the loss takes under the environment's switch (float32 is what the loss runs)."""
+    return {None: "fused for float32 (the default)", True: "fused for every dtype", False: "off"}[fused_gather_dot()]
+
+
 def make_batches(case: str, count: int, seed: int) -> list[JaggedBatch]:
     """``count`` CPU batches of ``case`` (random lengths; next-item labels at every position)."""
     _, max_len, tokens, users, _, _, items = CASES[case]
@@ -298,7 +303,7 @@ def main() -> None:
         peaks["measured"] = measure_matmul_peak(device, torch.bfloat16)
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}; "
           f"bf16 peak TFLOP/s: table {peaks['table']}, measured {peaks['measured'] and round(peaks['measured'])}; "
-          f"fused per-position gather-dot: {fused_gather_dot()} (RECFORGE_FUSED_GATHER_DOT)")  # fmt: skip
+          f"fused per-position gather-dot: {_gather_dot_state()} (RECFORGE_FUSED_GATHER_DOT)")  # fmt: skip
     rows = []
     begun = time.perf_counter()
     for case in args.cases:
@@ -329,7 +334,7 @@ def main() -> None:
             "benchmark": "train_mfu", "command": "python benchmarks/train_mfu.py " + " ".join(sys.argv[1:]),
             "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "matmul_precision_fp32": matmul_precision("float32"), "peaks_tflops_bf16": peaks,
-            "date": datetime.date.today().isoformat(), "fused_gather_dot": fused_gather_dot(), "cases": {c: {k: v for k, v in zip(
+            "date": datetime.date.today().isoformat(), "fused_gather_dot": fused_gather_dot(), "gather_dot_kernels": _gather_dot_state(), "cases": {c: {k: v for k, v in zip(
                 ("model", "max_len", "tokens", "users", "negatives", "num_negatives", "items"), CASES[c], strict=True)} for c in args.cases},
             "rows": rows,
         })  # fmt: skip

@@ -9,8 +9,10 @@
     RECFORGE_FUSED_NORM_GATE        0 (or false/off/no): the HSTU block's LayerNorm * gate * dropout as PyTorch ops
                                     on CUDA too (``recforge.ops.norm_gate``); default 1, one fused Triton kernel
                                     each way on CUDA
-    RECFORGE_FUSED_GATHER_DOT       1 (or true/on/yes): sampled softmax's per-position gather-dot as Triton kernels on
-                                    CUDA (``recforge.ops.gather_dot``); default 0, PyTorch's gather + bmm
+    RECFORGE_FUSED_GATHER_DOT       sampled softmax's per-position gather-dot (``recforge.ops.gather_dot``): unset, the
+                                    Triton kernels for float32 CUDA inputs and PyTorch's gather + bmm for bf16/fp16;
+                                    1 (or true/on/yes) the kernels for every supported dtype; 0 (or false/off/no)
+                                    PyTorch's always
     TRITON_INTERPRET                1: Triton kernels run in Triton's CPU interpreter (tests)
 
 Each is read when its function is called, so a test can set it with ``monkeypatch.setenv``;
@@ -47,10 +49,16 @@ def fused_norm_gate() -> bool:
 
 
 def fused_gather_dot() -> bool | None:
-    """``$RECFORGE_FUSED_GATHER_DOT``: True for 1, true, on or yes (any case), False for anything else set, None
-    when unset or empty (the default: the fused kernels for float32 inputs only, where the H200 measured them faster)."""
+    """``$RECFORGE_FUSED_GATHER_DOT``: True for 1, true, on or yes, False for 0, false, off or no (any case), None
+    when unset or empty (the default: the fused kernels for float32 inputs only, where the H200 measured them faster).
+    Any other value raises ``ValueError`` (a typo must not silently change the kernels)."""
     value = os.environ.get("RECFORGE_FUSED_GATHER_DOT", "").strip().lower()
-    return None if not value else value in ("1", "true", "on", "yes")
+    if not value:
+        return None
+    if value in ("1", "true", "on", "yes") or value in ("0", "false", "off", "no"):
+        return value in ("1", "true", "on", "yes")
+    raise ValueError(f"RECFORGE_FUSED_GATHER_DOT={value!r}: use 1/true/on/yes, 0/false/off/no, or leave it unset "
+                     "(the default: fused kernels for float32 inputs on CUDA)")  # fmt: skip
 
 
 def triton_interpret() -> bool:

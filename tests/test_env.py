@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from recforge import env
 
 
@@ -48,3 +50,6 @@ def test_fused_gather_dot_switch(monkeypatch) -> None:
     ):
         monkeypatch.setenv("RECFORGE_FUSED_GATHER_DOT", value)
         assert env.fused_gather_dot() is on, value
+    monkeypatch.setenv("RECFORGE_FUSED_GATHER_DOT", "ture")
+    with pytest.raises(ValueError, match="RECFORGE_FUSED_GATHER_DOT='ture'"):
+        env.fused_gather_dot()

@@ -44,8 +44,8 @@ def _dense_codes(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if raw.size and int(raw.min()) >= 0 and top < min(_LOOKUP_SPAN, 8 * raw.size + 1024):
         present = np.zeros(top + 1, dtype=bool)
         present[raw] = True
-        code = np.cumsum(present, dtype=np.int64) - 1
-        return np.flatnonzero(present).astype(np.int64), code[raw]
+        code = np.cumsum(present, dtype=np.int32) - 1  # < _LOOKUP_SPAN codes: int32 halves the temporary
+        return np.flatnonzero(present).astype(np.int64), code[raw].astype(np.int64)
     vocab, dense = np.unique(raw, return_inverse=True)
     return vocab, dense.reshape(-1).astype(np.int64, copy=False)
 

@@ -31,11 +31,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from recforge.generate.trie import SidTrie
+
+if TYPE_CHECKING:  # annotations only: the search itself needs no model
+    from recforge.models.sid_seq2seq import Memory, SIDSeq2Seq
 
 StepFn = Callable[[Tensor], Tensor]  # (B, W, t) int64 digits so far -> (B, W, V) next-digit log-probabilities
 DenseFn = Callable[[Tensor], Tensor]  # (B, K) int64 trie items (-1: empty slot) -> (B, K) float32 dense logits
@@ -74,7 +78,7 @@ class DenseCandidates:
     score: ScoreFn
 
     @staticmethod
-    def of_model(model, memory, rows: Tensor, item_codes: Tensor, count: int) -> DenseCandidates:
+    def of_model(model: SIDSeq2Seq, memory: Memory, rows: Tensor, item_codes: Tensor, count: int) -> DenseCandidates:
         """Bound to a dense-head model (``SIDSeq2Seq``) and a batch's encoding ``memory`` (``model.start``): ``rows``
         (N,) int64 the model's dense-table row of each trie item (0: none); one matmul scores the catalogue."""
         return DenseCandidates(count, model.catalogue_dense_logits(memory.user, rows), item_codes,

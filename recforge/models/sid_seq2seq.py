@@ -351,8 +351,8 @@ class SIDSeq2Seq(nn.Module):
         if not self.has_dense_head:
             raise ValueError("this model has no dense head (generative.dense_head is off)")
         known = (rows > 0) & (rows <= self.cfg.dense_items)
-        logits = user.float() @ self.dense_item_vectors().T / self.cfg.dense_temperature  # (B, rows of the table)
-        return logits[:, torch.where(known, rows, 0)].masked_fill(~known, float("-inf"))
+        logits = (user.float() @ self.dense_item_vectors().T).div_(self.cfg.dense_temperature)  # (B, rows of the table)
+        return logits[:, torch.where(known, rows, 0)].masked_fill_(~known, float("-inf"))  # the gather is a fresh tensor
 
     def decode(self, memory: Memory, codes: Tensor) -> Tensor:
         """(B, W, t+1, d) decoder states after reading ``[BOS, codes]`` (codes: (B, W, t))."""
@@ -376,11 +376,10 @@ class SIDSeq2Seq(nn.Module):
         ``[BOS, d_0 .. d_{L-2}]`` per SID; the causal decoder's state at digit t is the one a beam step at level t
         computes, so a beam's SID gets the beam's score up to float rounding (summed in the beam's order)."""
         states = self.decode(memory, codes[:, :, :-1])  # (B, K, L, d)
-        logits = torch.einsum("bkld,lvd->bklv", states, self.heads).float()  # (B, K, L, V)
-        digits = logits.gather(3, codes[..., None]).squeeze(3) - logits.logsumexp(-1)  # (B, K, L): no (B, K, L, V) copy
-        total = torch.zeros(digits.shape[:2], device=codes.device)
-        for level in range(digits.shape[2]):
-            total = total + digits[:, :, level]
+        total = torch.zeros(codes.shape[:2], device=codes.device)
+        for level in range(codes.shape[2]):  # one (B, K, V) level at a time, as the beam step computes it
+            logprobs = (states[:, :, level] @ self.heads[level].T).float().log_softmax(-1)
+            total = total + logprobs.gather(2, codes[:, :, level, None]).squeeze(2)
         return total
 
     def loss(

@@ -89,8 +89,9 @@ def _rows_match(q: Tensor, idx: Tensor) -> str | None:
 
 def _backend(device: torch.device, why: str | None, requested: str | None, dtype: torch.dtype) -> str:
     kernel = default_kernel if requested is None else requested
-    if requested is None and kernel == "auto" and float32_only and dtype != torch.float32:
-        kernel = "pytorch"  # the default: the kernels only where they were measured faster
+    if requested is None and kernel == "auto" and float32_only and dtype != torch.float32 and why is None:
+        # the default: the kernels only where they were measured faster (logged as an "auto" choice, not a request)
+        why = f"{dtype} inputs under the float32-only default (RECFORGE_FUSED_GATHER_DOT=1 takes them)"
     return resolve_kernel("gather_dot", kernel, device, why)
 
 
@@ -105,7 +106,9 @@ def gather_dot(q: Tensor, table: Tensor, idx: Tensor, *, kernel: str | None = No
     Args:
         q: (N, D) query vectors (one per position).
         table: (rows, D) item vectors (unit column stride; e.g. the whole normalised item table).
-        idx: (N, R) int32/int64 rows of ``table`` each position scores, in [0, rows) (not checked on the device).
+        idx: (N, R) int32/int64 rows of ``table`` each position scores, in [0, rows). Not checked on the device
+            (no host sync): an index outside reads out of bounds in the Triton forward and adds nothing to ``table``'s
+            gradient, where PyTorch's path fails a device assert; callers check their IDs (the losses do).
         kernel: "auto" | "pytorch" | "triton"; None: the module's ``default_kernel`` (the ``RECFORGE_FUSED_GATHER_DOT``
             switch; unset: Triton for float32 CUDA inputs only). "auto" runs Triton on CUDA inputs it supports (one float dtype for both, int32/int64 indices).
 

@@ -89,7 +89,7 @@ class RetrieveSettings:
         if self.cache_mb < 0:
             problems.append(f"cache_mb: must be >= 0 (0 turns the history cache off), got {self.cache_mb}")
         if self.dense_candidates < -1:
-            problems.append(f"dense_candidates: must be >= 0 (-1: the run's generative.dense_candidates), "
+            problems.append(f"dense_candidates: must be >= -1 (-1: the run's generative.dense_candidates), "
                             f"got {self.dense_candidates}")  # fmt: skip
         if self.default_k > self.max_k:
             problems.append(f"default_k: {self.default_k} is over max_k {self.max_k}")

@@ -306,8 +306,12 @@ def run_loop(
         raise
     writer_thread.wait()  # every checkpoint is on disk before the loop returns (an error in one is raised here)
     log.flush()
+    tb_error = None
     if writer is not None:
-        writer.close()
+        try:
+            writer.close()
+        except RuntimeError as err:  # raised once the run record is written: the trained run is complete
+            tb_error = err
     if stop and state["epoch"] >= cfg.train.epochs:  # the budget ran out on the very last step
         stop_reason = "epochs"
     message = STOP_MESSAGES[stop_reason].format(epochs=cfg.train.epochs, max_steps=cfg.train.max_steps,
@@ -316,6 +320,8 @@ def run_loop(
     state["train_minutes"] = (time.monotonic() - started) / 60
     if main:
         write_run_record(run_dir, stop_reason=stop_reason, stop_message=message, state=state)
+    if tb_error is not None:
+        raise tb_error
     return {**state, "stop_reason": stop_reason, "stop_message": message}
 
 

@@ -134,6 +134,11 @@ def test_column_numpy_equals_to_numpy() -> None:
         want = column.to_numpy() if isinstance(column, pa.ChunkedArray) else column.to_numpy(zero_copy_only=False)
         assert got.dtype == want.dtype and got.shape == want.shape
         assert np.array_equal(got, want, equal_nan=got.dtype.kind == "f") or (got == want).all()
+    for column in (cases[0], cases[2], cases[3]):  # one chunk without nulls: a read-only view, no copy
+        chunk = column.chunk(0) if isinstance(column, pa.ChunkedArray) else column
+        buffer = np.frombuffer(chunk.buffers()[1], dtype=np.uint8)
+        got = column_numpy(column)
+        assert np.shares_memory(got, buffer) and not got.flags.writeable
 
 
 # --------------------------------------------------------------------------- training_samples

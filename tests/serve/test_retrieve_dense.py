@@ -67,7 +67,7 @@ def test_retrieve_returns_the_rescored_order_cached_or_not(run_dir: Path) -> Non
 
 def test_the_serve_config_sets_dense_candidates_and_serving_returns_the_retrievers_lists(run_dir: Path) -> None:
     assert RetrieveSettings(dense_candidates=-2).problems() == [
-        "dense_candidates: must be >= 0 (-1: the run's generative.dense_candidates), got -2"]  # fmt: skip
+        "dense_candidates: must be >= -1 (-1: the run's generative.dense_candidates), got -2"]  # fmt: skip
     plain, _ = load_retriever(run_dir, RetrieveSettings(max_k=40, cache_mb=0), device="cpu")
     assert plain.dense_candidates == 0  # -1: the run's own setting
     settings = RetrieveSettings(max_k=40, max_batch=8, max_history=50, max_allowed=40, cache_mb=1, dense_candidates=6)

@@ -113,7 +113,8 @@ def test_train_resume_eval_and_retrieve_with_a_dense_head(tmp_path: Path, data: 
     assert json.loads((straight / "eval.json").read_text()) == result  # the test result is left alone
     assert main(["eval", str(straight), "generative.dense_candidates=6", "--split", "valid"]) == 0  # LIGER's candidates
     liger = json.loads((straight / "eval-valid.json").read_text())
-    assert liger["dense_candidates"] == 6 and liger["rescore"] == 1.0 and liger["hr@10"] >= 0.0
+    assert liger["dense_candidates"] == 6 and liger["rescore"] == 1.0 and "generative.dense_candidates=6" in liger["command"]
+    assert 0.0 <= liger["ndcg@10"] <= liger["hr@10"] <= 1.0
     assert result["dense_candidates"] == 0  # the run's own setting: the beam's items only
 
     # the re-scored list is its definition: the generation-only list of every beam item, + rescore x dense logit

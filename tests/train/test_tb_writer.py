@@ -35,14 +35,32 @@ def test_scalars_written_in_order_with_their_call_times(tmp_path: Path) -> None:
         assert all(before - 1e-3 <= e.wall_time <= after + 1e-3 for e in got[tag])  # the add_scalar call's time
 
 
-def test_unwritable_log_dir_is_raised(tmp_path: Path) -> None:
+def test_unwritable_log_dir_fails_at_construction(tmp_path: Path) -> None:
     blocker = tmp_path / "tb"
     blocker.write_text("a file where the log directory should be")
-    writer = BackgroundSummaryWriter(blocker)
-    deadline = time.monotonic() + 60
-    while writer._error is None and time.monotonic() < deadline:  # the thread fails to open the writer
-        time.sleep(0.01)
-    with pytest.raises(RuntimeError, match="writing TensorBoard scalars failed"):
+    with pytest.raises(FileExistsError):
+        BackgroundSummaryWriter(blocker)
+
+
+def test_writer_thread_errors_are_raised(tmp_path: Path, monkeypatch) -> None:
+    import torch.utils.tensorboard
+
+    def broken(log_dir: str):
+        raise OSError(f"cannot open an event file in {log_dir}")
+
+    monkeypatch.setattr(torch.utils.tensorboard, "SummaryWriter", broken)
+    writer = BackgroundSummaryWriter(tmp_path / "tb")
+    assert writer._imported.wait(60)  # the thread got as far as opening the writer
+    with pytest.raises(RuntimeError, match="writing TensorBoard scalars failed: OSError"):
         writer.add_scalar("train/loss", 1.0, 1)
     with pytest.raises(RuntimeError, match="writing TensorBoard scalars failed"):
         writer.close()
+
+
+def test_add_scalar_after_close_is_refused(tmp_path: Path) -> None:
+    writer = BackgroundSummaryWriter(tmp_path / "tb")
+    writer.add_scalar("train/loss", 1.0, 1)
+    writer.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        writer.add_scalar("train/loss", 2.0, 2)
+    assert [e.value for e in _read(tmp_path / "tb")["train/loss"]] == [1.0]
