@@ -43,3 +43,18 @@ def call_ms(run, device) -> float:
     t0 = time.perf_counter()
     run()
     return (time.perf_counter() - t0) * 1e3
+
+
+def kernel_header(benchmark: str, device) -> dict:
+    """The common fields of a kernel benchmark's JSON: name, UTC date, device (GPU name or the CPU interpreter),
+    torch and triton versions, the command line."""
+    import datetime
+    import sys
+
+    import torch
+    import triton
+
+    return {"benchmark": benchmark, "date": datetime.datetime.now(datetime.UTC).isoformat(),
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
+            "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv)}  # fmt: skip
+

@@ -33,13 +33,12 @@ Usage (one H200; mostly compiling, estimated under 10 minutes on a machine with 
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import time
 from pathlib import Path
 
 import torch
-from _machine import call_ms
+from _machine import call_ms, kernel_header
 from attention import HEADS, flops, make_lengths
 
 from recforge.io import atomic_write_json
@@ -192,10 +191,8 @@ def main() -> int:
 
     def result() -> dict:
         return {
-            "benchmark": "attention_bias_grad", "date": datetime.datetime.now(datetime.UTC).isoformat(),
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)", "torch": torch.__version__, "triton": __import__("triton").__version__,
-            "command": " ".join(sys.argv), "autotuned": args.autotune, "time_steps": hstu_kernels.TIME_STEPS, "reference_checks": checks,
-            "rows": rows, "correct": all(c["ok"] for c in checks) and all(r["agree"] for r in rows),
+            **kernel_header("attention_bias_grad", device), "autotuned": args.autotune,
+            "time_steps": hstu_kernels.TIME_STEPS, "reference_checks": checks, "rows": rows, "correct": all(c["ok"] for c in checks) and all(r["agree"] for r in rows),
         }  # fmt: skip
 
     for L in args.lengths:

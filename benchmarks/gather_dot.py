@@ -26,12 +26,11 @@ elements per program's tile).
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from pathlib import Path
 
 import torch
-from _machine import call_ms
+from _machine import call_ms, kernel_header
 
 from recforge.io import atomic_write_json
 from recforge.ops.gather_dot import gather_dot_reference
@@ -183,10 +182,7 @@ def main() -> int:
               f"{r.get('peak_extra_gb', float('nan')):>8.2f} {max(r['errors'].values()):>11.2e} {str(r['ok']):>4}")  # fmt: skip
     correct = all(r["ok"] for r in rows)
     result = {
-        "benchmark": "gather_dot", "date": datetime.datetime.now(datetime.UTC).isoformat(),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
-        "torch": torch.__version__, "triton": __import__("triton").__version__, "command": " ".join(sys.argv),
-        "rows": rows, "correct": correct,
+        **kernel_header("gather_dot", device), "rows": rows, "correct": correct,
     }  # fmt: skip
     if args.out:
         atomic_write_json(Path(args.out), result)

@@ -24,7 +24,6 @@ config's). Variants: ``pytorch`` (the chain ``HSTUBlock`` ran before: F.layer_no
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import math
 import sys
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _machine import call_ms
+from _machine import call_ms, kernel_header
 
 from recforge.io import atomic_write_json
 from recforge.ops.norm_gate import norm_gate, norm_gate_reference
@@ -156,10 +155,7 @@ def main() -> int:
               f"{max(r['errors'].values()):>11.2e} {str(r['ok']):>4}")  # fmt: skip
     correct = all(r["ok"] for r in rows)
     result = {
-        "benchmark": "norm_gate", "date": datetime.datetime.now(datetime.UTC).isoformat(),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
-        "torch": torch.__version__, "triton": __import__("triton").__version__, "command": " ".join(sys.argv),
-        "rows": rows, "correct": correct,
+        **kernel_header("norm_gate", device), "rows": rows, "correct": correct,
     }  # fmt: skip
     if args.out:
         atomic_write_json(Path(args.out), result)
