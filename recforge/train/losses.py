@@ -13,6 +13,8 @@ next-token losses stay methods of those models (``model.loss``), where their log
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -78,6 +80,14 @@ def draw_negatives(targets: Tensor, num_items: int, *, negatives: str = "per_pos
     return out
 
 
+def _float32(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off for the loss, entered only when autocast is on: a compiled float32 step's graph then holds no
+    autocast node, which AOTAutograd's cache refuses (its compiled graph is reused across processes)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def sampled_softmax_loss(
     user: Tensor,
     targets: Tensor,
@@ -132,7 +142,7 @@ def sampled_softmax_loss(
         Mean (or weighted mean) loss over positions (scalar), computed in float32 also under bfloat16 autocast: at
         temperature 0.05 bf16's ~3 significant digits would put ~0.1 of noise on each logit.
     """
-    with torch.autocast(user.device.type, enabled=False):
+    with _float32(user.device.type):
         dtype = torch.promote_types(user.dtype, torch.float32)  # bf16/fp16 -> float32
         if sampled is None:  # the draws come first, as they always did: the default generator's order is unchanged
             sampled = draw_negatives(targets, num_items, negatives=negatives, num_negatives=num_negatives,

@@ -69,11 +69,13 @@ def test_one_traced_graph_for_every_batch_size(tmp_path: Path, data_dir: Path, c
     checks trace as constants). Each new size recompiled before: a compile per CUDA-graph bucket on the GPU."""
     from torch._dynamo.testing import CompileCounter
 
+    from recforge.train.compiled import compile_dynamic
+
     torch._dynamo.reset()
     cfg = _cfg(tmp_path, data_dir, f"loss.chunk_size={chunk_size}", "model.kernel=pytorch", "model.dropout=0.2")
     s = retrieval.setup(cfg)
     counter = CompileCounter()
-    s.runner.objective.compile(backend=counter, dynamic=True)  # as train.compile does, tracing only
+    compile_dynamic(s.runner.objective, backend=counter)  # as train.compile does, tracing only
     samples = s.seqs.training_samples(s.holdout, cfg.data.max_seq_len, cfg.data.train_windows)
     tokens = []
     for users in (16, 11, 7):  # every batch over the chunk size: the chunked path without compile
@@ -83,6 +85,50 @@ def test_one_traced_graph_for_every_batch_size(tmp_path: Path, data_dir: Path, c
         assert math.isfinite(loss)
     assert len(set(tokens)) == 3 and min(tokens) > 16, tokens
     assert counter.frame_count == 1, f"{counter.frame_count} graphs traced for token counts {tokens}"
+
+
+class _FloatAttributes(torch.nn.Module):
+    """Python float attributes read in forward (an embedding scale, a norm's eps) as the models have them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.linear, self.scale = torch.nn.Embedding(50, 8), torch.nn.Linear(8, 8), 8**0.5
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.linear(self.embedding(ids) * self.scale)
+        with torch.autocast("cpu", enabled=False):  # as the loss does under bf16 autocast
+            return torch.nn.functional.layer_norm(x.float(), (8,), eps=1e-5).sum()
+
+
+def test_compile_dynamic_traces_once_and_its_graph_is_cacheable(monkeypatch) -> None:
+    """Floats are constants (no restarted trace to specialise them: one compile attempt per graph), and a graph
+    with an autocast region passes AOTAutograd's cacheability check (the cache is what a second process reuses)."""
+    from torch._dynamo.utils import compile_times
+    from torch._functorch._aot_autograd.autograd_cache import check_node_safe
+
+    from recforge.train.compiled import compile_dynamic
+
+    import torch._inductor.config
+
+    monkeypatch.setattr(torch._dynamo.config, "specialize_float", False)  # PyTorch's defaults, restored after
+    monkeypatch.setattr(torch._inductor.config, "unsafe_marked_cacheable_functions", {})
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.common.aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
+
+    module = _FloatAttributes()
+    compile_dynamic(module, backend=backend)
+    for size in (7, 9, 12):
+        module(torch.randint(0, 50, (size,))).backward()
+    attempts = [line for line in compile_times(repr="str", aggregate=True).splitlines() if "compile_attempt" in line]
+    assert len(graphs) == 1 and len(attempts) == 1, (len(graphs), attempts)
+    autocast_nodes = [n for n in graphs[0].graph.nodes if "autocast" in str(n.target)]
+    assert autocast_nodes
+    for node in graphs[0].graph.nodes:
+        check_node_safe(node)  # raises BypassAOTAutogradCache for a node the cache refuses
 
 
 @pytest.mark.gpu
