@@ -9,6 +9,8 @@ Usage (on the GPU machine, from the repo root, ML-1M prepared as data/ml-1m):
     python benchmarks/time_to_quality.py configs/ml1m-hstu-plus-d128.yaml --name ng --seeds 1 2 3 \
         --set train.eval_every=5 train.precision=bfloat16 train.cuda_graphs=true \
         --variants chain:RECFORGE_FUSED_NORM_GATE=0 fused:RECFORGE_FUSED_NORM_GATE=1 --out ttq-ab.json   # A/B, 6 runs
+    python benchmarks/time_to_quality.py configs/ml1m-hstu-plus-d128.yaml --name cg --warm-caches 40 \
+        --set train.eval_every=5 train.precision=bfloat16 train.cuda_graphs=true train.compile=default  # a second run
 
 Starts ``python -m recforge.cli train CONFIG`` as a child process and reads its ``evals.jsonl`` as it
 grows. The quality is what the run itself evaluates (``evals.jsonl``: the test target under
@@ -17,7 +19,9 @@ it changes nothing in training, so the checkpoint it times is the one an uninter
 at that step. Reached: the first evaluation at or above every ``--target``, once its checkpoint
 directory is complete; then the child is stopped (``--no-stop``: it runs to the end and its total
 time is reported). Times are from the child's launch, so they include Python start-up, data loading,
-model building, compilation and every evaluation.
+model building, compilation and every evaluation. ``--warm-caches STEPS``: first, per variant, one untimed run of
+STEPS steps with the same settings fills the on-disk compile caches (Inductor, AOTAutograd, Triton autotuning), so
+the timed runs measure what a user's second run of a config pays; its seconds are in the JSON (``warm_up_s``).
 """
 
 from __future__ import annotations
@@ -137,6 +141,25 @@ def run_once(args, targets: dict[str, float], name: str, overrides: list[str], e
     return result
 
 
+def warm_up(args, name: str, overrides: list[str], extra_env: dict[str, str]) -> float:
+    """One untimed ``recforge train`` child of ``args.warm_caches`` steps (its run dir ``runs/NAME``); its seconds."""
+    command = [sys.executable, "-m", "recforge.cli", "--no-progress", "train", args.config, f"name={name}",
+               f"data.path={args.data}", *overrides, f"train.max_steps={args.warm_caches}"]  # fmt: skip
+    if (Path("runs") / name).exists():
+        raise SystemExit(f"runs/{name} exists: remove it or pass another --name")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.environ.get("PYTHONPATH", str(Path.cwd())), **extra_env)
+    log_path = Path("runs") / f"{name}.log"
+    log_path.parent.mkdir(exist_ok=True)
+    started = time.time()
+    with log_path.open("w") as log:
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.timeout)
+    if done.returncode:
+        raise SystemExit(f"the cache warm-up run failed (code {done.returncode}); see {log_path}")
+    seconds = time.time() - started
+    print(f"{name}: caches warmed by {args.warm_caches} steps in {seconds:.1f} s")
+    return seconds
+
+
 def summarize(rows: list[dict]) -> dict:
     """Per variant: runs, how many reached the target, and the median time of those that did (compare the
     counts first: a variant that reached the target in fewer runs can show a lower median)."""
@@ -166,18 +189,25 @@ def main() -> None:
                         "(e.g. chain:RECFORGE_FUSED_NORM_GATE=0 fused:RECFORGE_FUSED_NORM_GATE=1)")  # fmt: skip
     parser.add_argument("--no-stop", action="store_true", help="let the run finish after the target is reached")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a child is stopped")
+    parser.add_argument("--warm-caches", type=int, default=0, metavar="STEPS",
+                        help="first one untimed run of STEPS steps per variant, same settings, to fill the compile "
+                        "caches (a user's second run); 0: the timed runs start on the machine's caches as they are")  # fmt: skip
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()
+    if args.warm_caches < 0:
+        raise SystemExit(f"--warm-caches {args.warm_caches}: a number of steps (>= 0)")
     targets = _parse_targets(args.target)
     name = args.name or Path(args.config).stem + "-ttq"
     if not args.seeds and not args.variants:  # one run: its row is the whole output, as before
-        result = run_once(args, targets, name, args.set, {})
+        warm = warm_up(args, f"{name}-warm", args.set, {}) if args.warm_caches else None
+        result = run_once(args, targets, name, args.set, {}) | ({"warm_up_s": warm} if warm is not None else {})
         if args.out:
             atomic_write_json(Path(args.out), result)
         return
     variants = _parse_variants(args.variants) or [("run", {})]
     if len({v for v, _ in variants}) < len(variants):
         raise SystemExit(f"--variants: names must differ ({[v for v, _ in variants]}): each names its runs")
+    warm = {variant: warm_up(args, f"{name}-{variant}-warm", args.set, env) for variant, env in variants} if args.warm_caches else {}
     rows = []
     for seed in args.seeds or [None]:
         for variant, env in variants:  # alternating: drifts of the machine fall on every variant alike
@@ -186,7 +216,8 @@ def main() -> None:
             rows.append(run_once(args, targets, run_name, [*args.set, *seeded], env) | {"variant": variant, "seed": seed})
             if args.out:  # after every run: a stopped benchmark keeps what it measured
                 atomic_write_json(Path(args.out), {"benchmark": "time_to_quality", "config": args.config,
-                                                   "targets": targets, "summary": summarize(rows), "runs": rows})  # fmt: skip
+                                                   "targets": targets, "warm_up_s": warm or None,
+                                                   "summary": summarize(rows), "runs": rows})  # fmt: skip
     for variant, row in summarize(rows).items():
         median = row["median_time_to_quality_s"]
         print(f"{variant}: reached {row['reached']} of {row['runs']}"
