@@ -22,6 +22,7 @@ AOTAutograd's cache counters (hit / miss / bypass).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -30,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _machine import write_result
+from _machine import cpu_model, write_result
 
 HERE = Path(__file__).resolve().parent
 
@@ -108,7 +109,9 @@ def main() -> int:
             print(f"{name:>8} {variant:>7} {med[name]['cold']:>8.1f} {med[name]['warm']:>8.1f} "
                   f"{med[first]['warm'] / med[name]['warm']:>18.2f}x")  # fmt: skip
     if args.out:
-        write_result(args.out, {"benchmark": "compile_time", "device": args.device, "command": " ".join(sys.argv),
+        machine = cpu_model() if args.device == "cpu" else __import__("torch").cuda.get_device_name()
+        write_result(args.out, {"benchmark": "compile_time", "device": args.device, "machine": machine,
+                                "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
                                 "trees": {k: str(v) for k, v in trees.items()}, "rows": rows})  # fmt: skip
     return 0
 
