@@ -81,16 +81,22 @@ def _parse_variants(items: list[str]) -> list[tuple[str, dict[str, str]]]:
     return out
 
 
-def run_once(args, targets: dict[str, float], name: str, overrides: list[str], extra_env: dict[str, str]) -> dict:
-    """One ``recforge train`` child watched to the target (see the module doc); its result row."""
+def _child(args, name: str, overrides: list[str], extra_env: dict[str, str]) -> tuple[list[str], dict, Path]:
+    """(command, environment, log path) of one ``recforge train`` child named ``name`` (refused if its run exists)."""
+    if (Path("runs") / name).exists():
+        raise SystemExit(f"runs/{name} exists: remove it or pass another --name")
     command = [sys.executable, "-m", "recforge.cli", "--no-progress", "train", args.config, f"name={name}",
                f"data.path={args.data}", *overrides]  # fmt: skip
-    run_dir = Path("runs") / name
-    if run_dir.exists():
-        raise SystemExit(f"{run_dir} exists: remove it or pass another --name")
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.environ.get("PYTHONPATH", str(Path.cwd())), **extra_env)
     log_path = Path("runs") / f"{name}.log"
     log_path.parent.mkdir(exist_ok=True)
+    return command, env, log_path
+
+
+def run_once(args, targets: dict[str, float], name: str, overrides: list[str], extra_env: dict[str, str]) -> dict:
+    """One ``recforge train`` child watched to the target (see the module doc); its result row."""
+    command, env, log_path = _child(args, name, overrides, extra_env)
+    run_dir = Path("runs") / name
     launched = time.time()
     with log_path.open("w") as log:
         child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -143,13 +149,7 @@ def run_once(args, targets: dict[str, float], name: str, overrides: list[str], e
 
 def warm_up(args, name: str, overrides: list[str], extra_env: dict[str, str]) -> float:
     """One untimed ``recforge train`` child of ``args.warm_caches`` steps (its run dir ``runs/NAME``); its seconds."""
-    command = [sys.executable, "-m", "recforge.cli", "--no-progress", "train", args.config, f"name={name}",
-               f"data.path={args.data}", *overrides, f"train.max_steps={args.warm_caches}"]  # fmt: skip
-    if (Path("runs") / name).exists():
-        raise SystemExit(f"runs/{name} exists: remove it or pass another --name")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.environ.get("PYTHONPATH", str(Path.cwd())), **extra_env)
-    log_path = Path("runs") / f"{name}.log"
-    log_path.parent.mkdir(exist_ok=True)
+    command, env, log_path = _child(args, name, [*overrides, f"train.max_steps={args.warm_caches}"], extra_env)
     started = time.time()
     with log_path.open("w") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.timeout)

@@ -12,6 +12,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from _cuda import capture_without_syncs
 from _oracles import relative_error
 
 from recforge.ops.custom_ops import gather_dot_op
@@ -215,18 +216,7 @@ def test_gpu_graph_capture_without_syncs(cuda_device) -> None:
         logits = gather_dot(q, table, idx, kernel="triton")
         return (logits, *torch.autograd.grad(logits, [q, table], grad))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up: kernels compiled outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(graph):
-            out = step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    graph, out = capture_without_syncs(step)
     idx.copy_(torch.randint(0, 20_000, idx.shape, device=cuda_device))
     graph.replay()
     q64, t64, expected = _float64(q, table, idx)

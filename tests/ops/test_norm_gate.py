@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _cuda import capture_without_syncs
 from _oracles import relative_error
 
 from recforge.ops.custom_ops import norm_gate_op
@@ -184,20 +185,11 @@ def test_gpu_graph_replays_draw_fresh_masks_without_syncs(cuda_device) -> None:
         y.backward(grad)
         return y
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up: kernels compiled outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    for t in (a, proj, weight, bias):
-        t.grad = None  # allocated inside the capture, from the graph's pool
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(graph):
-            out = step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    def clear_grads() -> None:
+        for t in (a, proj, weight, bias):
+            t.grad = None  # allocated inside the capture, from the graph's pool
+
+    graph, out = capture_without_syncs(step, before=clear_grads)
     masks = []
     for _ in range(2):
         graph.replay()
