@@ -14,7 +14,6 @@ next-token losses stay methods of those models (``model.loss``), where their log
 from __future__ import annotations
 
 import contextlib
-
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -81,8 +80,8 @@ def draw_negatives(targets: Tensor, num_items: int, *, negatives: str = "per_pos
 
 
 def _float32(device_type: str) -> contextlib.AbstractContextManager:
-    """Autocast off for the loss, entered only when autocast is on: a compiled float32 step's graph then holds no
-    autocast node, which AOTAutograd's cache refuses (its compiled graph is reused across processes)."""
+    """Autocast off for the loss, entered only when autocast is on: a float32 step's compiled graph then holds no
+    autocast region (before ``train.compiled._autocast_cacheable``, one kept it out of AOTAutograd's cache)."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
