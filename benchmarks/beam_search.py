@@ -85,8 +85,9 @@ def naive_search(model: SIDSeq2Seq | SIDHSTU, memory, trie_dict: dict, batch: in
     return codes, scores
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def shape_args(description: str) -> argparse.ArgumentParser:
+    """The retrieve-path shapes every generative benchmark takes (the seed's: batch 8, 1,250 items, beam 256)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--quick", action="store_true", help="tiny shapes for a CPU check")
@@ -99,6 +100,11 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4, help="encoder and decoder layers each")
     p.add_argument("--heads", type=int, default=4)
+    return p
+
+
+def main() -> None:
+    p = shape_args(__doc__.split("\n")[0])
     p.add_argument("--model", default="tiger", choices=("tiger", "sid_hstu"),
                    help="tiger: encoder-decoder; sid_hstu: decoder-only HSTU (--layers blocks)")
     p.add_argument("--repeats", type=int, default=50)

@@ -20,7 +20,6 @@ and every item of the K = 0 list with the same score.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import statistics
 import sys
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _machine import cpu_model  # noqa: E402
-from beam_search import pct, timed  # noqa: E402
+from beam_search import pct, shape_args, timed  # noqa: E402
 
 from recforge.generate import RetrieveConfig, RetrieveRequest, Retriever, SidTrie, beam_search  # noqa: E402
 from recforge.io import atomic_write_json  # noqa: E402
@@ -69,20 +68,8 @@ def checks(model: SIDSeq2Seq, engines: dict[int, Retriever], requests: list[Retr
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--quick", action="store_true", help="tiny shapes for a CPU check")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--history", type=int, default=1250, help="history items (x 4 SID tokens)")
-    p.add_argument("--items", type=int, default=200_000)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--beam", type=int, default=256)
-    p.add_argument("--k", type=int, default=256, help="items returned per request")
+    p = shape_args(__doc__.split("\n")[0])
     p.add_argument("--candidates", default="100,500", help="dense_candidates values timed next to 0")
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4, help="encoder and decoder layers each")
-    p.add_argument("--heads", type=int, default=4)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--out", default="")
     args = p.parse_args()
