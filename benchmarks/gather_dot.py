@@ -26,6 +26,7 @@ elements per program's tile).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -48,6 +49,18 @@ def make_inputs(n: int, r: int, d: int, rows: int, dtype: torch.dtype, device: t
     return q, table, idx, grad
 
 
+@contextlib.contextmanager
+def accumulation(variant: str):
+    """``fused2d`` variants: the kernels' ``accumulate_2d`` switch on for the duration (``fused``: off)."""
+    from recforge.ops.triton import gather_dot as kernels
+
+    before, kernels.accumulate_2d = kernels.accumulate_2d, variant.startswith("fused2d")
+    try:
+        yield
+    finally:
+        kernels.accumulate_2d = before
+
+
 def variant_fn(variant: str):
     """``fn(q, table, idx) -> (N, R) float32 logits`` with autograd."""
     if variant.startswith("fused"):
@@ -55,16 +68,18 @@ def variant_fn(variant: str):
 
         tile = int(variant.partition("@")[2] or TILE)
 
-        class Fused(torch.autograd.Function):  # GatherDot with this tile
+        class Fused(torch.autograd.Function):  # GatherDot with this tile and accumulation
             @staticmethod
             def forward(ctx, q, table, idx):
                 ctx.save_for_backward(q, table, idx)
-                return gather_dot_forward(q, table, idx, tile)
+                with accumulation(variant):
+                    return gather_dot_forward(q, table, idx, tile)
 
             @staticmethod
             def backward(ctx, g):
                 q, table, idx = ctx.saved_tensors
-                return gather_rows_sum(g, table, idx, tile), scatter_rows_sum(g, q, idx, table.shape[0], tile), None
+                with accumulation(variant):
+                    return gather_rows_sum(g, table, idx, tile), scatter_rows_sum(g, q, idx, table.shape[0], tile), None
 
         return Fused.apply
     return torch.compile(gather_dot_reference, dynamic=False) if variant == "compiled" else gather_dot_reference
@@ -127,7 +142,8 @@ def time_variant(variant: str, fn, inputs, reps: int, iters: int, device: torch.
                  "dtable_ms": lambda: scatter_rows_sum(grad, qd, idx, td.shape[0], tile),
                  "sort_ms": lambda: sort_pairs(idx, td.shape[0])}  # fmt: skip
         for key, run in parts.items():
-            row[key] = timed(lambda run=run: [run() for _ in range(iters)], reps, iters, device)
+            with accumulation(variant):
+                row[key] = timed(lambda run=run: [run() for _ in range(iters)], reps, iters, device)
         gathered = idx.numel() * q.shape[1] * q.element_size()
         row["fwd_gathered_gb_per_s"] = gathered / (row["fwd_ms"] * 1e-3) / 1e9
     return row
@@ -138,7 +154,7 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="+", default=["16384x129x1024", "4096x129x512"], help="N x R x D")
     parser.add_argument("--rows", type=int, default=100_001, help="table rows (items + the padding row)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
-    parser.add_argument("--variants", nargs="+", default=["pytorch", "fused"], help="pytorch, compiled, fused")
+    parser.add_argument("--variants", nargs="+", default=["pytorch", "fused"], help="pytorch, compiled, fused, fused2d (fused with the kernels' accumulate_2d)")
     parser.add_argument("--tiles", type=int, nargs="*", default=[], help="fused variants fused@T, T elements per tile")
     parser.add_argument("--reps", type=int, default=10, help="timed samples per variant")
     parser.add_argument("--iters", type=int, default=5, help="calls per sample")
@@ -151,10 +167,11 @@ def main() -> int:
         print("needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1 for a smoke test)", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False  # the oracle and the pytorch variant in full float32
-    variants = [v for v in args.variants if v != "fused" or not args.tiles] + [f"fused@{t}" for t in args.tiles]
-    bad = [v for v in variants if v.partition("@")[0] not in ("pytorch", "compiled", "fused")]
+    tiled = [v for v in args.variants if v in ("fused", "fused2d")] if args.tiles else []
+    variants = [v for v in args.variants if v not in tiled] + [f"{v}@{t}" for v in tiled for t in args.tiles]
+    bad = [v for v in variants if v.partition("@")[0] not in ("pytorch", "compiled", "fused", "fused2d")]
     if bad:
-        parser.error(f"unknown variants {bad} (expected pytorch, compiled, fused)")
+        parser.error(f"unknown variants {bad} (expected pytorch, compiled, fused, fused2d)")
     rows = []
     for shape in args.shapes:
         n, r, d = (int(s) for s in shape.split("x"))

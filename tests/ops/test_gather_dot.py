@@ -67,6 +67,15 @@ def test_half_inputs_sum_in_float32(interpreter, dtype: torch.dtype) -> None:
     _check(int(torch.randint(1, 40, ())), 7, 33, 5, dtype, index_dtype=torch.int32)
 
 
+@pytest.mark.parametrize(("dtype", "n", "r", "d", "rows"), [(torch.float32, 37, 5, 24, 6), (torch.float32, 17, 9, 513, 300),
+                                                         (torch.bfloat16, 3, 129, 300, 40)])  # fmt: skip
+def test_accumulate_2d_matches_float64_sums(interpreter, monkeypatch, dtype: torch.dtype, n: int, r: int, d: int,
+                                           rows: int) -> None:  # fmt: skip
+    """The kernels' A/B switch (products kept in a register tile, reduced once after the loop) sums the same."""
+    monkeypatch.setattr(importlib.import_module("recforge.ops.triton.gather_dot"), "accumulate_2d", True)
+    _check(n, r, d, rows, dtype)
+
+
 def test_hot_row_and_empty_batch(interpreter) -> None:
     """Every pair on one row (a padded batch's padding positions all target row 0), and N = 0."""
     q, table, _ = _inputs(45, 11, 20, 4, torch.float32)

@@ -28,27 +28,39 @@ import triton.language as tl
 from torch import Tensor
 
 TILE = 4096  # elements of a program's (rows x columns) register tile
+# Accumulate each program's (rows x columns) products in a register tile and reduce it once after the loop, instead
+# of reducing every iteration's tile (across warps: a shared-memory round trip and a barrier per iteration; ptxas
+# for sm_90 shows the bf16 tile's rows spread over 4 warps, float32's over 2, and bf16's backward measured 3x slower
+# than float32's on the H200). Not timed yet: off until ``benchmarks/gather_dot.py --variants fused fused2d`` says.
+accumulate_2d = False
 
 
 @triton.jit
-def _gather_dot_fwd(Q, E, IDX, OUT, R, D, stride_q, stride_e, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _gather_dot_fwd(Q, E, IDX, OUT, R, D, stride_q, stride_e, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                    ACC_2D: tl.constexpr):  # fmt: skip
     n = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < R
     rows = tl.load(IDX + n * R + r, mask=r_ok, other=0).to(tl.int64)
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    tile = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         d_ok = d < D
         q = tl.load(Q + n * stride_q + d, mask=d_ok, other=0.0).to(tl.float32)
         e = tl.load(E + rows[:, None] * stride_e + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-        acc += tl.sum(e.to(tl.float32) * q[None, :], 1)
+        if ACC_2D:
+            tile += e.to(tl.float32) * q[None, :]
+        else:
+            acc += tl.sum(e.to(tl.float32) * q[None, :], 1)
+    if ACC_2D:
+        acc = tl.sum(tile, 1)
     tl.store(OUT + n * R + r, acc, mask=r_ok)
 
 
 @triton.jit
 def _gather_rows_sum(G, SRC, IDX, SEG, OUT, R, D, stride_src, stride_out, SORTED: tl.constexpr, BLOCK_P: tl.constexpr,
-              BLOCK_D: tl.constexpr):  # fmt: skip
+              BLOCK_D: tl.constexpr, ACC_2D: tl.constexpr):  # fmt: skip
     """OUT[s, d-block] = sum over the pairs p of segment s of G[pair] * SRC[source row]. SORTED: the pairs of s are
     IDX[SEG[s]:SEG[s+1]] (flat pair indices, sorted by table row), the source row pair // R (a row of q); else
     the pairs s*R .. s*R + R - 1, the source row IDX[pair] (a row of the table)."""
@@ -62,6 +74,7 @@ def _gather_rows_sum(G, SRC, IDX, SEG, OUT, R, D, stride_src, stride_out, SORTED
         lo = s * R
         hi = lo + R
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    tile = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
     for p0 in range(lo, hi, BLOCK_P):
         p = p0 + tl.arange(0, BLOCK_P)
         p_ok = p < hi
@@ -73,7 +86,12 @@ def _gather_rows_sum(G, SRC, IDX, SEG, OUT, R, D, stride_src, stride_out, SORTED
             src = tl.load(IDX + p, mask=p_ok, other=0).to(tl.int64)
         w = tl.load(G + pair, mask=p_ok, other=0.0).to(tl.float32)
         x = tl.load(SRC + src[:, None] * stride_src + d[None, :], mask=p_ok[:, None] & d_ok[None, :], other=0.0)
-        acc += tl.sum(x.to(tl.float32) * w[:, None], 0)
+        if ACC_2D:
+            tile += x.to(tl.float32) * w[:, None]
+        else:
+            acc += tl.sum(x.to(tl.float32) * w[:, None], 0)
+    if ACC_2D:
+        acc = tl.sum(tile, 0)
     tl.store(OUT + s * stride_out + d, acc.to(OUT.dtype.element_ty), mask=d_ok)
 
 
@@ -103,7 +121,7 @@ def gather_dot_forward(q: Tensor, table: Tensor, idx: Tensor, tile: int = TILE) 
     block_r, block_d = tiles(d, r, tile)
     if n and r:
         _gather_dot_fwd[(n, triton.cdiv(r, block_r))](q, table, idx, out, r, d, q.stride(0), table.stride(0),
-                                                      BLOCK_R=block_r, BLOCK_D=block_d,
+                                                      BLOCK_R=block_r, BLOCK_D=block_d, ACC_2D=accumulate_2d,
                                                       num_warps=_warps(block_r, block_d))  # fmt: skip
     return out
 
@@ -116,7 +134,7 @@ def gather_rows_sum(g: Tensor, table: Tensor, idx: Tensor, tile: int = TILE) -> 
     block_p, block_d = tiles(d, r, tile)
     if n:
         _gather_rows_sum[(n, triton.cdiv(d, block_d))](g, table, idx, idx, out, r, d, table.stride(0), out.stride(0),
-                                                SORTED=False, BLOCK_P=block_p, BLOCK_D=block_d,
+                                                SORTED=False, BLOCK_P=block_p, BLOCK_D=block_d, ACC_2D=accumulate_2d,
                                                 num_warps=_warps(block_p, block_d))  # fmt: skip
     return out
 
@@ -142,6 +160,7 @@ def scatter_rows_sum(g: Tensor, q: Tensor, idx: Tensor, num_rows: int, tile: int
     if num_rows:
         _gather_rows_sum[(num_rows, triton.cdiv(d, block_d))](g, q, order, segments, out, r, d, q.stride(0), out.stride(0),
                                                        SORTED=True, BLOCK_P=block_p, BLOCK_D=block_d,
+                                                       ACC_2D=accumulate_2d,
                                                        num_warps=_warps(block_p, block_d))  # fmt: skip
     return out
 
