@@ -1,5 +1,6 @@
 """Shared pieces of the tests that train tiny SID runs and serve them: the small model settings, a synthetic
-dataset with its SIDs, and the `/v1/retrieve` round trip checked against the ``Retriever``'s answers."""
+dataset with its SIDs, a tiny trained run, the Retriever checked against the evaluated lists, and the
+`/v1/retrieve` round trip checked against the ``Retriever``'s answers."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from recforge.data.synthetic import SyntheticConfig, write_synthetic
 TINY = ["model.dim=16", "model.num_blocks=1", "generative.decoder_blocks=1", "model.num_heads=2", "model.ffn_dim=32",
         "optim.warmup_steps=0", "train.batch_size=64", "train.threads=1", "eval.batch_size=64", "data.max_seq_len=8",
         "eval.ks=[1,5,10]"]  # fmt: skip
+RUN_TINY = [*TINY, "generative.beam=10", "optim.schedule=constant"]  # a run whose evaluation the tests re-derive
 
 
 def sid_dataset(path: Path, seed: int, num_users: int = 50) -> Path:
@@ -43,3 +45,37 @@ def serve_matches(app, bodies: list[dict], want: list[tuple[list[int], list[floa
 def run_args(tmp_path: Path, data: Path, *extra: str) -> list[str]:
     """Overrides of a run on ``data`` (its SIDs) written to ``tmp_path / 'run'``, then ``extra``."""
     return [f"data.path={data}", f"generative.sids={data / 'sids'}", f"train.output_dir={tmp_path / 'run'}", *extra]
+
+
+def train_tiny_run(root: Path, config: str, seed: int, *overrides: str) -> Path:
+    """``recforge train config`` on a fresh 40-user dataset (seed ``seed``) under ``root``: the run directory."""
+    data = sid_dataset(root / "data", seed=seed, num_users=40)
+    run = root / "run"
+    assert main(["--no-progress", "train", config, f"data.path={data}", f"generative.sids={data / 'sids'}",
+                 f"train.output_dir={run}", *TINY, *overrides]) == 0  # fmt: skip
+    return run
+
+
+def histories_of(s, samples: torch.Tensor) -> list[list[int]]:
+    """Raw item IDs of every earlier item of each evaluation sample (user, end) of setup ``s``."""
+    out = []
+    for user, end in samples.tolist():
+        start = int(s.seqs.offsets[user])
+        out.append(s.seqs.item_vocab[s.seqs.item_ids[start : start + end - 1].numpy()].tolist())
+    return out
+
+
+def check_retrieves_evaluated(retriever, s, histories: list[list[int]], targets: torch.Tensor, items: torch.Tensor,
+                              scores: torch.Tensor, beam: int) -> tuple[list[int], list]:  # fmt: skip
+    """For the histories without their target (evaluation never excludes the target; retrieve excludes every
+    history item), the Retriever returns exactly the evaluated lists ``items`` / ``scores`` (``generated_items``).
+    Returns (those rows, the Retriever's answers for them)."""
+    fresh = [row for row, h in enumerate(histories) if s.seqs.item_vocab[int(targets[row])] not in h]
+    assert len(fresh) >= 8
+    got = retriever.retrieve([histories[row] for row in fresh], k=10, beam=beam)
+    for row, (got_items, got_scores) in zip(fresh, got, strict=True):
+        keep = items[row] > 0
+        assert got_items == s.seqs.item_vocab[items[row][keep].numpy()].tolist()
+        torch.testing.assert_close(torch.tensor(got_scores), scores[row][keep], rtol=1e-5, atol=1e-5)
+    return fresh, got
+

@@ -16,7 +16,7 @@ from recforge.data.sid_sequences import eval_samples
 from recforge.generate import DenseCandidates, RetrieveConfig, Retriever, SidTrie, beam_search, resolve_items, search_items
 from recforge.models.sid_seq2seq import Seq2SeqConfig, SIDSeq2Seq
 from recforge.train import generative
-from _sid_runs import TINY, run_args, sid_dataset
+from _sid_runs import TINY, check_retrieves_evaluated, histories_of, run_args, sid_dataset
 from tests.generate.test_beam_search import catalogue, random_step
 
 DENSE = "configs/beauty-sid-tiger-dense.yaml"
@@ -177,17 +177,8 @@ def test_evaluation_and_the_retriever_agree_and_respect_allowed_items(tmp_path: 
     s.cfg.generative.dense_candidates = 0
     beam_only, _, _ = generative.generated_items(s, samples, k=10)
     assert (items > 0).sum() > (beam_only > 0).sum()  # the dense head's items extend the beam's lists
-    histories = []
-    for user, end in samples.tolist():
-        start = int(s.seqs.offsets[user])
-        histories.append(s.seqs.item_vocab[s.seqs.item_ids[start : start + end - 1].numpy()].tolist())
-    fresh = [row for row, h in enumerate(histories) if s.seqs.item_vocab[int(targets[row])] not in h]
-    assert len(fresh) >= 8
-    got = retriever.retrieve([histories[row] for row in fresh], k=10, beam=3)
-    for row, (got_items, got_scores) in zip(fresh, got, strict=True):
-        keep = items[row] > 0
-        assert got_items == s.seqs.item_vocab[items[row][keep].numpy()].tolist()
-        torch.testing.assert_close(torch.tensor(got_scores), scores[row][keep], rtol=1e-5, atol=1e-5)
+    histories = histories_of(s, samples)
+    check_retrieves_evaluated(retriever, s, histories, targets, items, scores, beam=3)
     # an allowed-item set bounds the dense candidates too; they still reach beyond the beam's few SIDs
     raw = [int(v) for v in s.seqs.item_vocab[1:]]
     for history, allowed in itertools.islice(zip(histories, (raw[i::3] for i in itertools.cycle(range(3)))), 6):

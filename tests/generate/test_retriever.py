@@ -14,6 +14,7 @@ from recforge.data.sid_sequences import eval_samples
 from recforge.data.synthetic import SyntheticConfig, write_synthetic
 from recforge.generate import RetrieveConfig, RetrieveRequest, Retriever, search_items
 from recforge.train import generative
+from _sid_runs import histories_of
 
 TINY = ["model.dim=16", "model.num_blocks=1", "generative.decoder_blocks=1", "model.num_heads=2", "model.ffn_dim=32",
         "train.threads=1", "data.max_seq_len=6", "generative.beam=12", "eval.ks=[1,5,10]"]  # fmt: skip
@@ -36,14 +37,6 @@ def _setup(data: Path, tmp_path: Path, *extra: str) -> generative.Setup:
     return s
 
 
-def _histories(s: generative.Setup, samples: torch.Tensor) -> list[list[int]]:
-    out = []
-    for user, end in samples.tolist():
-        start = int(s.seqs.offsets[user])
-        out.append(s.seqs.item_vocab[s.seqs.item_ids[start : start + end - 1].numpy()].tolist())  # every earlier item
-    return out
-
-
 @pytest.mark.parametrize("in_search", [True, False])
 def test_retrieve_returns_the_evaluated_list(tmp_path: Path, data: Path, in_search: bool) -> None:
     """For a history without its target, Retriever.retrieve and the evaluation generate the same items in
@@ -51,7 +44,7 @@ def test_retrieve_returns_the_evaluated_list(tmp_path: Path, data: Path, in_sear
     s = _setup(data, tmp_path, f"generative.exclude_seen_in_search={str(in_search).lower()}")
     samples = eval_samples(s.seqs, s.seqs.evaluable_users(1), 1)
     items, scores, targets = generative.generated_items(s, samples, k=10)
-    histories = _histories(s, samples)
+    histories = histories_of(s, samples)
     fresh = [i for i, h in enumerate(histories) if s.seqs.item_vocab[int(targets[i])] not in h]  # eval never drops the target
     assert len(fresh) >= 10 and max(len(histories[i]) for i in fresh) > 6  # some histories exceed data.max_seq_len
     retriever = Retriever(s.model, s.seqs.item_vocab, s.item_codes, s.trie, s.cfg.data.max_seq_len,
@@ -67,7 +60,7 @@ def test_retrieve_returns_the_evaluated_list(tmp_path: Path, data: Path, in_sear
 def test_history_items_come_back_only_when_asked(tmp_path: Path, data: Path) -> None:
     s = _setup(data, tmp_path)
     retriever = Retriever(s.model, s.seqs.item_vocab, s.item_codes, s.trie, s.cfg.data.max_seq_len)
-    histories = _histories(s, eval_samples(s.seqs, s.seqs.evaluable_users(1)[:8], 1))
+    histories = histories_of(s, eval_samples(s.seqs, s.seqs.evaluable_users(1)[:8], 1))
     codes, mask, _ = retriever.history_batch([retriever.encode(RetrieveRequest(h)) for h in histories])
     with torch.no_grad():
         memory = s.model.start(codes, mask)

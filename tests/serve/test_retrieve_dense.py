@@ -8,25 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from recforge.cli import main
 from recforge.generate import RetrieveRequest, Retriever
 from recforge.serve.retrieve_app import RetrieveSettings, create_retrieve_app, load_retriever
 from recforge.serve.scheduler import SchedulerConfig
 from recforge.serve.server import ServerConfig
-from _sid_runs import TINY as SID_TINY
-from _sid_runs import serve_matches, sid_dataset
+from _sid_runs import serve_matches, train_tiny_run
 
-TINY = [*SID_TINY, "generative.beam=12", "train.epochs=1", "generative.rescore=2.0"]
+TINY = ["generative.beam=12", "train.epochs=1", "generative.rescore=2.0"]  # after _sid_runs.TINY
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("retrieve-dense")
-    data = sid_dataset(root / "data", seed=7, num_users=40)
-    run = root / "run"
-    assert main(["--no-progress", "train", "configs/beauty-sid-tiger-dense.yaml", f"data.path={data}",
-                 f"generative.sids={data / 'sids'}", f"train.output_dir={run}", *TINY]) == 0  # fmt: skip
-    return run
+    return train_tiny_run(tmp_path_factory.mktemp("retrieve-dense"), "configs/beauty-sid-tiger-dense.yaml", 7, *TINY)
 
 
 def _rescored(retriever: Retriever, history: list[int], k: int) -> tuple[list[int], list[int]]:

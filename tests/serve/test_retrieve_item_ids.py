@@ -9,30 +9,25 @@ import pyarrow as pa
 import pytest
 import torch
 
-from recforge.cli import main
 from recforge.data.dataset import load_dataset, write_dataset
 from recforge.generate import RetrieveRequest
 from recforge.serve.retrieve_app import RetrieveSettings, create_retrieve_app, load_retriever
 from recforge.serve.scheduler import SchedulerConfig
 from recforge.serve.server import ServerConfig
-from _sid_runs import TINY as SID_TINY
-from _sid_runs import serve_matches, sid_dataset
+from _sid_runs import serve_matches, train_tiny_run
 from recforge.train.sid_fit import add_items
 
-TINY = [*SID_TINY, "generative.beam=12", "train.epochs=1"]
+TINY = ["generative.beam=12", "train.epochs=1"]  # after _sid_runs.TINY
 NEW_ITEM = 7000
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("retrieve-ids")
-    data = sid_dataset(root / "data", seed=6, num_users=40)
-    run = root / "run"
-    assert main(["--no-progress", "train", "configs/beauty-sid-tiger-ids.yaml", f"data.path={data}",
-                 f"generative.sids={data / 'sids'}", f"train.output_dir={run}", *TINY]) == 0  # fmt: skip
+    run = train_tiny_run(tmp_path_factory.mktemp("retrieve-ids"), "configs/beauty-sid-tiger-ids.yaml", 6, *TINY)
+    data = run.parent / "data"
     dataset = load_dataset(data)  # an item coded after training: in the catalogue, not in the ID table
     extra = dataset.items.slice(0, 1).set_column(0, "item_id", pa.array([NEW_ITEM], pa.int64()))
-    grown = write_dataset(root / "grown", dataset.events, pa.concat_tables([dataset.items, extra]), name="g", source="t")
+    grown = write_dataset(run.parent / "grown", dataset.events, pa.concat_tables([dataset.items, extra]), name="g", source="t")
     assert add_items(run / "sids", grown)["added"] == 1
     return run
 

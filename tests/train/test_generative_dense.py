@@ -20,10 +20,9 @@ from recforge.data.sid_sequences import eval_samples, transition_samples
 from recforge.generate import Retriever
 from recforge.train import generative
 from recforge.train.sid_fit import add_items
-from _sid_runs import TINY as SID_TINY
-from _sid_runs import run_args, sid_dataset
+from _sid_runs import RUN_TINY as TINY
+from _sid_runs import check_retrieves_evaluated, histories_of, run_args, sid_dataset
 
-TINY = [*SID_TINY, "generative.beam=10", "optim.schedule=constant"]
 CONFIG = "configs/beauty-sid-tiger-dense.yaml"
 
 
@@ -81,14 +80,6 @@ def test_the_objective_adds_the_weighted_full_catalogue_softmax(tmp_path: Path, 
                                                                            off_batch.targets))  # fmt: skip
 
 
-def _histories(s: generative.Setup, samples: torch.Tensor) -> list[list[int]]:
-    out = []
-    for user, end in samples.tolist():
-        start = int(s.seqs.offsets[user])
-        out.append(s.seqs.item_vocab[s.seqs.item_ids[start : start + end - 1].numpy()].tolist())
-    return out
-
-
 def test_train_resume_eval_and_retrieve_with_a_dense_head(tmp_path: Path, data: Path) -> None:
     args = _args(tmp_path, data, "train.epochs=2", "train.eval_every=1")
     assert main(["--no-progress", "train", CONFIG, *args, "train.max_steps=2"]) == 0
@@ -137,14 +128,8 @@ def test_train_resume_eval_and_retrieve_with_a_dense_head(tmp_path: Path, data: 
     # the Retriever takes the run's rescore and returns exactly the evaluated list for a history without its target
     retriever = Retriever.from_run(straight, device="cpu")
     assert retriever.rescore == 1.0
-    histories = _histories(s, samples)
-    fresh = [row for row, h in enumerate(histories) if s.seqs.item_vocab[int(targets[row])] not in h]
-    assert len(fresh) >= 8
-    got = retriever.retrieve([histories[row] for row in fresh], k=10, beam=10)
-    for row, (got_items, got_scores) in zip(fresh, got, strict=True):
-        keep = items[row] > 0
-        assert got_items == s.seqs.item_vocab[items[row][keep].numpy()].tolist()
-        torch.testing.assert_close(torch.tensor(got_scores), scores[row][keep], rtol=1e-5, atol=1e-5)
+    histories = histories_of(s, samples)
+    check_retrieves_evaluated(retriever, s, histories, targets, items, scores, beam=10)
     with pytest.raises(ValueError, match="needs a model with a dense head"):
         Retriever(s.model.__class__(s.model.cfg.__class__(num_levels=2, vocab_size=8)), retriever.item_vocab,
                   retriever.item_codes, retriever.trie, retriever.max_items, rescore=1.0)  # fmt: skip

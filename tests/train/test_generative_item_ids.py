@@ -22,10 +22,9 @@ from recforge.generate.sid_run import load_sid_run
 from recforge.generate.trie import SidTrie
 from recforge.train import generative
 from recforge.train.sid_fit import add_items
-from _sid_runs import TINY as SID_TINY
-from _sid_runs import run_args, sid_dataset
+from _sid_runs import RUN_TINY as TINY
+from _sid_runs import check_retrieves_evaluated, histories_of, run_args, sid_dataset
 
-TINY = [*SID_TINY, "generative.beam=10", "optim.schedule=constant"]
 CONFIG = "configs/beauty-sid-tiger-ids.yaml"
 
 
@@ -76,17 +75,8 @@ def test_train_resume_eval_and_retrieve_with_item_ids(tmp_path: Path, data: Path
     # the Retriever maps the catalogue's raw IDs (RUN_DIR/sids order) to the model's rows: the evaluated list
     retriever = Retriever.from_run(straight, device="cpu")
     assert torch.equal(s.model.item_id_vocab[retriever.item_rows[1:]], torch.from_numpy(retriever.item_vocab[1:]))
-    histories = []
-    for user, end in samples.tolist():
-        start = int(s.seqs.offsets[user])
-        histories.append(s.seqs.item_vocab[s.seqs.item_ids[start : start + end - 1].numpy()].tolist())
-    fresh = [row for row, h in enumerate(histories) if s.seqs.item_vocab[int(targets[row])] not in h]
-    assert len(fresh) >= 8  # evaluation never excludes the target; retrieve excludes every history item
-    got = retriever.retrieve([histories[row] for row in fresh], k=10, beam=10)
-    for row, (got_items, got_scores) in zip(fresh, got, strict=True):
-        keep = items[row] > 0
-        assert got_items == s.seqs.item_vocab[items[row][keep].numpy()].tolist()
-        torch.testing.assert_close(torch.tensor(got_scores), scores[row][keep], rtol=1e-5, atol=1e-5)
+    histories = histories_of(s, samples)
+    fresh, got = check_retrieves_evaluated(retriever, s, histories, targets, items, scores, beam=10)
     # a catalogue in another order (dense index != table row) reads the same rows, so gives the same answers
     order = torch.randperm(len(retriever.item_vocab) - 1) + 1
     codes = retriever.item_codes[torch.cat([torch.zeros(1, dtype=torch.long), order])]
