@@ -20,6 +20,8 @@ gradients by hand (``recforge.train.chunked_softmax``): ``gather_dot_logits``, `
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -118,46 +120,39 @@ def gather_dot(q: Tensor, table: Tensor, idx: Tensor, *, kernel: str | None = No
     Example:
         >>> logits = gather_dot(user, table, torch.cat([targets[:, None], negatives], 1)) / temperature
     """
-    if _backend(q.device, unsupported(q, table, idx), kernel, q.dtype) == "pytorch":
-        return gather_dot_reference(q, table, idx)
-    if torch.compiler.is_compiling():  # one opaque custom op, not a trace of the launch code
-        return gather_dot_op(q, table, idx)
-    from recforge.ops.triton.gather_dot import GatherDot  # defined on first use: see recforge.ops.triton
-
-    return GatherDot.apply(q, table, idx)
+    return _run(q.device, unsupported(q, table, idx), kernel, q.dtype, (q, table, idx), gather_dot_reference,
+                gather_dot_op, lambda kernels: kernels.GatherDot.apply)
 
 
 def gather_dot_logits(q: Tensor, table: Tensor, idx: Tensor, *, kernel: str | None = None) -> Tensor:
     """``gather_dot``'s forward without autograd (losses that compute their gradients by hand)."""
-    if _backend(q.device, unsupported(q, table, idx), kernel, q.dtype) == "pytorch":
-        return gather_dot_reference(q, table, idx)
-    if torch.compiler.is_compiling():
-        return gather_dot_op(q, table, idx)
-    from recforge.ops.triton.gather_dot import gather_dot_forward
-
-    return gather_dot_forward(q, table, idx)
+    return _run(q.device, unsupported(q, table, idx), kernel, q.dtype, (q, table, idx), gather_dot_reference,
+                gather_dot_op, lambda kernels: kernels.gather_dot_forward)
 
 
 def gather_rows_sum(g: Tensor, table: Tensor, idx: Tensor, *, kernel: str | None = None) -> Tensor:
     """(N, D) ``sum_r g[n, r] * table[idx[n, r]]`` in ``table``'s dtype: ``gather_dot``'s gradient of ``q``."""
-    if _backend(table.device, _unsupported_sum(g, table, idx), kernel, table.dtype) == "pytorch":
-        return gather_rows_sum_reference(g, table, idx)
-    if torch.compiler.is_compiling():
-        return gather_rows_sum_op(g, table, idx)
-    from recforge.ops.triton.gather_dot import gather_rows_sum as rows_sum
-
-    return rows_sum(g, table, idx)
+    return _run(table.device, _unsupported_sum(g, table, idx), kernel, table.dtype, (g, table, idx),
+                gather_rows_sum_reference, gather_rows_sum_op, lambda kernels: kernels.gather_rows_sum)
 
 
 def scatter_rows_sum(g: Tensor, q: Tensor, idx: Tensor, num_rows: int, *, kernel: str | None = None) -> Tensor:
     """(num_rows, D) ``sum_{idx[n, r] = e} g[n, r] * q[n]`` in ``q``'s dtype: ``gather_dot``'s gradient of the table."""
-    if _backend(q.device, _unsupported_sum(g, q, idx) or _rows_match(q, idx), kernel, q.dtype) == "pytorch":
-        return scatter_rows_sum_reference(g, q, idx, num_rows)
-    if torch.compiler.is_compiling():
-        return scatter_rows_sum_op(g, q, idx, num_rows)
-    from recforge.ops.triton.gather_dot import scatter_rows_sum as rows_sum
+    return _run(q.device, _unsupported_sum(g, q, idx) or _rows_match(q, idx), kernel, q.dtype, (g, q, idx, num_rows),
+                scatter_rows_sum_reference, scatter_rows_sum_op, lambda kernels: kernels.scatter_rows_sum)
 
-    return rows_sum(g, q, idx, num_rows)
+
+def _run(device: torch.device, why: str | None, kernel: str | None, dtype: torch.dtype, args: tuple,
+         reference: Callable, op: Callable, launch: Callable) -> Tensor:  # fmt: skip
+    """The one dispatch of every entry point: PyTorch's ``reference``, the custom ``op`` while compiling (one opaque
+    node, not a trace of the launch code), else the Triton launcher ``launch(recforge.ops.triton.gather_dot)``."""
+    if _backend(device, why, kernel, dtype) == "pytorch":
+        return reference(*args)
+    if torch.compiler.is_compiling():
+        return op(*args)
+    from recforge.ops.triton import gather_dot as kernels  # defined on first use: see recforge.ops.triton
+
+    return launch(kernels)(*args)
 
 
 __all__ = ["gather_dot", "gather_dot_logits", "gather_dot_reference", "gather_rows_sum", "gather_rows_sum_reference",
