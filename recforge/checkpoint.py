@@ -269,7 +269,17 @@ def _check_shapes(path: Path, saved: dict[str, torch.Tensor], current: dict[str,
     problems += [f"{k}: not in the checkpoint" for k in missing[:5]] + [f"{k}: not in the model" for k in unexpected[:5]]
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise CheckpointMismatchError(f"{path} does not fit the model built from the current config ({shown})")
+        raise CheckpointMismatchError(f"{path} does not fit the model built from the current config ({shown})"
+                                      f"{_switch_hint(missing, unexpected)}")  # fmt: skip
+
+
+def _switch_hint(missing: list[str], unexpected: list[str]) -> str:
+    """The config switch that explains a mismatch made only of HSTU relative-bias weights, if that is all it is."""
+    if not (missing or unexpected) or not all(k.rsplit(".", 1)[-1] == "pos_weights" for k in missing + unexpected):
+        return ""
+    saved = "with" if unexpected else "without"
+    return (f"; the checkpoint was trained {saved} the relative position bias: set model.relative_bias="
+            f"{'true' if unexpected else 'false'} to match it")
 
 
 def _like(full: torch.Tensor, reference: torch.Tensor | None) -> torch.Tensor:

@@ -69,6 +69,7 @@ class ModelConfig:
     ffn_dim: int = 50  # SASRec feed-forward width
     dropout: float = 0.2
     num_time_buckets: int = 128  # HSTU time bias (0: none); ignored when the data has no timestamps
+    relative_bias: bool = True  # HSTU learned bias per causal distance (the paper's rab); false: none (faster attention)
     kernel: str = "auto"  # attention backend: auto | pytorch | triton
     head: str = "mlp"  # ranking task heads: mlp | mmoe | ple
     head_hidden: int = 128  # ranking head / expert width

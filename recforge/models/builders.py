@@ -39,6 +39,7 @@ def hstu_encoder(cfg: ModelConfig, max_seq_len: int) -> HSTUEncoder:
             dropout=cfg.dropout,
             max_seq_len=max_seq_len,
             num_time_buckets=cfg.num_time_buckets,
+            relative_bias=cfg.relative_bias,
             kernel=cfg.kernel,
             attn_norm=cfg.attn_norm,
             checkpoint_blocks=cfg.num_blocks if cfg.checkpoint_blocks is True else int(cfg.checkpoint_blocks),

@@ -6,8 +6,8 @@ One block, on jagged tokens x of shape (T, d)::
     a          = HSTUAttention(q, k, v)          # SiLU(qk^T + rab) / max_seq_len, masked
     x          = x + W_o · Dropout(LayerNorm(a) ⊙ u)
 
-The relative attention bias (rab) is a learned weight per causal distance plus, when
-timestamps exist, a learned weight per log-spaced time-difference bucket.
+The relative attention bias (rab) is a learned weight per causal distance (``relative_bias``) plus,
+when timestamps exist, a learned weight per log-spaced time-difference bucket (``num_time_buckets``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ class HSTUConfig:
     dropout: float = 0.2  # on the block output projection input
     max_seq_len: int = 200  # attention normaliser and position-bias range
     num_time_buckets: int = 128  # 0 disables the time bias; unused when data has no timestamps
+    # the learned bias per causal distance (pos_weights); False: none (e.g. with absolute position
+    # embeddings, as NVIDIA's recsys-examples trains): the attention's bias-gradient work disappears
+    relative_bias: bool = True
     kernel: str = "auto"  # attention backend: auto | pytorch | triton
     # attention output normalisation: "layernorm" (the paper: LayerNorm(A V) ⊙ U, which keeps only the
     # direction of A V, so *how many* history items match a query is lost) | "visible_mean" (no
@@ -63,7 +66,10 @@ class HSTUBlock(nn.Module):
         self.attn_norm = nn.LayerNorm(h * cfg.dv) if cfg.attn_norm == "layernorm" else None
         self.out = nn.Linear(h * cfg.dv, cfg.dim)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.pos_weights = nn.Parameter(torch.zeros(cfg.max_seq_len))
+        if cfg.relative_bias:
+            self.pos_weights = nn.Parameter(torch.zeros(cfg.max_seq_len))
+        else:  # None, and no state_dict entry: every reader passes pos_weights=None (no position bias)
+            self.register_parameter("pos_weights", None)
         self.time_weights = nn.Parameter(torch.zeros(cfg.num_time_buckets + 1)) if cfg.num_time_buckets else None
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

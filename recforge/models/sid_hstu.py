@@ -1,7 +1,8 @@
 """Decoder-only HSTU over semantic-ID tokens (``model.kind: sid_hstu``).
 
 The history's items become ``L`` tokens each (token id ``1 + level * V + digit``) in one causal
-sequence through the recforge HSTU blocks (relative position bias, pointwise SiLU attention).
+sequence through the recforge HSTU blocks (relative position bias unless ``relative_bias=False``, pointwise
+SiLU attention).
 Each token's output predicts the next token with the head of that token's level, so a window
 of ``n`` items trains on every item after the first (all positions are targets, as in HSTU).
 
@@ -41,6 +42,7 @@ class SIDHSTUConfig:
     dropout: float = 0.1
     max_items: int = 50  # history items; sequences hold up to (max_items + 1) * num_levels tokens
     kernel: str = "auto"
+    relative_bias: bool = True  # the blocks' learned bias per causal distance (HSTUConfig.relative_bias)
 
 
 @dataclass
@@ -70,7 +72,8 @@ class SIDHSTU(nn.Module):
         self.max_len = (cfg.max_items + 1) * L
         self.encoder = HSTUEncoder(HSTUConfig(dim=d, num_blocks=cfg.num_blocks, num_heads=cfg.num_heads, dqk=head_dim,
                                               dv=head_dim, dropout=cfg.dropout, max_seq_len=self.max_len,
-                                              num_time_buckets=0, kernel=cfg.kernel))  # fmt: skip
+                                              num_time_buckets=0, relative_bias=cfg.relative_bias,
+                                              kernel=cfg.kernel))  # fmt: skip
         self.token_embedding = nn.Embedding(1 + L * V, d, padding_idx=0)
         self.norm = nn.LayerNorm(d)
         self.heads = nn.Parameter(torch.randn(L, V, d) * d**-0.5)
@@ -144,12 +147,14 @@ class SIDHSTU(nn.Module):
             heads, dqk = q.shape[1], q.shape[2]
             q = q.view(b, w, t, heads, dqk)
             k, v = k.view(b, w, t, heads, -1), v.view(b, w, t, heads, -1)
-            top = block.pos_weights.numel() - 1
-            bias_hist = block.pos_weights[dist_hist.clamp(0, top)]  # (B, t, S)
-            scores = torch.einsum("bwihd,bshd->bwhis", q, k_hist) + bias_hist[:, None, None]
+            scores = torch.einsum("bwihd,bshd->bwhis", q, k_hist)  # (B, W, H, t, S)
+            own = torch.einsum("bwihd,bwjhd->bwhij", q, k)  # (B, W, H, t, t)
+            if block.pos_weights is not None:  # relative_bias: the learned weight of each causal distance
+                top = block.pos_weights.numel() - 1
+                scores = scores + block.pos_weights[dist_hist.clamp(0, top)][:, None, None]  # (B, t, S) bias
+                own = own + block.pos_weights[dist_own.clamp(0, top)]
             weights = F.silu(scores) * seen_hist[:, None, None] / self.max_len
             out = torch.einsum("bwhis,bshd->bwihd", weights, v_hist)
-            own = torch.einsum("bwihd,bwjhd->bwhij", q, k) + block.pos_weights[dist_own.clamp(0, top)]
             own = F.silu(own) * (dist_own >= 0) / self.max_len
             out = out + torch.einsum("bwhij,bwjhd->bwihd", own, v)  # (B, W, t, H, Dv)
             x = block.combine(x, out.reshape(b * w * t, heads, -1), u)

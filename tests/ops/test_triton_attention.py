@@ -27,8 +27,10 @@ def _timestamps(gen: torch.Generator, total: int) -> torch.Tensor:
 
 
 def _case(op: str, kind: str, seed: int, batch: int, max_len: int, heads: int, dqk: int, dv: int,
-          dtype: torch.dtype, device: torch.device | str, bias: bool = True):
-    """Run Triton and the float64 reference on the same fresh inputs; return {name: relative error}."""
+          dtype: torch.dtype, device: torch.device | str, bias: bool | str = True):
+    """Run Triton and the float64 reference on the same fresh inputs; return {name: relative error}.
+    ``bias`` (hstu): True both biases, False none, "pos" or "time" that one alone (model.relative_bias=false
+    keeps the time bias)."""
     gen = torch.Generator().manual_seed(seed)
     lengths = random_lengths(gen, batch, max_len)
     total = sum(lengths)
@@ -40,16 +42,18 @@ def _case(op: str, kind: str, seed: int, batch: int, max_len: int, heads: int, d
     q, k = (torch.randn(total, heads, dqk, generator=gen) for _ in range(2))
     v = torch.randn(total, heads, dv, generator=gen)
     grad_out = torch.randn(total, heads, dv, generator=gen).to(dtype)  # the kernel's and the reference's
-    pos_w = torch.randn(NUM_POS, generator=gen) if bias and op == "hstu" else None
-    time_w = torch.randn(NUM_BUCKETS + 1, generator=gen) if bias and op == "hstu" else None
-    leaves_in = [x for x in (q, k, v, pos_w, time_w) if x is not None]
-    names = ["q", "k", "v", "pos_weights", "time_weights"][: len(leaves_in)]
+    pos_w = torch.randn(NUM_POS, generator=gen) if bias in (True, "pos") and op == "hstu" else None
+    time_w = torch.randn(NUM_BUCKETS + 1, generator=gen) if bias in (True, "time") and op == "hstu" else None
+    named = {"q": q, "k": k, "v": v, "pos_weights": pos_w, "time_weights": time_w}
+    names = [name for name, x in named.items() if x is not None]
+    leaves_in = [named[name] for name in names]
 
     def run(leaves, dev, kernel):
         q_, k_, v_, *w = leaves
         off, m = offsets.to(dev), mask.to(dev)
         if op == "hstu":
-            pw, tw = (w + [None, None])[:2]
+            given = dict(zip(names[3:], w, strict=True))
+            pw, tw = given.get("pos_weights"), given.get("time_weights")
             tsd = ts.to(dev) if tw is not None else None
             if kernel == "reference":
                 return hstu_attention_reference(q_, k_, v_, off, max_len, m, 0.7, pw, tsd, tw)
@@ -101,6 +105,16 @@ def test_interpreter_matches_reference(interpreter, monkeypatch, op: str, kind: 
     _check(errors, 1e-5, f"{op}/{kind}/{loops} seed {seed}")
 
 
+@pytest.mark.parametrize("bias", ["time", "pos"])
+def test_interpreter_one_bias_alone(interpreter, bias: str) -> None:
+    """model.relative_bias=false runs with the time bias alone (pos_weights=None); and the other way round."""
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    errors = _case("hstu", "all", seed, batch=4, max_len=37, heads=2, dqk=24, dv=20, dtype=torch.float32, device="cpu",
+                   bias=bias)  # fmt: skip
+    assert ("pos_weights" in errors) == (bias == "pos") and ("time_weights" in errors) == (bias == "time")
+    _check(errors, 1e-5, f"hstu/all/{bias} only seed {seed}")
+
+
 def test_triton_on_cpu_without_interpreter_raises(monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q = torch.randn(3, 1, 4)
@@ -150,6 +164,18 @@ def test_gpu_long_jagged_autotuned(cuda_device, op: str, kind: str, dim: int) ->
     errors = _case(op, kind, seed, batch=5, max_len=1100, heads=2, dqk=dim, dv=dim, dtype=torch.bfloat16,
                    device=cuda_device)
     _check(errors, TOL[torch.bfloat16], f"{op}/{kind}/d{dim}/long seed {seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias", ["time", "pos", False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_without_one_or_both_biases(cuda_device, bias, dtype: torch.dtype) -> None:
+    """model.relative_bias=false (pos_weights=None) with and without the time bias, autotuned, jagged."""
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    for kind in ("all", "causal"):
+        errors = _case("hstu", kind, seed, batch=6, max_len=600, heads=2, dqk=64, dv=64, dtype=dtype,
+                       device=cuda_device, bias=bias)  # fmt: skip
+        _check(errors, TOL[dtype], f"hstu/{kind}/{bias}/{dtype} seed {seed}")
 
 
 def _force_tile(monkeypatch, kernel_module, kind: str, tile) -> None:

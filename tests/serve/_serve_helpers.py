@@ -18,17 +18,19 @@ TASKS = [{"name": "click", "kind": "binary"}, {"name": "rating", "kind": "regres
 
 
 def build_model(seed: int = 0, max_len: int = MAX_LEN, time_buckets: int = 16, tower: bool = False,
-                num_blocks: int = 2) -> RankingModel:  # fmt: skip
-    """``tower``: the postfix is a ``CandidateTower`` (model.item_tower), which also reads the candidates' embeddings."""
+                num_blocks: int = 2, relative_bias: bool = True) -> RankingModel:  # fmt: skip
+    """``tower``: the postfix is a ``CandidateTower`` (model.item_tower), which also reads the candidates' embeddings.
+    ``relative_bias``: HSTUConfig.relative_bias (False: the blocks have no ``pos_weights``)."""
     torch.manual_seed(seed)
     prefix = RankingPrefix(NUM_ITEMS, len(ACTIONS), num_context_values=6, dim=DIM, item_feature_width=1,
                            num_item_feature_values=5)  # fmt: skip
     prefix.item_features.copy_(torch.randint(1, 6, (NUM_ITEMS + 1, 1)))
     prefix.item_features[0] = 0
     encoder = HSTUEncoder(HSTUConfig(dim=DIM, num_blocks=num_blocks, num_heads=2, dqk=8, dv=8, dropout=0.0, max_seq_len=max_len,
-                                     num_time_buckets=time_buckets))  # fmt: skip
+                                     num_time_buckets=time_buckets, relative_bias=relative_bias))  # fmt: skip
     for block in encoder.blocks:  # non-zero relative biases, so they are exercised too
-        nn.init.normal_(block.pos_weights, std=0.5)
+        if block.pos_weights is not None:
+            nn.init.normal_(block.pos_weights, std=0.5)
         if block.time_weights is not None:
             nn.init.normal_(block.time_weights, std=0.5)
     postfix = MultiTaskMLP(DIM, 2, hidden=32)

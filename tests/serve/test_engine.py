@@ -39,6 +39,25 @@ def test_scores_equal_training_forward_per_candidate(tmp_path, encoding, late_ev
     torch.testing.assert_close(cached, naive, rtol=1e-5, atol=ATOL)
 
 
+@pytest.mark.parametrize("time_buckets", [0, 16])
+def test_without_relative_bias_cached_scores_equal_the_forward(tmp_path, time_buckets) -> None:
+    """model.relative_bias=false: no pos_weights saved or served; cached and extended scores stay exact."""
+    model = build_model(time_buckets=time_buckets, relative_bias=False)
+    assert all(b.pos_weights is None for b in model.encoder.blocks)
+    assert not any(name.endswith("pos_weights") for name in model.state_dict())
+    engine = RankEngine.from_run(export(model, tmp_path / "run"), EngineConfig(prefill_chunk=8))
+    assert engine.model.encoder.cfg.relative_bias is False  # the saved encoder config carries the switch
+    req = _request(engine, n_events=45, late_events=2)
+    torch.testing.assert_close(engine.rank_encoded(req).scores, engine.rank_naive(req), rtol=1e-5, atol=ATOL)
+    hist = random_history(60, seed=4)
+    now = hist["timestamps"][-1] + 5
+    first = engine.encode("u1", {k: v[:35] for k, v in hist.items()}, [1001, 1010], timestamp=now)
+    full = engine.encode("u1", hist, [1001, 1010], timestamp=now)
+    extended = engine.rank_encoded(full, engine.prefix_state(first))
+    assert extended.cached_tokens == 2 + 35
+    torch.testing.assert_close(extended.scores, engine.rank_naive(full), rtol=1e-5, atol=ATOL)
+
+
 def test_chunked_prefill_is_exact(tmp_path) -> None:
     whole = _engine(tmp_path, prefill_chunk=4096)
     chunked = RankEngine(whole.model, whole.manifest, None, EngineConfig(prefill_chunk=3))
