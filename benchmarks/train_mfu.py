@@ -4,6 +4,8 @@ Usage (one H200, about 3 minutes; every case and variant in one process):
     python benchmarks/train_mfu.py --out benchmarks/results/train_mfu-h200.json
     python benchmarks/train_mfu.py --cases ml1m medium --variants fp32-eager bf16-eager bf16-compile fp32-graphs \
         bf16-graphs bf16-compile-graphs --out benchmarks/results/train_mfu-graphs-h200.json   # eager vs compile vs graphs
+    python benchmarks/train_mfu.py --cases large large-norab large-shared large-shared-norab --variants bf16-compile \
+        --out benchmarks/results/train_mfu-norab-h200.json   # the relative position bias on vs off
     python benchmarks/train_mfu.py --device cpu --cases tiny --variants fp32-eager   # smoke run
 
 Cases (``--cases``; jagged batches of random user lengths in [max_len / 4, max_len] up to a token budget,
@@ -11,6 +13,9 @@ sampled softmax with 128 negatives per position over 100K items, attention in Tr
     large     8 blocks, d 1024, 4 heads of 128, users up to 4096 tokens, 16K-token batches
     large-shared  the same model and batches, 8,192 negatives shared by the batch's positions
               (``loss.negatives=shared``: the loss is one matmul instead of 128 gathered rows per position)
+    large-norab, large-shared-norab  large / large-shared without the relative position bias
+              (``model.relative_bias=false``, as NVIDIA's recsys-examples HSTU; FLOPs counted alike: the bias is
+              elementwise work, which MFU does not count)
     medium    8 blocks, d 512, 4 heads of 128, users up to 1024 tokens, 4K-token batches
     ml1m      configs/ml1m-hstu-plus-d128.yaml's shape: 8 blocks, d 128, 2 heads of 64, users up to 200 tokens,
               256 users per batch (about 38K tokens), full softmax over 3,706 items
@@ -64,9 +69,12 @@ from recforge.train.step import StepRunner
 from recforge.train.step_padding import RetrievalPadding, loss_weights
 
 _LARGE = dict(dim=1024, num_blocks=8, num_heads=4, dqk=128, dv=128)
+_NORAB = dict(_LARGE, relative_bias=False)  # model.relative_bias=false: no pos_weights (the batches have no timestamps)
 CASES = {  # name: (model, max_len, tokens per batch (0: users), users per batch, loss, negatives, items)
     "large": (_LARGE, 4096, 16384, 0, "per_position", 128, 100_000),
     "large-shared": (_LARGE, 4096, 16384, 0, "shared", 8192, 100_000),
+    "large-norab": (_NORAB, 4096, 16384, 0, "per_position", 128, 100_000),
+    "large-shared-norab": (_NORAB, 4096, 16384, 0, "shared", 8192, 100_000),
     "medium": (dict(dim=512, num_blocks=8, num_heads=4, dqk=128, dv=128), 1024, 4096, 0, "per_position", 128, 100_000),
     "ml1m": (dict(dim=128, num_blocks=8, num_heads=2, dqk=64, dv=64), 200, 0, 256, "full", 0, 3706),
     "small": (dict(dim=128, num_blocks=2, num_heads=2, dqk=64, dv=64), 512, 2048, 0, "per_position", 128, 20_000),
@@ -341,7 +349,7 @@ def main() -> None:
 
 
 def _print_row(row: dict) -> None:
-    head = f"{row['case']:<8}{row['variant']:<28}"
+    head = f"{row['case']:<19}{row['variant']:<28}"
     if "error" in row:
         print(head + f"FAILED ({row['wall_s']:.0f} s): {row['error']}", flush=True)
         return
@@ -351,12 +359,12 @@ def _print_row(row: dict) -> None:
     prof = row.get("profile")
     if prof and prof["gpu_ms_by_category"]:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in prof["gpu_ms_by_category"].items())
-        print(f"{'':<36}GPU ms/step: {parts}; host gap {prof['host_gap_ms']:.2f} ms "
+        print(f"{'':<47}GPU ms/step: {parts}; host gap {prof['host_gap_ms']:.2f} ms "
               f"(GPU busy {100 * prof['gpu_busy_fraction']:.0f}%)", flush=True)  # fmt: skip
     for name, ms in (prof or {}).get("memcpy_kernels_ms", {}).items():
-        print(f"{'':<36}{ms:7.2f} ms  {name}", flush=True)
+        print(f"{'':<47}{ms:7.2f} ms  {name}", flush=True)
     for op in (prof or {}).get("copy_ops", []):
-        print(f"{'':<36}{op['mb']:9.1f} MB {op['calls']:5.1f}x {op['op']:<32}{op['shape']:<24}{op['dtypes']:<28}"
+        print(f"{'':<47}{op['mb']:9.1f} MB {op['calls']:5.1f}x {op['op']:<32}{op['shape']:<24}{op['dtypes']:<28}"
               f"{op['called_from'][:100]}", flush=True)  # fmt: skip
 
 
