@@ -38,7 +38,7 @@ from recforge.io import atomic_write_json
 from recforge.sparse.checkpoint import module_tables
 from recforge.sparse.sharded import sharded_tables
 from recforge.sparse.sharded_checkpoint import save_sharded_checkpoint
-from recforge.train.async_save import BackgroundWriter, host_snapshot
+from recforge.train.async_save import BackgroundWriter, HostBuffers, host_snapshot
 from recforge.train.distributed import DistContext, any_rank, full_dense_state, merged_data_state
 from recforge.train.inputs import StepInputs
 from recforge.train.flops import matmul_precision, peak_tflops
@@ -170,6 +170,7 @@ def run_loop(
     log = StepLog(steps_log, writer, cfg.train.log_every, peak, main, on_interval=report.interval)
     started = time.monotonic()
     writer_thread = BackgroundWriter()  # checkpoints of a single process are written off the training thread
+    snapshot_buffers = HostBuffers()  # the host copies of those checkpoints, reused: pinned once, not per checkpoint
     stop = False
     stop_reason = "epochs"
     trained_state: dict | None = None  # the source's state after the last step trained (prefetch runs ahead)
@@ -193,7 +194,8 @@ def run_loop(
             if ctx.initialized or sharded is not None or module_tables(model):
                 save_checkpoint(**save, weights=weights, optimizer_state=optimizer_state)
             else:  # one process, dense only: written in the background from a host copy taken now (async_save.py)
-                weights, optimizer_state = host_snapshot(model, optimizer)
+                writer_thread.wait()  # the previous write reads the buffers this snapshot overwrites (submit waited too)
+                weights, optimizer_state = host_snapshot(model, optimizer, snapshot_buffers)
                 writer_thread.submit(lambda: save_checkpoint(**save, weights=weights, optimizer_state=optimizer_state))
         ctx.barrier()  # no rank runs ahead of a checkpoint that is not complete yet (one process: being written)
         log.reset()  # the next interval's rate counts training only, not the checkpoint write
