@@ -74,3 +74,16 @@ def test_candidate_tower_postfix_exports(tmp_path) -> None:
     req = _request(engine)
     got = _pipeline(lambda name, args: run_onnx(out / f"{name}.onnx", args), req, engine, tower=True)
     torch.testing.assert_close(got, engine.rank_encoded(req).scores, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow  # an export of its own (~13 s on 2 cores); the cached path is checked by test_engine.py by default
+def test_a_model_without_relative_bias_exports(tmp_path) -> None:
+    """model.relative_bias=false: no pos_weights in the programs; ONNX reproduces the engine."""
+    pytest.importorskip("onnxruntime")
+    run = export(build_model(seed=5, relative_bias=False), tmp_path / "run")
+    out = export_run(run, tmp_path / "out", formats=("onnx",))
+    engine = RankEngine.from_run(run)
+    assert all(block.pos_weights is None for block in engine.model.encoder.blocks)
+    req = _request(engine)
+    got = _pipeline(lambda name, args: run_onnx(out / f"{name}.onnx", args), req, engine)
+    torch.testing.assert_close(got, engine.rank_encoded(req).scores, rtol=1e-4, atol=1e-5)
