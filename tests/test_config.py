@@ -177,6 +177,15 @@ def test_num_negatives_and_sasrec_heads() -> None:
     config_from_dict({"data": {"path": "d"}}, ["model.kind=hstu", "model.dim=16", "model.num_heads=3"])
 
 
+def test_relative_bias_is_a_bool_of_the_hstu_encoder() -> None:
+    assert config_from_dict({"data": {"path": "d"}}).model.relative_bias is True
+    assert config_from_dict({"data": {"path": "d"}}, ["model.relative_bias=false"]).model.relative_bias is False
+    with pytest.raises(ConfigError, match="model.relative_bias: expected bool, got str"):
+        config_from_dict({"data": {"path": "d"}}, ["model.relative_bias=no-rab"])
+    with pytest.raises(ConfigError, match="the switch of the HSTU encoder .* not of model.kind=sasrec"):
+        config_from_dict({"data": {"path": "d"}}, ["model.kind=sasrec", "model.relative_bias=false"])
+
+
 def test_missing_data_path() -> None:
     with pytest.raises(ConfigError, match="data.path: required"):
         config_from_dict({})
