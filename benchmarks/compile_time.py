@@ -52,6 +52,7 @@ else:
     compile_dynamic(runner.objective)
 times = []
 for batch in T.make_batches("compile-probe", 2, 0):
+    batch = batch.to(torch.device(DEVICE))
     start = time.perf_counter()
     runner([batch])
     if DEVICE == "cuda":

@@ -70,8 +70,8 @@ def _backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Ten
     q, k, v, offsets, ma, ts_bias, num_buckets = _prepare(q, k, v, offsets, mask, timestamps, time_weights)
     dq, dk, dv, d_pos, d_time = hstu_backward(grad_out, q, k, v, offsets, max_seq_len, ma, scale, pos_weights, ts_bias,
                                               time_weights, num_buckets, pos_grad, time_grad)  # fmt: skip
-    empty = q.new_empty(0)
-    return dq, dk, dv, d_pos if d_pos is not None else empty, d_time if d_time is not None else empty
+    # a fresh empty tensor each: outputs of a custom op may not alias one another (both are empty without biases)
+    return dq, dk, dv, d_pos if d_pos is not None else q.new_empty(0), d_time if d_time is not None else q.new_empty(0)
 
 
 @_backward_op.register_fake

@@ -98,3 +98,17 @@ def test_compiled_model_is_one_graph_with_eager_values(interpreter, backend: str
             else:
                 torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=name)
     assert frames["unique_graphs"] - before == 1  # one graph for both token counts: no recompile per shape
+
+
+def test_backward_op_without_biases_returns_no_aliases(interpreter) -> None:
+    """Without position and time bias both bias gradients are empty: two distinct tensors, since outputs of a custom
+    op may not alias each other (torch.compile's AOTAutograd refused the shared one: model.relative_bias=false)."""
+    args, _ = _inputs("causal", int(torch.randint(0, 2**30, ())))
+    q, k, v, offsets, max_len, mask = args
+    grad = torch.randn_like(v)
+    op_args = (grad, q.detach(), k.detach(), v.detach(), offsets, max_len, mask.num_targets, mask.num_contextual,
+               mask.segment_lengths, mask.timestamps, mask.causal, -1 if mask.max_attn_len is None else mask.max_attn_len,
+               0, 0.3, None, None, None, False, False)  # fmt: skip
+    outputs = torch.ops.recforge.hstu_attention_backward(*op_args)
+    assert outputs[3].numel() == outputs[4].numel() == 0 and outputs[3] is not outputs[4]
+    torch.library.opcheck(torch.ops.recforge.hstu_attention_backward.default, op_args, test_utils=("test_schema",))
