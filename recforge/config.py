@@ -205,6 +205,14 @@ class GenerativeConfig:
     # beam's items, scored log p(SID) (teacher forced) + rescore * cos / loss.temperature, so items beyond the beam
     # can be found (needs dense_head; with rescore=0 the SID score ranks them all). 0: the beam's items only
     dense_candidates: int = 0
+    # tiger: initialise the item tables (dense head, item-ID embedding) from this retrieval run's item embeddings
+    # (its best checkpoint, rows matched by raw item ID; the run must be trained on data.path with at least this
+    # protocol's held-out items). "": random init. Its table's width must equal item_dim (or model.dim)
+    dense_init: str = ""
+    dense_freeze: bool = False  # keep the loaded item tables fixed (needs dense_init): only the user tower learns
+    # width of the item tables (0: model.dim); set it to the dense_init run's model.dim when that differs: the dense
+    # user tower then projects the encoder's output to it, and a learned projection maps item-ID rows to model.dim
+    item_dim: int = 0
 
 
 @dataclass
@@ -281,7 +289,7 @@ NON_NEGATIVE = {
     "sparse.capacity": " (0: catalogue size + 1)", "sparse.max_rows": " (0: no limit)", "sparse.cache_rows": " (0: no cache)",
     "sparse.eviction_every": " (0: only on capacity pressure)", "sparse.ttl_steps": "",
     "generative.rescore": " (0: generation only)",
-    "generative.dense_candidates": " (0: the beam's items only)",
+    "generative.dense_candidates": " (0: the beam's items only)", "generative.item_dim": " (0: model.dim)",
 }  # fmt: skip
 # Keys bounded on both sides: (low, high, high included).
 INTERVALS = {
@@ -515,6 +523,14 @@ def _validate_generative(cfg: RunConfig) -> list[str]:
         problems.append(f"generative.dense_candidates={g.dense_candidates} adds the dense head's top items to the beam's, "
                         "but generative.dense_head is off; set generative.dense_head=true (and train), or "
                         "generative.dense_candidates=0")  # fmt: skip
+    tables = g.item_id_embedding or g.dense_head
+    for key, value in (("dense_init", g.dense_init), ("item_dim", g.item_dim)):
+        if value and not tables:
+            problems.append(f"generative.{key}={value} applies to the item tables, but generative.dense_head and "
+                            "generative.item_id_embedding are off; turn one on, or unset it")  # fmt: skip
+    if g.dense_freeze and not g.dense_init:
+        problems.append("generative.dense_freeze keeps loaded item tables fixed, but generative.dense_init is empty "
+                        "(they would stay random); set generative.dense_init=RETRIEVAL_RUN_DIR or dense_freeze=false")
     if cfg.eval_ks and max(cfg.eval_ks) > g.beam + g.dense_candidates:
         problems.append(f"eval.ks / eval.select_metric go up to {max(cfg.eval_ks)} but generative.beam is {g.beam}"
                         f"{f' (+ {g.dense_candidates} dense candidates)' if g.dense_candidates else ''}: a beam yields "

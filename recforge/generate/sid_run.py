@@ -56,7 +56,7 @@ def build_sid_model(cfg: RunConfig, num_levels: int, vocab_size: int, num_items:
         num_levels=num_levels, vocab_size=vocab_size, dim=m.dim, encoder_layers=m.num_blocks,
         decoder_layers=cfg.generative.decoder_blocks, num_heads=m.num_heads, ffn_dim=m.ffn_dim, dropout=m.dropout,
         max_items=cfg.data.max_seq_len, num_item_ids=num_items if g.item_id_embedding else 0,
-        dense_items=num_items if g.dense_head else 0, dense_temperature=cfg.loss.temperature,
+        dense_items=num_items if g.dense_head else 0, dense_temperature=cfg.loss.temperature, item_dim=g.item_dim,
     ))  # fmt: skip
 
 

@@ -11,7 +11,8 @@ With ``dense_items > 0`` (``generative.dense_head``, LIGER) the model also has a
 (the encoder's output at the history's last token, the most recent item's last digit, projected and
 L2-normalised) and an L2-normalised item table over the training catalogue (row 0: padding / unknown), scored
 as ``cos(user, item) / dense_temperature`` (``dense_logits``). Both item tables share one row mapping
-(``item_id_vocab``: raw ID of each row, ``set_item_vocab``, ``item_rows``).
+(``item_id_vocab``: raw ID of each row, ``set_item_vocab``, ``item_rows``) and one width, ``item_dim`` (default
+``dim``; another width, e.g. an ID-retrieval run's table loaded into them, adds the projections named there).
 
 Beam search shares each request's encoding across its beams: ``encode`` runs once per request,
 ``memory_kv`` projects the encoder output to every decoder layer's cross-attention keys/values
@@ -65,6 +66,14 @@ class Seq2SeqConfig:
     num_item_ids: int = 0  # > 0: item-ID embedding rows 1..num_item_ids added to the history's SID tokens; 0: none
     dense_items: int = 0  # > 0: dense head over items 1..dense_items (= num_item_ids when both are on); 0: none
     dense_temperature: float = 0.05  # dense logits are cosine / this (loss.temperature)
+    # width of both item tables (0: dim). Another width (that of a loaded ID-retrieval table, generative.dense_init)
+    # makes the dense user tower project to it and adds a learned projection of the item-ID embedding to dim
+    item_dim: int = 0
+
+    @property
+    def item_width(self) -> int:
+        """Width of the item tables: ``item_dim``, or ``dim`` when it is 0."""
+        return self.item_dim or self.dim
 
 
 def _split_heads(x: Tensor, heads: int) -> Tensor:
@@ -203,7 +212,7 @@ class Memory:
 
     kv: list[tuple[Tensor, Tensor]]
     key_mask: Tensor | None  # (B, 1, 1, S) bool, True = a real token; None when nothing is padded
-    user: Tensor | None = None  # (B, d) L2-normalised dense user vectors (models with a dense head), else None
+    user: Tensor | None = None  # (B, item_width) L2-normalised dense user vectors (models with a dense head), else None
 
 
 class SIDSeq2Seq(nn.Module):
@@ -229,13 +238,15 @@ class SIDSeq2Seq(nn.Module):
                              "training catalogue's size: the two item tables share one row mapping")  # fmt: skip
         # built last: every other weight draws the same initial values as without them
         if cfg.num_item_ids > 0:
-            self.item_embedding = nn.Embedding(1 + cfg.num_item_ids, d, padding_idx=0)  # row 0: padding / unknown
+            self.item_embedding = nn.Embedding(1 + cfg.num_item_ids, cfg.item_width, padding_idx=0)  # row 0: padding
         if self.item_table_rows:
             # raw item ID of each row (row 0: -1), saved with the weights so any checkpoint maps raw IDs to its rows
             self.register_buffer("item_id_vocab", torch.full((self.item_table_rows,), -1, dtype=torch.long))
         if cfg.dense_items > 0:
-            self.dense_user = nn.Linear(d, d)  # encoder output at the last history token -> user vector
-            self.dense_items = nn.Embedding(1 + cfg.dense_items, d)  # row 0: padding / unknown (never a class)
+            self.dense_user = nn.Linear(d, cfg.item_width)  # encoder output at the last history token -> user vector
+            self.dense_items = nn.Embedding(1 + cfg.dense_items, cfg.item_width)  # row 0: padding / unknown (never a class)
+        if cfg.num_item_ids > 0 and cfg.item_width != d:
+            self.item_id_projection = nn.Linear(cfg.item_width, d, bias=False)  # item-ID embedding -> the token width
 
     @property
     def reads_item_ids(self) -> bool:
@@ -316,7 +327,8 @@ class SIDSeq2Seq(nn.Module):
         if tuple(history_items.shape) != shape:
             raise ValueError(f"history_items has shape {tuple(history_items.shape)}, the history {shape}")
         rows = torch.where((history_items >= 0) & (history_items <= self.cfg.num_item_ids), history_items, 0)
-        return self.item_embedding(rows)
+        x = self.item_embedding(rows)  # (B, H, item_width)
+        return self.item_id_projection(x) if self.cfg.item_width != self.cfg.dim else x
 
     def start(self, history_codes: Tensor, history_mask: Tensor | None, history_items: Tensor | None = None) -> Memory:
         """Encode the histories once and project them for every decoder layer (what beams share); with a dense
@@ -326,8 +338,8 @@ class SIDSeq2Seq(nn.Module):
         return Memory([block.memory_kv(memory) for block in self.decoder], key_mask, user)
 
     def user_vectors(self, encoded: Tensor) -> Tensor:
-        """(B, d) L2-normalised dense user vectors of encoder outputs (B, S, d): the projected output at the last
-        token (histories are right-aligned, so it is always the most recent item's last digit, never padding)."""
+        """(B, item_width) L2-normalised dense user vectors of encoder outputs (B, S, d): the projected output at the
+        last token (histories are right-aligned, so it is always the most recent item's last digit, never padding)."""
         return F.normalize(self.dense_user(encoded[:, -1]).float(), dim=-1)
 
     def dense_item_vectors(self, rows: Tensor | None = None) -> Tensor:
@@ -391,7 +403,7 @@ class SIDSeq2Seq(nn.Module):
     def loss_and_user(
         self, history_codes: Tensor, history_mask: Tensor | None, target_codes: Tensor, history_items: Tensor | None = None
     ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-        """(``loss``, the (B, d) dense user vectors or None without a dense head) from one encoder pass: the
+        """(``loss``, the (B, item_width) dense user vectors or None without a dense head) from one encoder pass: the
         dense head's loss (``recforge.train.losses``) scores the user vectors against ``dense_item_vectors()``."""
         memory = self.start(history_codes, history_mask, history_items)
         states = self.decode(memory, target_codes[:, None, :-1])[:, 0]  # (B, L, d)

@@ -31,6 +31,10 @@ takes too). ``generative.dense_candidates`` = K > 0 adds the dense head's top K 
 to the beam's before that ranking (``beam_search.add_dense_candidates``; their log p(SID) teacher forced), so a
 target outside the beam can still be hit; it can be set at evaluation only (``recforge eval RUN
 generative.dense_candidates=200 --split valid``). The list's metrics are item-level as before.
+
+``generative.dense_init: RUN_DIR`` initialises those item tables from a trained retrieval run's item embeddings
+(``recforge.train.dense_init``: rows by raw item ID, leakage checked, width ``generative.item_dim``);
+``generative.dense_freeze`` keeps them fixed.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from recforge.generate import DenseCandidates, SidTrie, search_items
 from recforge.generate.sid_run import build_sid_model, read_run, sid_dir_of, uses_item_table
 from recforge.models.sid_hstu import SIDHSTU
 from recforge.models.sid_seq2seq import SIDSeq2Seq
+from recforge.train.dense_init import freeze_item_tables, init_item_tables, item_table_from_run
 from recforge.train.distributed import DistContext, init_distributed
 from recforge.train.losses import sampled_softmax_loss
 from recforge.train.loop import prepare_run_dir, run_loop
@@ -95,9 +100,10 @@ class SidBatch:
                         move(self.target_items))  # fmt: skip
 
 
-def setup(cfg: RunConfig, sid_dir: Path | None = None, ctx: DistContext | None = None) -> Setup:
+def setup(cfg: RunConfig, sid_dir: Path | None = None, ctx: DistContext | None = None, *, fresh: bool = False) -> Setup:
     """Load data and SIDs, build the model and its training step (deterministically from ``cfg.train.seed``).
-    ``ctx``: the ``torchrun`` job this process is part of (None: one process)."""
+    ``ctx``: the ``torchrun`` job this process is part of (None: one process); ``fresh``: a new training run (only it
+    loads ``generative.dense_init``: a resumed or evaluated run reads every weight from its checkpoint)."""
     device = prepare_runtime(cfg)
     ctx = ctx or DistContext()
     dataset = load_dataset(cfg.data.path)
@@ -111,6 +117,10 @@ def setup(cfg: RunConfig, sid_dir: Path | None = None, ctx: DistContext | None =
     model = build_sid_model(cfg, sids.num_levels, sids.vocab_size, seqs.num_items).to(device)
     if uses_item_table(cfg):  # the tables' rows are the dense item indices
         model.set_item_vocab(torch.from_numpy(seqs.item_vocab).to(device))
+    if fresh and cfg.generative.dense_init:
+        init_item_tables(model, item_table_from_run(cfg.generative.dense_init, cfg, seqs.item_vocab))
+    if cfg.generative.dense_freeze:  # before the optimizer is built: it steps only trainable parameters
+        freeze_item_tables(model)
     s = Setup(cfg, seqs, item_codes, trie, model, None, device, PROTOCOL_HOLDOUT[cfg.data.protocol], ctx)
     s.runner = StepRunner(cfg, model, device, ctx, loss_fn=lambda b: _loss(s, b), units_fn=lambda b: b.targets.shape[0])
     s.optimizer = s.runner.optimizer
@@ -242,7 +252,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     ctx.barrier()  # every rank has checked the run directory before any writes to it
     sid_dir = _copy_sids(cfg, run_dir, resume) if ctx.is_main else run_dir / "sids"
     ctx.barrier()  # rank 0 copied the SIDs every rank reads
-    s = setup(cfg, sid_dir, ctx)
+    s = setup(cfg, sid_dir, ctx, fresh=not resume)
     if resume and uses_item_table(cfg):
         _check_resumed_catalogue(run_dir, s)
     samples = transition_samples(s.seqs, s.holdout)

@@ -101,8 +101,9 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimi
     device type (one launch group per step instead of ~10 per parameter chunk on CUDA; on the CPU one fused loop
     instead of ~10 ops per parameter: the per-parameter update cost a small model's step milliseconds of host
     time; the same update, equal up to float rounding), except under FSDP2 (its sharded parameters take the
-    multi-tensor one). An ``EagerAdamW``: no ``torch._dynamo`` import in a run that does not compile."""
-    params = list(model.parameters())
+    multi-tensor one). An ``EagerAdamW``: no ``torch._dynamo`` import in a run that does not compile. Frozen
+    parameters (``requires_grad`` False, e.g. ``generative.dense_freeze``) are left out: no state, no weight decay."""
+    params = [p for p in model.parameters() if p.requires_grad]
     one_kind = bool(params) and (all(p.is_cuda for p in params) or all(p.device.type == "cpu" for p in params))
     fused = True if one_kind and cfg.dist.dense != "fsdp2" else None
     return EagerAdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,

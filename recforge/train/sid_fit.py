@@ -40,36 +40,39 @@ def _catalogue(data_dir: str | Path) -> tuple[np.ndarray, object]:
     return ids.astype(np.int64), dataset.items
 
 
-def run_item_embeddings(run_dir: str | Path, data_dir: str | Path) -> tuple[np.ndarray, np.ndarray, dict]:
+def run_item_embeddings(
+    run_dir: str | Path, data_dir: str | Path, what: str = ""
+) -> tuple[np.ndarray, np.ndarray, dict]:  # fmt: skip
     """(raw item IDs, (N, d) item vectors, provenance) of a trained retrieval run.
 
     The run must have been trained on ``data_dir``'s interactions. The checkpoint is ``best`` for a
     clean run (chosen on the validation target) and ``latest`` for a paper run (its ``best`` was chosen
     on the test target). The provenance (data digest, protocol, held-out items per user) goes into
     ``sid.json``; the generative recipe refuses the SIDs where the run saw its evaluation targets
-    (``recforge.data.sids.check_embedding_run``).
+    (``recforge.data.sids.check_embedding_run``). ``what`` names the run in errors (default ``--source run:RUN``).
     """
     from recforge.config import load_config
     from recforge.train import retrieval
     from recforge.checkpoint import find_checkpoint, load_checkpoint
 
     run_dir = Path(run_dir)
+    what = what or f"--source run:{run_dir}"
     if not (run_dir / "config.yaml").is_file():
-        raise ValueError(f"--source run:{run_dir}: not a recforge run directory (no config.yaml); "
+        raise ValueError(f"{what}: not a recforge run directory (no config.yaml); "
                          "give the output directory of `recforge train` on a retrieval config")  # fmt: skip
     cfg = load_config(run_dir / "config.yaml", ["train.device=cpu"])
     if cfg.recipe != "retrieval":
-        raise ValueError(f"--source run:{run_dir}: collaborative embeddings come from a retrieval run, not {cfg.recipe}")
+        raise ValueError(f"{what}: collaborative embeddings come from a retrieval run, not {cfg.recipe}")
     which = "best" if cfg.data.protocol == "clean" else "latest"
     ckpt = find_checkpoint(run_dir, which)
     if ckpt is None:
-        raise ValueError(f"--source run:{run_dir}: the run has no {which} checkpoint; train it first")
+        raise ValueError(f"{what}: the run has no {which} checkpoint; train it first")
     digest = interactions_digest(load_dataset(data_dir).events)
     if interactions_digest(load_dataset(cfg.data.path).events) != digest:
         raise ValueError(
-            f"--source run:{run_dir}: the run was trained on {cfg.data.path}, whose interactions differ from "
+            f"{what}: the run was trained on {cfg.data.path}, whose interactions differ from "
             f"{data_dir}'s, so it may have trained on {data_dir}'s held-out items. Train the retrieval run "
-            f"on {data_dir} (data.path={data_dir}, data.protocol=clean) and fit from it"
+            f"on {data_dir} (data.path={data_dir}, data.protocol=clean) and use that run"
         )
     s = retrieval.setup(cfg)
     manifest = load_checkpoint(ckpt, s.model)
@@ -81,7 +84,7 @@ def run_item_embeddings(run_dir: str | Path, data_dir: str | Path) -> tuple[np.n
         "step": manifest.get("step"),
     }  # fmt: skip
     ids = s.seqs.item_vocab[1:]
-    return ids, check_vectors(vectors.numpy(), ids, f"--source run:{run_dir} item embeddings"), provenance
+    return ids, check_vectors(vectors.numpy(), ids, f"{what} item embeddings"), provenance
 
 
 def item_vectors(data_dir: str | Path, source: str, *, text_dim: int = 64, seed: int = 0):
