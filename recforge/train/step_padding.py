@@ -90,11 +90,20 @@ class RetrievalPadding:
         return PaddedStep(out, draws, loss_scale=1.0, loss_offset=0.0, objective_scale=1.0)
 
     def _pad_draws(self, draws: SampledNegatives, tokens: int) -> SampledNegatives:
-        """The negatives at ``tokens`` positions: per-position rows for the padding positions (their targets: all
-        masked), in-batch negatives padded with the masked id 0, a shared sample unchanged."""
+        """The negatives at ``tokens`` positions: per-position rows for the padding positions (unchunked: spread over
+        the catalogue; chunked: PAD_ITEM, masked; the positions weigh 0 either way), in-batch negatives padded with the
+        masked id 0, a shared sample unchanged."""
         out = dataclasses.replace(draws)
         if draws.ids is not None and self.loss.negatives == "per_position":
-            out.ids = pad_rows(draws.ids, tokens, PAD_ITEM)  # (T', K)
+            if draws.distinct is None:  # unchunked: the padding rows' negatives spread over the catalogue, not all
+                # PAD_ITEM: the gather-dot's table gradient sums each row's occurrences in one program, and T' - T
+                # rows x K of one row made one serial segment (27 ms of a 42 ms step at 16K tokens x 128 negatives;
+                # the padding positions weigh 0 in the loss, so their negatives change nothing)
+                extra = tokens - draws.ids.shape[0]
+                spread = torch.arange(extra * draws.ids.shape[1], device=draws.ids.device) % self.num_items + 1
+                out.ids = torch.cat([draws.ids, spread.view(extra, -1).to(draws.ids.dtype)])  # (T', K)
+            else:  # chunked: the padding rows' logits are masked by their PAD_ITEM ids
+                out.ids = pad_rows(draws.ids, tokens, PAD_ITEM)  # (T', K)
         if draws.in_batch is not None:
             out.in_batch = pad_rows(draws.in_batch, tokens, 0)  # (T',)
             if draws.shared is not None:  # chunked: the shared columns end with the in-batch ones

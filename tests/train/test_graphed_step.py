@@ -93,6 +93,10 @@ def test_padding_changes_no_loss_or_gradient(tmp_path: Path, data_dir: Path, cas
         chunk = s.cfg.loss.chunk_size  # per-position draws are chunked (distinct ids) as the padded loss is
         assert use_chunks(chunk, batch.num_tokens) == use_chunks(chunk, padded.batch.num_tokens) or case.startswith("full")
         capped += padded.batch.num_tokens == chunk
+        if draws is not None and draws.ids is not None and draws.distinct is None and draws.ids.dim() == 2:
+            pad_ids = padded.draws.ids[batch.num_tokens:].flatten()  # per-position, unchunked: spread over the items,
+            # not all one row, whose gather-dot table gradient would be one serial segment
+            assert pad_ids.numel() and int(torch.bincount(pad_ids).max()) <= -(-pad_ids.numel() // s.seqs.num_items)
         loss, grads = _loss_and_grads(s, batch, draws, None)
         padded_loss, padded_grads = _loss_and_grads(s, batch, draws, pad)
         assert padded_loss == pytest.approx(loss, rel=1e-5), case
