@@ -206,7 +206,7 @@ class GenerativeConfig:
     # can be found (needs dense_head; with rescore=0 the SID score ranks them all). 0: the beam's items only
     dense_candidates: int = 0
     # tiger: initialise the item tables (dense head, item-ID embedding) from this retrieval run's item embeddings
-    # (its best checkpoint, rows matched by raw item ID; the run must be trained on data.path with at least this
+    # (its best checkpoint (latest for a paper-protocol run), rows matched by raw item ID; the run must be trained on data.path with at least this
     # protocol's held-out items). "": random init. Its table's width must equal item_dim (or model.dim)
     dense_init: str = ""
     dense_freeze: bool = False  # keep the loaded item tables fixed (needs dense_init): only the user tower learns

@@ -26,18 +26,28 @@ import torch
 
 class HostBuffers:
     """Host tensors reused by ``host_snapshot`` across checkpoints, one per state entry (by its path in the
-    state dicts); pinned for device tensors. A snapshot's tensors are these buffers: valid until the next
+    state dicts); pinned for device tensors (held for the whole run: about 3x the dense model's size with AdamW;
+    pageable where pinning fails). A snapshot's tensors are these buffers: valid until the next
     snapshot into the same ``HostBuffers`` (the caller waits for the write of the previous one first)."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._pin = True  # off after the first failed pinned allocation
 
     def like(self, path: tuple, value: torch.Tensor) -> torch.Tensor:
         """The buffer of ``path``, (re)allocated when ``value``'s shape or dtype differs from the last one's."""
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-            # pinned: a device tensor's copy into it runs asynchronously (pageable memory would block per copy)
-            buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.device.type == "cuda")
+            # pinned: a device tensor's copy into it runs asynchronously (pageable memory would block per copy);
+            # page-locked host memory the system cannot give (a large model) falls back to pageable: slower, same bytes
+            buffer = None
+            if value.device.type == "cuda" and self._pin:
+                try:
+                    buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+                except RuntimeError:
+                    self._pin = False
+            if buffer is None:
+                buffer = torch.empty(value.shape, dtype=value.dtype)
             self._buffers[path] = buffer
         return buffer
 

@@ -7,7 +7,9 @@ The batch is padded by ``recforge.jagged.padding`` (padding tokens in sequences 
   ``weights`` of ``losses.sampled_softmax_loss`` (``loss_weights``): the loss is the mean over the real
   positions, and a padding position's loss and gradients are scaled by 0, so nothing reaches the encoder or
   an item vector through it. Its loss only has to be finite: ``labels["next_item"]`` of a padding position
-  is item 1 (any real item), its per-position negatives too (all accidental hits: its loss is 0);
+  is item 1 (any real item); its per-position negatives are spread over the catalogue (unchunked: one row
+  repeated T' - T times K would make one serial segment of the gather-dot's table gradient) or item 1 (chunked:
+  all accidental hits, its loss is 0);
 - the negatives the real positions score are the real batch's: a shared sample is unchanged, the in-batch
   negatives (the real targets, ``losses.batch_distinct``) are padded with the padding id 0, which the loss
   masks, so the padding targets never become negatives;
@@ -101,7 +103,7 @@ class RetrievalPadding:
                 # the padding positions weigh 0 in the loss, so their negatives change nothing)
                 extra = tokens - draws.ids.shape[0]
                 spread = torch.arange(extra * draws.ids.shape[1], device=draws.ids.device) % self.num_items + 1
-                out.ids = torch.cat([draws.ids, spread.view(extra, -1).to(draws.ids.dtype)])  # (T', K)
+                out.ids = torch.cat([draws.ids, spread.view(extra, draws.ids.shape[1]).to(draws.ids.dtype)])  # (T', K)
             else:  # chunked: the padding rows' logits are masked by their PAD_ITEM ids
                 out.ids = pad_rows(draws.ids, tokens, PAD_ITEM)  # (T', K)
         if draws.in_batch is not None:

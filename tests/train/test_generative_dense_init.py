@@ -130,14 +130,16 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 
 
 def test_a_frozen_table_stays_bit_identical_through_training_and_resume(
-    tmp_path: Path, data: Path, sasrec: Path
+    tmp_path: Path, data: Path, sasrec: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:  # fmt: skip
     args = _args(tmp_path, data, sasrec, "train.epochs=2", "train.eval_every=1")
     loaded = generative.setup(load_config(CONFIG, args), fresh=True).model.dense_items.weight.detach().clone()
     assert main(["--no-progress", "train", CONFIG, *args, "train.max_steps=2"]) == 0
     first = _weights(tmp_path / "run")
     assert torch.equal(first["dense_items.weight"], loaded)
-    assert main(["--no-progress", "train", CONFIG, *args, "--resume"]) == 0  # the run's own table, not the run's again
+    with monkeypatch.context() as patch:  # a resumed run reads its own table from its checkpoint, never the init run
+        patch.setattr(generative, "item_table_from_run", lambda *a: pytest.fail("dense_init re-read on resume"))
+        assert main(["--no-progress", "train", CONFIG, *args, "--resume"]) == 0
     resumed = _weights(tmp_path / "run")
     assert torch.equal(resumed["dense_items.weight"], loaded)
     assert not torch.equal(resumed["dense_user.weight"], first["dense_user.weight"])  # the user tower learns
@@ -154,3 +156,10 @@ def test_a_frozen_table_stays_bit_identical_through_training_and_resume(
     assert main(["--no-progress", "train", CONFIG, *args, "generative.dense_freeze=false", "train.max_steps=2",
                  f"train.output_dir={thawed}"]) == 0  # fmt: skip
     assert not torch.equal(_weights(thawed)["dense_items.weight"], loaded)
+    # resuming it with the table frozen: its optimizer state covers other parameters -> a clear refusal
+    capsys.readouterr()
+    assert main(["--no-progress", "train", CONFIG, *args, "generative.dense_freeze=true", f"train.output_dir={thawed}",
+                 "--resume"]) != 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "trainable parameters changed" in err and "dense_freeze=False" in err
+

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from recforge.config import RunConfig, config_from_dict
+from recforge.config import LossConfig, RunConfig, config_from_dict
 from recforge.data.synthetic import SyntheticConfig, write_synthetic
 from recforge.train import retrieval
 from recforge.train.graphed import GraphedStep, graphs_enabled
-from recforge.train.losses import use_chunks
+from recforge.train.losses import SampledNegatives, use_chunks
 from recforge.train.runtime import autocast
 from recforge.train.step_padding import LOSS_MASK, RetrievalPadding
 
@@ -255,3 +255,13 @@ def test_compiled_graphed_step_matches_eager(tmp_path: Path, data_dir: Path, cud
     got = _train(s, [a, b, a, b])
     assert s.runner.graphed.failed is None and s.runner.graphed.replays >= 2
     assert got == pytest.approx(expected, rel=5e-3)
+
+
+def test_per_position_draws_of_a_batch_already_at_its_bucket() -> None:
+    """A batch whose token count is a bucket size gets no padding rows (extra = 0 must not fail the spread)."""
+    pad = RetrievalPadding(LossConfig(negatives="per_position"), 100, 1.125, summed=False)
+    ids = torch.randint(1, 101, (64, 8))
+    out = pad._pad_draws(SampledNegatives(ids=ids), 64)
+    assert torch.equal(out.ids, ids)
+    assert out.ids.shape == (64, 8) and pad._pad_draws(SampledNegatives(ids=ids), 70).ids.shape == (70, 8)
+
