@@ -387,9 +387,9 @@ def validate(cfg: RunConfig) -> list[str]:
     cb = cfg.model.checkpoint_blocks
     if not isinstance(cb, int) or (not isinstance(cb, bool) and cb < 0):
         problems.append(f"model.checkpoint_blocks: expected true, false or a number of blocks >= 0, got {cb!r}")
-    if not cfg.model.relative_bias and cfg.model.kind != "hstu":  # sid_hstu's blocks are built without the switch
-        problems.append(f"model.relative_bias=false: the switch of the HSTU encoder (model.kind=hstu), not of "
-                        f"model.kind={cfg.model.kind}; remove it")  # fmt: skip
+    if not cfg.model.relative_bias and cfg.model.kind not in ("hstu", "sid_hstu"):
+        problems.append(f"model.relative_bias=false: the switch of the HSTU blocks (model.kind=hstu or sid_hstu), not "
+                        f"of model.kind={cfg.model.kind}; remove it")  # fmt: skip
     if cfg.model.kind == "sasrec" and cfg.model.dim % cfg.model.num_heads:
         problems.append(f"model.dim {cfg.model.dim} must be divisible by model.num_heads {cfg.model.num_heads} for SASRec")
     if cfg.recipe == "ranking":

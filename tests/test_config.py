@@ -182,8 +182,20 @@ def test_relative_bias_is_a_bool_of_the_hstu_encoder() -> None:
     assert config_from_dict({"data": {"path": "d"}}, ["model.relative_bias=false"]).model.relative_bias is False
     with pytest.raises(ConfigError, match="model.relative_bias: expected bool, got str"):
         config_from_dict({"data": {"path": "d"}}, ["model.relative_bias=no-rab"])
-    with pytest.raises(ConfigError, match="the switch of the HSTU encoder .* not of model.kind=sasrec"):
+    with pytest.raises(ConfigError, match="the switch of the HSTU blocks .* not of model.kind=sasrec"):
         config_from_dict({"data": {"path": "d"}}, ["model.kind=sasrec", "model.relative_bias=false"])
+
+
+def test_sid_hstu_is_built_without_the_relative_bias_when_switched_off() -> None:
+    from recforge.generate.sid_run import build_sid_model
+
+    cfg = config_from_dict({"recipe": "generative", "data": {"path": "d"}},
+                           ["model.kind=sid_hstu", "model.dim=16", "model.num_blocks=2", "model.num_heads=2", "eval.ks=[10]"])  # fmt: skip
+    assert all(b.pos_weights is not None for b in build_sid_model(cfg, 3, 8).encoder.blocks)
+    cfg = config_from_dict({"recipe": "generative", "data": {"path": "d"}},
+                           ["model.kind=sid_hstu", "model.dim=16", "model.num_blocks=2", "model.num_heads=2",
+                            "model.relative_bias=false", "eval.ks=[10]"])  # fmt: skip
+    assert all(b.pos_weights is None for b in build_sid_model(cfg, 3, 8).encoder.blocks)
 
 
 def test_missing_data_path() -> None:

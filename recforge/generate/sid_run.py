@@ -50,7 +50,7 @@ def build_sid_model(cfg: RunConfig, num_levels: int, vocab_size: int, num_items:
     if m.kind == "sid_hstu":
         return SIDHSTU(SIDHSTUConfig(
             num_levels=num_levels, vocab_size=vocab_size, dim=m.dim, num_blocks=m.num_blocks, num_heads=m.num_heads,
-            dropout=m.dropout, max_items=cfg.data.max_seq_len, kernel=m.kernel,
+            dropout=m.dropout, max_items=cfg.data.max_seq_len, kernel=m.kernel, relative_bias=m.relative_bias,
         ))  # fmt: skip
     return SIDSeq2Seq(Seq2SeqConfig(
         num_levels=num_levels, vocab_size=vocab_size, dim=m.dim, encoder_layers=m.num_blocks,
