@@ -481,6 +481,9 @@ def _validate_ranking(cfg: RunConfig) -> list[str]:
         problems.append(f"ranking.valid_fraction, ranking.test_fraction: {err}")
     if cfg.model.kind == "sasrec":
         problems.append("model.kind: the ranking recipe supports hstu, dlrm and item")
+    if cfg.model.kind == "hstu" and not cfg.model.relative_bias and cfg.model.num_time_buckets == 0:
+        problems.append("model.relative_bias=false with model.num_time_buckets=0: the ranking HSTU has no absolute "
+                        "positions, so it would see its history as an unordered set; keep one of the two biases")  # fmt: skip
     binary = [t.name for t in names if t.kind == "binary"]
     if r.listwise_weight and not binary:
         problems.append("ranking.listwise_weight: needs a binary task")

@@ -186,6 +186,16 @@ def test_relative_bias_is_a_bool_of_the_hstu_encoder() -> None:
         config_from_dict({"data": {"path": "d"}}, ["model.kind=sasrec", "model.relative_bias=false"])
 
 
+def test_a_ranking_hstu_keeps_one_source_of_order() -> None:
+    """Ranking's HSTU has no absolute positions: with neither bias it would see an unordered history."""
+    ranking = {"data": {"path": "d"}, "recipe": "ranking", "ranking": {"tasks": ["like:rating>=4"]},
+               "eval": {"select_metric": "like/auc"}}  # fmt: skip
+    config_from_dict(ranking, ["model.relative_bias=false"])  # the time bias remains
+    config_from_dict(ranking, ["model.num_time_buckets=0"])  # the position bias remains
+    with pytest.raises(ConfigError, match="unordered set; keep one of the two biases"):
+        config_from_dict(ranking, ["model.relative_bias=false", "model.num_time_buckets=0"])
+
+
 def test_sid_hstu_is_built_without_the_relative_bias_when_switched_off() -> None:
     from recforge.generate.sid_run import build_sid_model
 
