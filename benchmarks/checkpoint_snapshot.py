@@ -33,20 +33,7 @@ import torch
 
 import train_mfu as tm  # benchmarks/ is sys.path[0] when run as a script
 from recforge.io import atomic_write_json
-from recforge.train.async_save import HostBuffers, host_snapshot
-
-
-def before_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """The snapshot until issue 18 (``async_save._host_copy`` as it was): one blocking host copy per tensor."""
-
-    def copy(value):
-        if torch.is_tensor(value):
-            return value.detach().to("cpu", copy=True).contiguous()
-        if isinstance(value, dict):
-            return {k: copy(v) for k, v in value.items()}
-        return [copy(v) for v in value] if isinstance(value, list) else value
-
-    return copy(model.state_dict()), copy(optimizer.state_dict())
+from recforge.train.async_save import HostBuffers, host_snapshot, host_snapshot_reference
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -74,7 +61,7 @@ def run_case(case: str, variant: str, device: torch.device, args) -> dict:
     for i in range(3):  # AdamW's moments and step counts exist from the first step on
         runner([batches[i % 2]])
     model, optimizer, buffers = runner.model, runner.optimizer, HostBuffers()
-    ways = {"before": lambda: before_snapshot(model, optimizer),
+    ways = {"before": lambda: host_snapshot_reference(model, optimizer),
             "after": lambda: host_snapshot(model, optimizer, buffers),
             "fresh": lambda: host_snapshot(model, optimizer)}  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in ways}
@@ -86,8 +73,8 @@ def run_case(case: str, variant: str, device: torch.device, args) -> dict:
             t0 = time.perf_counter()
             snapshot = take()
             times[name].append((time.perf_counter() - t0) * 1e3)
-            same[name] &= identical(snapshot, before_snapshot(model, optimizer))
-    tensors = _tensors(before_snapshot(model, optimizer))
+            same[name] &= identical(snapshot, host_snapshot_reference(model, optimizer))
+    tensors = _tensors(host_snapshot_reference(model, optimizer))
     row = {"case": case, "variant": variant, "tensors": len(tensors),
            "mb": sum(t.numel() * t.element_size() for t in tensors) / 1e6,
            "device_tensors": sum(t.is_cuda for t in _tensors((model.state_dict(), optimizer.state_dict()))),

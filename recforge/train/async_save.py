@@ -92,6 +92,20 @@ def host_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     return weights, optimizer_state
 
 
+def host_snapshot_reference(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
+    """``host_snapshot`` as it was before ``HostBuffers``: one blocking ``.to("cpu", copy=True)`` per tensor (the
+    oracle of its tests and the baseline of ``benchmarks/checkpoint_snapshot.py``)."""
+
+    def copy(value):
+        if torch.is_tensor(value):
+            return value.detach().to("cpu", copy=True).contiguous()
+        if isinstance(value, dict):
+            return {k: copy(v) for k, v in value.items()}
+        return [copy(v) for v in value] if isinstance(value, list) else value
+
+    return copy(model.state_dict()), copy(optimizer.state_dict()) if optimizer is not None else None
+
+
 class BackgroundWriter:
     """Runs write functions on a background thread, at most one at a time, in submission order."""
 

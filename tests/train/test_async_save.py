@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from recforge.checkpoint import load_checkpoint, save_checkpoint
-from recforge.train.async_save import BackgroundWriter, HostBuffers, host_snapshot
+from recforge.train.async_save import BackgroundWriter, HostBuffers, host_snapshot, host_snapshot_reference
 
 
 def _model_and_optimizer():
@@ -53,19 +53,6 @@ def test_writes_run_in_order_and_a_failure_is_raised_by_the_next_call():
     writer.wait()  # the error was raised once
 
 
-def _old_snapshot(model, optimizer):
-    """The snapshot as it was before HostBuffers: a blocking ``.to("cpu", copy=True)`` per tensor."""
-
-    def copy(value):
-        if torch.is_tensor(value):
-            return value.detach().to("cpu", copy=True).contiguous()
-        if isinstance(value, dict):
-            return {k: copy(v) for k, v in value.items()}
-        return [copy(v) for v in value] if isinstance(value, list) else value
-
-    return copy(model.state_dict()), copy(optimizer.state_dict())
-
-
 def _assert_same(new, old) -> None:
     """Equal structure, and every tensor equal bit for bit (dtype, shape, bytes), on the host."""
     assert type(new) is type(old)
@@ -99,17 +86,17 @@ def _check_reused_buffers_equal_the_old_path(device: torch.device, tmp_path) -> 
     buffers = HostBuffers()
     _train_step(model, optimizer, device)
     first = host_snapshot(model, optimizer, buffers)
-    _assert_same(first, _old_snapshot(model, optimizer))
+    _assert_same(first, host_snapshot_reference(model, optimizer))
     pinned = [t for t in first[0].values()]
     assert all(t.is_pinned() == (device.type == "cuda") for t in pinned)
     held = buffers.nbytes
     _train_step(model, optimizer, device)  # changes every weight and moment in place
     second = host_snapshot(model, optimizer, buffers)
-    _assert_same(second, _old_snapshot(model, optimizer))
+    _assert_same(second, host_snapshot_reference(model, optimizer))
     assert buffers.nbytes == held  # nothing allocated again: the same host tensors, overwritten
     assert all(a.data_ptr() == b.data_ptr() for a, b in zip(first[0].values(), second[0].values(), strict=True))
     # the checkpoint files hold the same bytes as one written from the old path's copies
-    for name, (weights, state) in (("new", second), ("old", _old_snapshot(model, optimizer))):
+    for name, (weights, state) in (("new", second), ("old", host_snapshot_reference(model, optimizer))):
         save_checkpoint(tmp_path / name, step=2, model=model, optimizer=optimizer, manifest={}, weights=weights,
                         optimizer_state=state)  # fmt: skip
     for file in ("model.safetensors", "optimizer.safetensors"):
