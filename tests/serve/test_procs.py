@@ -60,8 +60,14 @@ class _Served:
         raise RuntimeError(f"the front ends did not come up:\n{log.read_text()[-3000:]}")
 
     def pids(self) -> tuple[int, int]:
-        front = httpx.get(self.url + "/health", timeout=5).json()["frontend"]
-        return front["pid"], front["engine_pid"]
+        """(front end pid, engine pid); a front end knows the engine's pid from its first status message, which can
+        come after /health first answers, so wait for it."""
+        for _ in range(100):
+            front = httpx.get(self.url + "/health", timeout=5).json()["frontend"]
+            if front["engine_pid"] is not None:
+                return front["pid"], front["engine_pid"]
+            time.sleep(0.1)
+        raise AssertionError(f"no engine pid in /health after 10 s: {front}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
