@@ -7,6 +7,8 @@ Usage (one H200, about two minutes):
         --out benchmarks/results/gather_dot-tiles-h200.json            # the kernels' tile size
     TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/gather_dot.py --device cpu --shapes 40x9x24 --rows 50 \
         --reps 1 --iters 1 --variants pytorch fused   # smoke test of the script on a CPU
+    PYTHONPATH=. python benchmarks/gather_dot.py --dtypes float32 --variants pytorch fused fusedsplit --hot-share 0.1 \
+        --out benchmarks/results/gather_dot-split-h200.json    # a skewed sample: long rows split (split_segments)
 
 Shapes (``--shapes``, N x R x D): 16384x129x1024 (``benchmarks/train_mfu.py``'s ``large``: 16K positions, the
 target and 128 negatives each, d 1024) and 4096x129x512 (its ``medium``), over a ``--rows`` (100,001) row table,
@@ -37,14 +39,19 @@ from recforge.io import atomic_write_json
 from recforge.ops.gather_dot import gather_dot_reference
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}  # relative error vs float32 math
+SPLIT = 4096  # ``fusedsplit``: the kernels' split_segments (pairs per program at most); --split sets it
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def make_inputs(n: int, r: int, d: int, rows: int, dtype: torch.dtype, device: torch.device, seed: int):
+def make_inputs(n: int, r: int, d: int, rows: int, dtype: torch.dtype, device: torch.device, seed: int,
+                hot_share: float = 0.0):  # fmt: skip
+    """``hot_share``: that fraction of the pairs on row 1 (a skewed sample), the rest uniform."""
     gen = torch.Generator(device).manual_seed(seed)
     q = torch.randn(n, d, generator=gen, device=device).to(dtype).requires_grad_()
     table = torch.randn(rows, d, generator=gen, device=device).to(dtype).requires_grad_()
     idx = torch.randint(0, rows, (n, r), generator=gen, device=device)
+    if hot_share:
+        idx = torch.where(torch.rand(n, r, generator=gen, device=device) < hot_share, 1, idx)
     grad = torch.randn(n, r, generator=gen, device=device)
     return q, table, idx, grad
 
@@ -54,11 +61,13 @@ def accumulation(variant: str):
     """``fused2d`` variants: the kernels' ``accumulate_2d`` switch on for the duration (``fused``: off)."""
     from recforge.ops.triton import gather_dot as kernels
 
-    before, kernels.accumulate_2d = kernels.accumulate_2d, variant.startswith("fused2d")
+    before = kernels.accumulate_2d, kernels.split_segments
+    kernels.accumulate_2d = variant.startswith("fused2d")
+    kernels.split_segments = SPLIT if variant.startswith("fusedsplit") else 0
     try:
         yield
     finally:
-        kernels.accumulate_2d = before
+        kernels.accumulate_2d, kernels.split_segments = before
 
 
 def variant_fn(variant: str):
@@ -150,11 +159,14 @@ def time_variant(variant: str, fn, inputs, reps: int, iters: int, device: torch.
 
 
 def main() -> int:
+    global SPLIT
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["16384x129x1024", "4096x129x512"], help="N x R x D")
     parser.add_argument("--rows", type=int, default=100_001, help="table rows (items + the padding row)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
-    parser.add_argument("--variants", nargs="+", default=["pytorch", "fused"], help="pytorch, compiled, fused, fused2d (fused with the kernels' accumulate_2d)")
+    parser.add_argument("--variants", nargs="+", default=["pytorch", "fused"], help="pytorch, compiled, fused, fused2d (fused with the kernels' accumulate_2d), fusedsplit (with split_segments)")
+    parser.add_argument("--hot-share", type=float, default=0.0, help="fraction of the pairs on one row (skew)")
+    parser.add_argument("--split", type=int, default=SPLIT, help="fusedsplit: pairs per dtable program at most")
     parser.add_argument("--tiles", type=int, nargs="*", default=[], help="fused variants fused@T, T elements per tile")
     parser.add_argument("--reps", type=int, default=10, help="timed samples per variant")
     parser.add_argument("--iters", type=int, default=5, help="calls per sample")
@@ -167,20 +179,22 @@ def main() -> int:
         print("needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1 for a smoke test)", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False  # the oracle and the pytorch variant in full float32
-    tiled = [v for v in args.variants if v in ("fused", "fused2d")] if args.tiles else []
+    SPLIT = args.split
+    tiled = [v for v in args.variants if v in ("fused", "fused2d", "fusedsplit")] if args.tiles else []
     variants = [v for v in args.variants if v not in tiled] + [f"{v}@{t}" for v in tiled for t in args.tiles]
-    bad = [v for v in variants if v.partition("@")[0] not in ("pytorch", "compiled", "fused", "fused2d")]
+    bad = [v for v in variants if v.partition("@")[0] not in ("pytorch", "compiled", "fused", "fused2d", "fusedsplit")]
     if bad:
-        parser.error(f"unknown variants {bad} (expected pytorch, compiled, fused, fused2d)")
+        parser.error(f"unknown variants {bad} (expected pytorch, compiled, fused, fused2d, fusedsplit)")
     rows = []
     for shape in args.shapes:
         n, r, d = (int(s) for s in shape.split("x"))
         for dtype_name in args.dtypes:
-            inputs = make_inputs(n, r, d, args.rows, DTYPES[dtype_name], device, args.seed)
+            inputs = make_inputs(n, r, d, args.rows, DTYPES[dtype_name], device, args.seed, args.hot_share)
             expected = expected_results(*inputs)
             for variant in variants:
                 fn = variant_fn(variant)
-                row = {"n": n, "r": r, "d": d, "rows": args.rows, "dtype": dtype_name, "variant": variant}
+                row = {"n": n, "r": r, "d": d, "rows": args.rows, "dtype": dtype_name, "variant": variant,
+                       "hot_share": args.hot_share, "split": SPLIT if variant.startswith("fusedsplit") else 0}
                 row.update(check(fn, inputs, expected))
                 row.update(time_variant(variant, fn, inputs, args.reps, args.iters, device))
                 rows.append(row)

@@ -89,6 +89,29 @@ def test_hot_row_and_empty_batch(interpreter) -> None:
     assert gather_rows_sum(grad[:0], table.detach(), idx[:0], kernel="triton").shape == (0, 20)
 
 
+@pytest.mark.parametrize(("chunk", "n", "r", "d", "rows"), [(7, 37, 5, 24, 6), (16, 17, 9, 513, 300), (1, 5, 3, 8, 4)])
+def test_split_segments_matches_float64_sums(interpreter, monkeypatch, chunk: int, n: int, r: int, d: int,
+                                             rows: int) -> None:  # fmt: skip
+    """The A/B switch that cuts long rows' pairs into pieces of at most ``chunk`` sums the same."""
+    monkeypatch.setattr(importlib.import_module("recforge.ops.triton.gather_dot"), "split_segments", chunk)
+    _check(n, r, d, rows, torch.float32)
+
+
+def test_split_segments_on_a_hot_row_and_empty_rows(interpreter, monkeypatch) -> None:
+    """Most pairs on one row, some rows drawn by nobody (zeros) and an index out of range (adds nothing), split into
+    pieces of 8 pairs: the same sums as the unsplit kernel, in a fixed order (bit-identical reruns)."""
+    kernels = importlib.import_module("recforge.ops.triton.gather_dot")
+    q, _, _ = _inputs(40, 6, 20, 10, torch.float32)
+    idx = torch.where(torch.rand(40, 6) < 0.8, 2, torch.randint(0, 7, (40, 6)))
+    idx[0, 0] = 10  # out of range: adds nothing
+    grad = torch.randn(40, 6)
+    expected = scatter_rows_sum(grad, q.detach(), idx, 10, kernel="triton")
+    monkeypatch.setattr(kernels, "split_segments", 8)
+    got = scatter_rows_sum(grad, q.detach(), idx, 10, kernel="triton")
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert bool((got[7:] == 0).all()) and torch.equal(got, scatter_rows_sum(grad, q.detach(), idx, 10, kernel="triton"))
+
+
 def test_primitives_match_their_references(interpreter) -> None:
     q, table, idx = (t.detach() if t.is_floating_point() else t for t in _inputs(23, 6, 40, 9, torch.float32))
     g = torch.randn(23, 6)

@@ -16,7 +16,8 @@ found by sorting the (n, r) pairs by ``idx``). Sorting, not float32 atomics, for
 - the result is deterministic (a fixed summation order: equal losses run to run, as the step tests compare);
 - atomics serialise on hot rows: uniform draws hit a 100K-row table ~20 times per row, but the positives
   (popular targets) and popularity-skewed samplers put thousands of pairs on a few rows, and a padded batch's
-  padding positions all target row 0; the segmented sum splits such a row over its D blocks instead;
+  padding positions all targeted one row; the segmented sum splits such a row over its D blocks instead (and,
+  with ``split_segments``, into pieces of at most that many pairs);
 - the pairs of one row gather rows of ``q`` (N x D, 64 MB at 16K x 1024 float32), which stay mostly in L2.
 """
 
@@ -33,6 +34,14 @@ TILE = 4096  # elements of a program's (rows x columns) register tile
 # for sm_90 shows the bf16 tile's rows spread over 4 warps, float32's over 2, and bf16's backward measured 3x slower
 # than float32's on the H200). Not timed yet: off until ``benchmarks/gather_dot.py --variants fused fused2d`` says.
 accumulate_2d = False
+# ``dtable`` with at most this many pairs per program (0: one program per table row and D block, whatever its pair
+# count). A row drawn very often (a popularity-skewed sampler's head items; before the padding fix, a graphed step's
+# padding rows: 27 ms of a 42 ms step) is otherwise summed serially by its D/256 programs. On: the sorted pairs are
+# cut into pieces at the rows' boundaries and every ``split_segments`` pairs, each piece summed by one program into a
+# float32 partial, then each row's partials summed in order (deterministic; fixed sizes, no host sync). Costs a
+# (rows + pairs / split_segments, D) float32 scratch and a second pass. Not timed yet: off until
+# ``benchmarks/gather_dot.py --variants fused fusedsplit --hot-share 0.1`` says.
+split_segments = 0
 
 
 @triton.jit
@@ -156,12 +165,40 @@ def scatter_rows_sum(g: Tensor, q: Tensor, idx: Tensor, num_rows: int, tile: int
     r, d = idx.shape[1], q.shape[1]
     order, segments = sort_pairs(idx, num_rows)
     out = torch.empty((num_rows, d), dtype=q.dtype, device=q.device)
+    if num_rows and split_segments > 0:
+        return _split_rows_sum(g, q, order, segments, out, r, split_segments, tile)
     block_p, block_d = tiles(d, max(1, idx.numel() // max(num_rows, 1)), tile)
     if num_rows:
         _gather_rows_sum[(num_rows, triton.cdiv(d, block_d))](g, q, order, segments, out, r, d, q.stride(0), out.stride(0),
                                                        SORTED=True, BLOCK_P=block_p, BLOCK_D=block_d,
                                                        ACC_2D=accumulate_2d,
                                                        num_warps=_warps(block_p, block_d))  # fmt: skip
+    return out
+
+
+def _split_rows_sum(g: Tensor, q: Tensor, order: Tensor, segments: Tensor, out: Tensor, r: int, chunk: int,
+                    tile: int) -> Tensor:  # fmt: skip
+    """``scatter_rows_sum``'s pass with ``split_segments``: pieces of at most ``chunk`` sorted pairs (cut at every row
+    boundary and every ``chunk`` pairs) summed into float32 partials, then each row's partials (contiguous) summed."""
+    d, pairs = q.shape[1], order.numel()
+    cuts = torch.arange(0, pairs, chunk, device=q.device, dtype=segments.dtype)  # ceil(pairs / chunk): a fixed size
+    bounds = torch.sort(torch.cat([segments, cuts])).values  # (pieces + 1,) piece i = sorted pairs [b_i, b_i+1)
+    pieces = bounds.numel() - 1
+    partials = torch.empty((pieces, d), dtype=torch.float32, device=q.device)
+    block_p, block_d = tiles(d, min(chunk, max(1, pairs)), tile)
+    _gather_rows_sum[(pieces, triton.cdiv(d, block_d))](g, q, order, bounds, partials, r, d, q.stride(0),
+                                                         partials.stride(0), SORTED=True, BLOCK_P=block_p,
+                                                         BLOCK_D=block_d, ACC_2D=accumulate_2d,
+                                                         num_warps=_warps(block_p, block_d))  # fmt: skip
+    # row e's pieces are those starting in [segments[e], segments[e + 1]): contiguous in ``bounds``
+    starts = torch.searchsorted(bounds, segments)  # (rows + 1,)
+    ones = torch.ones(pieces, dtype=torch.float32, device=q.device)
+    ident = torch.arange(pieces, device=q.device)
+    block_p, block_d = tiles(d, 2, tile)
+    _gather_rows_sum[(out.shape[0], triton.cdiv(d, block_d))](ones, partials, ident, starts, out, 1, d,
+                                                               partials.stride(0), out.stride(0), SORTED=True,
+                                                               BLOCK_P=block_p, BLOCK_D=block_d, ACC_2D=accumulate_2d,
+                                                               num_warps=_warps(block_p, block_d))  # fmt: skip
     return out
 
 
