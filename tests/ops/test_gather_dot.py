@@ -222,6 +222,13 @@ def test_gpu_matches_float64_sums(cuda_device, dtype: torch.dtype, n: int, r: in
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("n", "r", "d", "rows"), [(4099, 33, 200, 5000), (1000, 8, 64, 3)])
+def test_gpu_split_segments_matches_float64_sums(cuda_device, monkeypatch, n: int, r: int, d: int, rows: int) -> None:
+    monkeypatch.setattr(importlib.import_module("recforge.ops.triton.gather_dot"), "split_segments", 256)
+    _check(n, r, d, rows, torch.float32, cuda_device)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("chunk", [0, 4096])
 def test_gpu_sampled_softmax_through_the_kernels_matches_pytorch(cuda_device, monkeypatch, chunk: int) -> None:
     positions, num_items, k = 10_000, 50_000, 128
