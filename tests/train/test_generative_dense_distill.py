@@ -45,7 +45,9 @@ def _args(tmp_path: Path, data: Path, sasrec: Path, *extra: str) -> list[str]:
 
 def test_config_errors_name_the_fix(tmp_path: Path, data: Path, sasrec: Path) -> None:
     with pytest.raises(ConfigError, match="dense_distill=1.0 .*dense_init is empty; set generative.dense_init="):
-        load_config("configs/beauty-sid-tiger-liger.yaml", run_args(tmp_path, data, *RUN_TINY, "generative.dense_distill=1"))
+        load_config(
+            "configs/beauty-sid-tiger-liger.yaml", run_args(tmp_path, data, *RUN_TINY, "generative.dense_distill=1")
+        )
     with pytest.raises(ConfigError, match="dense_distill=0.5 .*dense_head is off; set generative.dense_head=true"):
         load_config(CONFIG, _args(tmp_path, data, sasrec, "generative.dense_head=false", "generative.rescore=0",
                                   "generative.dense_candidates=0", "generative.item_id_embedding=true",
@@ -151,7 +153,9 @@ def test_teacher_rows_are_matched_by_raw_item_id(tmp_path: Path, data: Path, sas
         dense_distill.Teacher.load(cfg, type(s.seqs)(**{**vars(s.seqs), "item_vocab": missing}), s.device)
 
 
-def test_training_and_resume_load_the_teacher_evaluation_never(tmp_path: Path, data: Path, sasrec: Path, monkeypatch) -> None:
+def test_training_and_resume_load_the_teacher_evaluation_never(
+    tmp_path: Path, data: Path, sasrec: Path, monkeypatch
+) -> None:
     real, loads = dense_distill.Teacher.load, []
     monkeypatch.setattr(dense_distill.Teacher, "load", staticmethod(lambda *a: loads.append(1) or real(*a)))
     args = _args(tmp_path, data, sasrec, "generative.dense_distill=1", "train.epochs=2", "train.eval_every=1")
