@@ -213,6 +213,10 @@ class GenerativeConfig:
     # width of the item tables (0: model.dim); set it to the dense_init run's model.dim when that differs: the dense
     # user tower then projects the encoder's output to it, and a learned projection maps item-ID rows to model.dim
     item_dim: int = 0
+    # > 0: the dense_init run also becomes a frozen teacher of the dense head: each training step adds dense_distill *
+    # KL(teacher || dense head) over the whole catalogue (the run's last-token user vector . its items / its
+    # loss.temperature). Needs dense_init and dense_head. 0: off
+    dense_distill: float = 0.0
 
 
 @dataclass
@@ -290,6 +294,7 @@ NON_NEGATIVE = {
     "sparse.eviction_every": " (0: only on capacity pressure)", "sparse.ttl_steps": "",
     "generative.rescore": " (0: generation only)",
     "generative.dense_candidates": " (0: the beam's items only)", "generative.item_dim": " (0: model.dim)",
+    "generative.dense_distill": " (0: off)",
 }  # fmt: skip
 # Keys bounded on both sides: (low, high, high included).
 INTERVALS = {
@@ -534,6 +539,11 @@ def _validate_generative(cfg: RunConfig) -> list[str]:
     if g.dense_freeze and not g.dense_init:
         problems.append("generative.dense_freeze keeps loaded item tables fixed, but generative.dense_init is empty "
                         "(they would stay random); set generative.dense_init=RETRIEVAL_RUN_DIR or dense_freeze=false")
+    if g.dense_distill and not (g.dense_init and g.dense_head):
+        problems.append(f"generative.dense_distill={g.dense_distill} distils the generative.dense_init run into the dense "
+                        "head, but " + ("generative.dense_init is empty; set generative.dense_init=RETRIEVAL_RUN_DIR"
+                        if not g.dense_init else "generative.dense_head is off; set generative.dense_head=true")
+                        + " or generative.dense_distill=0")  # fmt: skip
     if cfg.eval_ks and max(cfg.eval_ks) > g.beam + g.dense_candidates:
         problems.append(f"eval.ks / eval.select_metric go up to {max(cfg.eval_ks)} but generative.beam is {g.beam}"
                         f"{f' (+ {g.dense_candidates} dense candidates)' if g.dense_candidates else ''}: a beam yields "

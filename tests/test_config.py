@@ -299,6 +299,7 @@ BAD_VALUES = {
     "eval.batch_size": (0, "> 0"), "generative.decoder_blocks": (0, "> 0"), "generative.beam": (0, "> 0"),
     "generative.dense_weight": (0, "> 0"), "generative.rescore": (-0.5, ">= 0"),
     "generative.dense_candidates": (-1, ">= 0"), "generative.item_dim": (-1, ">= 0"),
+    "generative.dense_distill": (-0.5, ">= 0"),
 }  # fmt: skip
 TRAINING_SECTIONS = ("data", "ranking", "model", "sparse", "loss", "optim", "train", "dist", "eval", "generative")
 

@@ -53,6 +53,15 @@ def rows_by_item_id(run_ids: np.ndarray, run_vectors: np.ndarray, item_vocab: np
 
     Raises ``ValueError`` unless both catalogues hold exactly the same items.
     """
+    source = run_rows(run_ids, item_vocab, what)
+    table = torch.zeros(len(source) + 1, run_vectors.shape[1])
+    table[1:] = torch.from_numpy(np.ascontiguousarray(run_vectors[source], dtype=np.float32))
+    return table
+
+
+def run_rows(run_ids: np.ndarray, item_vocab: np.ndarray, what: str) -> np.ndarray:
+    """(N,) int64: the index in ``run_ids`` of each raw item ``item_vocab[1:]`` (``ValueError`` as
+    ``rows_by_item_id``)."""
     run_ids, wanted = np.asarray(run_ids, dtype=np.int64), np.asarray(item_vocab[1:], dtype=np.int64)
     if len(np.unique(run_ids)) != len(run_ids):
         raise ValueError(f"{what}: its item vocabulary repeats raw item IDs; it is not a recforge run's catalogue")
@@ -64,10 +73,7 @@ def rows_by_item_id(run_ids: np.ndarray, run_vectors: np.ndarray, item_vocab: np
             f"{extra[:5].tolist()}); train the retrieval run on the same prepared dataset (data.path) as this one"
         )
     order = np.argsort(run_ids)
-    source = order[np.searchsorted(run_ids[order], wanted)]  # the run's row of each of this run's items
-    table = torch.zeros(len(wanted) + 1, run_vectors.shape[1])
-    table[1:] = torch.from_numpy(np.ascontiguousarray(run_vectors[source], dtype=np.float32))
-    return table
+    return order[np.searchsorted(run_ids[order], wanted)]  # the run's row of each of this run's items
 
 
 def item_table_from_run(run_dir: str | Path, cfg: RunConfig, item_vocab: np.ndarray) -> torch.Tensor:
@@ -75,12 +81,24 @@ def item_table_from_run(run_dir: str | Path, cfg: RunConfig, item_vocab: np.ndar
     read from the retrieval run ``run_dir`` (its best checkpoint on a clean run) and checked for leakage against
     ``cfg`` (``data.path``, ``data.protocol``): unit rows scaled to ``sqrt(d_run)`` (see the module docstring)."""
     what = f"generative.dense_init={run_dir}"
+    ids, vectors, provenance = checked_run(lambda: run_item_embeddings(run_dir, cfg.data.path, what=what), cfg, what)
+    table = rows_by_item_id(ids, vectors, item_vocab, what)
+    table[1:] = torch.nn.functional.normalize(table[1:], dim=-1) * table.shape[1] ** 0.5
+    log.info("%s: item tables initialised from %s (step %s), %d items x %d", what, provenance["checkpoint"],
+             provenance["step"], table.shape[0] - 1, table.shape[1])  # fmt: skip
+    return table
+
+
+def checked_run(load, cfg: RunConfig, what: str):
+    """``load()`` (a loader of the retrieval run whose last value is its provenance) without changing this
+    process's RNG stream or thread count, refused when that run saw this run's evaluation targets."""
     threads = torch.get_num_threads()
     with torch.random.fork_rng(devices=[]):  # building the run's model reseeds; this run's own RNG stream is kept
         try:
-            ids, vectors, provenance = run_item_embeddings(run_dir, cfg.data.path, what=what)
+            loaded = load()
         finally:
             torch.set_num_threads(threads)  # the run's train.threads must not change this process
+    provenance = loaded[-1]
     need = PROTOCOL_HOLDOUT[cfg.data.protocol]
     if provenance["holdout"] < need:
         raise ValueError(
@@ -89,11 +107,7 @@ def item_table_from_run(run_dir: str | Path, cfg: RunConfig, item_vocab: np.ndar
             "must stay unseen: its embeddings saw the validation target. Use a retrieval run trained with "
             f"data.protocol={cfg.data.protocol}"
         )
-    table = rows_by_item_id(ids, vectors, item_vocab, what)
-    table[1:] = torch.nn.functional.normalize(table[1:], dim=-1) * table.shape[1] ** 0.5
-    log.info("%s: item tables initialised from %s (step %s), %d items x %d", what, provenance["checkpoint"],
-             provenance["step"], table.shape[0] - 1, table.shape[1])  # fmt: skip
-    return table
+    return loaded
 
 
 def _item_tables(model: SIDSeq2Seq) -> list[torch.nn.Parameter]:

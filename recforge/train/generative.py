@@ -34,7 +34,9 @@ generative.dense_candidates=200 --split valid``). The list's metrics are item-le
 
 ``generative.dense_init: RUN_DIR`` initialises those item tables from a trained retrieval run's item embeddings
 (``recforge.train.dense_init``: rows by raw item ID, leakage checked, width ``generative.item_dim``);
-``generative.dense_freeze`` keeps them fixed.
+``generative.dense_freeze`` keeps them fixed. ``generative.dense_distill`` = w > 0 also makes that run a frozen teacher
+of the dense head: each training step adds w x KL(teacher || dense head) over the whole catalogue
+(``recforge.train.dense_distill``); only training (a new or resumed run) loads it.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ from recforge.generate import DenseCandidates, SidTrie, search_items
 from recforge.generate.sid_run import build_sid_model, read_run, sid_dir_of, uses_item_table
 from recforge.models.sid_hstu import SIDHSTU
 from recforge.models.sid_seq2seq import SIDSeq2Seq
+from recforge.jagged.batch import JaggedBatch
+from recforge.train.dense_distill import Teacher, distill_kl
 from recforge.train.dense_init import freeze_item_tables, init_item_tables, item_table_from_run
 from recforge.train.distributed import DistContext, init_distributed
 from recforge.train.losses import sampled_softmax_loss
@@ -81,6 +85,7 @@ class Setup:
     holdout: int
     ctx: DistContext = field(default_factory=DistContext)
     runner: StepRunner | None = None  # the training step (dense wrapper + optimizer, see recforge.train.step)
+    teacher: Teacher | None = None  # generative.dense_distill's frozen retrieval run (training only)
 
 
 @dataclass
@@ -93,17 +98,22 @@ class SidBatch:
     num_tokens: int  # SID tokens in the histories (counted on the host)
     items: torch.Tensor | None = None  # (B, T) dense item index of each history item (0: padding); item-ID models only
     target_items: torch.Tensor | None = None  # (B,) dense item index of each target; dense-head models only
+    teacher: JaggedBatch | None = None  # the same histories as the distillation teacher's input (dense_distill only)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> SidBatch:
         move = lambda t: t.to(device, non_blocking=non_blocking) if t is not None else None  # noqa: E731
         return SidBatch(move(self.history), move(self.mask), move(self.targets), self.num_tokens, move(self.items),
-                        move(self.target_items))  # fmt: skip
+                        move(self.target_items), move(self.teacher))  # fmt: skip
 
 
-def setup(cfg: RunConfig, sid_dir: Path | None = None, ctx: DistContext | None = None, *, fresh: bool = False) -> Setup:
+def setup(
+    cfg: RunConfig, sid_dir: Path | None = None, ctx: DistContext | None = None, *, fresh: bool = False,
+    teacher: bool = False,
+) -> Setup:  # fmt: skip
     """Load data and SIDs, build the model and its training step (deterministically from ``cfg.train.seed``).
     ``ctx``: the ``torchrun`` job this process is part of (None: one process); ``fresh``: a new training run (only it
-    loads ``generative.dense_init``: a resumed or evaluated run reads every weight from its checkpoint)."""
+    loads ``generative.dense_init``: a resumed or evaluated run reads every weight from its checkpoint); ``teacher``:
+    a training run (new or resumed) loads ``generative.dense_distill``'s teacher (evaluation never does)."""
     device = prepare_runtime(cfg)
     ctx = ctx or DistContext()
     dataset = load_dataset(cfg.data.path)
@@ -124,6 +134,8 @@ def setup(cfg: RunConfig, sid_dir: Path | None = None, ctx: DistContext | None =
     s = Setup(cfg, seqs, item_codes, trie, model, None, device, PROTOCOL_HOLDOUT[cfg.data.protocol], ctx)
     s.runner = StepRunner(cfg, model, device, ctx, loss_fn=lambda b: _loss(s, b), units_fn=lambda b: b.targets.shape[0])
     s.optimizer = s.runner.optimizer
+    if teacher and cfg.generative.dense_distill:
+        s.teacher = Teacher.load(cfg, seqs, device)
     return s
 
 
@@ -140,12 +152,15 @@ def training_batch(s: Setup, samples: torch.Tensor) -> SidBatch:
     history = s.item_codes[items]
     rows = items if s.model.reads_item_ids else None
     target_items = targets if s.cfg.generative.dense_head else None
-    return SidBatch(history, mask, s.item_codes[targets], int(mask.sum()) * history.shape[2], rows, target_items)
+    teacher = s.teacher.batch(s.seqs, samples) if s.teacher is not None else None
+    return SidBatch(history, mask, s.item_codes[targets], int(mask.sum()) * history.shape[2], rows, target_items,
+                    teacher)  # fmt: skip
 
 
 def _loss(s: Setup, batch: SidBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(objective, loss to log) of a device batch: mean cross-entropy over its targets' digits, plus with a dense
-    head ``dense_weight`` x its softmax cross-entropy over the whole catalogue."""
+    head ``dense_weight`` x its softmax cross-entropy over the whole catalogue, plus with a teacher ``dense_distill`` x
+    KL(teacher || dense head) over the whole catalogue (items 1..N on both sides)."""
     if batch.target_items is None:
         loss = s.model.loss(batch.history, batch.mask, batch.targets, batch.items)
         return loss, loss
@@ -155,6 +170,9 @@ def _loss(s: Setup, batch: SidBatch) -> tuple[torch.Tensor, torch.Tensor]:
         temperature=s.cfg.loss.temperature, chunk_size=s.cfg.loss.chunk_size,
     )  # fmt: skip
     loss = sid_loss + s.cfg.generative.dense_weight * dense_loss
+    if batch.teacher is not None:
+        student = user.float() @ s.model.dense_item_vectors()[1:].float().T / s.model.cfg.dense_temperature  # (B, N)
+        loss = loss + s.cfg.generative.dense_distill * distill_kl(student, s.teacher.logits(batch.teacher))
     return loss, loss
 
 
@@ -252,7 +270,7 @@ def train(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dic
     ctx.barrier()  # every rank has checked the run directory before any writes to it
     sid_dir = _copy_sids(cfg, run_dir, resume) if ctx.is_main else run_dir / "sids"
     ctx.barrier()  # rank 0 copied the SIDs every rank reads
-    s = setup(cfg, sid_dir, ctx, fresh=not resume)
+    s = setup(cfg, sid_dir, ctx, fresh=not resume, teacher=True)
     if resume and uses_item_table(cfg):
         _check_resumed_catalogue(run_dir, s)
     samples = transition_samples(s.seqs, s.holdout)

@@ -51,6 +51,17 @@ def run_item_embeddings(
     ``sid.json``; the generative recipe refuses the SIDs where the run saw its evaluation targets
     (``recforge.data.sids.check_embedding_run``). ``what`` names the run in errors (default ``--source run:RUN``).
     """
+    what = what or f"--source run:{run_dir}"
+    s, provenance = load_retrieval_run(run_dir, data_dir, what)
+    with torch.no_grad():
+        vectors = s.model.item_vectors().float()[1:]  # row 0 is padding
+    ids = s.seqs.item_vocab[1:]
+    return ids, check_vectors(vectors.numpy(), ids, f"{what} item embeddings"), provenance
+
+
+def load_retrieval_run(run_dir: str | Path, data_dir: str | Path, what: str = ""):
+    """(``recforge.train.retrieval.Setup`` on the CPU with the run's checkpoint loaded, provenance) of a trained
+    retrieval run, checked as ``run_item_embeddings`` says; ``s.seqs.item_vocab`` gives its rows' raw item IDs."""
     from recforge.config import load_config
     from recforge.train import retrieval
     from recforge.checkpoint import find_checkpoint, load_checkpoint
@@ -76,15 +87,12 @@ def run_item_embeddings(
         )
     s = retrieval.setup(cfg)
     manifest = load_checkpoint(ckpt, s.model)
-    with torch.no_grad():
-        vectors = s.model.item_vectors().float()[1:]  # row 0 is padding
     provenance = {
         "run_dir": str(run_dir.resolve()), "data_path": str(cfg.data.path), "interactions": digest,
         "protocol": cfg.data.protocol, "holdout": PROTOCOL_HOLDOUT[cfg.data.protocol], "checkpoint": ckpt.name,
         "step": manifest.get("step"),
     }  # fmt: skip
-    ids = s.seqs.item_vocab[1:]
-    return ids, check_vectors(vectors.numpy(), ids, f"{what} item embeddings"), provenance
+    return s, provenance
 
 
 def item_vectors(data_dir: str | Path, source: str, *, text_dim: int = 64, seed: int = 0):
