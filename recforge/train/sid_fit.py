@@ -61,7 +61,18 @@ def run_item_embeddings(
 
 def load_retrieval_run(run_dir: str | Path, data_dir: str | Path, what: str = ""):
     """(``recforge.train.retrieval.Setup`` on the CPU with the run's checkpoint loaded, provenance) of a trained
-    retrieval run, checked as ``run_item_embeddings`` says; ``s.seqs.item_vocab`` gives its rows' raw item IDs."""
+    retrieval run, checked as ``run_item_embeddings`` says; ``s.seqs.item_vocab`` gives its rows' raw item IDs.
+    The calling process keeps its RNG stream and thread count (building the run's model reseeds and applies the
+    run's ``train.threads``)."""
+    threads = torch.get_num_threads()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            return _load_retrieval_run(run_dir, data_dir, what)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def _load_retrieval_run(run_dir: str | Path, data_dir: str | Path, what: str):
     from recforge.config import load_config
     from recforge.train import retrieval
     from recforge.checkpoint import find_checkpoint, load_checkpoint

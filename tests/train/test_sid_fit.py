@@ -14,6 +14,7 @@ import torch
 from recforge.cli import main
 from recforge.config import load_config
 from recforge.data.dataset import load_dataset, write_dataset
+from recforge.train.sid_fit import run_item_embeddings
 from recforge.data.sids import check_embedding_run, read_sids
 from recforge.data.synthetic import SyntheticConfig, write_synthetic
 from recforge.train import generative
@@ -53,6 +54,11 @@ def test_run_sids_record_their_provenance_and_a_paper_run_is_refused_for_clean_e
     paper, clean = _retrieval_run(tmp_path, data, "paper"), _retrieval_run(tmp_path, data, "clean")
     assert _fit(data, tmp_path / "sids-paper", "--source", f"run:{paper}") == 0
     assert _fit(data, tmp_path / "sids-clean", "--source", f"run:{clean}") == 0
+    torch.set_num_threads(2)  # other than the run's train.threads (1)
+    torch.manual_seed(int(torch.randint(1000, 2**30, (), generator=torch.Generator())))  # other than the run's seed
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    run_item_embeddings(clean, data)  # the run's train.threads (1) and seed stay out of the calling process
+    assert torch.get_num_threads() == threads and torch.equal(torch.get_rng_state(), rng)
     meta = read_sids(tmp_path / "sids-paper").meta["embedding_run"]
     assert meta["protocol"] == "paper" and meta["holdout"] == 1
     assert meta["checkpoint"] != "best" and (paper / "checkpoints" / meta["checkpoint"]).is_dir()  # never chosen on test
