@@ -15,7 +15,8 @@
                                     PyTorch's always
     TRITON_INTERPRET                1: Triton kernels run in Triton's CPU interpreter (tests)
 
-Each is read when its function is called, so a test can set it with ``monkeypatch.setenv``;
+The three RECFORGE_ switches (launch plans, norm gate, gather-dot) take 1/true/on/yes or 0/false/off/no (any case); any other value is refused with
+``ValueError``. Each is read when its function is called, so a test can set it with ``monkeypatch.setenv``;
 ``RECFORGE_TRITON_LAUNCH_PLANS`` is read once, when the Triton kernels are first imported, and
 ``RECFORGE_FUSED_NORM_GATE`` once, when ``recforge.ops.norm_gate`` is imported, and ``RECFORGE_FUSED_GATHER_DOT``
 once, when ``recforge.ops.gather_dot`` is imported.
@@ -38,27 +39,34 @@ def trusted_slice_modules() -> set[str]:
     return {m.strip() for m in os.environ.get(TRUSTED_SLICE_MODULES, "").split(",") if m.strip()}
 
 
+_ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def _switch(name: str) -> bool | None:
+    """``$name`` as a switch: True for 1, true, on or yes, False for 0, false, off or no (any case, spaces ignored),
+    None when unset or empty. Any other value raises ``ValueError``: a typo must not silently pick a code path."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return None
+    if value in _ON or value in _OFF:
+        return value in _ON
+    raise ValueError(f"{name}={value!r}: use 1/true/on/yes or 0/false/off/no, or leave it unset for the default")
+
+
 def triton_launch_plans() -> bool:
-    """False when ``$RECFORGE_TRITON_LAUNCH_PLANS`` is 0, false, off or no (any case)."""
-    return os.environ.get("RECFORGE_TRITON_LAUNCH_PLANS", "1").strip().lower() not in ("0", "false", "off", "no")
+    """``$RECFORGE_TRITON_LAUNCH_PLANS`` (``_switch``): on unless switched off."""
+    return _switch("RECFORGE_TRITON_LAUNCH_PLANS") is not False
 
 
 def fused_norm_gate() -> bool:
-    """False when ``$RECFORGE_FUSED_NORM_GATE`` is 0, false, off or no (any case); on by default."""
-    return os.environ.get("RECFORGE_FUSED_NORM_GATE", "1").strip().lower() not in ("0", "false", "off", "no")
+    """``$RECFORGE_FUSED_NORM_GATE`` (``_switch``): on unless switched off."""
+    return _switch("RECFORGE_FUSED_NORM_GATE") is not False
 
 
 def fused_gather_dot() -> bool | None:
-    """``$RECFORGE_FUSED_GATHER_DOT``: True for 1, true, on or yes, False for 0, false, off or no (any case), None
-    when unset or empty (the default: the fused kernels for float32 inputs only, where the H200 measured them faster).
-    Any other value raises ``ValueError`` (a typo must not silently change the kernels)."""
-    value = os.environ.get("RECFORGE_FUSED_GATHER_DOT", "").strip().lower()
-    if not value:
-        return None
-    if value in ("1", "true", "on", "yes") or value in ("0", "false", "off", "no"):
-        return value in ("1", "true", "on", "yes")
-    raise ValueError(f"RECFORGE_FUSED_GATHER_DOT={value!r}: use 1/true/on/yes, 0/false/off/no, or leave it unset "
-                     "(the default: fused kernels for float32 inputs on CUDA)")  # fmt: skip
+    """``$RECFORGE_FUSED_GATHER_DOT`` (``_switch``): True, False, or None when unset (the default: the fused kernels
+    for float32 inputs only, where the H200 measured them faster)."""
+    return _switch("RECFORGE_FUSED_GATHER_DOT")
 
 
 def triton_interpret() -> bool:

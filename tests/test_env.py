@@ -26,6 +26,9 @@ def test_launch_plans_switch_words(monkeypatch) -> None:
     for value, on in (("0", False), ("false", False), ("OFF", False), ("no", False), ("1", True), ("yes", True)):
         monkeypatch.setenv("RECFORGE_TRITON_LAUNCH_PLANS", value)
         assert env.triton_launch_plans() is on, value
+    monkeypatch.setenv("RECFORGE_TRITON_LAUNCH_PLANS", "of")  # a typo is refused, not read as on
+    with pytest.raises(ValueError, match="RECFORGE_TRITON_LAUNCH_PLANS='of'"):
+        env.triton_launch_plans()
 
 
 def test_fused_norm_gate_on_unless_switched_off(monkeypatch) -> None:
@@ -34,6 +37,9 @@ def test_fused_norm_gate_on_unless_switched_off(monkeypatch) -> None:
     for value, on in (("0", False), ("false", False), ("Off", False), ("no", False), ("1", True), ("on", True)):
         monkeypatch.setenv("RECFORGE_FUSED_NORM_GATE", value)
         assert env.fused_norm_gate() is on, value
+    monkeypatch.setenv("RECFORGE_FUSED_NORM_GATE", "flase")
+    with pytest.raises(ValueError, match="RECFORGE_FUSED_NORM_GATE='flase'"):
+        env.fused_norm_gate()
 
 
 def test_fused_gather_dot_switch(monkeypatch) -> None:
