@@ -82,7 +82,8 @@ def test_hot_row_and_empty_batch(interpreter) -> None:
     idx = torch.zeros(45, 11, dtype=torch.int64)
     grad = torch.randn(45, 11)
     dtable = scatter_rows_sum(grad, q.detach(), idx, 4, kernel="triton")
-    torch.testing.assert_close(dtable[0], (grad.sum(1, keepdim=True) * q.detach()).sum(0), rtol=1e-5, atol=1e-5)
+    expected = (grad.double().sum(1, keepdim=True) * q.detach().double()).sum(0)  # exact up to float64 rounding
+    torch.testing.assert_close(dtable[0].double(), expected, rtol=1e-4, atol=1e-4)  # 495 float32 products, any order
     assert bool((dtable[1:] == 0).all())
     empty = gather_dot(q[:0], table, idx[:0], kernel="triton")
     assert empty.shape == (0, 11)
