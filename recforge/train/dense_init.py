@@ -90,14 +90,9 @@ def item_table_from_run(run_dir: str | Path, cfg: RunConfig, item_vocab: np.ndar
 
 
 def checked_run(load, cfg: RunConfig, what: str):
-    """``load()`` (a loader of the retrieval run whose last value is its provenance) without changing this
-    process's RNG stream or thread count, refused when that run saw this run's evaluation targets."""
-    threads = torch.get_num_threads()
-    with torch.random.fork_rng(devices=[]):  # building the run's model reseeds; this run's own RNG stream is kept
-        try:
-            loaded = load()
-        finally:
-            torch.set_num_threads(threads)  # the run's train.threads must not change this process
+    """``load()`` (a loader of the retrieval run whose last value is its provenance; ``sid_fit.load_retrieval_run``
+    keeps this process's RNG stream and thread count), refused when that run saw this run's evaluation targets."""
+    loaded = load()
     provenance = loaded[-1]
     need = PROTOCOL_HOLDOUT[cfg.data.protocol]
     if provenance["holdout"] < need:

@@ -65,20 +65,18 @@ def load_retrieval_run(run_dir: str | Path, data_dir: str | Path, what: str = ""
     The calling process keeps its RNG stream and thread count (building the run's model reseeds and applies the
     run's ``train.threads``)."""
     threads = torch.get_num_threads()
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]):  # building the run's model reseeds
         try:
-            return _load_retrieval_run(run_dir, data_dir, what)
+            return _load_retrieval_run(Path(run_dir), data_dir, what or f"--source run:{run_dir}")
         finally:
-            torch.set_num_threads(threads)
+            torch.set_num_threads(threads)  # the run's train.threads must not change this process
 
 
-def _load_retrieval_run(run_dir: str | Path, data_dir: str | Path, what: str):
+def _load_retrieval_run(run_dir: Path, data_dir: str | Path, what: str):
     from recforge.config import load_config
     from recforge.train import retrieval
     from recforge.checkpoint import find_checkpoint, load_checkpoint
 
-    run_dir = Path(run_dir)
-    what = what or f"--source run:{run_dir}"
     if not (run_dir / "config.yaml").is_file():
         raise ValueError(f"{what}: not a recforge run directory (no config.yaml); "
                          "give the output directory of `recforge train` on a retrieval config")  # fmt: skip
