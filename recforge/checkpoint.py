@@ -240,9 +240,8 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                 value = value.cpu()  # AdamW keeps non-capturable step counts on the CPU
             state.setdefault(int(index), {})[name] = value
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        saved_groups = manifest["optimizer_param_groups"]
-        saved_count = sum(len(g["params"]) for g in saved_groups) if all("params" in g for g in saved_groups) else None
-        if (saved_count is not None and saved_count != len(params)) or (state and max(state) >= len(params)):
+        saved_count = sum(len(g["params"]) for g in manifest["optimizer_param_groups"])  # a state_dict's groups
+        if saved_count != len(params):
             raise CheckpointMismatchError(
                 f"{path}: its optimizer state covers {saved_count} parameters, this run trains {len(params)}: the trainable "
                 "parameters changed (e.g. generative.dense_freeze or the model's shape); resume with the run's settings")
