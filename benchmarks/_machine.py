@@ -58,3 +58,14 @@ def kernel_header(benchmark: str, device) -> dict:
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
             "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv)}  # fmt: skip
 
+
+def source_trees(items: list[str], holds: str = "recforge/__init__.py") -> dict[str, Path]:
+    """``--tree NAME=PATH`` arguments as {name: resolved path}; each PATH must be a checkout holding ``holds``."""
+    trees = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not name or not sep or not (Path(path) / holds).is_file():
+            raise SystemExit(f"--tree {item!r}: expected NAME=PATH with PATH a checkout holding {holds}")
+        trees[name] = Path(path).resolve()
+    return trees
+

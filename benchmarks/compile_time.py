@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _machine import cpu_model, write_result
+from _machine import cpu_model, source_trees, write_result
 
 HERE = Path(__file__).resolve().parent
 
@@ -85,12 +85,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=900, help="seconds per child")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    trees = {}
-    for item in args.tree:
-        name, _, path = item.partition("=")
-        if not name or not (Path(path) / "recforge" / "__init__.py").is_file():
-            raise SystemExit(f"--tree {item!r}: expected NAME=PATH with PATH a tree holding recforge/")
-        trees[name] = Path(path).resolve()
+    trees = source_trees(args.tree)
     rows = []
     for variant in args.variants:
         for _ in range(args.repeats):

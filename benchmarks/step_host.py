@@ -30,6 +30,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _machine import source_trees
 from recforge.io import atomic_write_json
 
 # ops that only make a view (no kernel, no copy): left out of ``non_view_ops``
@@ -140,12 +142,7 @@ def main() -> None:
         args.set = CPU_TINY if args.device == "cpu" else []
     if args.child:
         return _child(args)
-    trees = {}
-    for item in args.tree or ["new=."]:
-        key, sep, path = item.partition("=")
-        if not sep or not (Path(path) / "recforge" / "cli.py").is_file():
-            raise SystemExit(f"--tree {item!r}: expected NAME=PATH with PATH a checkout holding recforge/cli.py")
-        trees[key] = Path(path).resolve()
+    trees = source_trees(args.tree or ["new=."], holds="recforge/cli.py")
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     for repeat in range(args.repeats):
         for name, tree in trees.items():

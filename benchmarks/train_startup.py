@@ -41,6 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _machine import source_trees
 from time_to_quality import _rows  # a growing JSON-lines file's complete rows
 from recforge.io import atomic_write_json
 
@@ -152,12 +153,7 @@ def main() -> None:
                         help="time the start-up's phases in every run (_startup_phases.py: data, model, device, "
                              "first steps, checkpoint) and report their medians")
     args = parser.parse_args()
-    trees = {}
-    for item in args.tree:
-        key, sep, path = item.partition("=")
-        if not sep or not (Path(path) / "recforge" / "cli.py").is_file():
-            raise SystemExit(f"--tree {item!r}: expected NAME=PATH with PATH a checkout holding recforge/cli.py")
-        trees[key] = Path(path).resolve()
+    trees = source_trees(args.tree, holds="recforge/cli.py")
     config, data = Path(args.config).resolve(), Path(args.data).resolve()
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     for repeat in range(args.repeats):
