@@ -48,6 +48,7 @@ from types import SimpleNamespace
 import torch
 import triton
 
+from recforge.env import hstu_fused_dq
 from recforge.jagged.index import offsets_from_lengths
 from recforge.jagged.mask import AttentionMask
 from recforge.ops.hstu_attention import hstu_attention, hstu_attention_reference
@@ -572,7 +573,7 @@ def save(args, rows: list[dict], peak: float) -> None:
             "torch": torch.__version__,
             "triton": triton.__version__,
             "date": datetime.date.today().isoformat(),
-            "matmul_peak_tflops": peak,
+            "matmul_peak_tflops": peak, "hstu_fused_dq": hstu_fused_dq(),
             "rows": rows,
         }
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

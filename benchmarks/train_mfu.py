@@ -16,6 +16,7 @@ sampled softmax with 128 negatives per position over 100K items, attention in Tr
     large-norab, large-shared-norab  large / large-shared without the relative position bias
               (``model.relative_bias=false``, as NVIDIA's recsys-examples HSTU; FLOPs counted alike: the bias is
               elementwise work, which MFU does not count)
+    long-shared-norab  large-shared-norab's model on users up to 8,192 tokens, 64K-token batches
     medium    8 blocks, d 512, 4 heads of 128, users up to 1024 tokens, 4K-token batches
     ml1m      configs/ml1m-hstu-plus-d128.yaml's shape: 8 blocks, d 128, 2 heads of 64, users up to 200 tokens,
               256 users per batch (about 38K tokens), full softmax over 3,706 items
@@ -57,7 +58,7 @@ import torch._dynamo
 import torch._inductor.config
 
 from recforge.config import config_from_dict
-from recforge.env import fused_gather_dot
+from recforge.env import fused_gather_dot, hstu_fused_dq
 from recforge.io import atomic_write_json
 from recforge.jagged.batch import JaggedBatch
 from recforge.jagged.index import offsets_from_lengths
@@ -75,6 +76,7 @@ CASES = {  # name: (model, max_len, tokens per batch (0: users), users per batch
     "large-shared": (_LARGE, 4096, 16384, 0, "shared", 8192, 100_000),
     "large-norab": (_NORAB, 4096, 16384, 0, "per_position", 128, 100_000),
     "large-shared-norab": (_NORAB, 4096, 16384, 0, "shared", 8192, 100_000),
+    "long-shared-norab": (_NORAB, 8192, 65536, 0, "shared", 8192, 100_000),
     "medium": (dict(dim=512, num_blocks=8, num_heads=4, dqk=128, dv=128), 1024, 4096, 0, "per_position", 128, 100_000),
     "ml1m": (dict(dim=128, num_blocks=8, num_heads=2, dqk=64, dv=64), 200, 0, 256, "full", 0, 3706),
     "small": (dict(dim=128, num_blocks=2, num_heads=2, dqk=64, dv=64), 512, 2048, 0, "per_position", 128, 20_000),
@@ -202,7 +204,8 @@ def copy_ops(prof, steps: int, top: int) -> list[dict]:
     return sorted(out, key=lambda r: -r["mb"])[:top]
 
 
-def profile_steps(runner: StepRunner, batches: list, device: torch.device, steps: int, copies: int = 0) -> dict:
+def profile_steps(runner: StepRunner, batches: list, device: torch.device, steps: int, copies: int = 0,
+                  top_n: int = 12) -> dict:
     """GPU time per kernel category (ms per step) and the host gap, from ``torch.profiler``; ``copies`` > 0: also
     the top copy ops (``copy_ops``) and memcpy/memset kernels."""
     from torch.profiler import ProfilerActivity, profile
@@ -226,7 +229,7 @@ def profile_steps(runner: StepRunner, batches: list, device: torch.device, steps
             continue
         cat = categorize(event.key)
         kernels[cat] = kernels.get(cat, 0.0) + device_us / 1e3 / steps
-        top[event.key[:90]] = device_us / 1e3 / steps
+        top[event.key[:90]] = top.get(event.key[:90], 0.0) + device_us / 1e3 / steps
         if cat == "memcpy/memset":
             copying[event.key[:160]] = copying.get(event.key[:160], 0.0) + device_us / 1e3 / steps
     busy = sum(kernels.values())
@@ -236,7 +239,7 @@ def profile_steps(runner: StepRunner, batches: list, device: torch.device, steps
                  "memcpy_kernels_ms": dict(sorted(copying.items(), key=lambda kv: -kv[1])[:copies])}  # fmt: skip
     return {**extra, "profiled_step_ms": wall_ms, "gpu_ms_by_category": dict(sorted(kernels.items(), key=lambda kv: -kv[1])),
             "host_gap_ms": max(0.0, wall_ms - busy), "gpu_busy_fraction": busy / wall_ms if wall_ms else 0.0,
-            "top_kernels_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:12])}  # fmt: skip
+            "top_kernels_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:top_n])}  # fmt: skip
 
 
 def run_variant(case: str, variant: str, device: torch.device, cpu_batches: list, reference: list[float] | None,
@@ -271,7 +274,7 @@ def run_variant(case: str, variant: str, device: torch.device, cpu_batches: list
         if peak:
             row[f"mfu_{name}"] = row["tflops"] / peak
     if args.profile_steps:
-        row["profile"] = profile_steps(runner, batches, device, args.profile_steps, args.copies)
+        row["profile"] = profile_steps(runner, batches, device, args.profile_steps, args.copies, args.top)
     if runner.graphed is not None:
         row["graphs"] = {"captured": len(runner.graphed.graphs), "replays": runner.graphed.replays,
                          "eager_steps": runner.graphed.eager_steps, "failed": runner.graphed.failed}  # fmt: skip
@@ -296,6 +299,7 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler (0: none)")
     parser.add_argument("--copies", type=int, default=0, help="list this many top copy ops and memcpy/memset kernels "
                         "of the profiled steps (their shapes, MB and callers; 0: none)")  # fmt: skip
+    parser.add_argument("--top", type=int, default=12, help="the profile's kernels listed, by GPU time per step")
     parser.add_argument("--budget-s", type=float, default=220.0, help="skip variants not started within this time")
     parser.add_argument("--out", default=None, help="JSON output path (e.g. benchmarks/results/train_mfu-h200.json)")
     args = parser.parse_args()
@@ -342,7 +346,7 @@ def main() -> None:
             "benchmark": "train_mfu", "command": "python benchmarks/train_mfu.py " + " ".join(sys.argv[1:]),
             "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "matmul_precision_fp32": matmul_precision("float32"), "peaks_tflops_bf16": peaks,
-            "date": datetime.date.today().isoformat(), "fused_gather_dot": fused_gather_dot(), "gather_dot_kernels": _gather_dot_state(), "cases": {c: {k: v for k, v in zip(
+            "date": datetime.date.today().isoformat(), "fused_gather_dot": fused_gather_dot(), "hstu_fused_dq": hstu_fused_dq(), "gather_dot_kernels": _gather_dot_state(), "cases": {c: {k: v for k, v in zip(
                 ("model", "max_len", "tokens", "users", "negatives", "num_negatives", "items"), CASES[c], strict=True)} for c in args.cases},
             "rows": rows,
         })  # fmt: skip

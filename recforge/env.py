@@ -13,13 +13,16 @@
                                     Triton kernels for float32 CUDA inputs and PyTorch's gather + bmm for bf16/fp16;
                                     1 (or true/on/yes) the kernels for every supported dtype; 0 (or false/off/no)
                                     PyTorch's always
+    RECFORGE_HSTU_FUSED_DQ          1 (or true/on/yes): the HSTU attention backward computes dQ inside its dK/dV kernel
+                                    (float32 atomics, one launch; ``recforge.ops.triton.hstu.fused_dq``); default 0
     TRITON_INTERPRET                1: Triton kernels run in Triton's CPU interpreter (tests)
 
-The three RECFORGE_ switches (launch plans, norm gate, gather-dot) take 1/true/on/yes or 0/false/off/no (any case); any other value is refused with
+The four RECFORGE_ switches (launch plans, norm gate, gather-dot, fused dQ) take 1/true/on/yes or 0/false/off/no (any case); any other value is refused with
 ``ValueError``. Each is read when its function is called, so a test can set it with ``monkeypatch.setenv``;
 ``RECFORGE_TRITON_LAUNCH_PLANS`` is read once, when the Triton kernels are first imported, and
-``RECFORGE_FUSED_NORM_GATE`` once, when ``recforge.ops.norm_gate`` is imported, and ``RECFORGE_FUSED_GATHER_DOT``
-once, when ``recforge.ops.gather_dot`` is imported.
+``RECFORGE_FUSED_NORM_GATE`` once, when ``recforge.ops.norm_gate`` is imported, ``RECFORGE_FUSED_GATHER_DOT``
+once, when ``recforge.ops.gather_dot`` is imported, and ``RECFORGE_HSTU_FUSED_DQ`` once, when the HSTU Triton kernels
+are.
 """
 
 from __future__ import annotations
@@ -69,9 +72,14 @@ def fused_gather_dot() -> bool | None:
     return _switch("RECFORGE_FUSED_GATHER_DOT")
 
 
+def hstu_fused_dq() -> bool:
+    """``$RECFORGE_HSTU_FUSED_DQ`` (``_switch``): off unless switched on."""
+    return _switch("RECFORGE_HSTU_FUSED_DQ") is True
+
+
 def triton_interpret() -> bool:
     """``$TRITON_INTERPRET`` is set to something other than 0 (Triton reads it when kernels are defined)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-__all__ = ["TRUSTED_SLICE_MODULES", "data_dir", "fused_gather_dot", "fused_norm_gate", "triton_interpret", "triton_launch_plans", "trusted_slice_modules"]
+__all__ = ["TRUSTED_SLICE_MODULES", "data_dir", "fused_gather_dot", "fused_norm_gate", "hstu_fused_dq", "triton_interpret", "triton_launch_plans", "trusted_slice_modules"]

@@ -59,3 +59,14 @@ def test_fused_gather_dot_switch(monkeypatch) -> None:
     monkeypatch.setenv("RECFORGE_FUSED_GATHER_DOT", "ture")
     with pytest.raises(ValueError, match="RECFORGE_FUSED_GATHER_DOT='ture'"):
         env.fused_gather_dot()
+
+
+def test_hstu_fused_dq_switch(monkeypatch) -> None:
+    monkeypatch.delenv("RECFORGE_HSTU_FUSED_DQ", raising=False)
+    assert env.hstu_fused_dq() is False  # unset: off
+    for value, on in (("1", True), ("on", True), ("0", False), ("no", False)):
+        monkeypatch.setenv("RECFORGE_HSTU_FUSED_DQ", value)
+        assert env.hstu_fused_dq() is on, value
+    monkeypatch.setenv("RECFORGE_HSTU_FUSED_DQ", "2")
+    with pytest.raises(ValueError, match="RECFORGE_HSTU_FUSED_DQ='2'"):
+        env.hstu_fused_dq()

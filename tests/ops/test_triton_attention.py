@@ -105,6 +105,26 @@ def test_interpreter_matches_reference(interpreter, monkeypatch, op: str, kind: 
     _check(errors, 1e-5, f"{op}/{kind}/{loops} seed {seed}")
 
 
+@pytest.mark.parametrize("kind", ["causal", "all"])
+def test_interpreter_fused_dq(interpreter, monkeypatch, kind: str) -> None:
+    """hstu.fused_dq: dQ from the dK/dV kernel (float32 atomics, no dQ launch) gives the reference's gradients."""
+    monkeypatch.setattr(interpreter, "fused_dq", True)
+    launched = []
+    real_launch = interpreter.launch
+    monkeypatch.setattr(interpreter, "launch", lambda kernel, *a: (launched.append(kernel), real_launch(kernel, *a)))
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    errors = _case("hstu", kind, seed, batch=4, max_len=37, heads=2, dqk=24, dv=20, dtype=torch.float32, device="cpu")
+    _check(errors, 1e-5, f"hstu/{kind}/fused dq seed {seed}")
+    assert interpreter._bwd_dq not in launched and interpreter._bwd_dkdv in launched
+
+
+def test_fused_dq_off_in_deterministic_mode(interpreter, monkeypatch) -> None:
+    monkeypatch.setattr(interpreter, "fused_dq", True)
+    assert interpreter._fused_dq(1000, "tf32")
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert not interpreter._fused_dq(1000, "tf32")
+
+
 @pytest.mark.parametrize("bias", ["time", "pos"])
 def test_interpreter_one_bias_alone(interpreter, bias: str) -> None:
     """model.relative_bias=false runs with the time bias alone (pos_weights=None); and the other way round."""
@@ -164,6 +184,19 @@ def test_gpu_long_jagged_autotuned(cuda_device, op: str, kind: str, dim: int) ->
     errors = _case(op, kind, seed, batch=5, max_len=1100, heads=2, dqk=dim, dv=dim, dtype=torch.bfloat16,
                    device=cuda_device)
     _check(errors, TOL[torch.bfloat16], f"{op}/{kind}/d{dim}/long seed {seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("kind", "dim", "bias"), [("causal", 128, False), ("all", 64, True), ("targets", 128, True)])
+def test_gpu_fused_dq_autotuned(cuda_device, monkeypatch, kind: str, dim: int, bias: bool) -> None:
+    """hstu.fused_dq on the autotuned bf16 path (sequences over 256 tokens), with and without the biases."""
+    from recforge.ops.triton import hstu as hstu_mod
+
+    monkeypatch.setattr(hstu_mod, "fused_dq", True)
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    errors = _case("hstu", kind, seed, batch=5, max_len=1100, heads=2, dqk=dim, dv=dim, dtype=torch.bfloat16,
+                   device=cuda_device, bias=bias)
+    _check(errors, TOL[torch.bfloat16], f"hstu/{kind}/d{dim}/fused dq seed {seed}")
 
 
 @pytest.mark.gpu

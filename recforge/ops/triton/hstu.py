@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from recforge.env import hstu_fused_dq
 from recforge.jagged.mask import AttentionMask
 from recforge.ops.triton._common import (
     MaskArgs,
@@ -221,7 +222,8 @@ def _hstu_bwd_dq(
 
 @triton.jit
 def _hstu_bwd_dkdv(
-    Q, K, V, DO, DK, DV_, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sdk_t, sdk_h, sdv_t, sdv_h,
+    Q, K, V, DO, DK, DV_, DQ32, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sdk_t, sdk_h, sdv_t, sdv_h,
+    sdq_t, sdq_h,
     offsets, num_targets, num_contextual, seg_ends, ts_mask, ts_bias, pos_w, time_w, time_thr, dpos, dtime,
     scale, window, P, NB, num_heads, len_key,
     S: tl.constexpr, FULL_BITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
@@ -229,7 +231,7 @@ def _hstu_bwd_dkdv(
     HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr, PAIR_ATOMICS: tl.constexpr,
     NB_PAD: tl.constexpr, TIME_STEPS: tl.constexpr, TIME_LOOP: tl.constexpr, REUSE_BUCKET: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
-    DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
+    FUSED_DQ: tl.constexpr, DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n, _, b, h = block_of_program(len_key, num_heads, BLOCK_N)  # first keys (most rows see them) first
@@ -293,6 +295,10 @@ def _hstu_bwd_dkdv(
                 dsT = tl.where(vis, dsT, 0.0)
             dv += tl.dot(aT.to(doT.dtype), tl.trans(doT), input_precision=DOT_PREC)
             dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
+            if FUSED_DQ:  # this tile's share of dQ, added to the float32 dQ of its rows (see fused_dq)
+                dq_part = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PREC)  # (BLOCK_M, BD_QK)
+                tl.atomic_add(DQ32 + h * sdq_h + tok[:, None] * sdq_t + dq_[None, :], dq_part,
+                              mask=row_ok[:, None] & (dq_[None, :] < DQK), sem="relaxed")
             if PAIR_ATOMICS:  # the per-pair atomics of earlier releases, for A/B benchmarks only
                 if POS_GRAD:
                     dist = tl.minimum(i, he) - tl.minimum(j, he)
@@ -342,10 +348,16 @@ reuse_time_bucket = True
 # True: the bias gradients by one atomic per pair, as in earlier releases (for A/B benchmarks:
 # serialises on long sequences); read at each backward call.
 pair_atomics = False
+# True: the dK/dV kernel also computes dQ (one more dot per tile, its (BLOCK_M, Dqk) product added with float32
+# atomics into a zeroed float32 dQ) and the dQ kernel is not launched: each (query, key) tile's scores and dS are
+# computed once instead of twice (5 tile dots instead of 7). dQ's float32 sums then come in no fixed order (run to
+# run differences at float32 rounding); never used under torch.use_deterministic_algorithms(True). Read at each
+# backward call; autotuned (bf16/fp16, long sequences) launches only. Default: $RECFORGE_HSTU_FUSED_DQ (off).
+fused_dq = hstu_fused_dq()
 
 _fwd = tuned(_hstu_fwd, kind="fwd")
 _bwd_dq = tuned(_hstu_bwd_dq, kind="bwd_dq")
-_bwd_dkdv = tuned(_hstu_bwd_dkdv, kind="bwd_dkdv", reset_to_zero=["dpos", "dtime"])
+_bwd_dkdv = tuned(_hstu_bwd_dkdv, kind="bwd_dkdv", reset_to_zero=["dpos", "dtime", "DQ32"])
 
 
 def _meta(ma: MaskArgs, dqk: int, dv: int, has_pos: bool, has_time: bool, dtype: torch.dtype) -> dict:
@@ -400,19 +412,36 @@ def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
     if total > 0 and batch > 0:
         common, scalars, meta = _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets)
         strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2])
-        launch(_bwd_dq, "m", batch, heads, max_seq_len,
-                (q, k, v, do, dq, *strides, *dq.stride()[:2], *common, *scalars), meta)
-        dkdv_args = (q, k, v, do, dk, dv, *strides, *dk.stride()[:2], *dv.stride()[:2], *common, dpos, dtime, *scalars)
+        fused = _fused_dq(max_seq_len, meta["DOT_PREC"])
+        if fused:
+            dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        else:
+            dq32 = placeholder(q.device, torch.float32)
+            launch(_bwd_dq, "m", batch, heads, max_seq_len,
+                   (q, k, v, do, dq, *strides, *dq.stride()[:2], *common, *scalars), meta)
+        dq_strides = dq32.stride()[:2] if fused else (0, 0)
+        dkdv_args = (q, k, v, do, dk, dv, dq32, *strides, *dk.stride()[:2], *dv.stride()[:2], *dq_strides, *common,
+                     dpos, dtime, *scalars)  # fmt: skip
         bias_meta = dict(meta, PAIR_ATOMICS=bool(pair_atomics), NB_PAD=next_power_of_2(num_buckets + 1) if time_grad else 16,
                          TIME_STEPS=TIME_STEPS, TIME_LOOP=bool(time_loop_in_masked_tiles),
                          REUSE_BUCKET=bool(reuse_time_bucket))  # fmt: skip
         launch(_bwd_dkdv, "n", batch, heads, max_seq_len, dkdv_args,
-               dict(bias_meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad))
+               dict(bias_meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad, FUSED_DQ=fused))
+        if fused:
+            dq.copy_(dq32)
     else:
         dq.zero_(), dk.zero_(), dv.zero_()
     d_pos = dpos.to(pos_w.dtype) if pos_grad else None
     d_time = dtime.to(time_w.dtype) if time_grad else None
     return dq, dk, dv, d_pos, d_time
+
+
+def _fused_dq(max_seq_len: int, dot_prec: str) -> bool:
+    """Whether this backward computes dQ in the dK/dV kernel (``fused_dq``): on, not deterministic mode, and an
+    autotuned launch (bf16/fp16 on sequences over 256 tokens) or the interpreter (its tests)."""
+    if not fused_dq or torch.are_deterministic_algorithms_enabled():
+        return False
+    return is_interpreting() or (max_seq_len > 256 and dot_prec != "ieee")
 
 
 def _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets) -> tuple:
