@@ -6,6 +6,8 @@ Usage (one H200, about 3 minutes; every case and variant in one process):
         bf16-graphs bf16-compile-graphs --out benchmarks/results/train_mfu-graphs-h200.json   # eager vs compile vs graphs
     python benchmarks/train_mfu.py --cases large large-norab large-shared large-shared-norab --variants bf16-compile \
         --out benchmarks/results/train_mfu-norab-h200.json   # the relative position bias on vs off
+    python benchmarks/train_mfu.py --cases large-shared-norab long-shared-norab --variants bf16-compile-graphs --top 40 \
+        --out benchmarks/results/train_mfu-top-h200.json   # 16K vs 64K-token batches, the 40 largest kernels
     python benchmarks/train_mfu.py --device cpu --cases tiny --variants fp32-eager   # smoke run
 
 Cases (``--cases``; jagged batches of random user lengths in [max_len / 4, max_len] up to a token budget,
