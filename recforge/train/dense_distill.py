@@ -54,6 +54,7 @@ class Teacher:
         self.to_run = to_run.cpu()
         self.max_seq_len = max_seq_len
         self.temperature = temperature
+        self.rows = torch.arange(1, len(self.to_run), device=device)  # this run's dense rows 1..N, the logits' order
         with torch.no_grad():  # frozen: the catalogue's vectors in this run's row order, computed once
             self.items = model.item_vectors()[self.to_run[1:].to(device)].float()  # (N, d)
 

@@ -171,7 +171,7 @@ def _loss(s: Setup, batch: SidBatch) -> tuple[torch.Tensor, torch.Tensor]:
     )  # fmt: skip
     loss = sid_loss + s.cfg.generative.dense_weight * dense_loss
     if batch.teacher is not None:
-        student = user.float() @ s.model.dense_item_vectors()[1:].float().T / s.model.cfg.dense_temperature  # (B, N)
+        student = s.model.catalogue_dense_logits(user, s.teacher.rows)  # (B, N)
         loss = loss + s.cfg.generative.dense_distill * distill_kl(student, s.teacher.logits(batch.teacher))
     return loss, loss
 

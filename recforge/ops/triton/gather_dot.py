@@ -39,8 +39,9 @@ accumulate_2d = False
 # padding rows: 27 ms of a 42 ms step) is otherwise summed serially by its D/256 programs. On: the sorted pairs are
 # cut into pieces at the rows' boundaries and every ``split_segments`` pairs, each piece summed by one program into a
 # float32 partial, then each row's partials summed in order (deterministic; fixed sizes, no host sync). Costs a
-# (rows + pairs / split_segments, D) float32 scratch and a second pass. Not timed yet: off until
-# ``benchmarks/gather_dot.py --variants fused fusedsplit --hot-share 0.1`` says.
+# (rows + pairs / split_segments, D) float32 scratch and a second pass. H200 (``benchmarks/gather_dot.py --variants
+# fused fusedsplit --hot-share 0.1`` / ``0``, BENCHMARKS.md): 3.9-4.3x faster than unsplit with 10% of the pairs on
+# one row, 1.1-1.7x slower on uniform pairs, so off by default.
 split_segments = 0
 
 
