@@ -135,7 +135,8 @@ def make_runner(case: str, variant: str, device: torch.device, args, loss=None) 
     cfg = config_from_dict({
         "data": {"path": "-", "max_seq_len": max_len},
         "model": {"kind": "hstu", "dropout": 0.0, "kernel": "triton" if device.type == "cuda" else "pytorch", **model_kw},
-        "loss": {"negatives": negatives, "num_negatives": num_negatives or 128, "temperature": 0.05, "chunk_size": args.chunk_size},
+        "loss": {"negatives": negatives, "num_negatives": num_negatives or 128, "temperature": 0.05, "chunk_size": args.chunk_size,
+                 "matmul": args.loss_matmul},
         "train": {"device": str(device), "precision": precision, "compile": compile_mode, "cuda_graphs": graphs,
                   "graph_bucket_ratio": args.bucket_ratio},
     })  # fmt: skip
@@ -148,7 +149,7 @@ def make_runner(case: str, variant: str, device: torch.device, args, loss=None) 
         user = model(batch)  # padded for train.cuda_graphs: padding positions weigh 0 (loss_weights)
         value = score(user, batch.labels["next_item"], model.item_vectors, items, negatives=lc.negatives,
                       num_negatives=lc.num_negatives, temperature=lc.temperature, chunk_size=lc.chunk_size,
-                      sampled=draws, weights=loss_weights(batch))  # fmt: skip
+                      sampled=draws, weights=loss_weights(batch), matmul=lc.matmul)  # fmt: skip
         return value, value
 
     def draw(batch, seed):
@@ -295,6 +296,8 @@ def main() -> None:
                         help="first steps whose losses must agree (more than --batches: graphs variants replay some)")
     parser.add_argument("--chunk-size", type=int, default=0, help="loss.chunk_size (0: unchunked loss, as before; "
                         "the ml1m configs' default is 8192)")
+    parser.add_argument("--loss-matmul", default="float32", choices=["float32", "float16"],
+                        help="loss.matmul: the loss's logit matmuls from float16 inputs (float32 sums) or float32 (TF32)")
     parser.add_argument("--bucket-ratio", type=float, default=1.125, help="train.graph_bucket_ratio of graphs variants")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
@@ -348,7 +351,7 @@ def main() -> None:
             "benchmark": "train_mfu", "command": "python benchmarks/train_mfu.py " + " ".join(sys.argv[1:]),
             "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "matmul_precision_fp32": matmul_precision("float32"), "peaks_tflops_bf16": peaks,
-            "date": datetime.date.today().isoformat(), "fused_gather_dot": fused_gather_dot(), "hstu_fused_dq": hstu_fused_dq(), "gather_dot_kernels": _gather_dot_state(), "cases": {c: {k: v for k, v in zip(
+            "date": datetime.date.today().isoformat(), "fused_gather_dot": fused_gather_dot(), "hstu_fused_dq": hstu_fused_dq(), "loss_matmul": args.loss_matmul, "gather_dot_kernels": _gather_dot_state(), "cases": {c: {k: v for k, v in zip(
                 ("model", "max_len", "tokens", "users", "negatives", "num_negatives", "items"), CASES[c], strict=True)} for c in args.cases},
             "rows": rows,
         })  # fmt: skip

@@ -110,6 +110,10 @@ class LossConfig:
     # (positions x negatives) logits are held (same value and gradients; 0: never chunk). A dynamic item
     # table (sparse.*) then counts each distinct sampled negative once per batch, not once per draw
     chunk_size: int = 8192
+    # float16: on CUDA the logits of shared / in-batch / whole-catalogue negatives come from float16-input matmuls
+    # with float32 sums and outputs (TF32's 10-bit mantissa at twice its throughput; recforge.ops.half_matmul),
+    # forward and backward. float32: float32 matmuls (TF32 on CUDA). CPU always float32
+    matmul: str = "float32"
 
 
 @dataclass
@@ -262,6 +266,7 @@ CHOICES = {
     "model.kernel": ("auto", "pytorch", "triton"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "loss.negatives": ("per_position", "shared", "full"),
+    "loss.matmul": ("float32", "float16"),
     "model.embedding": ("static", "dynamic"),
     "model.target_attention": ("none", "din"),
     "model.attn_norm": ("layernorm", "visible_mean"),

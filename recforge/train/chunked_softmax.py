@@ -37,15 +37,19 @@ import torch
 from torch import Tensor
 
 from recforge.ops.gather_dot import gather_dot_logits, gather_rows_sum, scatter_rows_sum, use_triton
+from recforge.ops.half_matmul import mm_f32
 
 
 class _ChunkedSoftmaxCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, user: Tensor, positive: Tensor, shared: Tensor | None, own: Tensor | None, targets: Tensor,
                 shared_ids: Tensor | None, own_rows: Tensor | None, own_ids: Tensor | None, inv_temp: float,
-                chunk: int, want_grads: bool, weights: Tensor | None) -> Tensor:  # fmt: skip
+                chunk: int, want_grads: bool, weights: Tensor | None, half: bool) -> Tensor:  # fmt: skip
         num_pos = user.shape[0]
         share = None if weights is None else weights / weights.sum()  # (T,) each position's w / W, on the device
+        # the chunks scale each row's logit gradients by w / max(w) (in [0, 1]: float16 keeps them, ``half``), and
+        # max(w) / W is applied once at the end
+        rel = None if share is None else weights / weights.max()
         # once for every position, not per chunk: 1/temperature on the user side, the positive logits, and
         # the shared columns' padding mask as an additive bias (fused into the chunks' matmul)
         scaled = user * inv_temp  # (T, d)
@@ -55,6 +59,10 @@ class _ChunkedSoftmaxCE(torch.autograd.Function):
             pad_bias = torch.zeros(shared_ids.shape, dtype=user.dtype, device=user.device).masked_fill_(shared_ids == 0, float("-inf"))
         nll = user.new_empty(num_pos)  # (T,) each position's loss
         fused = own is not None and use_triton(scaled, own, own_rows)  # the gather-dot kernels: no (c, K, d) vectors
+        # ``half``: the shared columns' matmuls from float16 copies (recforge.ops.half_matmul), made once
+        half_inputs = None
+        if half and shared is not None:
+            half_inputs = (scaled.to(torch.float16), shared.to(torch.float16), user.to(torch.float16))
         grads = own_grad = None
         if want_grads:
             grads = [torch.empty_like(user), torch.empty_like(positive), None if shared is None else torch.zeros_like(shared),
@@ -64,12 +72,14 @@ class _ChunkedSoftmaxCE(torch.autograd.Function):
             hi = min(lo + chunk, num_pos)
             _chunk(user[lo:hi], scaled[lo:hi], pos[lo:hi], positive[lo:hi], shared, pad_bias, own, targets[lo:hi],
                    shared_ids, None if own_rows is None else own_rows[lo:hi], None if own_ids is None else own_ids[lo:hi],
-                   nll[lo:hi], grads, lo, None if share is None else share[lo:hi, None], fused,
-                   None if own_grad is None else own_grad[lo:hi])  # fmt: skip
+                   nll[lo:hi], grads, lo, None if rel is None else rel[lo:hi, None], fused,
+                   None if own_grad is None else own_grad[lo:hi],
+                   None if half_inputs is None else (half_inputs[0][lo:hi], half_inputs[1], half_inputs[2][lo:hi]))  # fmt: skip
         if grads is not None and fused:  # every row of own written once, from all positions' logit gradients
             grads[3] = scatter_rows_sum(own_grad, user, own_rows, own.shape[0], kernel="triton")
         if grads is not None:  # the chunks summed d nll / d logits times the unscaled inputs: 1/T and 1/temperature, once
-            scale = inv_temp / num_pos if share is None else inv_temp  # weighted: the chunks applied w / W
+            # weighted: the chunks applied w / max(w); max(w) / W here
+            scale = inv_temp / num_pos if share is None else inv_temp * weights.max() / weights.sum()
             ctx.save_for_backward(*(g.mul_(scale) for g in grads if g is not None))
             ctx.present = [g is not None for g in grads]
         return nll.mean() if share is None else (nll * share).sum()
@@ -81,20 +91,26 @@ class _ChunkedSoftmaxCE(torch.autograd.Function):
                                "(computed under torch.no_grad, or with inputs that need none)")  # fmt: skip
         saved = iter(ctx.saved_tensors)
         grads = [next(saved) * grad_out if present else None for present in ctx.present]
-        return (*grads, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None, None)
 
 
 def _chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: Tensor | None, pad_bias: Tensor | None,
            own: Tensor | None, targets: Tensor, shared_ids: Tensor | None, own_rows: Tensor | None,
            own_ids: Tensor | None, nll: Tensor, grads: list[Tensor | None] | None, lo: int,
-           share: Tensor | None, fused: bool = False, own_grad: Tensor | None = None) -> None:  # fmt: skip
+           share: Tensor | None, fused: bool = False, own_grad: Tensor | None = None,
+           half: tuple[Tensor, Tensor, Tensor] | None = None) -> None:  # fmt: skip
     """One chunk of c positions: writes their losses into ``nll`` (c,) and adds d nll / d logits times the unscaled
     inputs into ``grads`` (the caller applies 1/temperature and the mean once). ``scaled``: ``user`` / temperature,
     ``pos`` (c, 1) the positive logits, ``pad_bias`` (S,) -inf at the shared padding columns; ``share`` (c, 1):
-    each row's w / W (weighted), its d nll / d logits scaled by it. ``fused``: the own negatives' logits and
-    user gradient by the gather-dot kernels, their logit gradients written to ``own_grad`` (c, K) for the caller."""
+    each row's weight relative to the largest (weighted), its d nll / d logits scaled by it. ``fused``: the own
+    negatives' logits and user gradient by the gather-dot kernels, their logit gradients written to ``own_grad``
+    (c, K) for the caller. ``half``: float16 copies of (``scaled``, ``shared``, ``user``): the shared columns' three
+    matmuls take them (float32 sums and outputs); their logit gradients, in [-1, 1], are cast to float16 too."""
     parts = [pos]
-    if shared is not None:
+    if shared is not None and half is not None:
+        s = mm_f32(half[0], half[1].T, bias=pad_bias)  # (c, S)
+        parts.append(s.masked_fill_(shared_ids == targets[:, None], float("-inf")))
+    elif shared is not None:
         s = torch.addmm(pad_bias, scaled, shared.T)  # (c, S)
         parts.append(s.masked_fill_(shared_ids == targets[:, None], float("-inf")))
     if own is not None and fused:
@@ -119,8 +135,13 @@ def _chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: 
     col = 1
     if shared is not None:
         g_s = g[:, col : col + shared.shape[0]]  # (c, S)
-        grad_user.addmm_(g_s, shared)
-        grads[2].addmm_(g_s.T, user)
+        if half is not None:
+            g16 = g_s.to(torch.float16)
+            grad_user.add_(mm_f32(g16, half[1]))
+            grads[2].add_(mm_f32(g16.T, half[2]))
+        else:
+            grad_user.addmm_(g_s, shared)
+            grads[2].addmm_(g_s.T, user)
         col += shared.shape[0]
     if own is not None and fused:
         g_o = own_grad.copy_(g[:, col:])  # (c, K), contiguous
@@ -134,9 +155,12 @@ def _chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: 
 class _ChunkedFullSoftmaxCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, user: Tensor, table: Tensor, targets: Tensor, inv_temp: float, chunk: int, want_grads: bool,
-                weights: Tensor | None) -> Tensor:  # fmt: skip
+                weights: Tensor | None, half: bool) -> Tensor:  # fmt: skip
         num_pos = user.shape[0]
         share = None if weights is None else (weights / weights.sum()).view(-1, 1)  # (T, 1) each w / W, on the device
+        rel = None if share is None else (weights / weights.max()).view(-1, 1)  # w / max(w), in [0, 1] (float16 keeps it)
+        # ``half``: the three matmuls from float16 copies (recforge.ops.half_matmul), made once
+        user16, table16 = (user.to(torch.float16), table.to(torch.float16)) if half else (None, None)
         pad_bias = user.new_zeros(table.shape[0])  # (N+1,): the padding item 0 is not an item
         pad_bias[:1].fill_(float("-inf"))  # not `pad_bias[0] = ...`: __setitem__ copies a host scalar (a sync)
         nll = user.new_empty(num_pos)  # (T,) each position's loss
@@ -147,16 +171,25 @@ class _ChunkedFullSoftmaxCE(torch.autograd.Function):
         for lo in range(0, num_pos, chunk):
             hi = min(lo + chunk, num_pos)
             u, t = user[lo:hi], targets[lo:hi]
-            log_p = torch.addmm(pad_bias, u, table.T, alpha=inv_temp).log_softmax(1)  # (c, N+1)
+            if half:
+                logits = mm_f32(user16[lo:hi], table16.T, bias=pad_bias, alpha=inv_temp)  # (c, N+1)
+            else:
+                logits = torch.addmm(pad_bias, u, table.T, alpha=inv_temp)
+            log_p = logits.log_softmax(1)
             torch.neg(log_p.gather(1, t).squeeze(1), out=nll[lo:hi])
             if want_grads:  # d nll / d logits = softmax - onehot(target), in place of log_p
                 g = log_p.exp_().scatter_add_(1, t, minus_one[: hi - lo])  # (c, N+1)
-                if share is not None:
-                    g.mul_(share[lo:hi])
-                torch.mm(g, table, out=grad_user[lo:hi])  # (c, d)
-                grad_table.addmm_(g.T, u)  # (N+1, d)
-        if want_grads:  # the mean over positions (weighted: applied per chunk) and 1/temperature, once
-            scale = inv_temp / num_pos if share is None else inv_temp
+                if rel is not None:
+                    g.mul_(rel[lo:hi])
+                if half:  # g in [-1, 1]
+                    g16 = g.to(torch.float16)
+                    grad_user[lo:hi] = mm_f32(g16, table16)
+                    grad_table.add_(mm_f32(g16.T, user16[lo:hi]))
+                else:
+                    torch.mm(g, table, out=grad_user[lo:hi])  # (c, d)
+                    grad_table.addmm_(g.T, u)  # (N+1, d)
+        if want_grads:  # the mean over positions (weighted: w / max(w) per chunk, max(w) / W here) and 1/temperature
+            scale = inv_temp / num_pos if share is None else inv_temp * weights.max() / weights.sum()
             ctx.save_for_backward(grad_user.mul_(scale), grad_table.mul_(scale))
         return nll.mean() if share is None else (nll * share.view(-1)).sum()
 
@@ -166,11 +199,11 @@ class _ChunkedFullSoftmaxCE(torch.autograd.Function):
             raise RuntimeError("chunked full softmax: backward through a loss computed without gradients "
                                "(computed under torch.no_grad, or with inputs that need none)")  # fmt: skip
         grad_user, grad_table = ctx.saved_tensors
-        return grad_user * grad_out, grad_table * grad_out, None, None, None, None, None
+        return grad_user * grad_out, grad_table * grad_out, None, None, None, None, None, None
 
 
 def chunked_full_softmax_cross_entropy(user: Tensor, table: Tensor, targets: Tensor, *, temperature: float,
-                                       chunk: int, weights: Tensor | None = None) -> Tensor:  # fmt: skip
+                                       chunk: int, weights: Tensor | None = None, half: bool = False) -> Tensor:  # fmt: skip
     """Mean softmax cross-entropy of each position's target over the whole catalogue, ``chunk`` positions at a time.
 
     Args:
@@ -181,6 +214,8 @@ def chunked_full_softmax_cross_entropy(user: Tensor, table: Tensor, targets: Ten
         chunk: positions per chunk (> 0).
         weights: (T,) each position's weight (sum > 0): the loss is the weighted mean, each row's loss and
             gradient scaled by w / sum(w) on the device (no host sync). None: the plain mean.
+        half: the matmuls from float16 inputs with float32 sums and outputs (``recforge.ops.half_matmul``; the
+            caller decides: ``loss.matmul`` float16 on CUDA).
 
     Returns:
         The scalar loss (``F.cross_entropy`` of the (T, N+1) logits with column 0 at -inf, up to float
@@ -189,7 +224,7 @@ def chunked_full_softmax_cross_entropy(user: Tensor, table: Tensor, targets: Ten
     if chunk <= 0:
         raise ValueError(f"chunked_full_softmax_cross_entropy: chunk={chunk} must be > 0")
     want_grads = torch.is_grad_enabled() and (user.requires_grad or table.requires_grad)
-    return _ChunkedFullSoftmaxCE.apply(user, table, targets, 1.0 / temperature, int(chunk), want_grads, weights)
+    return _ChunkedFullSoftmaxCE.apply(user, table, targets, 1.0 / temperature, int(chunk), want_grads, weights, half)
 
 
 def chunked_softmax_cross_entropy(
@@ -205,6 +240,7 @@ def chunked_softmax_cross_entropy(
     temperature: float,
     chunk: int,
     weights: Tensor | None = None,
+    half: bool = False,
 ) -> Tensor:
     """Mean softmax cross-entropy of each position's positive against its negatives, ``chunk`` positions at a time.
 
@@ -218,6 +254,7 @@ def chunked_softmax_cross_entropy(
         temperature: logits are dot products / temperature.
         chunk: positions per chunk (> 0).
         weights: (T,) each position's weight (sum > 0): the weighted mean, as ``chunked_full_softmax_cross_entropy``.
+        half: the shared columns' matmuls from float16 inputs, as ``chunked_full_softmax_cross_entropy``.
 
     Returns:
         The scalar loss; gradients flow to ``user``, ``positive``, ``shared`` and ``own``.
@@ -229,4 +266,4 @@ def chunked_softmax_cross_entropy(
     inputs = [t for t in (user, positive, shared, own) if t is not None]
     want_grads = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     return _ChunkedSoftmaxCE.apply(user, positive, shared, own, targets, shared_ids, own_rows, own_ids,
-                                   1.0 / temperature, int(chunk), want_grads, weights)  # fmt: skip
+                                   1.0 / temperature, int(chunk), want_grads, weights, half)  # fmt: skip

@@ -167,7 +167,7 @@ def _loss(s: Setup, batch: SidBatch) -> tuple[torch.Tensor, torch.Tensor]:
     sid_loss, user = s.model.loss_and_user(batch.history, batch.mask, batch.targets, batch.items)
     dense_loss = sampled_softmax_loss(
         user, batch.target_items, s.model.dense_item_vectors, s.seqs.num_items, negatives="full",
-        temperature=s.cfg.loss.temperature, chunk_size=s.cfg.loss.chunk_size,
+        temperature=s.cfg.loss.temperature, chunk_size=s.cfg.loss.chunk_size, matmul=s.cfg.loss.matmul,
     )  # fmt: skip
     loss = sid_loss + s.cfg.generative.dense_weight * dense_loss
     if batch.teacher is not None:

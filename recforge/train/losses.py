@@ -24,6 +24,7 @@ from torch import Tensor
 from recforge.data.ranking_samples import TokenReference
 from recforge.jagged.index import offsets_from_lengths, sequence_ids
 from recforge.ops.gather_dot import gather_dot
+from recforge.ops.half_matmul import half_input_logits, use_half
 from recforge.train.chunked_softmax import chunked_full_softmax_cross_entropy, chunked_softmax_cross_entropy
 from recforge.train.distributed import several_ranks
 
@@ -101,6 +102,7 @@ def sampled_softmax_loss(
     exact_distinct: bool = False,
     sampled: SampledNegatives | None = None,
     weights: Tensor | None = None,
+    matmul: str = "float32",
 ) -> Tensor:
     """Softmax cross-entropy of each position's next item against negatives.
 
@@ -128,6 +130,9 @@ def sampled_softmax_loss(
         weights: (T,) each position's weight (e.g. 0 at a shape bucket's padding positions, 1 elsewhere:
             ``recforge.train.step_padding``), sum > 0; the loss is the weighted mean, and a position of weight 0
             adds nothing to the loss or any gradient. None: the plain mean.
+        matmul: ``float16``: on CUDA the logits of the shared, in-batch and whole-catalogue columns come from
+            float16-input matmuls with float32 sums and outputs, forward and backward (``recforge.ops.half_matmul``:
+            TF32's 10-bit mantissa at twice its throughput); ``float32`` (default) or a CPU tensor: float32 matmuls.
 
     Sampled negatives equal to the target ("accidental hits") and in-batch columns of the padding id 0 are
     masked out.
@@ -156,8 +161,10 @@ def sampled_softmax_loss(
                 raise ValueError(f"sampled_softmax_loss: weights of shape {tuple(weights.shape)}; expected one per "
                                  f"position, {tuple(targets.shape)}")  # fmt: skip
             weights = weights.to(dtype)
+        half = use_half(matmul, user.device)
         if not _whole_under_compile(negatives, user.shape[0], num_items) and use_chunks(chunk_size, user.shape[0]):
-            return _chunked_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, chunk_size, weights)
+            return _chunked_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, chunk_size, weights,
+                                 half)  # fmt: skip
         table = None
         if negatives == "per_position" and not exact_distinct and targets.shape[0] * num_negatives > num_items + 1:
             table = item_vectors(None).to(dtype)  # (N+1, d): each row normalised once, not once per draw
@@ -165,7 +172,8 @@ def sampled_softmax_loss(
                 raise ValueError(f"sampled_softmax_loss: item_vectors(None) gave {table.shape[0]} rows; expected the "
                                  f"whole table, num_items + 1 = {num_items + 1} (row 0 the padding item)")  # fmt: skip
             vectors = lambda ids: F.embedding(ids, table)  # noqa: E731
-        return _sampled_softmax_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, weights, table)
+        return _sampled_softmax_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, weights, table,
+                                     half)  # fmt: skip
 
 
 # torch.compile: a full-catalogue softmax of at most this many logits is computed whole, not in chunks (1 GiB of
@@ -200,12 +208,14 @@ def use_chunks(chunk_size: int, positions: int) -> bool:
 
 def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor | None], Tensor], negatives: str,
                           sampled: SampledNegatives, temperature: float, weights: Tensor | None,
-                          table: Tensor | None = None) -> Tensor:  # fmt: skip
+                          table: Tensor | None = None, half: bool = False) -> Tensor:  # fmt: skip
     """The unchunked loss; ``table``: ``item_vectors`` gives its rows, without side effects (a normalised table),
     so a position's target and per-position negatives are scored together, by one gather-dot (fused with
-    float32 on CUDA: ``recforge.ops.gather_dot``; else one lookup and one bmm)."""
+    float32 on CUDA: ``recforge.ops.gather_dot``; else one lookup and one bmm). ``half``: the shared, in-batch and
+    catalogue logits by float16-input matmuls (``half_input_logits``)."""
+    mm = half_input_logits if half else (lambda a, b: a @ b.T)  # noqa: E731
     if negatives == "full":
-        logits = user @ item_vectors(None).T / temperature  # (T, N+1)
+        logits = mm(user, item_vectors(None)) / temperature  # (T, N+1)
         logits[:, 0].fill_(float("-inf"))  # padding row is not an item (fill_: __setitem__ would copy a host scalar, a sync)
         if weights is None:
             return F.cross_entropy(logits, targets)
@@ -224,11 +234,11 @@ def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[
             parts = [pos, neg_logits.masked_fill(hits, float("-inf"))]
     else:  # shared: neg_ids (K,)
         parts = [(user * item_vectors(targets)).sum(-1, keepdim=True) / temperature]  # (T, 1)
-        neg_logits = user @ item_vectors(neg_ids).T / temperature  # (T, K)
+        neg_logits = mm(user, item_vectors(neg_ids)) / temperature  # (T, K)
         parts.append(neg_logits.masked_fill(neg_ids[None, :] == targets[:, None], float("-inf")))
     if sampled.in_batch is not None:
         batch_ids = sampled.in_batch  # (U,)
-        batch_logits = user @ item_vectors(batch_ids).T / temperature  # (T, U)
+        batch_logits = mm(user, item_vectors(batch_ids)) / temperature  # (T, U)
         hit = (batch_ids[None, :] == targets[:, None]) | (batch_ids == 0)[None, :]  # 0: batch_distinct's fill
         parts.append(batch_logits.masked_fill(hit, float("-inf")))
     logits = torch.cat(parts, dim=1)
@@ -243,12 +253,13 @@ def _weighted_mean(nll: Tensor, weights: Tensor) -> Tensor:
 
 
 def _chunked_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor | None], Tensor], negatives: str,
-                  sampled: SampledNegatives, temperature: float, chunk: int, weights: Tensor | None) -> Tensor:
+                  sampled: SampledNegatives, temperature: float, chunk: int, weights: Tensor | None,
+                  half: bool = False) -> Tensor:  # fmt: skip
     """``_sampled_softmax_loss`` in chunks of positions: the same negatives, the positive / shared / per-position
     columns handed to ``chunked_softmax_cross_entropy``."""
     if negatives == "full":  # cross-entropy over the catalogue: the target's column is the positive
         return chunked_full_softmax_cross_entropy(user, item_vectors(None), targets, temperature=temperature, chunk=chunk,
-                                                  weights=weights)  # fmt: skip
+                                                  weights=weights, half=half)  # fmt: skip
     if sampled.distinct is None and sampled.shared is None:
         raise ValueError(f"sampled_softmax_loss: chunk_size={chunk} needs negatives drawn with that chunk_size "
                          "(draw_negatives(..., chunk_size=...))")  # fmt: skip
@@ -257,7 +268,7 @@ def _chunked_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor 
     own_ids = sampled.ids if negatives == "per_position" else None
     return chunked_softmax_cross_entropy(user, item_vectors(targets), targets, shared=shared, shared_ids=sampled.shared,
                                          own=own, own_rows=sampled.rows, own_ids=own_ids, temperature=temperature,
-                                         chunk=chunk, weights=weights)  # fmt: skip
+                                         chunk=chunk, weights=weights, half=half)  # fmt: skip
 
 
 def batch_distinct(targets: Tensor) -> Tensor:

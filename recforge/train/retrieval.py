@@ -144,6 +144,7 @@ def _loss(s: Setup, batch: JaggedBatch, sampled: SampledNegatives | None = None)
         exact_distinct=_counts_lookups(s),
         sampled=sampled,
         weights=weights,
+        matmul=cfg.loss.matmul,
     )  # mean over the batch's T (real) targets
     if not cfg.train.token_budget:
         return loss, loss
