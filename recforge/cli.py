@@ -382,8 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="evaluate a trained run and write RUN_DIR/eval.json")
     p.add_argument("run_dir")
     p.add_argument("overrides", nargs="*", help="generative runs: key=value settings for this evaluation only, e.g. "
-                   "generative.rescore=0.5 generative.beam=100 generative.dense_candidates=200 (recorded in the result); "
-                   "choose them with --split valid")  # fmt: skip
+                   "generative.rescore=0.5 generative.beam=100 generative.dense_candidates=200, or "
+                   "generative.dense_scorer=RETRIEVAL_RUN_DIR (a SASRec/HSTU run on the same dataset scores in the dense "
+                   "head's place) (recorded in the result); choose them with --split valid")  # fmt: skip
     p.add_argument("--checkpoint", default="auto", help="auto | best | latest | a checkpoint directory")
     p.add_argument("--split", default="test", choices=("test", "valid"),
                    help="test (writes eval.json) or valid (writes eval-valid.json; refused where the run trained on it)")

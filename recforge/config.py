@@ -221,6 +221,12 @@ class GenerativeConfig:
     # KL(teacher || dense head) over the whole catalogue (the run's last-token user vector . its items / its
     # loss.temperature). Needs dense_init and dense_head. 0: off
     dense_distill: float = 0.0
+    # evaluation and /v1/retrieve: a trained ID-retrieval run (recipe: retrieval, e.g. SASRec) on the same dataset
+    # scores items for rescore and dense_candidates in place of the dense head: its user vector for the history (its
+    # data.max_seq_len most recent items) . its L2-normalised item row / its loss.temperature (best checkpoint; the
+    # catalogue and leakage checked as for dense_init). Works with or without dense_head (tiger or sid_hstu).
+    # "": the dense head scores (if any). Settable at training time or as a `recforge eval` override
+    dense_scorer: str = ""
 
 
 @dataclass
@@ -528,14 +534,16 @@ def _validate_generative(cfg: RunConfig) -> list[str]:
     if g.dense_head and cfg.model.kind != "tiger":
         problems.append("generative.dense_head: only model.kind=tiger has a dense head (its encoder's user vector); "
                         "set generative.dense_head=false or use model.kind=tiger")
-    if g.rescore and not g.dense_head:
-        problems.append(f"generative.rescore={g.rescore} re-scores the beam's items with the dense head's scores, but "
-                        "generative.dense_head is off; set generative.dense_head=true (and train), or "
-                        "generative.rescore=0")  # fmt: skip
-    if g.dense_candidates and not g.dense_head:
-        problems.append(f"generative.dense_candidates={g.dense_candidates} adds the dense head's top items to the beam's, "
-                        "but generative.dense_head is off; set generative.dense_head=true (and train), or "
-                        "generative.dense_candidates=0")  # fmt: skip
+    if g.rescore and not (g.dense_head or g.dense_scorer):
+        problems.append(f"generative.rescore={g.rescore} re-scores the beam's items with dense scores, but "
+                        "generative.dense_head is off and generative.dense_scorer is empty; set "
+                        "generative.dense_scorer=RETRIEVAL_RUN_DIR (a trained SASRec/HSTU run on this dataset), or "
+                        "generative.dense_head=true (and train), or generative.rescore=0")  # fmt: skip
+    if g.dense_candidates and not (g.dense_head or g.dense_scorer):
+        problems.append(f"generative.dense_candidates={g.dense_candidates} adds dense top items to the beam's, but "
+                        "generative.dense_head is off and generative.dense_scorer is empty; set "
+                        "generative.dense_scorer=RETRIEVAL_RUN_DIR (a trained SASRec/HSTU run on this dataset), or "
+                        "generative.dense_head=true (and train), or generative.dense_candidates=0")  # fmt: skip
     tables = g.item_id_embedding or g.dense_head
     for key, value in (("dense_init", g.dense_init), ("item_dim", g.item_dim)):
         if value and not tables:

@@ -1,6 +1,7 @@
 """Shared pieces of the tests that train tiny SID runs and serve them: the small model settings, a synthetic
-dataset with its SIDs, a tiny trained run, the Retriever checked against the evaluated lists, and the
-`/v1/retrieve` round trip checked against the ``Retriever``'s answers."""
+dataset with its SIDs, a tiny trained run, a tiny ID-retrieval run and its logits rebuilt by hand (dense scorers),
+the Retriever checked against the evaluated lists, and the `/v1/retrieve` round trip checked against the
+``Retriever``'s answers."""
 
 from __future__ import annotations
 
@@ -8,16 +9,22 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from fastapi.testclient import TestClient
 
 from recforge.cli import main
 from recforge.data.synthetic import SyntheticConfig, write_synthetic
+from recforge.generate.retrieval_run import load_retrieval_run
+from recforge.jagged.batch import JaggedBatch
 
 # the model and loop of a seconds-long CPU run (each test file adds its beam, epochs, ...)
 TINY = ["model.dim=16", "model.num_blocks=1", "generative.decoder_blocks=1", "model.num_heads=2", "model.ffn_dim=32",
         "optim.warmup_steps=0", "train.batch_size=64", "train.threads=1", "eval.batch_size=64", "data.max_seq_len=8",
         "eval.ks=[1,5,10]"]  # fmt: skip
 RUN_TINY = [*TINY, "generative.beam=10", "optim.schedule=constant"]  # a run whose evaluation the tests re-derive
+# a tiny SASRec run that reads fewer history items (5) than the SID models (8) and has its own temperature (0.2)
+SASREC = ["model.dim=8", "model.ffn_dim=8", "train.threads=1", "train.epochs=1", "eval.batch_size=64",
+          "data.max_seq_len=5", "loss.temperature=0.2"]  # fmt: skip
 
 
 def sid_dataset(path: Path, seed: int, num_users: int = 50) -> Path:
@@ -79,3 +86,28 @@ def check_retrieves_evaluated(retriever, s, histories: list[list[int]], targets:
         torch.testing.assert_close(torch.tensor(got_scores), scores[row][keep], rtol=1e-5, atol=1e-5)
     return fresh, got
 
+
+
+def retrieval_run(run: Path, data: Path, *extra: str, config: str = "configs/beauty-sasrec.yaml") -> Path:
+    """A tiny ID-retrieval run (``SASREC`` settings, then ``extra``) trained on ``data`` at ``run``."""
+    assert main(["--no-progress", "train", config, f"data.path={data}", f"train.output_dir={run}", *SASREC,
+                 *extra]) == 0  # fmt: skip
+    return run
+
+
+def scorer_logits_by_hand(run_dir: Path, data: Path, histories: list[list[int]], items: list[int]) -> torch.Tensor:
+    """(B, M) a SASRec run's logits of raw ``items`` for raw ``histories``: each history rebuilt item by item (its last
+    ``data.max_seq_len`` items the run knows, in the run's item indices) and run alone; 0 for an item the run lacks."""
+    run, _ = load_retrieval_run(run_dir, data)
+    row = {int(raw): r for r, raw in enumerate(run.seqs.item_vocab) if r}
+    n, temperature = run.cfg.data.max_seq_len, run.cfg.loss.temperature
+    table = F.normalize(run.model.prefix.item_embedding.weight.detach(), dim=-1)
+    known = torch.tensor([i in row for i in items])
+    vectors = table[torch.tensor([row.get(i, 0) for i in items])]  # (M, d)
+    out = []
+    for history in histories:
+        ids = torch.tensor([row[i] for i in history if i in row][-n:])
+        with torch.no_grad():
+            user = run.model(JaggedBatch(torch.tensor([0, len(ids)]), {"item_ids": ids}, n))[-1]
+        out.append(torch.where(known, user @ vectors.T / temperature, 0.0))
+    return torch.stack(out)

@@ -21,6 +21,9 @@ scored teacher-forced with the request's encoding (``ScoreFn``, one decoder pass
 item keeps the beam's own score. Every candidate is then ranked by ``log p(SID) + rescore * dense_logit``: with
 ``rescore = 0`` the SID score alone ranks the union (the dense head only proposes candidates).
 
+A trained ID-retrieval run can take the dense head's place (``generative.dense_scorer``, ``dense_scorer.DenseScorer``):
+``dense`` then gives its logits and ``DenseCandidates.of_scorer`` its top items; the search itself is unchanged.
+
 Example:
     >>> step = lambda codes: model.next_token_logprobs(memory, codes)   # (B, W, t) -> (B, W, V)
     >>> out = beam_search(step, trie, batch_size=8, beam=256)
@@ -39,6 +42,8 @@ from torch import Tensor
 from recforge.generate.trie import SidTrie
 
 if TYPE_CHECKING:  # annotations only: the search itself needs no model
+    from recforge.generate.dense_scorer import DenseScorer
+    from recforge.models.sid_hstu import SIDHSTU, HSTUMemory
     from recforge.models.sid_seq2seq import Memory, SIDSeq2Seq
 
 StepFn = Callable[[Tensor], Tensor]  # (B, W, t) int64 digits so far -> (B, W, V) next-digit log-probabilities
@@ -82,6 +87,17 @@ class DenseCandidates:
         """Bound to a dense-head model (``SIDSeq2Seq``) and a batch's encoding ``memory`` (``model.start``): ``rows``
         (N,) int64 the model's dense-table row of each trie item (0: none); one matmul scores the catalogue."""
         return DenseCandidates(count, model.catalogue_dense_logits(memory.user, rows), item_codes,
+                               lambda codes: model.sid_log_probs(memory, codes))  # fmt: skip
+
+    @staticmethod
+    def of_scorer(
+        scorer: DenseScorer, user: Tensor, model: SIDSeq2Seq | SIDHSTU, memory: Memory | HSTUMemory, item_codes: Tensor,
+        count: int,
+    ) -> DenseCandidates:  # fmt: skip
+        """Bound to a retrieval run's ``scorer`` (its user vectors ``user`` (B, d) of the batch's histories; one matmul
+        scores the catalogue, trie item i being the scorer's host item i + 1) and a SID model's encoding ``memory``,
+        whose teacher-forced ``sid_log_probs`` score the added items."""
+        return DenseCandidates(count, scorer.catalogue_logits(user), item_codes,
                                lambda codes: model.sid_log_probs(memory, codes))  # fmt: skip
 
 

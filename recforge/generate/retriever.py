@@ -22,6 +22,12 @@ keeps its SID score. With ``generative.dense_candidates`` = K > 0 the dense head
 over the catalogue, items without a dense row left out) join the beam's before that ranking, their log p(SID)
 scored teacher-forced on the request's encoding (``beam_search.add_dense_candidates``, evaluation's path too).
 
+A run with ``generative.dense_scorer`` (a trained ID-retrieval run, ``dense_scorer.DenseScorer``, loaded once with the
+run, on the engine's device) scores both in the dense head's place, with or without one: one forward of the run's user
+tower over the batch's histories (each its ``data.max_seq_len`` most recent items), then the same ``rescore`` /
+``dense_candidates`` path, the same allowed items and history exclusion. Items coded after the scorer was trained
+keep their SID score and are never its candidates.
+
 Like evaluation (``recforge eval``), the items of a request's history are never returned
 (``exclude_history=False`` keeps them, e.g. for re-purchases): for a history without its target,
 ``retrieve`` returns exactly the list the evaluation scores (tested).
@@ -46,6 +52,7 @@ from torch import Tensor
 
 from recforge.generate import encodings
 from recforge.generate.beam_search import DenseCandidates, search_items
+from recforge.generate.dense_scorer import DenseScorer
 from recforge.generate.history_cache import HistoryCache
 from recforge.generate.requests import Catalogue, EncodedRetrieve, RetrieveConfig, RetrieveRequest, RetrieveResult
 from recforge.generate.sid_run import load_sid_run
@@ -82,10 +89,12 @@ class Retriever:
         trie: the valid SIDs over items 1..N (trie item i = dense index i + 1), on ``device``.
         max_items: most recent history items the model reads.
         config: limits and settings (beam, exclusion inside the search, ...).
-        rescore: weight of the dense head's logits in the items' scores (a run's ``generative.rescore``;
-            0: generation only; > 0 needs a model with a dense head).
-        dense_candidates: the dense head's top items per request added to the beam's (a run's
-            ``generative.dense_candidates``; 0: the beam's items only; > 0 needs a model with a dense head).
+        rescore: weight of the dense logits in the items' scores (a run's ``generative.rescore``; 0: generation
+            only; > 0 needs a model with a dense head, or ``dense_scorer``).
+        dense_candidates: the dense side's top items per request added to the beam's (a run's
+            ``generative.dense_candidates``; 0: the beam's items only; > 0 needs a dense head or ``dense_scorer``).
+        dense_scorer: a retrieval run scoring the catalogue (host dense indices = ``item_vocab``'s) in place of the
+            model's dense head (a run's ``generative.dense_scorer``); None: the dense head, if any.
 
     Attributes:
         cache: per-user history encodings reused across requests (None: every history is encoded).
@@ -95,27 +104,32 @@ class Retriever:
     def __init__(
         self, model: SIDSeq2Seq | SIDHSTU, item_vocab: np.ndarray, item_codes: Tensor, trie: SidTrie, max_items: int,
         config: RetrieveConfig | None = None, *, rescore: float = 0.0, dense_candidates: int = 0,
+        dense_scorer: DenseScorer | None = None,
     ) -> None:  # fmt: skip
         self.config = config or RetrieveConfig()
         self.config.validate()
+        dense_side = dense_scorer is not None or getattr(model, "has_dense_head", False)
         if not rescore >= 0:
             raise ValueError(f"rescore={rescore}: the dense term's weight must be >= 0 (0: generation only)")
-        if rescore and not getattr(model, "has_dense_head", False):
-            raise ValueError(f"rescore={rescore} needs a model with a dense head (generative.dense_head); "
-                             "use rescore=0 for this model")  # fmt: skip
+        if rescore and not dense_side:
+            raise ValueError(f"rescore={rescore} needs a model with a dense head (generative.dense_head) or a dense "
+                             "scorer (generative.dense_scorer); use rescore=0 for this model")  # fmt: skip
         if dense_candidates < 0:
             raise ValueError(f"dense_candidates={dense_candidates}: must be >= 0 (0: the beam's items only)")
-        if dense_candidates and not getattr(model, "has_dense_head", False):
-            raise ValueError(f"dense_candidates={dense_candidates} needs a model with a dense head "
-                             "(generative.dense_head); use dense_candidates=0 for this model")  # fmt: skip
-        self.rescore, self.dense_candidates = rescore, dense_candidates
+        if dense_candidates and not dense_side:
+            raise ValueError(f"dense_candidates={dense_candidates} needs a model with a dense head (generative.dense_head) "
+                             "or a dense scorer (generative.dense_scorer); use dense_candidates=0 for this model")  # fmt: skip
+        if dense_scorer is not None and len(dense_scorer.to_run) != len(item_vocab):
+            raise ValueError(f"the dense scorer scores {len(dense_scorer.to_run) - 1} items, the catalogue has "
+                             f"{len(item_vocab) - 1}; load it for this catalogue (DenseScorer.load with item_vocab)")  # fmt: skip
+        self.rescore, self.dense_candidates, self.dense_scorer = rescore, dense_candidates, dense_scorer
         self.model, self.item_vocab, self.trie, self.max_items = model.eval(), item_vocab, trie, max_items
         self.catalogue = Catalogue(item_vocab)
         self.device = trie.leaf_offsets.device
         self.item_codes = item_codes.to(self.device)
         # (N + 1,) the model's item-table row of each dense index (0: padding, or no row); None: SIDs only
         self.item_rows: Tensor | None = None
-        if model.reads_item_ids or self.rescore or self.dense_candidates:
+        if model.reads_item_ids or (dense_scorer is None and (self.rescore or self.dense_candidates)):
             self.item_rows = model.item_rows(torch.from_numpy(np.asarray(item_vocab, dtype=np.int64))).to(self.device)
             self.item_rows[0] = 0
         self.cache: HistoryCache | None = None
@@ -124,14 +138,22 @@ class Retriever:
     @staticmethod
     def from_run(
         run_dir: str | Path, config: RetrieveConfig | None = None, *, checkpoint: str = "auto", device: str = "auto",
-        dtype: str = "float32", dense_candidates: int | None = None,
+        dtype: str = "float32", dense_candidates: int | None = None, rescore: float | None = None,
+        dense_scorer: str | None = None,
     ) -> Retriever:  # fmt: skip
         """Load a generative run's checkpoint (``auto``: best for clean runs, else latest); its catalogue is
         every item in ``RUN_DIR/sids``. ``config`` (default: the run's ``generative.beam`` and
         ``generative.exclude_seen_in_search``) sets the engine's limits; ``dense_candidates`` (None: the run's
-        ``generative.dense_candidates``) the dense head's items added to the beam's."""
+        ``generative.dense_candidates``) the dense side's items added to the beam's; ``rescore`` / ``dense_scorer``
+        (None: the run's ``generative.rescore`` / ``generative.dense_scorer``; "" for no scorer) as a `recforge eval`
+        override would set them (checked as the run's config is).
+
+        A dense scorer (a retrieval run, on the same dataset as the run's ``data.path``, which must be readable here:
+        its item vocabulary and the leakage check come from it) runs in float32 on ``device`` whatever ``dtype``."""
         target = resolve_device(device)
-        run = load_sid_run(run_dir, checkpoint, device=target)
+        overrides = [f"generative.{key}={value}" for key, value in (("rescore", rescore), ("dense_scorer", dense_scorer))
+                     if value is not None]  # fmt: skip
+        run = load_sid_run(run_dir, checkpoint, overrides, device=target)
         if dtype != "float32":
             run.model.to(getattr(torch, dtype))
         # the catalogue is every item of RUN_DIR/sids, so items coded after training (`recforge sid add
@@ -142,8 +164,17 @@ class Retriever:
         trie = SidTrie.build(sids.codes, sids.vocab_size, run.cfg.generative.trie).to(target)
         g = run.cfg.generative
         config = config or RetrieveConfig(beam=g.beam, exclude_in_search=g.exclude_seen_in_search)
+        scorer = None
+        if g.dense_scorer:  # the catalogue may hold items coded after training: they get no scorer row
+            what = f"generative.dense_scorer={g.dense_scorer}"
+            scorer = DenseScorer.load(g.dense_scorer, run.cfg, vocab, target, what, exact=False)
+            if scorer.reads_timestamps:
+                raise ValueError(f"{what}: its model reads event timestamps (an HSTU time bias on timestamped data), "
+                                 "which retrieve requests do not carry, so it cannot score them as evaluation does; "
+                                 "serve with a scorer trained with model.num_time_buckets=0 (or a SASRec run)")  # fmt: skip
         return Retriever(run.model, vocab, codes, trie, run.cfg.data.max_seq_len, config, rescore=g.rescore,
-                         dense_candidates=g.dense_candidates if dense_candidates is None else dense_candidates)  # fmt: skip
+                         dense_candidates=g.dense_candidates if dense_candidates is None else dense_candidates,
+                         dense_scorer=scorer)  # fmt: skip
 
     def encode(self, request: RetrieveRequest) -> EncodedRetrieve:
         """Check one request against the engine's limits and map its IDs (``ValueError`` says what is wrong)."""
@@ -200,13 +231,20 @@ class Retriever:
         keep, allowed = self._masks(batch)
         search_mask = (keep if self.config.exclude_in_search else allowed) if constrained else None
         memory = self._memory(batch)
-        dense = None
-        if self.rescore:  # trie item i is dense index i + 1 (-1, an empty slot: index 0, row 0, no dense term)
-            dense = lambda trie_items: self.model.dense_logits(memory.user, self.item_rows[trie_items + 1])  # noqa: E731
-        candidates = None
-        if self.dense_candidates:  # trie item i: dense index i + 1
-            candidates = DenseCandidates.of_model(self.model, memory, self.item_rows[1:], self.item_codes[1:],
-                                                  self.dense_candidates)  # fmt: skip
+        # trie item i is dense index i + 1 (-1, an empty slot: index 0, row 0, no dense term)
+        dense, candidates, scorer = None, None, self.dense_scorer
+        if scorer is not None and (self.rescore or self.dense_candidates):  # the retrieval run, one forward
+            user = scorer.history_user_vectors([r.history for r in batch])  # (B, d) on the device
+            dense = lambda trie_items: scorer.item_logits(user, trie_items + 1)  # noqa: E731
+            if self.dense_candidates:
+                candidates = DenseCandidates.of_scorer(scorer, user, self.model, memory, self.item_codes[1:],
+                                                       self.dense_candidates)  # fmt: skip
+        elif scorer is None:
+            if self.rescore:
+                dense = lambda trie_items: self.model.dense_logits(memory.user, self.item_rows[trie_items + 1])  # noqa: E731
+            if self.dense_candidates:
+                candidates = DenseCandidates.of_model(self.model, memory, self.item_rows[1:], self.item_codes[1:],
+                                                      self.dense_candidates)  # fmt: skip
         items, scores = search_items(
             lambda codes: self.model.next_token_logprobs(memory, codes), self.trie, batch_size=len(batch), beam=beam,
             k=max(r.k for r in batch), item_mask=keep, search_mask=search_mask, constrained=constrained, dense=dense,

@@ -130,6 +130,16 @@ class SIDHSTU(nn.Module):
         last = self.norm(x)[offsets[1:] - 1]  # (B, d)
         return HSTUMemory(keys, values, lengths, last)
 
+    def sid_log_probs(self, memory: HSTUMemory, codes: Tensor) -> Tensor:
+        """(B, K) float32 log p(SID) of whole SIDs ``codes`` (B, K, L), teacher forced: each level's log-probability of
+        the SID's own digit by the beam's own step (``next_token_logprobs`` on its first t digits), so a beam's SID gets
+        the beam's score up to float rounding (the interface of ``SIDSeq2Seq.sid_log_probs``)."""
+        total = torch.zeros(codes.shape[:2], device=codes.device)
+        for level in range(codes.shape[2]):
+            logprobs = self.next_token_logprobs(memory, codes[:, :, :level])  # (B, K, V)
+            total = total + logprobs.gather(2, codes[:, :, level, None]).squeeze(2)
+        return total
+
     def next_token_logprobs(self, memory: HSTUMemory, codes: Tensor) -> Tensor:
         """(B, W, V) log-probabilities of digit ``t`` after each beam's prefix ``codes`` (B, W, t)."""
         b, w, t = codes.shape

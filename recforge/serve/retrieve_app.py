@@ -79,7 +79,11 @@ class RetrieveSettings:
     skip_unknown: bool = False  # items without a SID are dropped from history/allowed_items instead of 422
     checkpoint: str = "auto"  # auto (best for clean runs, else latest) | best | latest | a checkpoint directory
     cache_mb: float = 1024.0  # per-user history encodings reused across requests (LRU, on the device); 0: off
-    dense_candidates: int = -1  # the dense head's top items added to the beam's (-1: the run's generative.dense_candidates)
+    dense_candidates: int = -1  # the dense side's top items added to the beam's (-1: the run's generative.dense_candidates)
+    rescore: float = -1.0  # weight of the dense logits in the items' scores (-1: the run's generative.rescore)
+    # a trained retrieval run (e.g. SASRec) scoring in the dense head's place, as `recforge eval RUN
+    # generative.dense_scorer=...` does ("": the run's generative.dense_scorer); its dataset must be readable here
+    dense_scorer: str = ""
 
     def problems(self) -> list[str]:
         names = ("default_k", "max_k", "max_batch", "max_history", "max_allowed")
@@ -88,6 +92,8 @@ class RetrieveSettings:
             problems.append(f"beam: must be >= 1 (0: the run's generative.beam), got {self.beam}")
         if self.cache_mb < 0:
             problems.append(f"cache_mb: must be >= 0 (0 turns the history cache off), got {self.cache_mb}")
+        if self.rescore < 0 and self.rescore != -1:
+            problems.append(f"rescore: must be >= 0 (-1: the run's generative.rescore), got {self.rescore}")
         if self.dense_candidates < -1:
             problems.append(f"dense_candidates: must be >= -1 (-1: the run's generative.dense_candidates), "
                             f"got {self.dense_candidates}")  # fmt: skip
@@ -103,7 +109,9 @@ def load_retriever(run_dir: str | Path, settings: RetrieveSettings, device: str 
     _, ckpt = read_run(run_dir, settings.checkpoint)
     disable_cudnn_attention()  # once per serving process: no per-call flag flips across threads
     candidates = settings.dense_candidates if settings.dense_candidates >= 0 else None
-    retriever = Retriever.from_run(run_dir, checkpoint=str(ckpt), device=device, dtype=dtype, dense_candidates=candidates)
+    retriever = Retriever.from_run(run_dir, checkpoint=str(ckpt), device=device, dtype=dtype, dense_candidates=candidates,
+                                   rescore=settings.rescore if settings.rescore >= 0 else None,
+                                   dense_scorer=settings.dense_scorer or None)  # fmt: skip
     base = retriever.config
     retriever.config = replace(base, beam=settings.beam or base.beam, max_k=settings.max_k, max_batch=settings.max_batch,
                                max_history=settings.max_history, max_allowed=settings.max_allowed,
@@ -111,6 +119,8 @@ def load_retriever(run_dir: str | Path, settings: RetrieveSettings, device: str 
     retriever.config.validate()
     files = sorted(p for p in [*Path(ckpt).rglob("*"), *(Path(run_dir) / "sids").rglob("*")] if p.is_file())
     stats = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    if retriever.dense_scorer is not None:  # another scorer (or its retrained weights) is another served model
+        stats += (tuple(sorted(retriever.dense_scorer.provenance.items())),)
     version = f"{Path(ckpt).name}-{hashlib.sha256(repr(stats).encode()).hexdigest()[:10]}"  # stable across restarts
     retriever.version = version
     if settings.cache_mb > 0:

@@ -6,10 +6,12 @@ dense head's ``dense_items`` and, with ``generative.item_id_embedding``, the inp
 the first step; ``generative.dense_freeze`` then keeps them fixed, so only the user tower (the encoder and
 ``dense_user``) learns to score against the retrieval run's item space.
 
-- **Rows** are matched by raw item ID through both runs' vocabularies (``item_table_from_run``); the run's
-  catalogue must be the SID model's exactly (both come from one prepared dataset), else ``ValueError``.
+- **Rows** are matched by raw item ID through both runs' vocabularies (``item_table_from_run``,
+  ``generate.retrieval_run.run_rows``); the run's catalogue must be the SID model's exactly (both come from one
+  prepared dataset), else ``ValueError``.
 - **Leakage**: the run must be trained on the same interactions (``run_item_embeddings`` checks the digest)
-  with at least this run's held-out items per user (a clean run serves both protocols), as for run-based SIDs.
+  with at least this run's held-out items per user (a clean run serves both protocols; ``checked_run``), as for
+  run-based SIDs.
 - **Width**: the loaded table keeps its width; the SID model's item tables take it through
   ``generative.item_dim`` (a clear error names the value to set). The dense user tower (``dense_user``, a
   learned linear map from the encoder's width) then projects into the loaded space, and the item-ID input goes
@@ -36,7 +38,7 @@ import numpy as np
 import torch
 
 from recforge.config import RunConfig
-from recforge.data.sequences import PROTOCOL_HOLDOUT
+from recforge.generate.retrieval_run import checked_run, run_rows
 from recforge.models.sid_seq2seq import SIDSeq2Seq
 from recforge.train.sid_fit import run_item_embeddings
 
@@ -59,23 +61,6 @@ def rows_by_item_id(run_ids: np.ndarray, run_vectors: np.ndarray, item_vocab: np
     return table
 
 
-def run_rows(run_ids: np.ndarray, item_vocab: np.ndarray, what: str) -> np.ndarray:
-    """(N,) int64: the index in ``run_ids`` of each raw item ``item_vocab[1:]`` (``ValueError`` as
-    ``rows_by_item_id``)."""
-    run_ids, wanted = np.asarray(run_ids, dtype=np.int64), np.asarray(item_vocab[1:], dtype=np.int64)
-    if len(np.unique(run_ids)) != len(run_ids):
-        raise ValueError(f"{what}: its item vocabulary repeats raw item IDs; it is not a recforge run's catalogue")
-    missing, extra = np.setdiff1d(wanted, run_ids), np.setdiff1d(run_ids, wanted)
-    if missing.size or extra.size:
-        raise ValueError(
-            f"{what}: its item vocabulary differs from this run's ({missing.size} of this run's {wanted.size} items "
-            f"missing there, e.g. {missing[:5].tolist()}; {extra.size} items there not here, e.g. "
-            f"{extra[:5].tolist()}); train the retrieval run on the same prepared dataset (data.path) as this one"
-        )
-    order = np.argsort(run_ids)
-    return order[np.searchsorted(run_ids[order], wanted)]  # the run's row of each of this run's items
-
-
 def item_table_from_run(run_dir: str | Path, cfg: RunConfig, item_vocab: np.ndarray) -> torch.Tensor:
     """(N + 1, d_run) float32 item table for a model whose table rows are raw items ``item_vocab`` (``[0]`` padding),
     read from the retrieval run ``run_dir`` (its best checkpoint on a clean run) and checked for leakage against
@@ -87,22 +72,6 @@ def item_table_from_run(run_dir: str | Path, cfg: RunConfig, item_vocab: np.ndar
     log.info("%s: item tables initialised from %s (step %s), %d items x %d", what, provenance["checkpoint"],
              provenance["step"], table.shape[0] - 1, table.shape[1])  # fmt: skip
     return table
-
-
-def checked_run(load, cfg: RunConfig, what: str):
-    """``load()`` (a loader of the retrieval run whose last value is its provenance; ``sid_fit.load_retrieval_run``
-    keeps this process's RNG stream and thread count), refused when that run saw this run's evaluation targets."""
-    loaded = load()
-    provenance = loaded[-1]
-    need = PROTOCOL_HOLDOUT[cfg.data.protocol]
-    if provenance["holdout"] < need:
-        raise ValueError(
-            f"{what} was trained with data.protocol={provenance['protocol']} (last {provenance['holdout']} item(s) per "
-            f"user held out), but this run evaluates with data.protocol={cfg.data.protocol}, whose last {need} items "
-            "must stay unseen: its embeddings saw the validation target. Use a retrieval run trained with "
-            f"data.protocol={cfg.data.protocol}"
-        )
-    return loaded
 
 
 def _item_tables(model: SIDSeq2Seq) -> list[torch.nn.Parameter]:

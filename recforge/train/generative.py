@@ -37,6 +37,15 @@ generative.dense_candidates=200 --split valid``). The list's metrics are item-le
 ``generative.dense_freeze`` keeps them fixed. ``generative.dense_distill`` = w > 0 also makes that run a frozen teacher
 of the dense head: each training step adds w x KL(teacher || dense head) over the whole catalogue
 (``recforge.train.dense_distill``); only training (a new or resumed run) loads it.
+
+``generative.dense_scorer: RUN_DIR`` (tiger or sid_hstu, with or without a dense head) makes a trained ID-retrieval run
+(SASRec / HSTU, ``recipe: retrieval``, on the same dataset) the dense side of ``rescore`` and ``dense_candidates`` in
+place of the dense head: an item's dense logit is that run's user vector for the history (its own
+``data.max_seq_len`` most recent items) . its L2-normalised item row / its ``loss.temperature``
+(``recforge.generate.dense_scorer.DenseScorer``, checked as ``dense_init``'s run; the Retriever's path too). Every
+setup of the run (training, resuming, evaluating) loads it; ``eval.json`` records its provenance (``dense_scorer``:
+run directory, checkpoint, step, data and weights digests). It can be set at evaluation only: ``recforge eval RUN
+generative.dense_scorer=runs/beauty-sasrec-collab generative.rescore=1 generative.dense_candidates=200 --split valid``.
 """
 
 from __future__ import annotations
@@ -58,11 +67,12 @@ from recforge.data.sequences import PROTOCOL_HOLDOUT, UserSequences
 from recforge.data.sid_sequences import eval_samples, history_windows, seen_mask, transition_samples
 from recforge.data.sids import SIDS_FILE, check_embedding_run, read_sids
 from recforge.generate import DenseCandidates, SidTrie, search_items
+from recforge.generate.dense_scorer import DenseScorer
 from recforge.generate.sid_run import build_sid_model, read_run, sid_dir_of, uses_item_table
 from recforge.models.sid_hstu import SIDHSTU
 from recforge.models.sid_seq2seq import SIDSeq2Seq
 from recforge.jagged.batch import JaggedBatch
-from recforge.train.dense_distill import Teacher, distill_kl
+from recforge.train.dense_distill import distill_kl, load_teacher
 from recforge.train.dense_init import freeze_item_tables, init_item_tables, item_table_from_run
 from recforge.train.distributed import DistContext, init_distributed
 from recforge.train.losses import sampled_softmax_loss
@@ -85,7 +95,8 @@ class Setup:
     holdout: int
     ctx: DistContext = field(default_factory=DistContext)
     runner: StepRunner | None = None  # the training step (dense wrapper + optimizer, see recforge.train.step)
-    teacher: Teacher | None = None  # generative.dense_distill's frozen retrieval run (training only)
+    teacher: DenseScorer | None = None  # generative.dense_distill's frozen retrieval run (training only)
+    scorer: DenseScorer | None = None  # generative.dense_scorer's retrieval run: the dense side of evaluation
 
 
 @dataclass
@@ -113,7 +124,8 @@ def setup(
     """Load data and SIDs, build the model and its training step (deterministically from ``cfg.train.seed``).
     ``ctx``: the ``torchrun`` job this process is part of (None: one process); ``fresh``: a new training run (only it
     loads ``generative.dense_init``: a resumed or evaluated run reads every weight from its checkpoint); ``teacher``:
-    a training run (new or resumed) loads ``generative.dense_distill``'s teacher (evaluation never does)."""
+    a training run (new or resumed) loads ``generative.dense_distill``'s teacher (evaluation never does). Every setup
+    loads ``generative.dense_scorer``'s run (evaluation scores with it)."""
     device = prepare_runtime(cfg)
     ctx = ctx or DistContext()
     dataset = load_dataset(cfg.data.path)
@@ -135,7 +147,10 @@ def setup(
     s.runner = StepRunner(cfg, model, device, ctx, loss_fn=lambda b: _loss(s, b), units_fn=lambda b: b.targets.shape[0])
     s.optimizer = s.runner.optimizer
     if teacher and cfg.generative.dense_distill:
-        s.teacher = Teacher.load(cfg, seqs, device)
+        s.teacher = load_teacher(cfg, seqs, device)
+    if cfg.generative.dense_scorer:
+        s.scorer = DenseScorer.load(cfg.generative.dense_scorer, cfg, seqs.item_vocab, device,
+                                    f"generative.dense_scorer={cfg.generative.dense_scorer}")  # fmt: skip
     return s
 
 
@@ -188,17 +203,23 @@ def generated_items(s: Setup, samples: torch.Tensor, k: int) -> tuple[torch.Tens
     s.model.eval()
     memory = s.model.start(history, mask, rows)
     # trie item i is dense item i + 1, the dense table's row i + 1 (-1, an empty slot: row 0, no dense term)
-    dense, candidates = None, None
-    if s.cfg.generative.dense_head:
+    g, dense, candidates = s.cfg.generative, None, None
+    if s.scorer is not None and (g.rescore or g.dense_candidates):  # the retrieval run scores in the head's place
+        user = s.scorer.user_vectors(s.scorer.batch(s.seqs, samples).to(s.device))  # (B, d)
+        dense = lambda trie_items: s.scorer.item_logits(user, trie_items + 1)  # noqa: E731
+        if g.dense_candidates:  # the run's top items join the beam's (the Retriever's path too)
+            candidates = DenseCandidates.of_scorer(s.scorer, user, s.model, memory, s.item_codes[1:].to(s.device),
+                                                   g.dense_candidates)  # fmt: skip
+    elif g.dense_head:
         dense = lambda trie_items: s.model.dense_logits(memory.user, trie_items + 1)  # noqa: E731
-    if s.cfg.generative.dense_candidates:  # the dense head's top items join the beam's (the Retriever's path too)
-        rows = torch.arange(1, s.trie.num_items + 1, device=s.device)  # trie item i: dense table row i + 1
-        candidates = DenseCandidates.of_model(s.model, memory, rows, s.item_codes[1:].to(s.device),
-                                              s.cfg.generative.dense_candidates)  # fmt: skip
+        if g.dense_candidates:  # the dense head's top items join the beam's (the Retriever's path too)
+            rows = torch.arange(1, s.trie.num_items + 1, device=s.device)  # trie item i: dense table row i + 1
+            candidates = DenseCandidates.of_model(s.model, memory, rows, s.item_codes[1:].to(s.device),
+                                                  g.dense_candidates)  # fmt: skip
     items, scores = search_items(lambda c: s.model.next_token_logprobs(memory, c), s.trie, batch_size=targets.numel(),
-                                 beam=s.cfg.generative.beam, k=k, item_mask=allowed_items,
-                                 search_mask=allowed_items if s.cfg.generative.exclude_seen_in_search else None,
-                                 dense=dense, rescore=s.cfg.generative.rescore, candidates=candidates)  # fmt: skip
+                                 beam=g.beam, k=k, item_mask=allowed_items,
+                                 search_mask=allowed_items if g.exclude_seen_in_search else None,
+                                 dense=dense, rescore=g.rescore, candidates=candidates)  # fmt: skip
     s.model.train(was_training)
     return items.cpu() + 1, scores.cpu(), targets
 
@@ -329,7 +350,9 @@ def evaluate_run(
     (``eval-valid.json`` for the validation split).
 
     ``overrides`` change the run's config for this evaluation only, e.g. ``["generative.beam=100",
-    "eval.ks=[10,50,100]"]`` (what `recforge eval` runs uses the run's own settings).
+    "eval.ks=[10,50,100]"]`` or ``["generative.dense_scorer=runs/beauty-sasrec-collab", "generative.rescore=1"]``
+    (what `recforge eval` runs uses the run's own settings). The result records the settings and, with a dense
+    scorer, its provenance (``dense_scorer``: run directory, checkpoint, step, interactions and weights digests).
     """
     s, ckpt, manifest = load_run(run_dir, checkpoint, overrides)
     check_eval_split(s.cfg, split)
@@ -340,6 +363,7 @@ def evaluate_run(
         "dataset": Path(s.cfg.data.path).name, "checkpoint": ckpt.name, "step": manifest["step"],
         "beam": s.cfg.generative.beam, "rescore": s.cfg.generative.rescore,
         "dense_candidates": s.cfg.generative.dense_candidates, "sids": read_sids(Path(run_dir) / "sids").meta["source"],
+        "dense_scorer": s.scorer.provenance if s.scorer is not None else None,
         "eval_seconds": time.perf_counter() - started,
         "command": command or invoked_command(),
     }  # fmt: skip

@@ -24,8 +24,8 @@ import torch
 
 from recforge.data.dataset import load_dataset
 from recforge.data.sid_features import TextFeaturizer, check_vectors, embedding_column, item_documents
-from recforge.data.sequences import PROTOCOL_HOLDOUT
-from recforge.data.sids import FEATURIZER_FILE, interactions_digest, read_sids, read_tensors, write_sid_dir
+from recforge.data.sids import FEATURIZER_FILE, read_sids, read_tensors, write_sid_dir
+from recforge.generate.retrieval_run import load_retrieval_run
 from recforge.models.sid_tokenizer import SIDTokenizer, TokenizerConfig, add_collision_level, config_dict, sid_stats
 
 
@@ -52,56 +52,11 @@ def run_item_embeddings(
     (``recforge.data.sids.check_embedding_run``). ``what`` names the run in errors (default ``--source run:RUN``).
     """
     what = what or f"--source run:{run_dir}"
-    s, provenance = load_retrieval_run(run_dir, data_dir, what)
+    run, provenance = load_retrieval_run(run_dir, data_dir, what)
     with torch.no_grad():
-        vectors = s.model.item_vectors().float()[1:]  # row 0 is padding
-    ids = s.seqs.item_vocab[1:]
+        vectors = run.model.item_vectors().float()[1:]  # row 0 is padding
+    ids = run.seqs.item_vocab[1:]
     return ids, check_vectors(vectors.numpy(), ids, f"{what} item embeddings"), provenance
-
-
-def load_retrieval_run(run_dir: str | Path, data_dir: str | Path, what: str = ""):
-    """(``recforge.train.retrieval.Setup`` on the CPU with the run's checkpoint loaded, provenance) of a trained
-    retrieval run, checked as ``run_item_embeddings`` says; ``s.seqs.item_vocab`` gives its rows' raw item IDs.
-    The calling process keeps its RNG stream and thread count (building the run's model reseeds and applies the
-    run's ``train.threads``)."""
-    threads = torch.get_num_threads()
-    with torch.random.fork_rng(devices=[]):  # building the run's model reseeds
-        try:
-            return _load_retrieval_run(Path(run_dir), data_dir, what or f"--source run:{run_dir}")
-        finally:
-            torch.set_num_threads(threads)  # the run's train.threads must not change this process
-
-
-def _load_retrieval_run(run_dir: Path, data_dir: str | Path, what: str):
-    from recforge.config import load_config
-    from recforge.train import retrieval
-    from recforge.checkpoint import find_checkpoint, load_checkpoint
-
-    if not (run_dir / "config.yaml").is_file():
-        raise ValueError(f"{what}: not a recforge run directory (no config.yaml); "
-                         "give the output directory of `recforge train` on a retrieval config")  # fmt: skip
-    cfg = load_config(run_dir / "config.yaml", ["train.device=cpu"])
-    if cfg.recipe != "retrieval":
-        raise ValueError(f"{what}: collaborative embeddings come from a retrieval run, not {cfg.recipe}")
-    which = "best" if cfg.data.protocol == "clean" else "latest"
-    ckpt = find_checkpoint(run_dir, which)
-    if ckpt is None:
-        raise ValueError(f"{what}: the run has no {which} checkpoint; train it first")
-    digest = interactions_digest(load_dataset(data_dir).events)
-    if interactions_digest(load_dataset(cfg.data.path).events) != digest:
-        raise ValueError(
-            f"{what}: the run was trained on {cfg.data.path}, whose interactions differ from "
-            f"{data_dir}'s, so it may have trained on {data_dir}'s held-out items. Train the retrieval run "
-            f"on {data_dir} (data.path={data_dir}, data.protocol=clean) and use that run"
-        )
-    s = retrieval.setup(cfg)
-    manifest = load_checkpoint(ckpt, s.model)
-    provenance = {
-        "run_dir": str(run_dir.resolve()), "data_path": str(cfg.data.path), "interactions": digest,
-        "protocol": cfg.data.protocol, "holdout": PROTOCOL_HOLDOUT[cfg.data.protocol], "checkpoint": ckpt.name,
-        "step": manifest.get("step"),
-    }  # fmt: skip
-    return s, provenance
 
 
 def item_vectors(data_dir: str | Path, source: str, *, text_dim: int = 64, seed: int = 0):

@@ -144,7 +144,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_config_and_retriever_errors_say_how_to_fix_them(tmp_path: Path, data: Path) -> None:
     args = run_args(tmp_path, data, *TINY, "generative.beam=10")
-    with pytest.raises(ConfigError, match="generative.dense_head is off; set generative.dense_head=true"):
+    with pytest.raises(ConfigError, match="generative.dense_head is off and generative.dense_scorer is empty; set generative.dense_scorer="):
         load_config("configs/beauty-sid-tiger.yaml", [*args, "generative.dense_candidates=50"])
     with pytest.raises(ConfigError, match=r"generative.dense_candidates: must be >= 0 \(0: the beam's items only\)"):
         load_config(DENSE, [*args, "generative.dense_candidates=-3"])

@@ -46,7 +46,7 @@ def test_the_dense_config_is_the_tiger_config_plus_the_options() -> None:
 
 
 def test_config_errors_name_the_fix(tmp_path: Path, data: Path) -> None:
-    with pytest.raises(ConfigError, match="generative.dense_head is off; set generative.dense_head=true"):
+    with pytest.raises(ConfigError, match="generative.dense_head is off and generative.dense_scorer is empty; set generative.dense_scorer="):
         load_config("configs/beauty-sid-tiger.yaml", _args(tmp_path, data, "generative.rescore=0.5"))
     with pytest.raises(ConfigError, match="only model.kind=tiger has a dense head"):
         load_config(CONFIG, _args(tmp_path, data, "model.kind=sid_hstu", "generative.rescore=0"))

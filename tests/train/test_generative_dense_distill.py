@@ -16,7 +16,8 @@ from recforge.cli import main
 from recforge.config import ConfigError, load_config
 from recforge.data.sid_sequences import transition_samples
 from recforge.jagged.batch import JaggedBatch
-from recforge.train import dense_distill, generative, sid_fit
+from recforge.generate import dense_scorer, retrieval_run
+from recforge.train import dense_distill, generative
 from recforge.train.losses import sampled_softmax_loss
 from _sid_runs import RUN_TINY, run_args, sid_dataset
 
@@ -71,7 +72,7 @@ def _without_teacher(s: generative.Setup, batch: generative.SidBatch) -> tuple[t
 
 
 def test_default_zero_leaves_the_loss_bit_identical(tmp_path: Path, data: Path, sasrec: Path, monkeypatch) -> None:
-    monkeypatch.setattr(dense_distill.Teacher, "load", lambda *a: pytest.fail("a teacher loaded with dense_distill=0"))
+    monkeypatch.setattr(generative, "load_teacher", lambda *a: pytest.fail("a teacher loaded with dense_distill=0"))
     s = generative.setup(load_config(CONFIG, _args(tmp_path, data, sasrec)), fresh=True, teacher=True)
     assert s.teacher is None
     s.model.eval()  # no dropout: both computations see the same network
@@ -85,7 +86,7 @@ def test_default_zero_leaves_the_loss_bit_identical(tmp_path: Path, data: Path, 
 def _teacher_logits_by_hand(sasrec: Path, data: Path, s: generative.Setup, samples: torch.Tensor) -> torch.Tensor:
     """(B, N) the SASRec run's logits over ``s``'s items 1..N: each history rebuilt item by item (its last 5 items
     before the target, in the run's own item indices), rows matched through raw item IDs."""
-    run, _ = sid_fit.load_retrieval_run(sasrec, data)
+    run, _ = retrieval_run.load_retrieval_run(sasrec, data)
     model = run.model.eval()
     run_row = {int(raw): row for row, raw in enumerate(run.seqs.item_vocab) if row}
     out = []
@@ -133,7 +134,7 @@ def test_teacher_rows_are_matched_by_raw_item_id(tmp_path: Path, data: Path, sas
     s = generative.setup(cfg, fresh=True, teacher=True)
     samples, batch = _batch(s, 0)
     want = s.teacher.logits(batch.teacher)
-    real = sid_fit.load_retrieval_run
+    real = retrieval_run.load_retrieval_run
     perm = torch.cat([torch.zeros(1, dtype=torch.long), torch.randperm(s.seqs.num_items) + 1])  # new row r: old perm[r]
 
     def permuted(run_dir, data_dir, what=""):
@@ -143,21 +144,21 @@ def test_teacher_rows_are_matched_by_raw_item_id(tmp_path: Path, data: Path, sas
             run.model.prefix.item_embedding.weight.copy_(run.model.prefix.item_embedding.weight[perm])
         return run, provenance
 
-    monkeypatch.setattr(dense_distill, "load_retrieval_run", permuted)
-    other = dense_distill.Teacher.load(cfg, s.seqs, s.device)
+    monkeypatch.setattr(dense_scorer, "load_retrieval_run", permuted)
+    other = dense_distill.load_teacher(cfg, s.seqs, s.device)
     assert not torch.equal(other.to_run, s.teacher.to_run)
     torch.testing.assert_close(other.logits(other.batch(s.seqs, samples)), want, rtol=1e-5, atol=1e-5)
     missing = s.seqs.item_vocab.copy()
     missing[1] = int(np.max(missing)) + 1
     with pytest.raises(ValueError, match="dense_distill: the teacher .*item vocabulary differs"):
-        dense_distill.Teacher.load(cfg, type(s.seqs)(**{**vars(s.seqs), "item_vocab": missing}), s.device)
+        dense_distill.load_teacher(cfg, type(s.seqs)(**{**vars(s.seqs), "item_vocab": missing}), s.device)
 
 
 def test_training_and_resume_load_the_teacher_evaluation_never(
     tmp_path: Path, data: Path, sasrec: Path, monkeypatch
 ) -> None:
-    real, loads = dense_distill.Teacher.load, []
-    monkeypatch.setattr(dense_distill.Teacher, "load", staticmethod(lambda *a: loads.append(1) or real(*a)))
+    real, loads = dense_distill.load_teacher, []
+    monkeypatch.setattr(generative, "load_teacher", lambda *a: loads.append(1) or real(*a))
     args = _args(tmp_path, data, sasrec, "generative.dense_distill=1", "train.epochs=2", "train.eval_every=1")
     assert main(["--no-progress", "train", CONFIG, *args, "train.max_steps=2"]) == 0
     assert main(["--no-progress", "train", CONFIG, *args, "--resume"]) == 0
