@@ -111,8 +111,9 @@ class LossConfig:
     # table (sparse.*) then counts each distinct sampled negative once per batch, not once per draw
     chunk_size: int = 8192
     # float16: on CUDA the logits of shared / in-batch / whole-catalogue negatives come from float16-input matmuls
-    # with float32 sums and outputs (TF32's 10-bit mantissa at twice its throughput; recforge.ops.half_matmul),
-    # forward and backward. float32: float32 matmuls (TF32 on CUDA). CPU always float32
+    # with float32 sums and outputs (TF32's 10-bit mantissa at twice its throughput; recforge.ops.half_matmul), their
+    # gradients from bfloat16-input ones (a bf16 backward's precision). float32: float32 matmuls (TF32 on CUDA).
+    # CPU always float32
     matmul: str = "float32"
 
 

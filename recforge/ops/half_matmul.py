@@ -8,11 +8,13 @@ out_dtype=torch.float32)``) gives logits of TF32's precision at twice its tensor
 the only difference, and the loss's vectors are L2-normalised (every entry within [-1, 1]; the user side may be
 scaled by 1 / temperature first), far inside float16's.
 
-The backward's matmuls take the logits' gradient ``G`` as their float16 input: ``G`` is divided by its largest
-magnitude first (a device scalar: no host sync) and the products multiplied back, so its entries sit in [-1, 1]
-where float16 keeps 10 bits; entries below ~6e-5 of the largest become subnormal and keep an absolute error of at
-most ~3e-8 of it. A loss that builds its own gradients with entries already in [-1, 1] (softmax minus one-hot:
-``recforge.train.chunked_softmax``) calls ``mm_f32`` directly.
+The backward's matmuls take the logits' gradient ``G`` in bfloat16 (float32's range: ``G`` is ~1 / (positions x
+temperature), below float16's normal range) with bfloat16 copies of the inputs, summed in float32: the precision
+of a bfloat16 autocast backward, and the cast fuses into the kernel that computes ``G`` under ``torch.compile``.
+(Scaling ``G`` into float16's range needs its maximum first: one more reduction over the (T, S) gradient, which
+cost more than the matmul saved: H200, BENCHMARKS.md, 2026-11-25 15th session.) The chunked loss
+(``recforge.train.chunked_softmax``), which builds its own gradients, casts them to bfloat16 as well: float16 would
+keep more bits of the large entries but flush the small ones (a catalogue of 1M items loses ~40% of them to zero).
 
 ``loss.matmul: float16`` turns it on (CUDA only; CPU tensors keep float32 matmuls). On CPU the same numbers are
 computed from float16 values widened to float32 (exact: every float16 is a float32), which the tests use.
@@ -30,41 +32,50 @@ MATMULS = ("float32", "float16")  # loss.matmul: the logit matmuls' input dtype 
 
 
 def mm_f32(a: Tensor, b: Tensor, bias: Tensor | None = None, alpha: float = 1.0) -> Tensor:
-    """``alpha * a @ b (+ bias)`` in float32 from float16 ``a`` (m, k) and ``b`` (k, n); ``bias`` float32,
-    broadcast to (m, n). CUDA: one cuBLAS call with float32 accumulation and output. CPU: the float16 values
+    """``alpha * a @ b (+ bias)`` in float32 from float16 (or bfloat16) ``a`` (m, k) and ``b`` (k, n); ``bias``
+    float32, broadcast to (m, n). CUDA: one cuBLAS call with float32 accumulation and output. CPU: the values
     widened to float32 (the same products; the summation order may differ)."""
     if a.is_cuda:
-        if bias is None:
-            out = torch.mm(a, b, out_dtype=torch.float32)
-            return out if alpha == 1.0 else out.mul_(alpha)
-        return torch.addmm(bias.expand(a.shape[0], b.shape[1]), a, b, out_dtype=torch.float32, alpha=alpha)
+        if bias is not None and not torch.compiler.is_compiling():  # one call, bias and alpha in its epilogue
+            return torch.addmm(bias.expand(a.shape[0], b.shape[1]), a, b, out_dtype=torch.float32, alpha=alpha)
+        # compiled: addmm's out_dtype overload fails in Dynamo's fake-tensor decomposition (PyTorch 2.11); mm's
+        # works, and Inductor fuses the scale and the bias into the next kernel
+        out = torch.mm(a, b, out_dtype=torch.float32)
+        out = out if alpha == 1.0 else out * alpha
+        return out if bias is None else out + bias
     out = torch.mm(a.float(), b.float())
     if alpha != 1.0:
         out = out.mul_(alpha)
     return out if bias is None else out.add_(bias)
 
 
+def mm_f32_add_(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``acc += a @ b`` in place: float32 ``acc`` (m, n), float16 / bfloat16 ``a`` (m, k) and ``b`` (k, n). CUDA,
+    eager: one cuBLAS call accumulating into ``acc`` (no (m, n) temporary: a whole catalogue's gradient table per
+    chunk, say); compiled or CPU: ``mm_f32`` then an add."""
+    if a.is_cuda and not torch.compiler.is_compiling():
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    return acc.add_(mm_f32(a, b))
+
+
 class _HalfInputLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
-        a16, b16 = a.to(torch.float16), b.to(torch.float16)
-        ctx.save_for_backward(a16, b16)
-        return mm_f32(a16, b16.T)
+        ctx.save_for_backward(a, b)
+        return mm_f32(a.to(torch.float16), b.to(torch.float16).T)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        a16, b16 = ctx.saved_tensors
-        # G / max|G| in [-1, 1]; clamp: an all-zero G (every logit masked, or weight 0) gives zeros, not NaN
-        scale = grad.abs().amax().clamp_min(torch.finfo(torch.float32).tiny)
-        g16 = (grad / scale).to(torch.float16)
-        grad_a = mm_f32(g16, b16).mul_(scale) if ctx.needs_input_grad[0] else None
-        grad_b = mm_f32(g16.T, a16).mul_(scale) if ctx.needs_input_grad[1] else None
+        a, b = ctx.saved_tensors
+        g = grad.to(torch.bfloat16)
+        grad_a = mm_f32(g, b.to(torch.bfloat16)) if ctx.needs_input_grad[0] else None
+        grad_b = mm_f32(g.T, a.to(torch.bfloat16)) if ctx.needs_input_grad[1] else None
         return grad_a, grad_b
 
 
 def half_input_logits(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b.T`` (float32, (m, n)) from ``a`` (m, k) and ``b`` (n, k) rounded to float16, summed in float32;
-    gradients flow to both (float32, as the inputs), through float16 matmuls of the scaled output gradient."""
+    gradients flow to both (float32, as the inputs), through bfloat16 matmuls summed in float32."""
     if a.dtype != torch.float32 or b.dtype != torch.float32:
         raise TypeError(f"half_input_logits: float32 inputs expected (the loss's dtype), got {a.dtype} and {b.dtype}")
     return _HalfInputLogits.apply(a, b)

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from recforge.ops.gather_dot import gather_dot_logits, gather_rows_sum, scatter_rows_sum, use_triton
-from recforge.ops.half_matmul import mm_f32
+from recforge.ops.half_matmul import mm_f32, mm_f32_add_
 
 
 class _ChunkedSoftmaxCE(torch.autograd.Function):
@@ -47,8 +47,8 @@ class _ChunkedSoftmaxCE(torch.autograd.Function):
                 chunk: int, want_grads: bool, weights: Tensor | None, half: bool) -> Tensor:  # fmt: skip
         num_pos = user.shape[0]
         share = None if weights is None else weights / weights.sum()  # (T,) each position's w / W, on the device
-        # the chunks scale each row's logit gradients by w / max(w) (in [0, 1]: float16 keeps them, ``half``), and
-        # max(w) / W is applied once at the end
+        # the chunks scale each row's logit gradients by w / max(w) (in [0, 1]), and max(w) / W is applied once at
+        # the end
         rel = None if share is None else weights / weights.max()
         # once for every position, not per chunk: 1/temperature on the user side, the positive logits, and
         # the shared columns' padding mask as an additive bias (fused into the chunks' matmul)
@@ -59,10 +59,12 @@ class _ChunkedSoftmaxCE(torch.autograd.Function):
             pad_bias = torch.zeros(shared_ids.shape, dtype=user.dtype, device=user.device).masked_fill_(shared_ids == 0, float("-inf"))
         nll = user.new_empty(num_pos)  # (T,) each position's loss
         fused = own is not None and use_triton(scaled, own, own_rows)  # the gather-dot kernels: no (c, K, d) vectors
-        # ``half``: the shared columns' matmuls from float16 copies (recforge.ops.half_matmul), made once
+        # ``half``: the shared columns' matmuls from reduced-precision copies (recforge.ops.half_matmul), made once:
+        # float16 for the logits, bfloat16 for the two gradient matmuls
         half_inputs = None
         if half and shared is not None:
-            half_inputs = (scaled.to(torch.float16), shared.to(torch.float16), user.to(torch.float16))
+            half_inputs = (scaled.to(torch.float16), shared.to(torch.float16), shared.to(torch.bfloat16),
+                           user.to(torch.bfloat16))  # fmt: skip
         grads = own_grad = None
         if want_grads:
             grads = [torch.empty_like(user), torch.empty_like(positive), None if shared is None else torch.zeros_like(shared),
@@ -74,7 +76,7 @@ class _ChunkedSoftmaxCE(torch.autograd.Function):
                    shared_ids, None if own_rows is None else own_rows[lo:hi], None if own_ids is None else own_ids[lo:hi],
                    nll[lo:hi], grads, lo, None if rel is None else rel[lo:hi, None], fused,
                    None if own_grad is None else own_grad[lo:hi],
-                   None if half_inputs is None else (half_inputs[0][lo:hi], half_inputs[1], half_inputs[2][lo:hi]))  # fmt: skip
+                   None if half_inputs is None else (half_inputs[0][lo:hi], *half_inputs[1:3], half_inputs[3][lo:hi]))  # fmt: skip
         if grads is not None and fused:  # every row of own written once, from all positions' logit gradients
             grads[3] = scatter_rows_sum(own_grad, user, own_rows, own.shape[0], kernel="triton")
         if grads is not None:  # the chunks summed d nll / d logits times the unscaled inputs: 1/T and 1/temperature, once
@@ -98,14 +100,14 @@ def _chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: 
            own: Tensor | None, targets: Tensor, shared_ids: Tensor | None, own_rows: Tensor | None,
            own_ids: Tensor | None, nll: Tensor, grads: list[Tensor | None] | None, lo: int,
            share: Tensor | None, fused: bool = False, own_grad: Tensor | None = None,
-           half: tuple[Tensor, Tensor, Tensor] | None = None) -> None:  # fmt: skip
+           half: tuple[Tensor, Tensor, Tensor, Tensor] | None = None) -> None:  # fmt: skip
     """One chunk of c positions: writes their losses into ``nll`` (c,) and adds d nll / d logits times the unscaled
     inputs into ``grads`` (the caller applies 1/temperature and the mean once). ``scaled``: ``user`` / temperature,
     ``pos`` (c, 1) the positive logits, ``pad_bias`` (S,) -inf at the shared padding columns; ``share`` (c, 1):
     each row's weight relative to the largest (weighted), its d nll / d logits scaled by it. ``fused``: the own
     negatives' logits and user gradient by the gather-dot kernels, their logit gradients written to ``own_grad``
-    (c, K) for the caller. ``half``: float16 copies of (``scaled``, ``shared``, ``user``): the shared columns' three
-    matmuls take them (float32 sums and outputs); their logit gradients, in [-1, 1], are cast to float16 too."""
+    (c, K) for the caller. ``half``: float16 copies of ``scaled`` and ``shared`` (the logits), bfloat16 copies of
+    ``shared`` and ``user`` (the gradients, with the logit gradients cast to bfloat16); float32 sums and outputs."""
     parts = [pos]
     if shared is not None and half is not None:
         s = mm_f32(half[0], half[1].T, bias=pad_bias)  # (c, S)
@@ -136,9 +138,9 @@ def _chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: 
     if shared is not None:
         g_s = g[:, col : col + shared.shape[0]]  # (c, S)
         if half is not None:
-            g16 = g_s.to(torch.float16)
-            grad_user.add_(mm_f32(g16, half[1]))
-            grads[2].add_(mm_f32(g16.T, half[2]))
+            g16 = g_s.to(torch.bfloat16)
+            mm_f32_add_(grad_user, g16, half[2])
+            mm_f32_add_(grads[2], g16.T, half[3])
         else:
             grad_user.addmm_(g_s, shared)
             grads[2].addmm_(g_s.T, user)
@@ -159,8 +161,9 @@ class _ChunkedFullSoftmaxCE(torch.autograd.Function):
         num_pos = user.shape[0]
         share = None if weights is None else (weights / weights.sum()).view(-1, 1)  # (T, 1) each w / W, on the device
         rel = None if share is None else (weights / weights.max()).view(-1, 1)  # w / max(w), in [0, 1] (float16 keeps it)
-        # ``half``: the three matmuls from float16 copies (recforge.ops.half_matmul), made once
+        # ``half``: the logits from float16 copies, the gradients from bfloat16 ones (recforge.ops.half_matmul), made once
         user16, table16 = (user.to(torch.float16), table.to(torch.float16)) if half else (None, None)
+        user_b, table_b = (user.to(torch.bfloat16), table.to(torch.bfloat16)) if half and want_grads else (None, None)
         pad_bias = user.new_zeros(table.shape[0])  # (N+1,): the padding item 0 is not an item
         pad_bias[:1].fill_(float("-inf"))  # not `pad_bias[0] = ...`: __setitem__ copies a host scalar (a sync)
         nll = user.new_empty(num_pos)  # (T,) each position's loss
@@ -181,10 +184,10 @@ class _ChunkedFullSoftmaxCE(torch.autograd.Function):
                 g = log_p.exp_().scatter_add_(1, t, minus_one[: hi - lo])  # (c, N+1)
                 if rel is not None:
                     g.mul_(rel[lo:hi])
-                if half:  # g in [-1, 1]
-                    g16 = g.to(torch.float16)
-                    grad_user[lo:hi] = mm_f32(g16, table16)
-                    grad_table.add_(mm_f32(g16.T, user16[lo:hi]))
+                if half:
+                    g16 = g.to(torch.bfloat16)
+                    grad_user[lo:hi] = mm_f32(g16, table_b)
+                    mm_f32_add_(grad_table, g16.T, user_b[lo:hi])
                 else:
                     torch.mm(g, table, out=grad_user[lo:hi])  # (c, d)
                     grad_table.addmm_(g.T, u)  # (N+1, d)
@@ -214,8 +217,8 @@ def chunked_full_softmax_cross_entropy(user: Tensor, table: Tensor, targets: Ten
         chunk: positions per chunk (> 0).
         weights: (T,) each position's weight (sum > 0): the loss is the weighted mean, each row's loss and
             gradient scaled by w / sum(w) on the device (no host sync). None: the plain mean.
-        half: the matmuls from float16 inputs with float32 sums and outputs (``recforge.ops.half_matmul``; the
-            caller decides: ``loss.matmul`` float16 on CUDA).
+        half: the logits from float16 inputs, the gradients from bfloat16 ones, float32 sums and outputs
+            (``recforge.ops.half_matmul``; the caller decides: ``loss.matmul`` float16 on CUDA).
 
     Returns:
         The scalar loss (``F.cross_entropy`` of the (T, N+1) logits with column 0 at -inf, up to float
@@ -254,7 +257,7 @@ def chunked_softmax_cross_entropy(
         temperature: logits are dot products / temperature.
         chunk: positions per chunk (> 0).
         weights: (T,) each position's weight (sum > 0): the weighted mean, as ``chunked_full_softmax_cross_entropy``.
-        half: the shared columns' matmuls from float16 inputs, as ``chunked_full_softmax_cross_entropy``.
+        half: the shared columns' matmuls in reduced precision, as ``chunked_full_softmax_cross_entropy``.
 
     Returns:
         The scalar loss; gradients flow to ``user``, ``positive``, ``shared`` and ``own``.

@@ -131,8 +131,9 @@ def sampled_softmax_loss(
             ``recforge.train.step_padding``), sum > 0; the loss is the weighted mean, and a position of weight 0
             adds nothing to the loss or any gradient. None: the plain mean.
         matmul: ``float16``: on CUDA the logits of the shared, in-batch and whole-catalogue columns come from
-            float16-input matmuls with float32 sums and outputs, forward and backward (``recforge.ops.half_matmul``:
-            TF32's 10-bit mantissa at twice its throughput); ``float32`` (default) or a CPU tensor: float32 matmuls.
+            float16-input matmuls with float32 sums and outputs (``recforge.ops.half_matmul``: TF32's 10-bit
+            mantissa at twice its throughput), their gradients from bfloat16-input ones (a bf16 backward's
+            precision); ``float32`` (default) or a CPU tensor: float32 matmuls.
 
     Sampled negatives equal to the target ("accidental hits") and in-batch columns of the padding id 0 are
     masked out.
