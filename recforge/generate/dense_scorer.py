@@ -87,7 +87,8 @@ class DenseScorer:
         source = run_rows(run.seqs.item_vocab[1:], item_vocab, what, exact=exact) + 1  # 0: no row
         weights = run.checkpoint / "model.safetensors"
         if weights.is_file():  # the exact weights scored with: eval.json's rows stay reproducible
-            provenance["weights_sha256"] = hashlib.sha256(weights.read_bytes()).hexdigest()
+            with weights.open("rb") as f:  # streamed, not read whole into memory
+                provenance["weights_sha256"] = hashlib.file_digest(f, "sha256").hexdigest()
         reads_timestamps = run.seqs.timestamps is not None and any(
             getattr(m, "time_weights", None) is not None for m in run.model.modules())  # fmt: skip
         return DenseScorer(run.model.to(device), torch.from_numpy(np.r_[0, source].astype(np.int64)),

@@ -151,8 +151,8 @@ class Retriever:
         A dense scorer (a retrieval run, on the same dataset as the run's ``data.path``, which must be readable here:
         its item vocabulary and the leakage check come from it) runs in float32 on ``device`` whatever ``dtype``."""
         target = resolve_device(device)
-        overrides = [f"generative.{key}={value}" for key, value in (("rescore", rescore), ("dense_scorer", dense_scorer))
-                     if value is not None]  # fmt: skip
+        settings = (("rescore", rescore), ("dense_scorer", dense_scorer), ("dense_candidates", dense_candidates))
+        overrides = [f"generative.{key}={value}" for key, value in settings if value is not None]  # checked together
         run = load_sid_run(run_dir, checkpoint, overrides, device=target)
         if dtype != "float32":
             run.model.to(getattr(torch, dtype))
@@ -173,8 +173,7 @@ class Retriever:
                                  "which retrieve requests do not carry, so it cannot score them as evaluation does; "
                                  "serve with a scorer trained with model.num_time_buckets=0 (or a SASRec run)")  # fmt: skip
         return Retriever(run.model, vocab, codes, trie, run.cfg.data.max_seq_len, config, rescore=g.rescore,
-                         dense_candidates=g.dense_candidates if dense_candidates is None else dense_candidates,
-                         dense_scorer=scorer)  # fmt: skip
+                         dense_candidates=g.dense_candidates, dense_scorer=scorer)  # fmt: skip
 
     def encode(self, request: RetrieveRequest) -> EncodedRetrieve:
         """Check one request against the engine's limits and map its IDs (``ValueError`` says what is wrong)."""

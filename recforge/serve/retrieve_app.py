@@ -82,7 +82,8 @@ class RetrieveSettings:
     dense_candidates: int = -1  # the dense side's top items added to the beam's (-1: the run's generative.dense_candidates)
     rescore: float = -1.0  # weight of the dense logits in the items' scores (-1: the run's generative.rescore)
     # a trained retrieval run (e.g. SASRec) scoring in the dense head's place, as `recforge eval RUN
-    # generative.dense_scorer=...` does ("": the run's generative.dense_scorer); its dataset must be readable here
+    # generative.dense_scorer=...` does ("": the run's generative.dense_scorer; "none": no scorer, the dense head if
+    # any); its dataset must be readable here
     dense_scorer: str = ""
 
     def problems(self) -> list[str]:
@@ -102,6 +103,14 @@ class RetrieveSettings:
         return problems
 
 
+def _scorer_override(setting: str) -> str | None:
+    """``retrieve.dense_scorer`` as ``Retriever.from_run`` takes it: "" the run's own (None), "none" no scorer ("": a
+    run trained with one then serves with its dense head, or SID scores alone), else the retrieval run's directory."""
+    if setting == "":
+        return None
+    return "" if setting.lower() == "none" else setting
+
+
 def load_retriever(run_dir: str | Path, settings: RetrieveSettings, device: str = "auto",
                    dtype: str = "float32") -> tuple[Retriever, str]:  # fmt: skip
     """(the run's ``Retriever`` under ``settings``, its model version), probed with one request; with a
@@ -111,7 +120,7 @@ def load_retriever(run_dir: str | Path, settings: RetrieveSettings, device: str 
     candidates = settings.dense_candidates if settings.dense_candidates >= 0 else None
     retriever = Retriever.from_run(run_dir, checkpoint=str(ckpt), device=device, dtype=dtype, dense_candidates=candidates,
                                    rescore=settings.rescore if settings.rescore >= 0 else None,
-                                   dense_scorer=settings.dense_scorer or None)  # fmt: skip
+                                   dense_scorer=_scorer_override(settings.dense_scorer))  # fmt: skip
     base = retriever.config
     retriever.config = replace(base, beam=settings.beam or base.beam, max_k=settings.max_k, max_batch=settings.max_batch,
                                max_history=settings.max_history, max_allowed=settings.max_allowed,

@@ -125,3 +125,18 @@ def test_a_scorer_that_reads_timestamps_is_refused_for_serving_and_used_by_evalu
     assert not torch.allclose(s.scorer.logits(batch), s.scorer.logits(without))  # and they matter to this run
     items, scores, _ = generative.generated_items(s, samples, k=10)
     assert bool(np.isfinite(scores[items > 0].numpy()).all())
+
+
+def test_none_serves_a_scorer_trained_run_without_its_scorer(runs: tuple[Path, Path, Path], tmp_path: Path) -> None:
+    """``retrieve.dense_scorer: none``: a run trained with a scorer serves on its SID scores alone (its scorer's run
+    and data need not be there); "" keeps the run's own scorer."""
+    _, data, sasrec = runs
+    run = train_tiny_run(tmp_path, TIGER, 29, "generative.beam=12", "train.epochs=1", f"data.path={data}",
+                         f"generative.sids={data / 'sids'}", f"generative.dense_scorer={sasrec}", "generative.rescore=0",
+                         "generative.dense_candidates=3")  # fmt: skip
+    own, _ = load_retriever(run, RetrieveSettings(cache_mb=0), device="cpu")
+    assert own.dense_scorer is not None and own.dense_candidates == 3
+    with pytest.raises(ValueError, match="dense_candidates"):  # no dense side left for the run's candidates
+        load_retriever(run, RetrieveSettings(cache_mb=0, dense_scorer="none"), device="cpu")
+    plain, _ = load_retriever(run, RetrieveSettings(cache_mb=0, dense_scorer="none", dense_candidates=0), device="cpu")
+    assert plain.dense_scorer is None and plain.dense_candidates == 0
