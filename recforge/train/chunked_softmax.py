@@ -63,8 +63,8 @@ class _ChunkedSoftmaxCE(torch.autograd.Function):
         # float16 for the logits, bfloat16 for the two gradient matmuls
         half_inputs = None
         if half and shared is not None:
-            grad_copies = (shared.to(torch.bfloat16), user.to(torch.bfloat16)) if want_grads else (None, None)
-            half_inputs = (scaled.to(torch.float16), shared.to(torch.float16), *grad_copies)
+            half_inputs = (scaled.to(torch.float16), shared.to(torch.float16), shared.to(torch.bfloat16),
+                           user.to(torch.bfloat16))  # fmt: skip
         grads = own_grad = None
         if want_grads:
             grads = [torch.empty_like(user), torch.empty_like(positive), None if shared is None else torch.zeros_like(shared),
@@ -76,8 +76,7 @@ class _ChunkedSoftmaxCE(torch.autograd.Function):
                    shared_ids, None if own_rows is None else own_rows[lo:hi], None if own_ids is None else own_ids[lo:hi],
                    nll[lo:hi], grads, lo, None if rel is None else rel[lo:hi, None], fused,
                    None if own_grad is None else own_grad[lo:hi],
-                   None if half_inputs is None else (half_inputs[0][lo:hi], *half_inputs[1:3],
-                                                     half_inputs[3] if half_inputs[3] is None else half_inputs[3][lo:hi]))  # fmt: skip
+                   None if half_inputs is None else (half_inputs[0][lo:hi], *half_inputs[1:3], half_inputs[3][lo:hi]))  # fmt: skip
         if grads is not None and fused:  # every row of own written once, from all positions' logit gradients
             grads[3] = scatter_rows_sum(own_grad, user, own_rows, own.shape[0], kernel="triton")
         if grads is not None:  # the chunks summed d nll / d logits times the unscaled inputs: 1/T and 1/temperature, once

@@ -117,6 +117,7 @@ def test_loss_with_half_matmuls_matches_float32(monkeypatch, negatives, in_batch
     got = _loss_grads(user, table, targets, sampled, num_items, True, monkeypatch, **kwargs)
     for name, g, w, tol in zip(("loss", "user", "table"), got, want, (HALF_TOL, GRAD_TOL, GRAD_TOL), strict=True):
         assert relative_error(g, w) < tol, name
+    assert relative_error(got[1], want[1]) > 1e-6  # the reduced-precision matmuls ran (the float32 path twice: 0)
 
 
 @pytest.mark.parametrize("full", [False, True])
@@ -177,3 +178,4 @@ def test_gpu_half_matmuls_match_float32(cuda_device, monkeypatch, negatives: str
     for got in (eager, compiled):
         for name, g, w, tol in zip(("loss", "user", "table"), got, want, (HALF_TOL, GRAD_TOL, GRAD_TOL), strict=True):
             assert relative_error(g, w) < tol, f"{name}: {relative_error(g, w):.2e}"
+        assert relative_error(got[1], want[1]) > 1e-5  # the reduced-precision matmuls ran
