@@ -396,6 +396,8 @@ def precompile_worker(index: int, count: int, dims: list[int], baseline_path: st
             kind = getattr(kernel, "tuning_kind", "fwd" if name.endswith("_fwd") else "bwd")
             if "SPLIT_LOOPS" in kernel.fn.arg_names:  # set by launch(), which collect() replaces
                 meta = dict(meta, SPLIT_LOOPS=tuning_mod.split_loops(fixed_tile=False))
+            if hasattr(tuning_mod, "tile_kind"):  # revisions before the fused dK/dV list have none
+                kind = tuning_mod.tile_kind(kind, meta)
             jobs.extend((kernel.fn, args, meta, cfg) for cfg in tuning_mod.candidates(kind, meta["BD_QK"], meta["BD_V"]))
 
         return collect

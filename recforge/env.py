@@ -13,8 +13,9 @@
                                     Triton kernels for float32 CUDA inputs and PyTorch's gather + bmm for bf16/fp16;
                                     1 (or true/on/yes) the kernels for every supported dtype; 0 (or false/off/no)
                                     PyTorch's always
-    RECFORGE_HSTU_FUSED_DQ          1 (or true/on/yes): the HSTU attention backward computes dQ inside its dK/dV kernel
-                                    (float32 atomics, one launch; ``recforge.ops.triton.hstu.fused_dq``); default 0
+    RECFORGE_HSTU_FUSED_DQ          the HSTU attention backward computes dQ inside its dK/dV kernel (float32 atomics,
+                                    one launch; ``recforge.ops.triton.hstu.fused_dq``): unset, for sequences of more
+                                    than 2,048 tokens; 1 (or true/on/yes) for every autotuned launch; 0 never
     TRITON_INTERPRET                1: Triton kernels run in Triton's CPU interpreter (tests)
 
 The four RECFORGE_ switches (launch plans, norm gate, gather-dot, fused dQ) take 1/true/on/yes or 0/false/off/no (any case); any other value is refused with
@@ -72,9 +73,10 @@ def fused_gather_dot() -> bool | None:
     return _switch("RECFORGE_FUSED_GATHER_DOT")
 
 
-def hstu_fused_dq() -> bool:
-    """``$RECFORGE_HSTU_FUSED_DQ`` (``_switch``): off unless switched on."""
-    return _switch("RECFORGE_HSTU_FUSED_DQ") is True
+def hstu_fused_dq() -> bool | None:
+    """``$RECFORGE_HSTU_FUSED_DQ`` (``_switch``): True, False, or None when unset (the default: fused for sequences
+    longer than ``recforge.ops.triton.hstu.FUSED_DQ_AUTO_LEN``, where the H200 measured it faster)."""
+    return _switch("RECFORGE_HSTU_FUSED_DQ")
 
 
 def triton_interpret() -> bool:

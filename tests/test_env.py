@@ -63,7 +63,7 @@ def test_fused_gather_dot_switch(monkeypatch) -> None:
 
 def test_hstu_fused_dq_switch(monkeypatch) -> None:
     monkeypatch.delenv("RECFORGE_HSTU_FUSED_DQ", raising=False)
-    assert env.hstu_fused_dq() is False  # unset: off
+    assert env.hstu_fused_dq() is None  # unset: the length rule (hstu.FUSED_DQ_AUTO_LEN)
     for value, on in (("1", True), ("on", True), ("0", False), ("no", False)):
         monkeypatch.setenv("RECFORGE_HSTU_FUSED_DQ", value)
         assert env.hstu_fused_dq() is on, value

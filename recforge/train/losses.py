@@ -227,25 +227,39 @@ def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[
         if table is not None:  # side-effect-free lookups: [target | negatives] rows scored together
             ids = torch.cat([targets[:, None], neg_ids], 1)  # (T, 1+K)
             logits = gather_dot(user, table, ids).to(user.dtype) / temperature  # (T, 1+K)
-            parts = [logits.masked_fill(torch.cat([torch.zeros_like(hits[:, :1]), hits], 1), float("-inf"))]
+            parts = [logits.masked_fill(torch.cat([torch.zeros_like(hits[:, :1]), hits], 1), MASKED)]
         else:  # the very tensors a pipelined table staged (recforge.train.pipeline_step): looked up as they are,
             # targets first (a dynamic table admits and evicts rows in lookup order: the positives keep theirs)
             pos = (user * item_vectors(targets)).sum(-1, keepdim=True) / temperature  # (T, 1)
             neg_logits = torch.bmm(item_vectors(neg_ids), user.unsqueeze(2)).squeeze(2) / temperature  # (T, K)
-            parts = [pos, neg_logits.masked_fill(hits, float("-inf"))]
+            parts = [pos, neg_logits.masked_fill(hits, MASKED)]
     else:  # shared: neg_ids (K,)
         parts = [(user * item_vectors(targets)).sum(-1, keepdim=True) / temperature]  # (T, 1)
         neg_logits = mm(user, item_vectors(neg_ids)) / temperature  # (T, K)
-        parts.append(neg_logits.masked_fill(neg_ids[None, :] == targets[:, None], float("-inf")))
+        parts.append(neg_logits.masked_fill(neg_ids[None, :] == targets[:, None], MASKED))
     if sampled.in_batch is not None:
         batch_ids = sampled.in_batch  # (U,)
         batch_logits = mm(user, item_vectors(batch_ids)) / temperature  # (T, U)
         hit = (batch_ids[None, :] == targets[:, None]) | (batch_ids == 0)[None, :]  # 0: batch_distinct's fill
-        parts.append(batch_logits.masked_fill(hit, float("-inf")))
-    logits = torch.cat(parts, dim=1)
-    if weights is None:
-        return -F.log_softmax(logits, dim=1)[:, 0].mean()
-    return _weighted_mean(-F.log_softmax(logits, dim=1)[:, 0], weights)
+        parts.append(batch_logits.masked_fill(hit, MASKED))
+    nll = _nll_of_first_column(parts)
+    return nll.mean() if weights is None else _weighted_mean(nll, weights)
+
+
+# A masked logit: the lowest finite float32, not -inf, so that a row whose columns of one block are all masked
+# (e.g. every in-batch column the target or padding) has a finite logsumexp there and back-propagates zeros
+# (logsumexp's gradient exp(x - lse) is NaN at x = lse = -inf). exp(MASKED - lse) is exactly 0.
+MASKED = torch.finfo(torch.float32).min
+
+
+def _nll_of_first_column(parts: list[Tensor]) -> Tensor:
+    """(T,) ``-log_softmax(torch.cat(parts, 1), 1)[:, 0]`` without the concatenation: the logsumexp of each
+    block of columns, then of those. The concatenated copy (2 GiB of float32 at 64K positions x 8,193 shared
+    columns) is never written."""
+    lse = parts[0].logsumexp(1)
+    if len(parts) > 1:
+        lse = torch.logsumexp(torch.stack([lse] + [part.logsumexp(1) for part in parts[1:]], 1), 1)
+    return lse - parts[0][:, 0]
 
 
 def _weighted_mean(nll: Tensor, weights: Tensor) -> Tensor:

@@ -125,6 +125,23 @@ def test_fused_dq_off_in_deterministic_mode(interpreter, monkeypatch) -> None:
     assert not interpreter._fused_dq(1000, "tf32")
 
 
+def test_fused_dq_default_by_length(monkeypatch) -> None:
+    """Unset (None): fused for autotuned launches on sequences longer than FUSED_DQ_AUTO_LEN at head dims over 64;
+    never for float32."""
+    from recforge.ops.triton import hstu as hstu_mod
+
+    monkeypatch.setattr(hstu_mod, "is_interpreting", lambda: False)
+    monkeypatch.setattr(hstu_mod, "fused_dq", None)
+    n = hstu_mod.FUSED_DQ_AUTO_LEN
+    assert hstu_mod._fused_dq(n + 1, "tf32", 128) and not hstu_mod._fused_dq(n, "tf32", 128)
+    assert hstu_mod._fused_dq(n + 1, "tf32", 96) and not hstu_mod._fused_dq(n + 1, "tf32", 64)
+    assert not hstu_mod._fused_dq(n + 1, "ieee", 128)
+    monkeypatch.setattr(hstu_mod, "fused_dq", False)
+    assert not hstu_mod._fused_dq(4 * n, "tf32")
+    monkeypatch.setattr(hstu_mod, "fused_dq", True)
+    assert hstu_mod._fused_dq(300, "tf32") and not hstu_mod._fused_dq(256, "tf32")
+
+
 @pytest.mark.parametrize("bias", ["time", "pos"])
 def test_interpreter_one_bias_alone(interpreter, bias: str) -> None:
     """model.relative_bias=false runs with the time bias alone (pos_weights=None); and the other way round."""
@@ -252,9 +269,39 @@ def test_gpu_softmax_backward_candidate_tile(cuda_device, monkeypatch, kind: str
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bwd_dq", "bwd_dkdv", "bwd_dkdv_fused"])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("index", range(5))
+def test_gpu_hstu_backward_candidate_tile(cuda_device, monkeypatch, kind: str, dim: int, index: int) -> None:
+    """Each tile the HSTU backward autotuners may pick (dQ, dK/dV, dK/dV computing dQ), alone on the autotuned
+    path (jagged bf16 sequences over 256 tokens, both biases): autotuning keeps whichever is fastest, so each must
+    be right."""
+    from recforge.ops.triton import hstu as hstu_mod
+    from recforge.ops.triton import tuning
+
+    tiles = tuning.candidates(kind, dim, dim)
+    if index >= len(tiles):
+        pytest.skip(f"{kind} has {len(tiles)} candidate tiles at head dim {dim}")
+    tile = tuning._key(tiles[index])
+    monkeypatch.setitem(tuning._TABLES, kind, {dims: [tile] for dims in tuning._TABLES[kind]})
+    monkeypatch.setattr(tuning.plans, "enabled", False)  # every launch through the autotuner, which now has one tile
+    monkeypatch.setattr(hstu_mod, "fused_dq", kind == "bwd_dkdv_fused")
+    kernel = hstu_mod._bwd_dq if kind == "bwd_dq" else hstu_mod._bwd_dkdv
+    kernel.cache.clear()
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    try:
+        errors = _case("hstu", "causal", seed, batch=5, max_len=700, heads=2, dqk=dim, dv=dim, dtype=torch.bfloat16,
+                       device=cuda_device)  # fmt: skip
+    finally:
+        kernel.cache.clear()
+    assert tuning._key(kernel.best_config) == tile
+    _check(errors, TOL[torch.bfloat16], f"hstu/d{dim}/{kind} tile {tile} seed {seed}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("op", ["hstu", "softmax"])
 @pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("index", range(9))
+@pytest.mark.parametrize("index", range(10))
 def test_gpu_forward_candidate_tile(cuda_device, monkeypatch, op: str, dim: int, index: int) -> None:
     """Each tile the forward autotuner may pick (HSTU and softmax share the list), forced on the
     forward kernel with the two-loop walk of autotuned launches: under the 'all' mask with bias,

@@ -352,8 +352,14 @@ pair_atomics = False
 # atomics into a zeroed float32 dQ) and the dQ kernel is not launched: each (query, key) tile's scores and dS are
 # computed once instead of twice (5 tile dots instead of 7). dQ's float32 sums then come in no fixed order (run to
 # run differences at float32 rounding); never used under torch.use_deterministic_algorithms(True). Read at each
-# backward call; autotuned (bf16/fp16, long sequences) launches only. Default: $RECFORGE_HSTU_FUSED_DQ (off).
+# backward call; autotuned (bf16/fp16, long sequences) launches only. None (the default, $RECFORGE_HSTU_FUSED_DQ
+# unset): on for sequences of more than FUSED_DQ_AUTO_LEN tokens at head dims over 64. H200, bf16, jagged 64K-token
+# batches (BENCHMARKS.md, 16th session): each kernel alone with its best tile (benchmarks/attention_tiles.py), the
+# fused backward 1.14x the two kernels at D 128, L 8192, equal at L 2048 once dQ's float32 zeroing and copy count;
+# fwd+bwd through the op at D 64, L 4096-8192: 0.98x (no gain); the 64K-token training step (D 128, users of
+# 2,048-8,192 tokens) 64.48 -> 62.47 ms.
 fused_dq = hstu_fused_dq()
+FUSED_DQ_AUTO_LEN = 2048
 
 _fwd = tuned(_hstu_fwd, kind="fwd")
 _bwd_dq = tuned(_hstu_bwd_dq, kind="bwd_dq")
@@ -412,7 +418,7 @@ def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
     if total > 0 and batch > 0:
         common, scalars, meta = _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets)
         strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2])
-        fused = _fused_dq(max_seq_len, meta["DOT_PREC"])
+        fused = _fused_dq(max_seq_len, meta["DOT_PREC"], q.shape[2])
         if fused:
             dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         else:
@@ -436,10 +442,12 @@ def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
     return dq, dk, dv, d_pos, d_time
 
 
-def _fused_dq(max_seq_len: int, dot_prec: str) -> bool:
-    """Whether this backward computes dQ in the dK/dV kernel (``fused_dq``): on, not deterministic mode, and an
-    autotuned launch (bf16/fp16 on sequences over 256 tokens) or the interpreter (its tests)."""
-    if not fused_dq or torch.are_deterministic_algorithms_enabled():
+def _fused_dq(max_seq_len: int, dot_prec: str, dqk: int = 128) -> bool:
+    """Whether this backward computes dQ in the dK/dV kernel (``fused_dq``: True, or None with sequences of more than
+    ``FUSED_DQ_AUTO_LEN`` tokens and a head dim ``dqk`` over 64), never in deterministic mode, only for an autotuned
+    launch (bf16/fp16 on sequences over 256 tokens) or the interpreter (its tests)."""
+    wanted = fused_dq if fused_dq is not None else (max_seq_len > FUSED_DQ_AUTO_LEN and dqk > 64)
+    if not wanted or torch.are_deterministic_algorithms_enabled():
         return False
     return is_interpreting() or (max_seq_len > 256 and dot_prec != "ieee")
 

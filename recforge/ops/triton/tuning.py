@@ -30,21 +30,39 @@ def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
 # (BLOCK_M, BLOCK_N, warps, stages) candidates for Hopper, by the larger padded head dim
 # (64, 32, 4, 2) forward: for short sequences (a row block's key walk is a few tiles long); autotuning
 # picked it at L = 512 (D 64 and 128) in the H100 run of BENCHMARKS.md, where it had picked the
-# smallest tile on offer before. A (32, 32, 4, 2) backward candidate was tried in that run and never
-# picked, so it is not kept. The last two or three forward candidates (3-4 stages) were added after
-# an A/B run: autotuning picks (128, 64, 8, 3) at D = 128 from L = 4096 (HSTU forward 1.11x at
-# L = 8192, 58% -> 64% of peak; `benchmarks/results/attention-h100-fwd-tiles.json`).
+# smallest tile on offer before. The 3-4 stage forward candidates were added after an A/B run: autotuning
+# picked (128, 64, 8, 3) at D = 128 from L = 4096 (HSTU forward 1.11x at L = 8192 on an H100,
+# `benchmarks/results/attention-h100-fwd-tiles.json`). (128, 32, 4, 3) leads at D = 128: in a sweep of
+# every HSTU kernel over ~30 tiles each (`benchmarks/attention_tiles.py`, H200, jagged 64K-token batches,
+# `attention_tiles-h200.json`) it was the fastest forward at L 2048 and 8192 (1.12x / 1.04x the previous list's best).
 _FWD = {
     64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (64, 32, 4, 2),
          (64, 64, 4, 4), (64, 128, 4, 4)],
-    128: [(128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3), (64, 32, 4, 2),
-          (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)],
+    128: [(128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3),
+          (64, 32, 4, 2), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)],
     256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (128, 64, 8, 1)],
 }
-_BWD = {
-    64: [(64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 3)],
-    128: [(64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 1)],
-    256: [(32, 64, 4, 1), (16, 64, 4, 2), (32, 32, 4, 2), (64, 64, 8, 1)],
+_BWD_256 = [(32, 64, 4, 1), (16, 64, 4, 2), (32, 32, 4, 2), (64, 64, 8, 1)]
+# The HSTU backward kernels, each its own list: from the same sweep, the tiles within ~10% of the best at L 2048
+# or 8192 (3-4 stages: the earlier lists held 1-2 only; dQ 1.08x, dK/dV 1.05x, fused dK/dV+dQ 1.08x at L 8192,
+# D 128, over the previous lists' best), plus the earlier small tiles for short sequences (L 512-1024).
+_BWD_DQ = {
+    64: [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (64, 32, 4, 3), (32, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 4), (32, 64, 4, 2)],
+    256: _BWD_256,
+}
+_BWD_DKDV = {
+    64: [(64, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 2), (32, 128, 4, 3), (64, 128, 8, 3)],
+    128: [(64, 128, 8, 3), (32, 64, 4, 3), (64, 128, 8, 4), (32, 128, 8, 3), (64, 64, 4, 2)],
+    256: _BWD_256,
+}
+# dK/dV with dQ (hstu.fused_dq): one more (BLOCK_M, D) product per tile and its atomics favour 64-query tiles. The
+# last two at D 128 are for the bias-gradient specializations, whose larger tiles need more shared memory than an
+# H200 has.
+_BWD_DKDV_FUSED = {
+    64: [(64, 64, 4, 3), (64, 128, 8, 3), (64, 64, 4, 4), (32, 64, 4, 3), (64, 64, 4, 2)],
+    128: [(64, 128, 8, 3), (64, 128, 8, 4), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 2), (32, 64, 4, 2)],
+    256: _BWD_256,
 }
 
 
@@ -57,14 +75,14 @@ _BWD = {
 _SM_BWD_DQ = {
     64: [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 3), (128, 64, 4, 2)],
     128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 32, 4, 3), (64, 64, 4, 2), (128, 128, 8, 2)],
-    256: _BWD[256],
+    256: _BWD_256,
 }
 _SM_BWD_DKDV = {
     64: [(32, 128, 4, 3), (32, 128, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 4)],
     128: [(32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 2), (64, 128, 8, 2)],
-    256: _BWD[256],
+    256: _BWD_256,
 }
-_TABLES = {"fwd": _FWD, "bwd_dq": _BWD, "bwd_dkdv": _BWD, "softmax_bwd_dq": _SM_BWD_DQ, "softmax_bwd_dkdv": _SM_BWD_DKDV}
+_TABLES = {"fwd": _FWD, "bwd_dq": _BWD_DQ, "bwd_dkdv": _BWD_DKDV, "bwd_dkdv_fused": _BWD_DKDV_FUSED, "softmax_bwd_dq": _SM_BWD_DQ, "softmax_bwd_dkdv": _SM_BWD_DKDV}
 
 
 def shorten_hstu_candidates(n: int) -> None:
@@ -72,7 +90,7 @@ def shorten_hstu_candidates(n: int) -> None:
     shapes make every candidate's compile and timing costly (long sequences). Keep ``n`` >= 2: with more than one
     candidate the autotuner drops a tile that needs more shared memory than the GPU has, while a single pinned
     tile is launched untried (the first forward tile ran out of shared memory on the H200)."""
-    for kind in ("fwd", "bwd_dq", "bwd_dkdv"):
+    for kind in ("fwd", "bwd_dq", "bwd_dkdv", "bwd_dkdv_fused"):
         _TABLES[kind] = {dims: tiles[:n] for dims, tiles in _TABLES[kind].items()}
 
 
@@ -83,16 +101,23 @@ def _dim_class(bd: int) -> int:
 def candidates(kind: str, bd_qk: int, bd_v: int) -> list[triton.Config]:
     """The configs autotuning tries for a kernel at these padded head dims.
 
-    ``kind``: "fwd" (both forwards), "bwd_dq"/"bwd_dkdv" (HSTU) or "softmax_bwd_dq"/"softmax_bwd_dkdv".
+    ``kind``: "fwd" (both forwards), "bwd_dq"/"bwd_dkdv"/"bwd_dkdv_fused" (HSTU; see ``tile_kind``) or
+    "softmax_bwd_dq"/"softmax_bwd_dkdv".
     """
     return [_cfg(*c) for c in _TABLES[kind][_dim_class(max(bd_qk, bd_v))]]
+
+
+def tile_kind(kind: str, meta: dict) -> str:
+    """The candidate list of a launch of a ``kind`` kernel with constexprs ``meta``: the HSTU dK/dV kernel that also
+    computes dQ (``FUSED_DQ``) has its own."""
+    return "bwd_dkdv_fused" if kind == "bwd_dkdv" and meta.get("FUSED_DQ") else kind
 
 
 def _prune(kind: str):
     def prune(configs, named_args, **kwargs):
         bd_qk = named_args.get("BD_QK", kwargs.get("BD_QK", 64))
         bd_v = kwargs.get("BD_V", named_args.get("BD_V", 64))
-        wanted = {_key(c) for c in candidates(kind, bd_qk, bd_v)}
+        wanted = {_key(c) for c in candidates(tile_kind(kind, {**named_args, **kwargs}), bd_qk, bd_v)}
         return [c for c in configs if _key(c) in wanted]
 
     return prune
@@ -118,7 +143,8 @@ def tuned(kernel, kind: str, reset_to_zero: list[str] | None = None):
     """The kernel behind a Triton autotuner (``.fn`` is the plain kernel for fixed launches)."""
     if is_interpreting():
         return SimpleNamespace(fn=kernel, tuning_kind=kind)
-    configs = [_cfg(*c) for cs in _TABLES[kind].values() for c in dict.fromkeys(cs)]
+    kinds = dict.fromkeys([kind, tile_kind(kind, {"FUSED_DQ": True})])  # the dK/dV kernel: with and without dQ
+    configs = [_cfg(*c) for k in kinds for cs in _TABLES[k].values() for c in cs]
     configs = list({_key(c): c for c in configs}.values())
 
     def bench(fn, quantiles):
@@ -128,7 +154,7 @@ def tuned(kernel, kind: str, reset_to_zero: list[str] | None = None):
 
     autotuner = triton.autotune(
         configs,
-        key=["len_key", "BD_QK", "BD_V", "DOT_PREC", "SPLIT_LOOPS"],
+        key=["len_key", "BD_QK", "BD_V", "DOT_PREC", "SPLIT_LOOPS"] + (["FUSED_DQ"] if kind == "bwd_dkdv" else []),
         prune_configs_by={"early_config_prune": _prune(kind)},
         reset_to_zero=reset_to_zero,
         do_bench=bench,

@@ -1,0 +1,116 @@
+"""The sampled-softmax loss's softmax part, compiled, in several formulations: which one reads its logits least.
+
+Usage:
+    PYTHONPATH=. python benchmarks/loss_nll.py --positions 65536 --negatives 8192 --dim 1024 \
+        --out benchmarks/results/loss_nll-h200.json
+
+``recforge.train.losses.sampled_softmax_loss`` with shared negatives (the MFU benchmark's loss: float32 logits
+from float16-input matmuls, ``loss.matmul: float16``), forward and backward under ``torch.compile``, with its
+``-log softmax(column 0)`` over the [positive | negatives] blocks computed as:
+
+- ``cat``: ``-log_softmax(torch.cat(blocks, 1))[:, 0]`` (recforge before 2026-11-25, 16th session);
+- ``lse``: each block's ``logsumexp``, then the logsumexp of those (no concatenated copy);
+- ``online``: one row maximum over the blocks (no gradient through it), then ``log(sum(exp(x - max)))`` of
+  every block: the shape Inductor's online softmax computes in one pass.
+
+Each variant: median ms of ``--steps`` compiled fwd+bwd calls (CUDA events), the loss and the user gradient
+against ``cat``'s, and its kernels' GPU time (profiler) by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+from _machine import kernel_header, write_result
+
+from recforge.train import losses
+
+
+def nll_cat(parts):
+    return -F.log_softmax(torch.cat(parts, 1), 1)[:, 0]
+
+
+def nll_online(parts):
+    top = torch.stack([part.detach().amax(1) for part in parts], 1).amax(1, keepdim=True)  # (T, 1), finite
+    total = sum((part - top).exp().sum(1) for part in parts)
+    return top[:, 0] + total.log() - parts[0][:, 0]
+
+
+VARIANTS = {"cat": nll_cat, "lse": losses._nll_of_first_column, "online": nll_online}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--positions", type=int, default=65536)
+    p.add_argument("--negatives", type=int, default=8192)
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--items", type=int, default=100_000)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    device = torch.device("cuda")
+    gen = torch.Generator(device).manual_seed(0)
+    table = F.normalize(torch.randn(a.items + 1, a.dim, device=device, generator=gen), dim=1).requires_grad_()
+    user0 = F.normalize(torch.randn(a.positions, a.dim, device=device, generator=gen), dim=1)
+    targets = torch.randint(1, a.items + 1, (a.positions,), device=device, generator=gen)
+    sampled = losses.draw_negatives(targets, a.items, negatives="shared", num_negatives=a.negatives, generator=gen)
+    doc = dict(kernel_header("loss_nll", device), positions=a.positions, negatives=a.negatives, dim=a.dim, rows=[])
+    reference = None
+    for name in a.variants:
+        torch._dynamo.reset()
+        original = losses._nll_of_first_column
+        losses._nll_of_first_column = VARIANTS[name]
+        try:
+            def step(user):
+                loss = losses.sampled_softmax_loss(user, targets, lambda ids: table if ids is None else table[ids], a.items,
+                                                   negatives="shared", num_negatives=a.negatives, temperature=0.05,
+                                                   sampled=sampled, matmul="float16")  # fmt: skip
+                loss.backward()
+                return loss
+
+            compiled = torch.compile(step)
+            user = user0.clone().requires_grad_()
+            for _ in range(3):
+                user.grad = table.grad = None
+                loss = compiled(user)
+            grad = user.grad.clone()
+            times = []
+            for _ in range(a.steps):
+                user.grad = table.grad = None
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                compiled(user)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                user.grad = table.grad = None
+                compiled(user)
+                torch.cuda.synchronize()
+            kernels = {}
+            for e in prof.key_averages():
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+                    kernels[e.key[:90]] = e.device_time_total / 1e3
+        finally:
+            losses._nll_of_first_column = original
+        if reference is None:
+            reference = (float(loss), grad)
+        row = {"variant": name, "ms": statistics.median(times), "loss": float(loss),
+               "loss_diff": abs(float(loss) - reference[0]),
+               "grad_rel_diff": float((grad - reference[1]).norm() / reference[1].norm()),
+               "kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])}  # fmt: skip
+        doc["rows"].append(row)
+        print(f"{name:8s} {row['ms']:8.3f} ms  loss {row['loss']:.6f} (diff {row['loss_diff']:.1e}, grad rel diff "
+              f"{row['grad_rel_diff']:.1e})", flush=True)  # fmt: skip
+        for k, v in row["kernels_ms"].items():
+            print(f"    {v:7.3f}  {k}")
+    if a.out:
+        write_result(a.out, doc)
+
+
+if __name__ == "__main__":
+    main()
