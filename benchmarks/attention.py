@@ -3,7 +3,7 @@
 Usage:
     PYTHONPATH=. python benchmarks/attention.py --out benchmarks/results/attention-h100.json \
         [--gr-path /path/to/generative-recommenders] [--head-dims 64 128] [--seq-lens 512 1024 2048 4096 8192] \
-        [--baseline DIR] [--precompile 12]
+        [--baseline DIR] [--precompile 12] [--gr-tiles 0]
 
 For each head dim and maximum sequence length L, one jagged batch of ~``--tokens`` tokens:
 the first sequence has L tokens, the others N(0.6 L, 0.25 L) clipped to [1, L] (histories are
@@ -13,7 +13,8 @@ forward+backward = 7, i.e. fwd = 2 n^2 D H, fwd+bwd = 7 n^2 D H, summed over seq
 
 HSTU variants: recforge Triton, the PyTorch reference (padded), torch.compile of the reference
 (dynamic shapes: one compile for all lengths), and the generative-recommenders Triton kernel
-(``--gr-path``, run in a child process so that an illegal memory access is reported per case).
+(``--gr-path``, run in a child process so that an illegal memory access is reported per case; ``--gr-tiles N``
+keeps the N largest tiles of each of its autotuners, 8 by default, 0 every candidate it lists).
 Softmax variants: recforge Triton, the PyTorch reference (padded SDPA with a dense mask), and
 FlexAttention with a block mask over the packed batch (document + causal).
 
@@ -265,17 +266,9 @@ def install_gr_compat() -> list[str]:
     return added
 
 
-def gr_worker(gr_path: str, cases: list[dict], seed: int, config_slice: list[int] | None = None,
-              exclude: dict[str, list[int]] | None = None) -> None:
-    """Child process: the generative-recommenders kernel, one JSON line per case; exit on a CUDA error.
-
-    With ``config_slice`` = [i, 8]: compile only, i.e. run every case once (forward and backward,
-    untimed) with the i-th candidate of each autotuner, so that 8 such children
-    fill Triton's disk cache in parallel and the timed child's autotuning only loads binaries.
-    Each finished forward and backward prints a ``GRSTAGE`` line, so that the parent can tell
-    which candidate broke the process (see ``precompile``). ``exclude``: autotuner name -> indices
-    of candidates (among the 8 kept) that the timed child drops.
-    """
+def gr_module(gr_path: str, tiles: int):
+    """The generative-recommenders attention module from the checkout ``gr_path``, each autotuner cut to its
+    ``tiles`` largest tiles (0: every candidate, as that code autotunes them)."""
     sys.path.insert(0, gr_path)
     stubs = install_gr_compat()
     if stubs:
@@ -283,11 +276,36 @@ def gr_worker(gr_path: str, cases: list[dict], seed: int, config_slice: list[int
     from generative_recommenders.ops.triton import triton_hstu_attention as gr
     from triton.runtime.autotuner import Autotuner
 
-    # Their Hopper candidate lists hold ~20-30 configs per kernel; keep the 8 largest tiles of each
-    # so that autotuning fits a lease.
+    # Their Hopper candidate lists hold ~20-30 configs per kernel; --gr-tiles 8 (the default) keeps the 8 largest
+    # tiles of each so that autotuning fits a short lease.
     for obj in vars(gr).values():
-        if isinstance(obj, Autotuner) and len(obj.configs) > 8:
-            obj.configs = sorted(obj.configs, key=lambda c: (-c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], -c.num_warps))[:8]
+        if isinstance(obj, Autotuner) and tiles and len(obj.configs) > tiles:
+            obj.configs = sorted(obj.configs, key=lambda c: (-c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], -c.num_warps))[:tiles]
+    return gr
+
+
+def gr_candidate_count(gr_path: str, tiles: int) -> int:
+    """How many candidates the largest generative-recommenders autotuner keeps (one precompile child each)."""
+    from triton.runtime.autotuner import Autotuner
+
+    gr = gr_module(gr_path, tiles)
+    return max(len(obj.configs) for obj in vars(gr).values() if isinstance(obj, Autotuner))
+
+
+def gr_worker(gr_path: str, cases: list[dict], seed: int, config_slice: list[int] | None = None,
+              exclude: dict[str, list[int]] | None = None, tiles: int = 8) -> None:
+    """Child process: the generative-recommenders kernel, one JSON line per case; exit on a CUDA error.
+
+    With ``config_slice`` = [i, n]: compile only, i.e. run every case once (forward and backward,
+    untimed) with the i-th candidate of each autotuner, so that n such children
+    fill Triton's disk cache in parallel and the timed child's autotuning only loads binaries.
+    Each finished forward and backward prints a ``GRSTAGE`` line, so that the parent can tell
+    which candidate broke the process (see ``precompile``). ``exclude``: autotuner name -> indices
+    of candidates (among the ``tiles`` kept) that the timed child drops.
+    """
+    from triton.runtime.autotuner import Autotuner
+
+    gr = gr_module(gr_path, tiles)
     for name, indices in (exclude or {}).items():
         tuner = getattr(gr, name)
         tuner.configs = [c for i, c in enumerate(tuner.configs) if i not in indices]
@@ -325,12 +343,12 @@ def gr_worker(gr_path: str, cases: list[dict], seed: int, config_slice: list[int
             sys.exit(3)  # the CUDA context may be broken: the parent starts a fresh process
 
 
-def run_gr(gr_path: str, cases: list[dict], seed: int, exclude: dict[str, list[int]] | None = None):
+def run_gr(gr_path: str, cases: list[dict], seed: int, exclude: dict[str, list[int]] | None = None, tiles: int = 8):
     """Yield the generative-recommenders rows as the child process prints them (a fresh child
     after a case that failed, since a CUDA error can break the context)."""
     todo = list(cases)
     while todo:
-        spec = json.dumps({"path": gr_path, "cases": todo, "seed": seed, "exclude": exclude})
+        spec = json.dumps({"path": gr_path, "cases": todo, "seed": seed, "exclude": exclude, "tiles": tiles})
         with tempfile.TemporaryFile("w+") as err:
             proc = subprocess.Popen([sys.executable, __file__, "--_gr-worker", spec], stdout=subprocess.PIPE,
                                     stderr=err, text=True, env=dict(os.environ))
@@ -426,7 +444,8 @@ def flex_warmup(dims: list[int], tokens: int, seed: int) -> None:
 
 
 def precompile(workers: int, dims: list[int], baseline_path: str | None, seed: int, families: list[str],
-               gr_path: str | None, gr_cases: list[dict], flex: bool, tokens: int) -> dict[str, list[int]]:
+               gr_path: str | None, gr_cases: list[dict], flex: bool, tokens: int,
+               gr_tiles: int = 8) -> dict[str, list[int]]:
     """Compile ahead, all at once in child processes: the autotuning candidates of the recforge
     kernels of ``families`` ("hstu", "softmax"; ``workers`` processes), of the generative-recommenders
     kernel (``gr_path``; one process per candidate) and FlexAttention's compiled graphs (``flex``;
@@ -440,11 +459,13 @@ def precompile(workers: int, dims: list[int], baseline_path: str | None, seed: i
                                                 "seed": seed, "families": families})])
                   for i in range(workers)]
     gr_procs = []
-    if gr_path:  # one child per kept candidate index (8, see gr_worker) of both its autotuners
+    if gr_path:  # one child per kept candidate index (see gr_worker) of both its autotuners
+        count = gr_candidate_count(gr_path, gr_tiles)
         gr_procs = [subprocess.Popen([sys.executable, __file__, "--_gr-worker",
-                                      json.dumps({"path": gr_path, "cases": gr_cases, "seed": seed, "slice": [i, 8]})],
+                                      json.dumps({"path": gr_path, "cases": gr_cases, "seed": seed,
+                                                  "slice": [i, count], "tiles": gr_tiles})],
                                      stdout=subprocess.PIPE, text=True)
-                    for i in range(8)]
+                    for i in range(count)]
     if flex:
         procs.append(subprocess.Popen([sys.executable, __file__, "--_flex-warmup",
                                        json.dumps({"dims": dims, "seed": seed, "tokens": tokens})]))
@@ -472,6 +493,8 @@ def main() -> None:
     parser.add_argument("--full-length", action="store_true",
                         help="every sequence L tokens long (tokens // L of them), as ANCHORS.md measured")
     parser.add_argument("--gr-path", default=None, help="checkout of facebookresearch/generative-recommenders")
+    parser.add_argument("--gr-tiles", type=int, default=8,
+                        help="candidates kept per generative-recommenders autotuner (its largest tiles; 0: all of them)")
     parser.add_argument("--skip", nargs="*", default=[], choices=VARIANTS, help="variant names to skip")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON output path")
@@ -487,7 +510,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.gr_worker:
         spec = json.loads(args.gr_worker)
-        gr_worker(spec["path"], spec["cases"], spec["seed"], spec.get("slice"), spec.get("exclude"))
+        gr_worker(spec["path"], spec["cases"], spec["seed"], spec.get("slice"), spec.get("exclude"), spec.get("tiles", 8))
         return
     if args.flex_warmup:
         spec = json.loads(args.flex_warmup)
@@ -505,7 +528,7 @@ def main() -> None:
             for name in VARIANTS)]
         gr_exclude = precompile(args.precompile, args.head_dims, args.baseline, args.seed, families,
                                 None if GR_VARIANT in args.skip else args.gr_path, gr_cases,
-                                "FlexAttention (softmax, block mask)" not in args.skip, args.tokens)
+                                "FlexAttention (softmax, block mask)" not in args.skip, args.tokens, args.gr_tiles)
         if args.gr_exclude_file:
             with open(args.gr_exclude_file, "w") as f:
                 json.dump(gr_exclude, f)
@@ -548,7 +571,7 @@ def main() -> None:
     for case in gr_cases:
         case["peak"] = peak
     if args.gr_path and GR_VARIANT not in args.skip:
-        for row in run_gr(args.gr_path, gr_cases, args.seed, gr_exclude):
+        for row in run_gr(args.gr_path, gr_cases, args.seed, gr_exclude, args.gr_tiles):
             case = next(c for c in gr_cases if c["dim"] == row["dim"] and max(c["lengths"]) == row["max_len"])
             row.update(batch=len(case["lengths"]), tokens=sum(case["lengths"]))
             if gr_exclude:
