@@ -1,17 +1,20 @@
-"""The sampled-softmax loss's softmax part, compiled, in several formulations: which one reads its logits least.
+"""The sampled-softmax loss with shared negatives, compiled, in several formulations: which one reads its logits least.
 
 Usage:
     PYTHONPATH=. python benchmarks/loss_nll.py --positions 65536 --negatives 8192 --dim 1024 \
         --out benchmarks/results/loss_nll-h200.json
 
-``recforge.train.losses.sampled_softmax_loss`` with shared negatives (the MFU benchmark's loss: float32 logits
-from float16-input matmuls, ``loss.matmul: float16``), forward and backward under ``torch.compile``, with its
-``-log softmax(column 0)`` over the [positive | negatives] blocks computed as:
+The MFU benchmark's loss (``benchmarks/train_mfu.py``: float32 logits from float16-input matmuls, ``loss.matmul:
+float16``, temperature 0.05, accidental hits masked), forward and backward under ``torch.compile``, its
+``-log softmax(column 0)`` over the [positive | shared negatives] columns computed as:
 
-- ``cat``: ``-log_softmax(torch.cat(blocks, 1))[:, 0]`` (recforge before 2026-11-25, 16th session);
-- ``lse``: each block's ``logsumexp``, then the logsumexp of those (no concatenated copy);
-- ``online``: one row maximum over the blocks (no gradient through it), then ``log(sum(exp(x - max)))`` of
-  every block: the shape Inductor's online softmax computes in one pass.
+- ``cat``: ``-log_softmax(torch.cat([positive, masked negatives], 1))[:, 0]`` (recforge before 2026-11-25, 16th
+  session);
+- ``lse``: the negatives' ``logsumexp``, then the logsumexp of [positive, that] (no concatenated copy; autograd's
+  backward, which may keep the scaled, masked logits);
+- ``online``: one row maximum over both (no gradient through it), then ``log(sum(exp(x - max)))``;
+- ``recforge``: ``recforge.train.losses.sampled_softmax_loss`` as it is now (the negatives' logsumexp by an autograd
+  function whose backward recomputes the scaled, masked logits from the matmul's output).
 
 Each variant: median ms of ``--steps`` compiled fwd+bwd calls (CUDA events), the loss and the user gradient
 against ``cat``'s, and its kernels' GPU time (profiler) by name.
@@ -26,20 +29,42 @@ import torch
 import torch.nn.functional as F
 from _machine import kernel_header, write_result
 
+from recforge.ops.half_matmul import half_input_logits
 from recforge.train import losses
 
-
-def nll_cat(parts):
-    return -F.log_softmax(torch.cat(parts, 1), 1)[:, 0]
+TEMPERATURE = 0.05
 
 
-def nll_online(parts):
-    top = torch.stack([part.detach().amax(1) for part in parts], 1).amax(1, keepdim=True)  # (T, 1), finite
-    total = sum((part - top).exp().sum(1) for part in parts)
-    return top[:, 0] + total.log() - parts[0][:, 0]
+def _blocks(user, table, targets, neg_ids):
+    pos = (user * table[targets]).sum(-1, keepdim=True) / TEMPERATURE  # (T, 1)
+    neg = (half_input_logits(user, table[neg_ids]) / TEMPERATURE).masked_fill(neg_ids[None, :] == targets[:, None],
+                                                                             losses.MASKED)  # fmt: skip
+    return pos, neg
 
 
-VARIANTS = {"cat": nll_cat, "lse": losses._nll_of_first_column, "online": nll_online}
+def loss_cat(user, table, targets, neg_ids):
+    return -F.log_softmax(torch.cat(_blocks(user, table, targets, neg_ids), 1), 1)[:, 0].mean()
+
+
+def loss_lse(user, table, targets, neg_ids):
+    pos, neg = _blocks(user, table, targets, neg_ids)
+    return (torch.logsumexp(torch.stack([pos[:, 0], neg.logsumexp(1)], 1), 1) - pos[:, 0]).mean()
+
+
+def loss_online(user, table, targets, neg_ids):
+    pos, neg = _blocks(user, table, targets, neg_ids)
+    top = torch.maximum(pos[:, 0], neg.detach().amax(1))[:, None]
+    return (top[:, 0] + ((pos - top).exp()[:, 0] + (neg - top).exp().sum(1)).log() - pos[:, 0]).mean()
+
+
+def loss_recforge(user, table, targets, neg_ids):
+    sampled = losses.SampledNegatives(ids=neg_ids)
+    return losses.sampled_softmax_loss(user, targets, lambda ids: table if ids is None else table[ids],
+                                       table.shape[0] - 1, negatives="shared", num_negatives=neg_ids.numel(),
+                                       temperature=TEMPERATURE, sampled=sampled, matmul="float16")  # fmt: skip
+
+
+VARIANTS = {"cat": loss_cat, "lse": loss_lse, "online": loss_online, "recforge": loss_recforge}
 
 
 def main() -> None:
@@ -62,45 +87,39 @@ def main() -> None:
     reference = None
     for name in a.variants:
         torch._dynamo.reset()
-        original = losses._nll_of_first_column
-        losses._nll_of_first_column = VARIANTS[name]
-        try:
-            def step(user):
-                loss = losses.sampled_softmax_loss(user, targets, lambda ids: table if ids is None else table[ids], a.items,
-                                                   negatives="shared", num_negatives=a.negatives, temperature=0.05,
-                                                   sampled=sampled, matmul="float16")  # fmt: skip
-                loss.backward()
-                return loss
 
-            compiled = torch.compile(step)
-            user = user0.clone().requires_grad_()
-            for _ in range(3):
-                user.grad = table.grad = None
-                loss = compiled(user)
-            grad = user.grad.clone()
-            times = []
-            for _ in range(a.steps):
-                user.grad = table.grad = None
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                compiled(user)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                user.grad = table.grad = None
-                compiled(user)
-                torch.cuda.synchronize()
-            kernels = {}
-            for e in prof.key_averages():
-                if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
-                    kernels[e.key[:90]] = e.device_time_total / 1e3
-        finally:
-            losses._nll_of_first_column = original
+        def step(user, fn=VARIANTS[name]):
+            loss = fn(user, table, targets, sampled.ids)
+            loss.backward()
+            return loss
+
+        compiled = torch.compile(step)
+        user = user0.clone().requires_grad_()
+        for _ in range(3):
+            user.grad = table.grad = None
+            loss = compiled(user)
+        grad = user.grad.clone()
+        times = []
+        for _ in range(a.steps):
+            user.grad = table.grad = None
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            compiled(user)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            user.grad = table.grad = None
+            compiled(user)
+            torch.cuda.synchronize()
+        kernels = {}
+        for e in prof.key_averages():
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+                kernels[e.key[:90]] = e.device_time_total / 1e3
         if reference is None:
-            reference = (float(loss), grad)
-        row = {"variant": name, "ms": statistics.median(times), "loss": float(loss),
-               "loss_diff": abs(float(loss) - reference[0]),
+            reference = (float(loss.detach()), grad)
+        row = {"variant": name, "ms": statistics.median(times), "loss": float(loss.detach()),
+               "loss_diff": abs(float(loss.detach()) - reference[0]),
                "grad_rel_diff": float((grad - reference[1]).norm() / reference[1].norm()),
                "kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])}  # fmt: skip
         doc["rows"].append(row)
