@@ -13,8 +13,9 @@ float16``, temperature 0.05, accidental hits masked), forward and backward under
 - ``lse``: the negatives' ``logsumexp``, then the logsumexp of [positive, that] (no concatenated copy; autograd's
   backward, which may keep the scaled, masked logits);
 - ``online``: one row maximum over both (no gradient through it), then ``log(sum(exp(x - max)))``;
-- ``recforge``: ``recforge.train.losses.sampled_softmax_loss`` as it is now (the negatives' logsumexp by an autograd
-  function whose backward recomputes the scaled, masked logits from the matmul's output).
+- ``recforge``: ``recforge.train.losses.sampled_softmax_loss`` as it is in the tree that runs (now ``lse``'s form).
+  In ``loss_nll-autograd-fn-h200.json`` it was an autograd function whose backward recomputed the scaled, masked
+  logits from the matmul's output: no faster than ``lse`` (Inductor already recomputes them), so not kept.
 
 Each variant: median ms of ``--steps`` compiled fwd+bwd calls (CUDA events), the loss and the user gradient
 against ``cat``'s, and its kernels' GPU time (profiler) by name.

@@ -233,14 +233,15 @@ def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[
             pos = (user * item_vectors(targets)).sum(-1, keepdim=True) / temperature  # (T, 1)
             neg_logits = torch.bmm(item_vectors(neg_ids), user.unsqueeze(2)).squeeze(2) / temperature  # (T, K)
             parts = [pos, neg_logits.masked_fill(hits, MASKED)]
-    else:  # shared: neg_ids (K,); its (T, K) logits never kept scaled or masked (_MaskedLogsumexp)
+    else:  # shared: neg_ids (K,)
         parts = [(user * item_vectors(targets)).sum(-1, keepdim=True) / temperature]  # (T, 1)
-        shared = mm(user, item_vectors(neg_ids))  # (T, K), unscaled
-        parts.append(_MaskedLogsumexp.apply(shared, neg_ids, targets, 1.0 / temperature, False)[:, None])
+        neg_logits = mm(user, item_vectors(neg_ids)) / temperature  # (T, K)
+        parts.append(neg_logits.masked_fill(neg_ids[None, :] == targets[:, None], MASKED))
     if sampled.in_batch is not None:
-        batch_ids = sampled.in_batch  # (U,); its repeats are 0 (batch_distinct's fill), masked too
-        in_batch = mm(user, item_vectors(batch_ids))  # (T, U), unscaled
-        parts.append(_MaskedLogsumexp.apply(in_batch, batch_ids, targets, 1.0 / temperature, True)[:, None])
+        batch_ids = sampled.in_batch  # (U,)
+        batch_logits = mm(user, item_vectors(batch_ids)) / temperature  # (T, U)
+        hit = (batch_ids[None, :] == targets[:, None]) | (batch_ids == 0)[None, :]  # 0: batch_distinct's fill
+        parts.append(batch_logits.masked_fill(hit, MASKED))
     nll = _nll_of_first_column(parts)
     return nll.mean() if weights is None else _weighted_mean(nll, weights)
 
@@ -253,42 +254,12 @@ MASKED = torch.finfo(torch.float32).min
 
 def _nll_of_first_column(parts: list[Tensor]) -> Tensor:
     """(T,) ``-log_softmax(torch.cat(parts, 1), 1)[:, 0]`` without the concatenation: the logsumexp of each
-    block of columns, then of those (a (T, 1) part is taken as it is: a block's logsumexp already, or the positive
-    column). The concatenated copy (2 GiB of float32 at 64K positions x 8,193 shared columns) is never written."""
+    block of columns, then of those. The concatenated copy (2 GiB of float32 at 64K positions x 8,193 shared
+    columns) is never written."""
     lse = parts[0].logsumexp(1)
     if len(parts) > 1:
-        blocks = [part[:, 0] if part.shape[1] == 1 else part.logsumexp(1) for part in parts[1:]]
-        lse = torch.logsumexp(torch.stack([lse, *blocks], 1), 1)
+        lse = torch.logsumexp(torch.stack([lse] + [part.logsumexp(1) for part in parts[1:]], 1), 1)
     return lse - parts[0][:, 0]
-
-
-def _masked_scaled(raw: Tensor, col_ids: Tensor, targets: Tensor, inv_t: float, drop_padding: bool) -> Tensor:
-    """``raw`` (T, S) x ``inv_t``, MASKED where a column's item is the row's target (an accidental hit) or, with
-    ``drop_padding``, the padding id 0."""
-    hidden = col_ids[None, :] == targets[:, None]
-    if drop_padding:
-        hidden = hidden | (col_ids == 0)[None, :]
-    return (raw * inv_t).masked_fill(hidden, MASKED)
-
-
-class _MaskedLogsumexp(torch.autograd.Function):
-    """(T,) logsumexp over the columns of ``_masked_scaled(raw, ...)``; its backward recomputes those scaled, masked
-    logits from ``raw`` (kept anyway: the matmul's output), so no (T, S) copy of them is kept between forward and
-    backward. Compiled, the forward is one reduction reading ``raw`` and the backward one pass writing its gradient
-    (H200, 65,536 x 8,192: BENCHMARKS.md, 16th session). The gradient of a masked column is exactly 0."""
-
-    @staticmethod
-    def forward(ctx, raw: Tensor, col_ids: Tensor, targets: Tensor, inv_t: float, drop_padding: bool) -> Tensor:
-        lse = _masked_scaled(raw, col_ids, targets, inv_t, drop_padding).logsumexp(1)
-        ctx.save_for_backward(raw, col_ids, targets, lse)
-        ctx.inv_t, ctx.drop_padding = inv_t, drop_padding
-        return lse
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        raw, col_ids, targets, lse = ctx.saved_tensors
-        x = _masked_scaled(raw, col_ids, targets, ctx.inv_t, ctx.drop_padding)
-        return (x - lse[:, None]).exp() * (grad * ctx.inv_t)[:, None], None, None, None, None
 
 
 def _weighted_mean(nll: Tensor, weights: Tensor) -> Tensor:
