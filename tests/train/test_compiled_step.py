@@ -100,18 +100,24 @@ class _FloatAttributes(torch.nn.Module):
             return torch.nn.functional.layer_norm(x.float(), (8,), eps=1e-5).sum()
 
 
-def test_compile_dynamic_traces_once_and_its_graph_is_cacheable(monkeypatch) -> None:
+def test_compile_dynamic_traces_once_and_its_graph_is_cacheable() -> None:
     """Floats are constants (no restarted trace to specialise them: one compile attempt per graph), and a graph
     with an autocast region passes AOTAutograd's cacheability check (the cache is what a second process reuses)."""
+    import torch._inductor.config
+
+    # PyTorch's defaults, restored after by the config modules' own patch (pytest's monkeypatch restores a config
+    # entry it did not find in the module's __dict__ by deleting it, which hides it from every later test)
+    with torch._dynamo.config.patch(specialize_float=False), \
+            torch._inductor.config.patch(unsafe_marked_cacheable_functions={}):  # fmt: skip
+        _check_compile_dynamic_traces_once_and_is_cacheable()
+
+
+def _check_compile_dynamic_traces_once_and_is_cacheable() -> None:
     from torch._dynamo.utils import compile_times
     from torch._functorch._aot_autograd.autograd_cache import check_node_safe
 
     from recforge.train.compiled import compile_dynamic
 
-    import torch._inductor.config
-
-    monkeypatch.setattr(torch._dynamo.config, "specialize_float", False)  # PyTorch's defaults, restored after
-    monkeypatch.setattr(torch._inductor.config, "unsafe_marked_cacheable_functions", {})
     torch._dynamo.reset()
     graphs = []
 
