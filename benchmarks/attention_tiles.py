@@ -121,10 +121,11 @@ def compile_worker(spec: dict) -> None:
 
 def precompile(workers: int, spec: dict) -> None:
     start = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, __file__, "--_compile-worker", json.dumps(dict(spec, index=i, count=workers))])
-             for i in range(workers)]  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, __file__, "--_compile-worker",
+                               json.dumps(dict(spec, index=i, count=workers))]) for i in range(workers)]  # fmt: skip
     codes = [p.wait() for p in procs]
-    print(f"compiled the tiles in {workers} processes: {time.perf_counter() - start:.0f} s, exit codes {codes}", flush=True)
+    print(f"compiled the tiles in {workers} processes: {time.perf_counter() - start:.0f} s, exit codes {codes}",
+          flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -161,7 +162,8 @@ def main() -> None:
                     outs = outputs_of(name, call, tile)
                     if reference is None:
                         reference = outs
-                    err = max(float((o - r).abs().max() / r.abs().max().clamp_min(1e-6)) for o, r in zip(outs, reference))
+                    err = max(float((o - r).abs().max() / r.abs().max().clamp_min(1e-6))
+                              for o, r in zip(outs, reference, strict=True))  # fmt: skip
                     row["rel_err_vs_first_tile"] = err
                     if err > 0.05:
                         row["error"] = f"outputs differ from the first tile's ({err:.3g} relative)"

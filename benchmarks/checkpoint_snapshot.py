@@ -56,7 +56,8 @@ def identical(a, b) -> bool:
 
 
 def run_case(case: str, variant: str, device: torch.device, args) -> dict:
-    runner, _ = tm.make_runner(case, variant, device, argparse.Namespace(chunk_size=0, bucket_ratio=1.125, loss_matmul="float32"))
+    options = argparse.Namespace(chunk_size=0, bucket_ratio=1.125, loss_matmul="float32")  # train_mfu's defaults
+    runner, _ = tm.make_runner(case, variant, device, options)
     batches = [b.to(device) for b in tm.make_batches(case, 2, seed=1)]
     for i in range(3):  # AdamW's moments and step counts exist from the first step on
         runner([batches[i % 2]])

@@ -43,7 +43,8 @@ from torch._dynamo.utils import compile_times, counters
 import train_mfu as T
 
 T.CASES["compile-probe"] = (dict(dim=128, num_blocks=8, num_heads=2, dqk=64, dv=64), 200, 0, 16, "full", 0, 3706)
-runner, _ = T.make_runner("compile-probe", VARIANT, torch.device(DEVICE), argparse.Namespace(chunk_size=0, bucket_ratio=1.25, loss_matmul="float32"))
+options = argparse.Namespace(chunk_size=0, bucket_ratio=1.25, loss_matmul="float32")
+runner, _ = T.make_runner("compile-probe", VARIANT, torch.device(DEVICE), options)
 try:
     from recforge.train.compiled import compile_dynamic
 except ImportError:  # a tree from before compile_dynamic: what its train.compile did

@@ -18,7 +18,8 @@ float16``, temperature 0.05, accidental hits masked), forward and backward under
   logits from the matmul's output: no faster than ``lse`` (Inductor already recomputes them), so not kept.
 
 Each variant: median ms of ``--steps`` compiled fwd+bwd calls (CUDA events), the loss and the user gradient
-against ``cat``'s, and its kernels' GPU time (profiler) by name.
+against the first variant's (``cat`` unless ``--variants`` says otherwise), and its kernels' GPU time (profiler) by
+name. (In the two JSONs of 2026-11-25 ``cat`` masked with the lowest finite float32, not -inf.)
 """
 
 from __future__ import annotations
@@ -36,15 +37,15 @@ from recforge.train import losses
 TEMPERATURE = 0.05
 
 
-def _blocks(user, table, targets, neg_ids):
+def _blocks(user, table, targets, neg_ids, masked=losses.MASKED):
     pos = (user * table[targets]).sum(-1, keepdim=True) / TEMPERATURE  # (T, 1)
     neg = (half_input_logits(user, table[neg_ids]) / TEMPERATURE).masked_fill(neg_ids[None, :] == targets[:, None],
-                                                                             losses.MASKED)  # fmt: skip
+                                                                             masked)  # fmt: skip
     return pos, neg
 
 
 def loss_cat(user, table, targets, neg_ids):
-    return -F.log_softmax(torch.cat(_blocks(user, table, targets, neg_ids), 1), 1)[:, 0].mean()
+    return -F.log_softmax(torch.cat(_blocks(user, table, targets, neg_ids, float("-inf")), 1), 1)[:, 0].mean()
 
 
 def loss_lse(user, table, targets, neg_ids):

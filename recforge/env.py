@@ -14,8 +14,9 @@
                                     1 (or true/on/yes) the kernels for every supported dtype; 0 (or false/off/no)
                                     PyTorch's always
     RECFORGE_HSTU_FUSED_DQ          the HSTU attention backward computes dQ inside its dK/dV kernel (float32 atomics,
-                                    one launch; ``recforge.ops.triton.hstu.fused_dq``): unset, for sequences of more
-                                    than 2,048 tokens; 1 (or true/on/yes) for every autotuned launch; 0 never
+                                    one launch; ``recforge.ops.triton.hstu.fused_dq``; autotuned bf16/fp16 launches
+                                    only, never in deterministic mode): unset, for sequences of more than 2,048 tokens
+                                    at head dims over 64; 1 (or true/on/yes) for every such launch; 0 never
     TRITON_INTERPRET                1: Triton kernels run in Triton's CPU interpreter (tests)
 
 The four RECFORGE_ switches (launch plans, norm gate, gather-dot, fused dQ) take 1/true/on/yes or 0/false/off/no (any case); any other value is refused with
@@ -75,7 +76,8 @@ def fused_gather_dot() -> bool | None:
 
 def hstu_fused_dq() -> bool | None:
     """``$RECFORGE_HSTU_FUSED_DQ`` (``_switch``): True, False, or None when unset (the default: fused for sequences
-    longer than ``recforge.ops.triton.hstu.FUSED_DQ_AUTO_LEN``, where the H200 measured it faster)."""
+    longer than ``recforge.ops.triton.hstu.FUSED_DQ_AUTO_LEN`` at head dims over 64, where the H200 measured it
+    faster; ``recforge.ops.triton.hstu._fused_dq``)."""
     return _switch("RECFORGE_HSTU_FUSED_DQ")
 
 

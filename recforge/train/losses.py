@@ -29,6 +29,13 @@ from recforge.train.chunked_softmax import chunked_full_softmax_cross_entropy, c
 from recforge.train.distributed import several_ranks
 
 
+# A masked logit (an accidental hit, an in-batch padding column): the lowest finite float32, not -inf, so that a
+# block of columns masked whole in a row (every in-batch column the target or padding) has a finite logsumexp and
+# no NaN arises even in intermediate gradients (with -inf, logsumexp's backward makes NaN there, exp(x - lse) at
+# x = lse = -inf, which only masked_fill's backward then zeroes). exp(MASKED - lse) is exactly 0.
+MASKED = torch.finfo(torch.float32).min
+
+
 @dataclass
 class SampledNegatives:
     """A batch's sampled negatives, drawn before its step (``draw_negatives``): exactly the id tensors the loss
@@ -244,12 +251,6 @@ def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[
         parts.append(batch_logits.masked_fill(hit, MASKED))
     nll = _nll_of_first_column(parts)
     return nll.mean() if weights is None else _weighted_mean(nll, weights)
-
-
-# A masked logit: the lowest finite float32, not -inf, so that a row whose columns of one block are all masked
-# (e.g. every in-batch column the target or padding) has a finite logsumexp there and back-propagates zeros
-# (logsumexp's gradient exp(x - lse) is NaN at x = lse = -inf). exp(MASKED - lse) is exactly 0.
-MASKED = torch.finfo(torch.float32).min
 
 
 def _nll_of_first_column(parts: list[Tensor]) -> Tensor:

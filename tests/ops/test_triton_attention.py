@@ -120,9 +120,9 @@ def test_interpreter_fused_dq(interpreter, monkeypatch, kind: str) -> None:
 
 def test_fused_dq_off_in_deterministic_mode(interpreter, monkeypatch) -> None:
     monkeypatch.setattr(interpreter, "fused_dq", True)
-    assert interpreter._fused_dq(1000, "tf32")
+    assert interpreter._fused_dq(1000, "tf32", 128)
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert not interpreter._fused_dq(1000, "tf32")
+    assert not interpreter._fused_dq(1000, "tf32", 128)
 
 
 def test_fused_dq_default_by_length(monkeypatch) -> None:
@@ -137,9 +137,9 @@ def test_fused_dq_default_by_length(monkeypatch) -> None:
     assert hstu_mod._fused_dq(n + 1, "tf32", 96) and not hstu_mod._fused_dq(n + 1, "tf32", 64)
     assert not hstu_mod._fused_dq(n + 1, "ieee", 128)
     monkeypatch.setattr(hstu_mod, "fused_dq", False)
-    assert not hstu_mod._fused_dq(4 * n, "tf32")
+    assert not hstu_mod._fused_dq(4 * n, "tf32", 128)
     monkeypatch.setattr(hstu_mod, "fused_dq", True)
-    assert hstu_mod._fused_dq(300, "tf32") and not hstu_mod._fused_dq(256, "tf32")
+    assert hstu_mod._fused_dq(300, "tf32", 64) and not hstu_mod._fused_dq(256, "tf32", 64)
 
 
 @pytest.mark.parametrize("bias", ["time", "pos"])
@@ -268,10 +268,17 @@ def test_gpu_softmax_backward_candidate_tile(cuda_device, monkeypatch, kind: str
     _check(errors, TOL[torch.bfloat16], f"softmax/d{dim}/{kind} tile {tuning._key(tiles[index])} seed {seed}")
 
 
+def _longest_tile_list(*kinds: str) -> int:
+    """Candidates in the longest autotuning list of these kernel kinds (a test per index; shorter lists skip)."""
+    from recforge.ops.triton import tuning
+
+    return max(len(tiles) for kind in kinds for tiles in tuning._TABLES[kind].values())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["bwd_dq", "bwd_dkdv", "bwd_dkdv_fused"])
 @pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(_longest_tile_list("bwd_dq", "bwd_dkdv", "bwd_dkdv_fused")))
 def test_gpu_hstu_backward_candidate_tile(cuda_device, monkeypatch, kind: str, dim: int, index: int) -> None:
     """Each tile the HSTU backward autotuners may pick (dQ, dK/dV, dK/dV computing dQ), alone on the autotuned
     path (jagged bf16 sequences over 256 tokens): with both biases, or, where that specialization needs more shared
@@ -309,7 +316,7 @@ def test_gpu_hstu_backward_candidate_tile(cuda_device, monkeypatch, kind: str, d
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["hstu", "softmax"])
 @pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("index", range(10))
+@pytest.mark.parametrize("index", range(_longest_tile_list("fwd")))
 def test_gpu_forward_candidate_tile(cuda_device, monkeypatch, op: str, dim: int, index: int) -> None:
     """Each tile the forward autotuner may pick (HSTU and softmax share the list), forced on the
     forward kernel with the two-loop walk of autotuned launches: under the 'all' mask with bias,

@@ -6,6 +6,8 @@ test_triton_attention.py run the real kernels through both paths)."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -159,3 +161,33 @@ def test_fixed_tile_warps_for_bias_gradients(monkeypatch) -> None:
     assert tuning.fixed_config(256, 256, "tf32", bias_grads=True).num_warps == 4
     monkeypatch.setattr(tuning, "bias_grad_fixed_warps", None)
     assert tuning.fixed_config(64, 64, "tf32", bias_grads=True).num_warps == 4
+
+
+def test_tuning_key_holds_every_constexpr_of_every_tuned_kernel() -> None:
+    """A tile picked for one specialization is never reused for another: every constexpr that changes an attention
+    kernel's code is in the autotuning key (the tile's own BLOCK_M / BLOCK_N aside). A dK/dV tile picked without
+    bias gradients needs too much shared memory with them (an H200 test crashed before the key held them)."""
+    from recforge.ops.triton import cached, hstu, softmax
+
+    kernels = [hstu._hstu_fwd, hstu._hstu_bwd_dq, hstu._hstu_bwd_dkdv, softmax._sm_fwd, softmax._sm_bwd_dq,
+               softmax._sm_bwd_dkdv, cached._cached_fwd]  # fmt: skip
+    for kernel in kernels:
+        fn = kernel
+        while not inspect.isfunction(fn):  # a JITFunction (or the interpreter's wrapper) around the Python function
+            fn = fn.fn
+        parameters = inspect.signature(fn).parameters.values()
+        constexprs = {p.name for p in parameters if "constexpr" in str(p.annotation)} - {"BLOCK_M", "BLOCK_N"}
+        assert len(constexprs) > 5, fn.__name__
+        assert constexprs <= set(tuning.TUNING_KEY), (fn.__name__, constexprs - set(tuning.TUNING_KEY))
+
+
+def test_shortened_lists_keep_each_lists_smallest_tile(monkeypatch) -> None:
+    """``shorten_hstu_candidates``: the first n tiles and the smallest, which fits where larger ones do not."""
+    monkeypatch.setattr(tuning, "_TABLES", {kind: dict(tables) for kind, tables in tuning._TABLES.items()})
+    full = {kind: dict(tuning._TABLES[kind]) for kind in ("fwd", "bwd_dq", "bwd_dkdv", "bwd_dkdv_fused")}
+    tuning.shorten_hstu_candidates(1)
+    for kind, tables in full.items():
+        for dims, tiles in tables.items():
+            smallest = min(tiles, key=lambda t: t[0] * t[1] * t[3])
+            kept = tuning._TABLES[kind][dims]
+            assert kept[0] == tiles[0] and smallest in kept and len(kept) <= 2, (kind, dims, kept)

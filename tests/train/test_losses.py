@@ -130,11 +130,12 @@ def test_in_batch_negatives_add_other_targets() -> None:
     assert loss.item() > without.item()  # more negatives, larger loss
 
 
+@pytest.mark.parametrize("negatives", ["shared", "per_position"])
 @pytest.mark.parametrize(("in_batch", "one_target"), [(False, False), (True, False), (True, True)])
-def test_shared_gradients_match_the_concatenated_softmax(in_batch: bool, one_target: bool) -> None:
-    """The shared / in-batch blocks' logsumexps (no concatenated copy, masked columns at the lowest finite float)
-    give the gradients of -log_softmax(cat(...)) with -inf masks, also where a row's whole in-batch block is masked
-    (every batch item its target or a padding repeat)."""
+def test_gradients_match_the_concatenated_softmax(negatives: str, in_batch: bool, one_target: bool) -> None:
+    """The blocks' logsumexps (no concatenated copy, masked columns at the lowest finite float) give the loss and
+    gradients of -log_softmax(cat(...)) with -inf masks, also where a row's whole in-batch block is masked (every batch
+    item its target or a padding repeat), all finite."""
     num_items, k, temperature = 12, 9, 0.1
     user, _, table, _ = _setup(num_positions=7, num_items=num_items)
     # rows whose target is 3 keep only 5 and 7 in batch; with one target, every row's in-batch block is masked whole
@@ -146,18 +147,25 @@ def test_shared_gradients_match_the_concatenated_softmax(in_batch: bool, one_tar
         torch.manual_seed(seed)
         if path == "recforge":
             loss = sampled_softmax_loss(u, targets, lambda ids, t=t: t if ids is None else t[ids], num_items,
-                                        negatives="shared", num_negatives=k, in_batch_negatives=in_batch,
+                                        negatives=negatives, num_negatives=k, in_batch_negatives=in_batch,
                                         temperature=temperature)  # fmt: skip
         else:
-            shared = torch.randint(1, num_items + 1, (k,))
-            cols = [shared] + ([torch.unique(targets)] if in_batch else [])
             parts = [(u * t[targets]).sum(-1, keepdim=True) / temperature]
-            for ids in cols:
+            if negatives == "shared":
+                ids = torch.randint(1, num_items + 1, (k,))
+                parts.append((u @ t[ids].T / temperature).masked_fill(ids[None, :] == targets[:, None], float("-inf")))
+            else:
+                ids = torch.randint(1, num_items + 1, (targets.shape[0], k))  # (T, K), drawn as the loss draws them
+                own = (u[:, None, :] * t[ids]).sum(-1) / temperature
+                parts.append(own.masked_fill(ids == targets[:, None], float("-inf")))
+            if in_batch:
+                ids = torch.unique(targets)
                 parts.append((u @ t[ids].T / temperature).masked_fill(ids[None, :] == targets[:, None], float("-inf")))
             loss = -F.log_softmax(torch.cat(parts, 1), 1)[:, 0].mean()
         loss.backward()
         grads.append((loss.detach(), u.grad, t.grad))
     for got, want in zip(grads[0], grads[1], strict=True):
+        assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 

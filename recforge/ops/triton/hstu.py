@@ -442,7 +442,7 @@ def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
     return dq, dk, dv, d_pos, d_time
 
 
-def _fused_dq(max_seq_len: int, dot_prec: str, dqk: int = 128) -> bool:
+def _fused_dq(max_seq_len: int, dot_prec: str, dqk: int) -> bool:
     """Whether this backward computes dQ in the dK/dV kernel (``fused_dq``: True, or None with sequences of more than
     ``FUSED_DQ_AUTO_LEN`` tokens and a head dim ``dqk`` over 64), never in deterministic mode, only for an autotuned
     launch (bf16/fp16 on sequences over 256 tokens) or the interpreter (its tests)."""

@@ -34,7 +34,7 @@ def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
 # picked (128, 64, 8, 3) at D = 128 from L = 4096 (HSTU forward 1.11x at L = 8192 on an H100,
 # `benchmarks/results/attention-h100-fwd-tiles.json`). (128, 32, 4, 3) leads at D = 128: in a sweep of
 # every HSTU kernel over ~30 tiles each (`benchmarks/attention_tiles.py`, H200, jagged 64K-token batches,
-# `attention_tiles-h200.json`) it was the fastest forward at L 2048 and 8192 (1.12x / 1.04x the previous list's best).
+# `attention_tiles-h200.json`) it was the fastest forward at L 2048 and 8192 (1.09x / 1.04x the previous list's best).
 _FWD = {
     64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (64, 32, 4, 2),
          (64, 64, 4, 4), (64, 128, 4, 4)],
@@ -82,16 +82,24 @@ _SM_BWD_DKDV = {
     128: [(32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 8, 4), (64, 64, 4, 2), (64, 128, 8, 2)],
     256: _BWD_256,
 }
-_TABLES = {"fwd": _FWD, "bwd_dq": _BWD_DQ, "bwd_dkdv": _BWD_DKDV, "bwd_dkdv_fused": _BWD_DKDV_FUSED, "softmax_bwd_dq": _SM_BWD_DQ, "softmax_bwd_dkdv": _SM_BWD_DKDV}
+_TABLES = {"fwd": _FWD, "bwd_dq": _BWD_DQ, "bwd_dkdv": _BWD_DKDV, "bwd_dkdv_fused": _BWD_DKDV_FUSED,
+           "softmax_bwd_dq": _SM_BWD_DQ, "softmax_bwd_dkdv": _SM_BWD_DKDV}
 
 
 def shorten_hstu_candidates(n: int) -> None:
-    """Cut each HSTU kernel's autotuning list (forward, dQ, dK/dV) to its first ``n`` tiles, for benchmarks whose
-    shapes make every candidate's compile and timing costly (long sequences). Keep ``n`` >= 2: with more than one
-    candidate the autotuner drops a tile that needs more shared memory than the GPU has, while a single pinned
-    tile is launched untried (the first forward tile ran out of shared memory on the H200)."""
+    """Cut each HSTU kernel's autotuning list (forward, dQ, dK/dV) to its first ``n`` tiles, plus its smallest one,
+    for benchmarks whose shapes make every candidate's compile and timing costly (long sequences). The smallest tile
+    stays because larger ones may not fit a specialization's shared memory (bias gradients, 3-4 stages): the
+    autotuner drops a tile that does not fit when it has others, but launches a lone one untried (the first forward
+    tile ran out of shared memory on the H200). Keep ``n`` >= 1."""
     for kind in ("fwd", "bwd_dq", "bwd_dkdv", "bwd_dkdv_fused"):
-        _TABLES[kind] = {dims: tiles[:n] for dims, tiles in _TABLES[kind].items()}
+        _TABLES[kind] = {dims: list(dict.fromkeys([*tiles[:n], _smallest(tiles)]))
+                         for dims, tiles in _TABLES[kind].items()}  # fmt: skip
+
+
+def _smallest(tiles: list[tuple[int, int, int, int]]) -> tuple[int, int, int, int]:
+    """The tile needing the least shared memory (BLOCK_M x BLOCK_N x stages), fewer warps first on a tie."""
+    return min(tiles, key=lambda t: (t[0] * t[1] * t[3], t[2]))
 
 
 def _dim_class(bd: int) -> int:
