@@ -69,3 +69,9 @@ def source_trees(items: list[str], holds: str = "recforge/__init__.py") -> dict[
         trees[name] = Path(path).resolve()
     return trees
 
+
+
+def switch_state(value: bool | None) -> bool | str:
+    """A ``recforge.env`` switch as a benchmark's JSON records it: true / false, or "auto" when unset (its default
+    rule applies)."""
+    return "auto" if value is None else value

@@ -48,6 +48,7 @@ from types import SimpleNamespace
 
 import torch
 import triton
+from _machine import switch_state
 
 from recforge.env import hstu_fused_dq
 from recforge.jagged.index import offsets_from_lengths
@@ -598,7 +599,7 @@ def save(args, rows: list[dict], peak: float) -> None:
             "torch": torch.__version__,
             "triton": triton.__version__,
             "date": datetime.date.today().isoformat(),
-            "matmul_peak_tflops": peak, "hstu_fused_dq": hstu_fused_dq(),
+            "matmul_peak_tflops": peak, "hstu_fused_dq": switch_state(hstu_fused_dq()),
             "rows": rows,
         }
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 import torch._dynamo
 import torch._inductor.config
+from _machine import switch_state
 
 from recforge.config import config_from_dict
 from recforge.env import fused_gather_dot, hstu_fused_dq
@@ -351,7 +352,7 @@ def main() -> None:
             "benchmark": "train_mfu", "command": "python benchmarks/train_mfu.py " + " ".join(sys.argv[1:]),
             "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "matmul_precision_fp32": matmul_precision("float32"), "peaks_tflops_bf16": peaks,
-            "date": datetime.date.today().isoformat(), "fused_gather_dot": fused_gather_dot(), "hstu_fused_dq": hstu_fused_dq(), "loss_matmul": args.loss_matmul, "gather_dot_kernels": _gather_dot_state(), "cases": {c: {k: v for k, v in zip(
+            "date": datetime.date.today().isoformat(), "fused_gather_dot": fused_gather_dot(), "hstu_fused_dq": switch_state(hstu_fused_dq()), "loss_matmul": args.loss_matmul, "gather_dot_kernels": _gather_dot_state(), "cases": {c: {k: v for k, v in zip(
                 ("model", "max_len", "tokens", "users", "negatives", "num_negatives", "items"), CASES[c], strict=True)} for c in args.cases},
             "rows": rows,
         })  # fmt: skip

@@ -6,6 +6,10 @@ One program per (query block or key block, sequence, head); tiles a row block ca
 are never visited, and fully visible tiles skip the mask arithmetic (``recforge.ops.triton._common``).
 The bias gradients (position and time-bucket weights, shared by all heads) are summed
 per tile and weight before any atomic (``recforge.ops.triton.bias_grad``), in float32.
+
+Sections: the kernels' shared tile math (scores, sigmoid); the three kernels (forward, dQ, dK/dV); the backward's
+switches (time-bias gradient loops, per-pair atomics, dQ inside the dK/dV kernel); launching (constexprs, forward,
+backward); the autograd function and the public entry point.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ from recforge.ops.triton._common import (
 )
 from recforge.ops.triton.bias_grad import pos_grad_tile, time_grad_tile, time_index
 from recforge.ops.triton.tuning import dot_precision, is_interpreting, launch, tuned
+
+
+# ---- shared tile math ------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -85,6 +92,9 @@ def _sigmoid(x, FAST: tl.constexpr):
         return 0.5 + 0.5 * t
     else:
         return tl.sigmoid(x)
+
+
+# ---- the kernels --------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -331,6 +341,8 @@ def _hstu_bwd_dkdv(
              mask=key_ok[:, None] & (dv_[None, :] < DV))
 
 
+# ---- the backward's switches --------------------------------------------------------------------------------------
+
 # Time buckets a mask-free tile of the dK/dV kernel sums one at a time, from its highest down, and
 # its lowest (``bias_grad.time_grad_tile``); pairs in the others, rare there, take an atomic each.
 TIME_STEPS = 4
@@ -353,13 +365,12 @@ pair_atomics = False
 # computed once instead of twice (5 tile dots instead of 7). dQ's float32 sums then come in no fixed order (run to
 # run differences at float32 rounding); never used under torch.use_deterministic_algorithms(True). Read at each
 # backward call; autotuned (bf16/fp16, long sequences) launches only. None (the default, $RECFORGE_HSTU_FUSED_DQ
-# unset): on for sequences of more than FUSED_DQ_AUTO_LEN tokens at head dims over 64. H200, bf16, jagged 64K-token
-# batches (BENCHMARKS.md, 16th session): each kernel alone with its best tile (benchmarks/attention_tiles.py), the
-# fused backward 1.14x the two kernels at D 128, L 8192, equal at L 2048 once dQ's float32 zeroing and copy count;
-# fwd+bwd through the op at D 64, L 4096-8192: 0.98x (no gain); the 64K-token training step (D 128, users of
-# 2,048-8,192 tokens) 64.48 -> 62.47 ms.
+# unset): on for sequences of more than FUSED_DQ_AUTO_LEN tokens at head dims over 64, where an H200 measured it
+# faster (1.14x the two kernels at D 128, L 8192; equal at L 2048, no gain at D 64: BENCHMARKS.md, 16th session).
 fused_dq = hstu_fused_dq()
 FUSED_DQ_AUTO_LEN = 2048
+
+# ---- launching ----------------------------------------------------------------------------------------------------
 
 _fwd = tuned(_hstu_fwd, kind="fwd")
 _bwd_dq = tuned(_hstu_bwd_dq, kind="bwd_dq")
@@ -462,6 +473,9 @@ def _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, 
     P = pos_w.numel() if has_pos else 1
     scalars = (scale, ma.window, P, num_buckets, q.shape[1], max_len_bucket(max_seq_len))
     return common, scalars, _meta(ma, q.shape[2], v.shape[2], has_pos, has_time, q.dtype)
+
+
+# ---- autograd and the entry point ---------------------------------------------------------------------------------
 
 
 class _HSTUAttention(torch.autograd.Function):
