@@ -7,13 +7,12 @@ Usage:
 The autotuning lists in ``recforge.ops.triton.tuning`` can only pick among the tiles they hold; this sweep
 times tiles they do not hold. For each head dim and maximum length L, the jagged bf16 batch of
 ``benchmarks/attention.py`` (~``--tokens`` tokens, causal, 4 heads, no relative bias); each kernel
-(``fwd``, ``dq``, ``dkdv``, ``dkdv_fused``: dK/dV with dQ added by TMA reductions where the GPU has them
-(``hstu.tma_dq``), ``dkdv_fused_atomics``: the same by float32 atomics per element) is launched with one
+(``fwd``, ``dq``, ``dkdv``, and ``dkdv_fused``: dK/dV with dQ by float32 atomics) is launched with one
 (BLOCK_M, BLOCK_N, warps, stages) tile at a time, exactly as ``tuning.launch`` launches an autotuned
 kernel (two loops: ``SPLIT_LOOPS``). Each tile's outputs are first checked against the first tile's
 (a tile that compiles wrongly is reported, not timed); then ``triton.testing.do_bench`` (median,
 warmup 25 ms, rep 100 ms). TFLOP/s count the kernel's matmuls over the visible (query, key) pairs:
-2 (fwd), 3 (dq: scores, dA, dQ), 4 (dkdv), 5 (dkdv_fused, dkdv_fused_atomics). A tile that needs more shared memory than the
+2 (fwd), 3 (dq: scores, dA, dQ), 4 (dkdv), 5 (dkdv_fused). A tile that needs more shared memory than the
 GPU has is reported as such. ``--workers N`` compiles all tiles in N processes first (Triton's disk cache).
 """
 
@@ -34,8 +33,8 @@ from attention import inputs_for, make_lengths, matmul_peak
 from recforge.jagged.mask import AttentionMask
 from recforge.ops.triton import hstu as hstu_mod
 
-KERNELS = ("fwd", "dq", "dkdv", "dkdv_fused", "dkdv_fused_atomics")
-MATMULS = {"fwd": 2, "dq": 3, "dkdv": 4, "dkdv_fused": 5, "dkdv_fused_atomics": 5}
+KERNELS = ("fwd", "dq", "dkdv", "dkdv_fused")
+MATMULS = {"fwd": 2, "dq": 3, "dkdv": 4, "dkdv_fused": 5}
 
 
 def default_tiles(kernel: str, dim: int) -> list[tuple[int, int, int, int]]:
@@ -54,20 +53,20 @@ def default_tiles(kernel: str, dim: int) -> list[tuple[int, int, int, int]]:
     return tiles
 
 
-def collect_launches(dim: int, lengths: list[int], seed: int, fused: bool, tma: bool = True) -> dict[str, tuple]:
+def collect_launches(dim: int, lengths: list[int], seed: int, fused: bool) -> dict[str, tuple]:
     """kernel name -> (kernel, grid_blocks, batch, heads, max_seq_len, args, meta) of one forward and backward
-    (nothing launched: ``hstu.launch`` is replaced while the calls run); ``tma``: ``hstu.tma_dq``."""
+    (nothing launched: ``hstu.launch`` is replaced while the calls run)."""
     (q, k, v), offsets = inputs_for(lengths, dim, seed)
     calls: dict[str, tuple] = {}
 
     def collect(kernel, grid_blocks, batch, heads, max_seq_len, args, meta):
         name = {"_hstu_fwd": "fwd", "_hstu_bwd_dq": "dq", "_hstu_bwd_dkdv": "dkdv"}[kernel.fn.__name__]
         if name == "dkdv" and meta.get("FUSED_DQ"):
-            name = "dkdv_fused" if tma else "dkdv_fused_atomics"
+            name = "dkdv_fused"
         calls[name] = (kernel, grid_blocks, batch, heads, max_seq_len, args, dict(meta, SPLIT_LOOPS=True))
 
-    saved, saved_fused, saved_tma = hstu_mod.launch, hstu_mod.fused_dq, hstu_mod.tma_dq
-    hstu_mod.launch, hstu_mod.fused_dq, hstu_mod.tma_dq = collect, fused, tma
+    saved, saved_fused = hstu_mod.launch, hstu_mod.fused_dq
+    hstu_mod.launch, hstu_mod.fused_dq = collect, fused
     try:
         L = max(lengths)
         out = hstu_mod.hstu_forward(q, k, v, offsets, L, hstu_mod.mask_args(AttentionMask(), offsets), 1.0 / L,
@@ -75,7 +74,7 @@ def collect_launches(dim: int, lengths: list[int], seed: int, fused: bool, tma: 
         hstu_mod.hstu_backward(torch.randn_like(out), q, k, v, offsets, L, hstu_mod.mask_args(AttentionMask(), offsets),
                                1.0 / L, None, None, None, 0, False, False)  # fmt: skip
     finally:
-        hstu_mod.launch, hstu_mod.fused_dq, hstu_mod.tma_dq = saved, saved_fused, saved_tma
+        hstu_mod.launch, hstu_mod.fused_dq = saved, saved_fused
     return calls
 
 
@@ -83,8 +82,6 @@ def all_launches(dim: int, lengths: list[int], seed: int, kernels: list[str]) ->
     calls = collect_launches(dim, lengths, seed, fused=False)
     if "dkdv_fused" in kernels:
         calls.update(collect_launches(dim, lengths, seed, fused=True))
-    if "dkdv_fused_atomics" in kernels:
-        calls.update(collect_launches(dim, lengths, seed, fused=True, tma=False))
     return {k: calls[k] for k in kernels}
 
 
@@ -96,7 +93,7 @@ def run_tile(call: tuple, tile: tuple[int, int, int, int]) -> None:
                                               num_stages=stages)  # fmt: skip
 
 
-OUTPUTS = {"fwd": (3,), "dq": (4,), "dkdv": (4, 5), "dkdv_fused": (4, 5, 6), "dkdv_fused_atomics": (4, 5, 6)}  # positions in args
+OUTPUTS = {"fwd": (3,), "dq": (4,), "dkdv": (4, 5), "dkdv_fused": (4, 5, 6)}  # positions in args
 
 
 def outputs_of(name: str, call: tuple, tile: tuple) -> list[torch.Tensor]:

@@ -17,17 +17,14 @@
                                     one launch; ``recforge.ops.triton.hstu.fused_dq``; autotuned bf16/fp16 launches
                                     only, never in deterministic mode): unset, for sequences of more than 2,048 tokens
                                     at head dims over 64; 1 (or true/on/yes) for every such launch; 0 never
-    RECFORGE_HSTU_TMA_DQ            0 (or false/off/no): that fused dQ adds its tiles with one float32 atomic per
-                                    element (``recforge.ops.triton.hstu.tma_dq``); default 1, one bulk (TMA) reduction
-                                    per tile on GPUs that have it (compute capability >= 9.0)
     TRITON_INTERPRET                1: Triton kernels run in Triton's CPU interpreter (tests)
 
-The five RECFORGE_ switches (launch plans, norm gate, gather-dot, fused dQ, TMA dQ) take 1/true/on/yes or 0/false/off/no (any case); any other value is refused with
+The four RECFORGE_ switches (launch plans, norm gate, gather-dot, fused dQ) take 1/true/on/yes or 0/false/off/no (any case); any other value is refused with
 ``ValueError``. Each is read when its function is called, so a test can set it with ``monkeypatch.setenv``;
 ``RECFORGE_TRITON_LAUNCH_PLANS`` is read once, when the Triton kernels are first imported, and
 ``RECFORGE_FUSED_NORM_GATE`` once, when ``recforge.ops.norm_gate`` is imported, ``RECFORGE_FUSED_GATHER_DOT``
-once, when ``recforge.ops.gather_dot`` is imported, and ``RECFORGE_HSTU_FUSED_DQ`` and ``RECFORGE_HSTU_TMA_DQ`` once,
-when the HSTU Triton kernels are.
+once, when ``recforge.ops.gather_dot`` is imported, and ``RECFORGE_HSTU_FUSED_DQ`` once, when the HSTU Triton kernels
+are.
 """
 
 from __future__ import annotations
@@ -84,15 +81,9 @@ def hstu_fused_dq() -> bool | None:
     return _switch("RECFORGE_HSTU_FUSED_DQ")
 
 
-def hstu_tma_dq() -> bool:
-    """``$RECFORGE_HSTU_TMA_DQ`` (``_switch``): False when set off; True otherwise (the default: the fused dQ's tiles
-    added by bulk tensor-memory reductions where the GPU has them; ``recforge.ops.triton.hstu._tma_dq``)."""
-    return _switch("RECFORGE_HSTU_TMA_DQ") is not False
-
-
 def triton_interpret() -> bool:
     """``$TRITON_INTERPRET`` is set to something other than 0 (Triton reads it when kernels are defined)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-__all__ = ["TRUSTED_SLICE_MODULES", "data_dir", "fused_gather_dot", "fused_norm_gate", "hstu_fused_dq", "hstu_tma_dq", "triton_interpret", "triton_launch_plans", "trusted_slice_modules"]
+__all__ = ["TRUSTED_SLICE_MODULES", "data_dir", "fused_gather_dot", "fused_norm_gate", "hstu_fused_dq", "triton_interpret", "triton_launch_plans", "trusted_slice_modules"]

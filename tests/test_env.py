@@ -70,14 +70,3 @@ def test_hstu_fused_dq_switch(monkeypatch) -> None:
     monkeypatch.setenv("RECFORGE_HSTU_FUSED_DQ", "2")
     with pytest.raises(ValueError, match="RECFORGE_HSTU_FUSED_DQ='2'"):
         env.hstu_fused_dq()
-
-
-def test_hstu_tma_dq_switch(monkeypatch) -> None:
-    monkeypatch.delenv("RECFORGE_HSTU_TMA_DQ", raising=False)
-    assert env.hstu_tma_dq() is True  # unset: on where the GPU has TMA (hstu._tma_dq)
-    for value, on in (("1", True), ("off", False), ("0", False)):
-        monkeypatch.setenv("RECFORGE_HSTU_TMA_DQ", value)
-        assert env.hstu_tma_dq() is on, value
-    monkeypatch.setenv("RECFORGE_HSTU_TMA_DQ", "tma")
-    with pytest.raises(ValueError, match="RECFORGE_HSTU_TMA_DQ='tma'"):
-        env.hstu_tma_dq()

@@ -142,24 +142,6 @@ def test_fused_dq_default_by_length(monkeypatch) -> None:
     assert hstu_mod._fused_dq(300, "tf32", 64) and not hstu_mod._fused_dq(256, "tf32", 64)
 
 
-def test_tma_dq_only_where_compiled_for_tma(monkeypatch) -> None:
-    """The fused dQ's TMA reductions: never in the interpreter, on the CPU, switched off, or for a head dim that is
-    not a power of two (a tile's columns would reach the next head's)."""
-    from recforge.ops.triton import hstu as hstu_mod
-
-    q = torch.empty(4, 2, 64)
-    monkeypatch.setattr(hstu_mod, "tma_dq", True)
-    assert not hstu_mod._tma_dq(q)  # CPU tensor
-    monkeypatch.setattr(hstu_mod, "is_interpreting", lambda: False)
-    assert not hstu_mod._tma_dq(q)
-    if torch.cuda.is_available():
-        wanted = torch.cuda.get_device_capability()[0] >= 9
-        assert hstu_mod._tma_dq(q.cuda()) is wanted
-        assert not hstu_mod._tma_dq(torch.empty(4, 2, 48, device="cuda"))
-        monkeypatch.setattr(hstu_mod, "tma_dq", False)
-        assert not hstu_mod._tma_dq(q.cuda())
-
-
 @pytest.mark.parametrize("bias", ["time", "pos"])
 def test_interpreter_one_bias_alone(interpreter, bias: str) -> None:
     """model.relative_bias=false runs with the time bias alone (pos_weights=None); and the other way round."""
@@ -222,19 +204,16 @@ def test_gpu_long_jagged_autotuned(cuda_device, op: str, kind: str, dim: int) ->
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tma", [True, False], ids=["tma", "atomics"])
 @pytest.mark.parametrize(("kind", "dim", "bias"), [("causal", 128, False), ("all", 64, True), ("targets", 128, True)])
-def test_gpu_fused_dq_autotuned(cuda_device, monkeypatch, kind: str, dim: int, bias: bool, tma: bool) -> None:
-    """hstu.fused_dq on the autotuned bf16 path (sequences over 256 tokens), with and without the biases, its tiles
-    added by TMA reductions (where the GPU has them) or per-element atomics."""
+def test_gpu_fused_dq_autotuned(cuda_device, monkeypatch, kind: str, dim: int, bias: bool) -> None:
+    """hstu.fused_dq on the autotuned bf16 path (sequences over 256 tokens), with and without the biases."""
     from recforge.ops.triton import hstu as hstu_mod
 
     monkeypatch.setattr(hstu_mod, "fused_dq", True)
-    monkeypatch.setattr(hstu_mod, "tma_dq", tma)
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     errors = _case("hstu", kind, seed, batch=5, max_len=1100, heads=2, dqk=dim, dv=dim, dtype=torch.bfloat16,
                    device=cuda_device, bias=bias)
-    _check(errors, TOL[torch.bfloat16], f"hstu/{kind}/d{dim}/fused dq ({'tma' if tma else 'atomics'}) seed {seed}")
+    _check(errors, TOL[torch.bfloat16], f"hstu/{kind}/d{dim}/fused dq seed {seed}")
 
 
 @pytest.mark.gpu

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from recforge.env import hstu_fused_dq, hstu_tma_dq
+from recforge.env import hstu_fused_dq
 from recforge.jagged.mask import AttentionMask
 from recforge.ops.triton._common import (
     MaskArgs,
@@ -82,15 +82,14 @@ def _scores_and_bucket(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, ti
 @triton.jit
 def _sigmoid(x, FAST: tl.constexpr):
     """1 / (1 + exp(-x)) in float32. FAST (bf16/fp16 inputs): 0.5 + 0.5 tanh(x / 2) on the
-    hardware tanh, two elements per instruction in float16 (relative error ~2^-10, under the bf16
-    rounding of the tile before the next dot): half a special-function op per element instead of two
-    (exp, reciprocal). At head dim 64 those ops, not the tensor cores, bound the forward: a 128x64
-    tile's two dots take ~512 cycles per SM, its 8192 exp + 8192 reciprocals at 16 per cycle ~1024."""
+    hardware tanh (relative error ~2^-11, under bf16/fp16 rounding of the tile before the next
+    dot): one special-function op per element instead of two (exp, reciprocal). At head dim 64
+    those ops, not the tensor cores, bound the forward: a 128x64 tile's two dots take ~512 cycles
+    per SM, its 8192 exp + 8192 reciprocals at 16 per cycle ~1024."""
     if FAST:
-        h = (0.5 * x).to(tl.float16)  # beyond float16's range: +-inf, whose tanh is +-1
-        t = tl.inline_asm_elementwise("tanh.approx.f16x2 $0, $1;", "=r,r", [h], dtype=tl.float16,
-                                      is_pure=True, pack=2)
-        return 0.5 + 0.5 * t.to(tl.float32)
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [0.5 * x], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+        return 0.5 + 0.5 * t
     else:
         return tl.sigmoid(x)
 
@@ -242,10 +241,10 @@ def _hstu_bwd_dkdv(
     HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr, PAIR_ATOMICS: tl.constexpr,
     NB_PAD: tl.constexpr, TIME_STEPS: tl.constexpr, TIME_LOOP: tl.constexpr, REUSE_BUCKET: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
-    FUSED_DQ: tl.constexpr, TMA_DQ: tl.constexpr, DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr,
-    SPLIT_LOOPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FUSED_DQ: tl.constexpr, DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_n, num_blocks, b, h = block_of_program(len_key, num_heads, BLOCK_N)  # first keys (most rows see them) first
+    pid_n, _, b, h = block_of_program(len_key, num_heads, BLOCK_N)  # first keys (most rows see them) first
     start_tok = tl.load(offsets + b)
     n = (tl.load(offsets + b + 1) - start_tok).to(tl.int32)
     j0 = pid_n * BLOCK_N
@@ -274,11 +273,6 @@ def _hstu_bwd_dkdv(
     pos_first = tl.zeros((1,), dtype=tl.float32)  # this program's dS summed for position weights 0, P - 1
     pos_last = tl.zeros((1,), dtype=tl.float32)
     time_hist = tl.zeros((NB_PAD,), dtype=tl.float32)  # and per time bucket
-
-    if FUSED_DQ and TMA_DQ:  # dQ (T, H * DQK) float32, all sequences: the batch's token count is its last offset
-        batch = tl.num_programs(0) // (num_blocks * num_heads)
-        dq_tiles = tl.make_tensor_descriptor(DQ32, shape=[tl.load(offsets + batch).to(tl.int32), num_heads * DQK],
-                                             strides=[sdq_t, 1], block_shape=[BLOCK_M, DQK])
 
     m_lo, m_hi = free_tile_span(lo, free_lo, free_hi, BLOCK_M)
     n_masked = m_lo + tl.cdiv(hi - lo, BLOCK_M) - m_hi
@@ -313,11 +307,8 @@ def _hstu_bwd_dkdv(
             dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
             if FUSED_DQ:  # this tile's share of dQ, added to the float32 dQ of its rows (see fused_dq)
                 dq_part = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PREC)  # (BLOCK_M, BD_QK)
-                if TMA_DQ:  # one bulk reduction from shared memory; rows past `hi` add dS = 0 (see tma_dq)
-                    dq_tiles.atomic_add([(start_tok + i_start).to(tl.int32), h * DQK], dq_part)
-                else:
-                    tl.atomic_add(DQ32 + h * sdq_h + tok[:, None] * sdq_t + dq_[None, :], dq_part,
-                                  mask=row_ok[:, None] & (dq_[None, :] < DQK), sem="relaxed")
+                tl.atomic_add(DQ32 + h * sdq_h + tok[:, None] * sdq_t + dq_[None, :], dq_part,
+                              mask=row_ok[:, None] & (dq_[None, :] < DQK), sem="relaxed")
             if PAIR_ATOMICS:  # the per-pair atomics of earlier releases, for A/B benchmarks only
                 if POS_GRAD:
                     dist = tl.minimum(i, he) - tl.minimum(j, he)
@@ -378,13 +369,6 @@ pair_atomics = False
 # faster (1.14x the two kernels at D 128, L 8192; equal at L 2048, no gain at D 64: BENCHMARKS.md, 16th session).
 fused_dq = hstu_fused_dq()
 FUSED_DQ_AUTO_LEN = 2048
-# True: that fused dQ adds each tile's (BLOCK_M, Dqk) float32 product to dQ with one bulk tensor-memory (TMA)
-# reduction from shared memory (cp.reduce.async.bulk.tensor; compute capability >= 9.0, Triton's tensor
-# descriptors), instead of one float32 atomic per element issued by every thread. A tile's rows past the rows that
-# see its keys (the sequence's end) land in the next sequence's rows, or are clipped at the batch's end: they add
-# exactly 0 there (their dS is masked to 0, or their dO rows load as 0). False ($RECFORGE_HSTU_TMA_DQ=0): the
-# per-element atomics, for A/B benchmarks. Read at each backward call.
-tma_dq = hstu_tma_dq()
 
 # ---- launching ----------------------------------------------------------------------------------------------------
 
@@ -458,9 +442,8 @@ def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
         bias_meta = dict(meta, PAIR_ATOMICS=bool(pair_atomics), NB_PAD=next_power_of_2(num_buckets + 1) if time_grad else 16,
                          TIME_STEPS=TIME_STEPS, TIME_LOOP=bool(time_loop_in_masked_tiles),
                          REUSE_BUCKET=bool(reuse_time_bucket))  # fmt: skip
-        tma = fused and _tma_dq(q)
         launch(_bwd_dkdv, "n", batch, heads, max_seq_len, dkdv_args,
-               dict(bias_meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad, FUSED_DQ=fused, TMA_DQ=tma))
+               dict(bias_meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad, FUSED_DQ=fused))
         if fused:
             dq.copy_(dq32)
     else:
@@ -478,28 +461,6 @@ def _fused_dq(max_seq_len: int, dot_prec: str, dqk: int) -> bool:
     if not wanted or torch.are_deterministic_algorithms_enabled():
         return False
     return is_interpreting() or (max_seq_len > 256 and dot_prec != "ieee")
-
-
-def _tma_dq(q: Tensor) -> bool:
-    """Whether the fused dQ adds its tiles by TMA reductions (``tma_dq``): compiled for a GPU of compute capability
-    >= 9.0 with Triton's tensor descriptors, a power-of-two head dim (the tile's columns are one head's); sets the
-    scratch allocator the kernel's device-side descriptors need (Triton keeps one per thread, and the backward
-    may run on autograd's device thread)."""
-    if not tma_dq or is_interpreting() or q.device.type != "cuda":
-        return False
-    if not (hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")):  # Triton < 3.4
-        return False
-    dqk = q.shape[2]
-    if padded_dim(dqk) != dqk or torch.cuda.get_device_capability(q.device)[0] < 9:
-        return False
-    triton.set_allocator(_scratch)
-    return True
-
-
-def _scratch(size: int, alignment: int, stream: int | None) -> Tensor:
-    """Global memory a Triton kernel asks for at launch (its tensor descriptors), on the current device and
-    stream (inside a CUDA graph capture: the graph's pool)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets) -> tuple:

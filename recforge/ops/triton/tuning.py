@@ -148,13 +148,12 @@ def cache_kwargs(autotune=None) -> dict:
 
 
 # What a picked tile is remembered by: the length bucket, head dims and dot precision, and every constexpr that
-# changes a kernel's code (mask kinds, biases and their gradients, dQ in the dK/dV kernel and how it is added): a
-# specialization with bias gradients needs more shared memory per stage than one without, so a tile picked for one
-# may not even launch for another (names a kernel does not take are left out of its key).
+# changes a kernel's code (mask kinds, biases and their gradients, dQ in the dK/dV kernel): a specialization with
+# bias gradients needs more shared memory per stage than one without, so a tile picked for one may not even launch
+# for another (names a kernel does not take are left out of its key).
 TUNING_KEY = ["len_key", "BD_QK", "BD_V", "DQK", "DV", "DOT_PREC", "SPLIT_LOOPS", "S", "FULL_BITS", "CAUSAL",
               "HAS_TARGETS", "HAS_CONTEXT", "HAS_WINDOW", "HAS_TS", "HAS_POS", "HAS_TIME", "POS_GRAD", "TIME_GRAD",
-              "PAIR_ATOMICS", "NB_PAD", "TIME_STEPS", "TIME_LOOP", "REUSE_BUCKET", "FUSED_DQ", "TMA_DQ",
-              "FAST_SIGMOID"]  # fmt: skip
+              "PAIR_ATOMICS", "NB_PAD", "TIME_STEPS", "TIME_LOOP", "REUSE_BUCKET", "FUSED_DQ", "FAST_SIGMOID"]  # fmt: skip
 
 
 def tuned(kernel, kind: str, reset_to_zero: list[str] | None = None):
