@@ -122,21 +122,23 @@ def _chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: 
         own_vec = own[own_rows]  # (c, K, d)
         o = torch.bmm(own_vec, scaled.unsqueeze(2)).squeeze(2)  # (c, K)
         parts.append(o.masked_fill_(own_ids == targets[:, None], float("-inf")))
-    log_p = torch.cat(parts, 1).log_softmax(1)  # (c, 1 + S + K)
-    torch.neg(log_p[:, 0], out=nll)
+    # the logsumexp of each block of columns, then of those: no (c, 1 + S + K) concatenated copy
+    lse = parts[0][:, 0] if len(parts) == 1 else torch.logsumexp(torch.stack([p.logsumexp(1) for p in parts], 1), 1)
+    torch.sub(lse, pos[:, 0], out=nll)
     if grads is None:
         return
-    g = log_p.exp_()  # d nll / d logits = softmax - onehot(0), in place of log_p
-    g[:, 0].sub_(1.0)  # not `g[:, 0] -= 1`: that also copies the column onto itself (__setitem__)
-    if share is not None:
-        g.mul_(share)
-    g_pos = g[:, :1]  # (c, 1)
+
+    def softmax_of(block: Tensor) -> Tensor:  # d nll / d logits of a block (softmax; the positive's minus 1 below)
+        g = torch.exp(block - lse[:, None])
+        return g if share is None else g * share
+
+    g_pos = softmax_of(pos) - (1.0 if share is None else share)  # (c, 1)
     hi = lo + user.shape[0]
     grad_user = torch.mul(g_pos, positive, out=grads[0][lo:hi])  # (c, d)
     torch.mul(g_pos, user, out=grads[1][lo:hi])
     col = 1
     if shared is not None:
-        g_s = g[:, col : col + shared.shape[0]]  # (c, S)
+        g_s = softmax_of(parts[col])  # (c, S)
         if half is not None:
             g16 = g_s.to(torch.bfloat16)
             mm_f32_add_(grad_user, g16, half[2])
@@ -144,12 +146,12 @@ def _chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: 
         else:
             grad_user.addmm_(g_s, shared)
             grads[2].addmm_(g_s.T, user)
-        col += shared.shape[0]
+        col += 1
     if own is not None and fused:
-        g_o = own_grad.copy_(g[:, col:])  # (c, K), contiguous
+        g_o = own_grad.copy_(softmax_of(parts[col]))  # (c, K)
         grad_user.add_(gather_rows_sum(g_o, own, own_rows, kernel="triton"))
     elif own is not None:
-        g_o = g[:, col:]  # (c, K)
+        g_o = softmax_of(parts[col])  # (c, K)
         grad_user.add_(torch.bmm(g_o.unsqueeze(1), own_vec).squeeze(1))
         grads[3].index_add_(0, own_rows.reshape(-1), (g_o.unsqueeze(2) * user.unsqueeze(1)).reshape(-1, user.shape[1]))
 

@@ -2,8 +2,8 @@
 
 The objective (model + loss, see ``train.distributed.Objective``) is compiled in place
 (``nn.Module.compile``: the module keeps its type, so DDP/FSDP wrapping and ``no_sync`` see the
-same object) with dynamic shapes, so jagged batches of any token count reuse one graph; the
-backward is compiled by AOTAutograd with it. Inductor fuses the norms, activations, splits and
+same object) with dynamic shapes, so jagged batches of any token count reuse one graph, except the sampled
+negatives' count, a constant of the run (``mark_static_dims``); the backward is compiled by AOTAutograd with it. Inductor fuses the norms, activations, splits and
 the loss's elementwise work into a few kernels; the Triton HSTU attention stays one custom op per
 block (``recforge.ops.custom_ops``). The dense optimizer is the fused AdamW on CUDA, compiled or not
 (``runtime.make_optimizer``).
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from recforge.config import RunConfig
+from recforge.train.losses import SampledNegatives
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,28 @@ def compile_dynamic(module: nn.Module, *, mode: str | None = None, backend: str 
     torch._dynamo.config.specialize_float = True
     _autocast_cacheable()
     module.compile(mode=mode, dynamic=True, backend=backend)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` was compiled in place (``nn.Module.compile``, as ``compile_objective`` does)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def mark_static_dims(draws: object) -> None:
+    """Mark the sampled negatives' count static in ``draws`` (a ``SampledNegatives``; anything else is left alone),
+    before a call of the objective compiled by ``compile_dynamic``: the shared set's size (``ids`` (K,), and the
+    chunked loss's ``shared`` (K,) when no in-batch columns follow), a per-position draw's width (``ids`` and
+    ``rows`` (T, K)). Under ``dynamic=True`` every input dim is symbolic, so Inductor's kernels over the (T, K)
+    logits reduced over a K it did not know: the loss's logsumexp and its backward over 64K x 8,192 logits ran 1.7x
+    and 2.5x faster with K static (H200, BENCHMARKS.md, 17th session). K is a setting of the run
+    (``loss.num_negatives``), so no recompile follows; the token and sequence counts stay symbolic."""
+    if not isinstance(draws, SampledNegatives):
+        return
+    static = [(t, t.dim() - 1) for t in (draws.ids, draws.rows) if t is not None and t.dim() > 0]
+    if draws.shared is not None and draws.in_batch is None:
+        static.append((draws.shared, 0))
+    for tensor, dim in static:
+        torch._dynamo.mark_static(tensor, dim)
 
 
 # the autocast context's graph nodes (a bf16 step's float32 loss turns autocast off inside the graph)

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from recforge.config import RunConfig
 from recforge.jagged.batch import JaggedBatch
+from recforge.train.compiled import is_compiled, mark_static_dims
 
 log = logging.getLogger(__name__)
 MAX_GRAPHS = 64  # buckets captured at most; later new shapes run the padded step eagerly (logged once)
@@ -141,6 +142,8 @@ class GraphedStep:
     def _body(self, batch: JaggedBatch, draws: Any, scales: list[Tensor] | tuple[float, float, float]) -> Tensor:
         """Forward, backward, clipping and the optimizer step; the real batch's loss (detached)."""
         loss_scale, loss_offset, objective_scale = scales[0], scales[1], scales[2]
+        if draws is not None and is_compiled(self.objective):
+            mark_static_dims(draws)
         with self.autocast():
             objective, loss = self.objective(batch) if draws is None else self.objective(batch, draws)
         (objective * objective_scale).backward()

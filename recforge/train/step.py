@@ -39,7 +39,7 @@ from torch import nn
 from recforge.config import RunConfig
 from recforge.sparse import SparseOptimizer
 from recforge.sparse.sharded import standin_lookups
-from recforge.train.compiled import compile_objective
+from recforge.train.compiled import compile_objective, is_compiled, mark_static_dims
 from recforge.train.distributed import DistContext, Objective, unused_parameters, wrap_dense
 from recforge.train.graphed import GraphedStep, graphs_enabled
 from recforge.train.pipeline_step import AheadTable, LookAhead
@@ -80,6 +80,7 @@ class StepRunner:
                  draw: DrawFn | None = None, pad: Callable[[Any, Any], Any] | str | None = None) -> None:  # fmt: skip
         self.cfg, self.model, self.device, self.ctx = cfg, model, device, ctx
         self.objective: nn.Module = compile_objective(Objective(model, loss_fn), cfg, device)  # train.compile
+        self.compiled = is_compiled(self.objective)
         # DDP waits for the first batch: it tells whether DDP must search for unused parameters each step
         self._wrap_later = ctx.initialized and cfg.dist.dense == "ddp"
         if not self._wrap_later:
@@ -206,6 +207,8 @@ class StepRunner:
                 self.ahead.begin()
             elif self.ahead is not None:
                 self.ahead.prepare(inputs, draws)  # each table's one combined lookup of the batch's (and draws') IDs
+            if draws is not None and self.compiled:
+                mark_static_dims(draws)
             with autocast(self.cfg, self.device):
                 objective, loss = self.objective(inputs) if draws is None else self.objective(inputs, draws)
             if learn:

@@ -161,3 +161,64 @@ def test_compiled_training_run_logs_mfu(tmp_path: Path, data_dir: Path, cuda_dev
     assert summary["hr@10"] > 0
     rows = [json.loads(line) for line in (cfg.run_dir / "train_log.jsonl").read_text().splitlines()]
     assert all(0 < r["mfu"] < 1 for r in rows if "tokens_per_s" in r)
+
+
+def _input_dims(fn, *args) -> dict[str, tuple[str, ...]]:
+    """Each tensor argument's dims (by name) as dynamo traced ``fn`` under ``dynamic=True``: "int" (static) or
+    "SymInt"."""
+    seen: dict[str, tuple[str, ...]] = {}
+    torch._dynamo.reset()  # nothing compiled earlier (another test's graph of the same code) is reused
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            value = node.meta.get("example_value")
+            if node.op == "placeholder" and isinstance(value, torch.Tensor):
+                seen[node.name.strip("_").removeprefix("l_")] = tuple(type(size).__name__ for size in value.shape)
+        return gm.forward
+
+    torch.compile(fn, backend=backend, dynamic=True)(*args)
+    return seen
+
+
+@pytest.mark.parametrize("negatives", ["shared", "per_position"])
+def test_the_negatives_count_is_static_in_the_compiled_step(negatives: str) -> None:
+    """mark_static_dims: under dynamic shapes the sampled negatives' count K is a constant of the graph (Inductor
+    then specialises the loss's reductions over K), while the positions T stay symbolic."""
+    from recforge.train.compiled import mark_static_dims
+    from recforge.train.losses import draw_negatives
+
+    T, K = int(torch.randint(20, 40, ())), int(torch.randint(5, 15, ()))
+    targets = torch.randint(1, 100, (T,))
+    draws = draw_negatives(targets, 100, negatives=negatives, num_negatives=K, chunk_size=8)
+    user = torch.randn(T, 4)
+
+    def scores(user, ids, rows):
+        return user.sum(1, keepdim=True) * ids.float() + rows.float() if rows is not None else user[:, :1] * ids.float()
+
+    def dims(draws):
+        return _input_dims(scores, user, draws.ids, draws.rows)
+
+    before = dims(draws)
+    mark_static_dims(draws)
+    after = dims(draws)
+    static_k = ("int",) if negatives == "shared" else ("SymInt", "int")
+    assert after["ids"] == static_k and before["ids"] == ("SymInt",) * len(static_k)
+    assert after["user"] == ("SymInt", "SymInt")  # the positions: symbolic
+    if negatives == "per_position":
+        assert after["rows"] == ("SymInt", "int") and before["rows"] == ("SymInt", "SymInt")
+
+
+def test_chunked_shared_columns_with_in_batch_ones_stay_symbolic() -> None:
+    """The chunked loss's ``shared`` columns hold the in-batch targets too (their count follows the batch): not
+    marked; nor is anything that is not a ``SampledNegatives``."""
+    from recforge.train.compiled import mark_static_dims
+    from recforge.train.losses import draw_negatives
+
+    targets = torch.randint(1, 100, (30,))
+    draws = draw_negatives(targets, 100, negatives="shared", num_negatives=7, in_batch_negatives=True, chunk_size=8)
+    mark_static_dims(draws)
+    mark_static_dims(targets)  # no-op
+    assert _input_dims(lambda shared: shared * 2, draws.shared)["shared"] == ("SymInt",)
+    alone = draw_negatives(targets, 100, negatives="shared", num_negatives=7, chunk_size=8)
+    mark_static_dims(alone)
+    assert _input_dims(lambda shared: shared * 2, alone.shared)["shared"] == ("int",)

@@ -51,15 +51,17 @@ def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, SEED, T, N, stride_x, stride_u, ep
 @triton.jit
 def _norm_gate_bwd(DY, X, U, W, B, MEAN, RSTD, SEED, DX, DU, DW_PART, DB_PART, T, N, stride_dy, stride_x, stride_u,
                    p, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr):  # fmt: skip
-    """Row blocks pid, pid + programs, ...; dWeight/dBias partial sums over them in registers, one row of partials
-    per program (kernel names hold "norm": ``benchmarks/train_mfu.py`` counts them as elementwise/norm)."""
+    """Row blocks pid, pid + programs, ...; dWeight/dBias partial sums over them in registers (element-wise per
+    (row, column) of the block, summed over its rows once after the loop: no cross-warp reduction per block), one
+    row of partials per program (kernel names hold "norm": ``benchmarks/train_mfu.py`` counts them as
+    elementwise/norm)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
-    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    db = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(pid * BLOCK_M, T, tl.num_programs(0) * BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < T
@@ -75,15 +77,15 @@ def _norm_gate_bwd(DY, X, U, W, B, MEAN, RSTD, SEED, DX, DU, DW_PART, DB_PART, T
         u = tl.load(U + r64 * stride_u + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         tl.store(DU + r64 * N + cols[None, :], (dg * (xhat * w[None, :] + b[None, :])).to(DU.dtype.element_ty), mask=ok)
         dn = dg * u  # gradient of the LayerNorm output
-        dw += tl.sum(dn * xhat, 0)
-        db += tl.sum(dn, 0)
+        dw += dn * xhat
+        db += dn
         dxhat = dn * w[None, :]
         c1 = tl.sum(xhat * dxhat, 1) / N
         c2 = tl.sum(dxhat, 1) / N
         dx = (dxhat - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
         tl.store(DX + r64 * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=ok)
-    tl.store(DW_PART + pid * N + cols, dw, mask=col_ok)
-    tl.store(DB_PART + pid * N + cols, db, mask=col_ok)
+    tl.store(DW_PART + pid * N + cols, tl.sum(dw, 0), mask=col_ok)
+    tl.store(DB_PART + pid * N + cols, tl.sum(db, 0), mask=col_ok)
 
 
 _fwd = _norm_gate_fwd  # the name the tests' interpreter fixture checks (tests/ops/conftest.py)
