@@ -49,7 +49,7 @@ class _ChunkedSoftmaxCE(torch.autograd.Function):
         share = None if weights is None else weights / weights.sum()  # (T,) each position's w / W, on the device
         # the chunks scale each row's logit gradients by w / max(w) (in [0, 1]), and max(w) / W is applied once at
         # the end
-        rel = None if share is None else weights / weights.max()
+        rel = None if share is None else (weights / weights.max()).to(user.dtype)
         # once for every position, not per chunk: 1/temperature on the user side, the positive logits, and
         # the shared columns' padding mask as an additive bias (fused into the chunks' matmul)
         scaled = user * inv_temp  # (T, d)
@@ -128,11 +128,13 @@ def _chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: 
     if grads is None:
         return
 
-    def softmax_of(block: Tensor) -> Tensor:  # d nll / d logits of a block (softmax; the positive's minus 1 below)
-        g = torch.exp(block - lse[:, None])
-        return g if share is None else g * share
+    def softmax_of(block: Tensor, out: Tensor | None = None) -> Tensor:
+        """d nll / d logits of a block of columns, in place of the block (its logits are not needed after) or in
+        ``out``: the softmax (the positive's minus 1 below), times each row's ``share``."""
+        g = block.sub_(lse[:, None]).exp_() if out is None else torch.exp(block - lse[:, None], out=out)
+        return g if share is None else g.mul_(share)
 
-    g_pos = softmax_of(pos) - (1.0 if share is None else share)  # (c, 1)
+    g_pos = softmax_of(pos.clone()) - (1.0 if share is None else share)  # (c, 1); ``pos`` is the caller's
     hi = lo + user.shape[0]
     grad_user = torch.mul(g_pos, positive, out=grads[0][lo:hi])  # (c, d)
     torch.mul(g_pos, user, out=grads[1][lo:hi])
@@ -148,7 +150,7 @@ def _chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: 
             grads[2].addmm_(g_s.T, user)
         col += 1
     if own is not None and fused:
-        g_o = own_grad.copy_(softmax_of(parts[col]))  # (c, K)
+        g_o = softmax_of(parts[col], out=own_grad)  # (c, K)
         grad_user.add_(gather_rows_sum(g_o, own, own_rows, kernel="triton"))
     elif own is not None:
         g_o = softmax_of(parts[col])  # (c, K)

@@ -2,8 +2,8 @@
 
 The objective (model + loss, see ``train.distributed.Objective``) is compiled in place
 (``nn.Module.compile``: the module keeps its type, so DDP/FSDP wrapping and ``no_sync`` see the
-same object) with dynamic shapes, so jagged batches of any token count reuse one graph, except the sampled
-negatives' count, a constant of the run (``mark_static_dims``); the backward is compiled by AOTAutograd with it. Inductor fuses the norms, activations, splits and
+same object) with dynamic shapes, so jagged batches of any token count reuse one graph; the sampled negatives'
+count, a constant of the run, is static (``mark_static_dims``). The backward is compiled by AOTAutograd with it. Inductor fuses the norms, activations, splits and
 the loss's elementwise work into a few kernels; the Triton HSTU attention stays one custom op per
 block (``recforge.ops.custom_ops``). The dense optimizer is the fused AdamW on CUDA, compiled or not
 (``runtime.make_optimizer``).
@@ -77,7 +77,7 @@ def mark_static_dims(draws: object) -> None:
     chunked loss's ``shared`` (K,) when no in-batch columns follow), a per-position draw's width (``ids`` and
     ``rows`` (T, K)). Under ``dynamic=True`` every input dim is symbolic, so Inductor's kernels over the (T, K)
     logits reduced over a K it did not know: the loss's logsumexp and its backward over 64K x 8,192 logits ran 1.7x
-    and 2.5x faster with K static (H200, BENCHMARKS.md, 17th session). K is a setting of the run
+    and 2.4x faster with K static (H200, BENCHMARKS.md, 17th session). K is a setting of the run
     (``loss.num_negatives``), so no recompile follows; the token and sequence counts stay symbolic."""
     if not isinstance(draws, SampledNegatives):
         return

@@ -261,3 +261,24 @@ def test_compiled_full_softmax_is_whole_and_equals_the_chunked_one() -> None:
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("negatives", ["shared", "per_position"])
+def test_chunked_weights_of_another_dtype(negatives: str) -> None:
+    """Called directly with float32 vectors and float64 weights: the same loss and gradients as float32 weights (the
+    chunks' gradient buffers keep the vectors' dtype)."""
+    num_items = int(torch.randint(5, 40, ()))
+    user, table, targets = _inputs(int(torch.randint(12, 40, ())), num_items, 8)
+    user, table = user.detach().float().requires_grad_(True), table.detach().float().requires_grad_(True)
+    sampled = draw_negatives(targets, num_items, negatives=negatives, num_negatives=9, chunk_size=5)
+    weights = torch.rand(targets.shape, dtype=torch.float64) + 0.5
+    results = []
+    for w in (weights, weights.float()):
+        user.grad = table.grad = None
+        kwargs = dict(shared=table[sampled.shared], shared_ids=sampled.shared) if negatives == "shared" else dict(
+            own=table[sampled.distinct], own_rows=sampled.rows, own_ids=sampled.ids)  # fmt: skip
+        loss = chunked_softmax_cross_entropy(user, table[targets], targets, temperature=0.07, chunk=5, weights=w, **kwargs)
+        loss.backward()
+        results.append((loss.detach(), user.grad.clone(), table.grad.clone()))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a.float(), b, rtol=1e-5, atol=1e-6)

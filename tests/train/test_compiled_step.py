@@ -222,3 +222,19 @@ def test_chunked_shared_columns_with_in_batch_ones_stay_symbolic() -> None:
     alone = draw_negatives(targets, 100, negatives="shared", num_negatives=7, chunk_size=8)
     mark_static_dims(alone)
     assert _input_dims(lambda shared: shared * 2, alone.shared)["shared"] == ("int",)
+
+
+def test_the_compiled_step_marks_its_draws(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """StepRunner calls mark_static_dims on each micro-batch's draws when its objective is compiled (CUDA only, so
+    compilation is faked here), and never when it is not."""
+    from recforge.train import step as step_mod
+    from recforge.train.losses import SampledNegatives
+
+    seen: list[object] = []
+    monkeypatch.setattr(step_mod, "mark_static_dims", seen.append)
+    cfg = _cfg(tmp_path, data_dir, "loss.negatives=shared", "loss.num_negatives=16")
+    _losses(cfg, 2)
+    assert seen == []  # eager: nothing marked
+    monkeypatch.setattr(step_mod, "is_compiled", lambda module: True)
+    _losses(cfg, 2)
+    assert len(seen) == 2 and all(isinstance(d, SampledNegatives) and d.ids.shape == (16,) for d in seen)
