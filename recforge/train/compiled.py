@@ -2,8 +2,9 @@
 
 The objective (model + loss, see ``train.distributed.Objective``) is compiled in place
 (``nn.Module.compile``: the module keeps its type, so DDP/FSDP wrapping and ``no_sync`` see the
-same object) with dynamic shapes, so jagged batches of any token count reuse one graph; the sampled negatives'
-count, a constant of the run, is static (``mark_static_dims``). The backward is compiled by AOTAutograd with it. Inductor fuses the norms, activations, splits and
+same object) with dynamic shapes, so jagged batches of any token count reuse one graph; the
+sampled negatives' count, a constant of the run, is static (``mark_static_dims``). The backward
+is compiled by AOTAutograd with it. Inductor fuses the norms, activations, splits and
 the loss's elementwise work into a few kernels; the Triton HSTU attention stays one custom op per
 block (``recforge.ops.custom_ops``). The dense optimizer is the fused AdamW on CUDA, compiled or not
 (``runtime.make_optimizer``).
