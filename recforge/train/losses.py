@@ -25,7 +25,8 @@ from recforge.data.ranking_samples import TokenReference
 from recforge.jagged.index import offsets_from_lengths, sequence_ids
 from recforge.ops.gather_dot import gather_dot
 from recforge.ops.half_matmul import half_input_logits, use_half
-from recforge.train.chunked_softmax import chunked_full_softmax_cross_entropy, chunked_softmax_cross_entropy
+from recforge.train.chunked_softmax import (chunked_full_softmax_cross_entropy, chunked_softmax_cross_entropy,
+                                            logsumexp_of_blocks)
 from recforge.train.distributed import several_ranks
 
 
@@ -249,18 +250,8 @@ def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[
         batch_logits = mm(user, item_vectors(batch_ids)) / temperature  # (T, U)
         hit = (batch_ids[None, :] == targets[:, None]) | (batch_ids == 0)[None, :]  # 0: batch_distinct's fill
         parts.append(batch_logits.masked_fill(hit, MASKED))
-    nll = _nll_of_first_column(parts)
+    nll = logsumexp_of_blocks(parts) - parts[0][:, 0]  # -log_softmax(cat(parts))[:, 0], never concatenated
     return nll.mean() if weights is None else _weighted_mean(nll, weights)
-
-
-def _nll_of_first_column(parts: list[Tensor]) -> Tensor:
-    """(T,) ``-log_softmax(torch.cat(parts, 1), 1)[:, 0]`` without the concatenation: the logsumexp of each
-    block of columns, then of those. The concatenated copy (2 GiB of float32 at 64K positions x 8,193 shared
-    columns) is never written."""
-    lse = parts[0].logsumexp(1)
-    if len(parts) > 1:
-        lse = torch.logsumexp(torch.stack([lse] + [part.logsumexp(1) for part in parts[1:]], 1), 1)
-    return lse - parts[0][:, 0]
 
 
 def _weighted_mean(nll: Tensor, weights: Tensor) -> Tensor:
