@@ -63,13 +63,16 @@ def _backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Ten
                  mask_timestamps: Optional[Tensor], causal: bool, max_attn_len: int, segment_full: int, scale: float,
                  pos_weights: Optional[Tensor], timestamps: Optional[Tensor], time_weights: Optional[Tensor],
                  pos_grad: bool, time_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """(dq, dk, dv, d pos_weights, d time_weights); a bias gradient not asked for is an empty tensor."""
+    """(dq * 2 / scale in float32, dk, dv, d pos_weights, d time_weights); a bias gradient not asked for is an empty
+    tensor. dQ comes unscaled and in float32 as the fused dK/dV kernel sums it (``hstu_backward(unscaled_dq=True)``):
+    the caller's ``(dq * (scale / 2)).to(q.dtype)`` then fuses into the compiled step's next kernel instead of a
+    pass of its own."""
     from recforge.ops.triton.hstu import hstu_backward
 
     mask = _mask(num_targets, num_contextual, segment_lengths, mask_timestamps, causal, max_attn_len, segment_full)
     q, k, v, offsets, ma, ts_bias, num_buckets = _prepare(q, k, v, offsets, mask, timestamps, time_weights)
     dq, dk, dv, d_pos, d_time = hstu_backward(grad_out, q, k, v, offsets, max_seq_len, ma, scale, pos_weights, ts_bias,
-                                              time_weights, num_buckets, pos_grad, time_grad)  # fmt: skip
+                                              time_weights, num_buckets, pos_grad, time_grad, unscaled_dq=True)  # fmt: skip
     # a fresh empty tensor each: outputs of a custom op may not alias one another (both are empty without biases)
     return dq, dk, dv, d_pos if d_pos is not None else q.new_empty(0), d_time if d_time is not None else q.new_empty(0)
 
@@ -79,10 +82,10 @@ def _(grad_out, q, k, v, offsets, max_seq_len, num_targets, num_contextual, segm
       max_attn_len, segment_full, scale, pos_weights, timestamps, time_weights, pos_grad, time_grad):  # fmt: skip
     d_pos = pos_weights.new_empty(pos_weights.shape) if pos_grad and pos_weights is not None else q.new_empty(0)
     d_time = time_weights.new_empty(time_weights.shape) if time_grad and time_weights is not None else q.new_empty(0)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_pos, d_time
+    return q.new_empty(q.shape, dtype=torch.float32), k.new_empty(k.shape), v.new_empty(v.shape), d_pos, d_time
 
 
-_POS, _TIME = 13, 15  # input positions of pos_weights and time_weights
+_SCALE, _POS, _TIME = 12, 13, 15  # input positions of scale, pos_weights and time_weights
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -98,7 +101,7 @@ def _backward(ctx, grad_out):
     pos_grad, time_grad = ctx.needs_input_grad[_POS], ctx.needs_input_grad[_TIME]
     dq, dk, dv, d_pos, d_time = _backward_op(grad_out, *inputs, pos_grad, time_grad)
     grads = [None] * ctx.num_inputs
-    grads[0], grads[1], grads[2] = dq, dk, dv
+    grads[0], grads[1], grads[2] = (dq * (0.5 * inputs[_SCALE])).to(inputs[0].dtype), dk, dv
     if pos_grad and inputs[_POS] is not None:
         grads[_POS] = d_pos
     if time_grad and inputs[_TIME] is not None:

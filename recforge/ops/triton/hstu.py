@@ -94,6 +94,48 @@ def _sigmoid(x, FAST: tl.constexpr):
         return tl.sigmoid(x)
 
 
+# The training kernels' SiLU from h = s / 2: SiLU(s) = s sigmoid(s) = h (1 + tanh h), one hardware tanh and a fused
+# multiply-add per element after the halving, and 2 SiLU'(s) = (1 + tanh h)(1 + h (1 - tanh h)); the attention's
+# 1 / max_len scale, and the 1/2 of SiLU', multiply each program's accumulators (or the bias gradients) once at the
+# end instead of every element of every tile: two to three float32 operations per element fewer than
+# ``s * _sigmoid(s) * scale`` and its derivative. The forward does so at head dims up to 64 only (1.04-1.13x there;
+# at 128 ~3% slower on an H200, BENCHMARKS.md, 18th session). Halving q or k once per program instead of each
+# score cost a second copy of the key block in shared memory and was not faster.
+
+
+@triton.jit
+def _tanh(h, FAST: tl.constexpr):
+    """tanh(h) in float32: the hardware tanh with FAST (bf16/fp16 inputs, relative error ~2^-11, as
+    ``_sigmoid``), else 2 sigmoid(2h) - 1."""
+    if FAST:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [h], dtype=tl.float32, is_pure=True,
+                                         pack=1)  # fmt: skip
+    else:
+        return 2.0 * tl.sigmoid(2.0 * h) - 1.0
+
+
+@triton.jit
+def _silu(s, FAST: tl.constexpr):
+    """SiLU(s) = h (1 + tanh h), h = s / 2."""
+    if FAST:
+        h = 0.5 * s
+        return h + h * _tanh(h, FAST)
+    else:
+        return s * tl.sigmoid(s)
+
+
+@triton.jit
+def _silu_and_twice_grad(s, FAST: tl.constexpr):
+    """(SiLU(s), 2 SiLU'(s)): SiLU'(s) = sigmoid(s) (1 + s (1 - sigmoid(s))), sigmoid(s) = (1 + tanh h) / 2."""
+    if FAST:
+        h = 0.5 * s
+        t = _tanh(h, FAST)
+        return h + h * t, (1.0 + t) * (1.0 + h * (1.0 - t))
+    else:
+        sig = tl.sigmoid(s)
+        return s * sig, 2.0 * sig * (1.0 + s * (1.0 - sig))
+
+
 # ---- the kernels --------------------------------------------------------------------------------------------------
 
 
@@ -151,7 +193,10 @@ def _hstu_fwd(
             j = j_vec[None, :]
             s = _scores(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
                         HAS_POS, HAS_TIME, DOT_PREC)
-            a = s * _sigmoid(s, FAST_SIGMOID) * scale
+            if BD_QK <= 64:  # see _silu: at head dim 128 the per-element scale measured faster
+                a = _silu(s, FAST_SIGMOID)  # scale: once, at the end
+            else:
+                a = s * _sigmoid(s, FAST_SIGMOID) * scale
             if masked:
                 ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
                 vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
@@ -159,7 +204,7 @@ def _hstu_fwd(
                 a = tl.where(vis, a, 0.0)
             acc += tl.dot(a.to(v.dtype), v, input_precision=DOT_PREC)
     tl.store(O + (start_tok + offs_m)[:, None].to(tl.int64) * so_t + h * so_h + dv_[None, :],
-             acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv_[None, :] < DV))
+             (acc * scale if BD_QK <= 64 else acc).to(O.dtype.element_ty), mask=row_ok[:, None] & (dv_[None, :] < DV))
 
 
 @triton.jit
@@ -217,16 +262,16 @@ def _hstu_bwd_dq(
             j = j_vec[None, :]
             s = _scores(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
                         HAS_POS, HAS_TIME, DOT_PREC)
-            sig = _sigmoid(s, FAST_SIGMOID)
+            _, grad2 = _silu_and_twice_grad(s, FAST_SIGMOID)
             da = tl.dot(do, vT, input_precision=DOT_PREC)
-            ds = da * (scale * sig * (1.0 + s * (1.0 - sig)))
+            ds = da * grad2  # dS * 2 / scale: its factor once, at the end
             if masked:
                 ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
                 vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,
                               S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
                 ds = tl.where(vis, ds, 0.0)
             dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=DOT_PREC)
-    tl.store(DQ + rows * sdq_t + h * sdq_h + dq_[None, :], dq.to(DQ.dtype.element_ty),
+    tl.store(DQ + rows * sdq_t + h * sdq_h + dq_[None, :], (dq * (0.5 * scale)).to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (dq_[None, :] < DQK))
 
 
@@ -293,10 +338,9 @@ def _hstu_bwd_dkdv(
             else:
                 sT = _scores(k, qT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
                              HAS_POS, HAS_TIME, DOT_PREC)  # (BLOCK_N, BLOCK_M)
-            sig = _sigmoid(sT, FAST_SIGMOID)
-            aT = sT * sig * scale
+            aT, grad2 = _silu_and_twice_grad(sT, FAST_SIGMOID)  # A / scale, SiLU' * 2
             daT = tl.dot(v, doT, input_precision=DOT_PREC)
-            dsT = daT * (scale * sig * (1.0 + sT * (1.0 - sig)))
+            dsT = daT * grad2  # dS * 2 / scale: its factor once, at the end (bias gradients: in hstu_backward)
             if masked:
                 ts_i = tl.load(ts_mask + start_tok + i_vec, mask=row_ok, other=0) if HAS_TS else i_vec
                 vis = visible(i, j, n, c, he, ends, ts_i[None, :], ts_j[:, None], window,
@@ -335,9 +379,9 @@ def _hstu_bwd_dkdv(
     if TIME_GRAD and not PAIR_ATOMICS:
         slots = tl.arange(0, NB_PAD)
         tl.atomic_add(dtime + slots, time_hist, mask=(slots <= NB) & (time_hist != 0.0))
-    tl.store(DK + keys * sdk_t + h * sdk_h + dq_[None, :], dk.to(DK.dtype.element_ty),
+    tl.store(DK + keys * sdk_t + h * sdk_h + dq_[None, :], (dk * (0.5 * scale)).to(DK.dtype.element_ty),
              mask=key_ok[:, None] & (dq_[None, :] < DQK))
-    tl.store(DV_ + keys * sdv_t + h * sdv_h + dv_[None, :], dv.to(DV_.dtype.element_ty),
+    tl.store(DV_ + keys * sdv_t + h * sdv_h + dv_[None, :], (dv * scale).to(DV_.dtype.element_ty),
              mask=key_ok[:, None] & (dv_[None, :] < DV))
 
 
@@ -411,12 +455,22 @@ def hstu_forward(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: 
 
 def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, ma: MaskArgs,
                   scale: float, pos_w: Tensor | None, ts_bias: Tensor | None, time_w: Tensor | None, num_buckets: int,
-                  pos_grad: bool, time_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:  # fmt: skip
-    """(dq, dk, dv, d pos_w, d time_w) of ``hstu_forward``; the bias gradients None unless ``pos_grad``/``time_grad``."""
+                  pos_grad: bool, time_grad: bool, unscaled_dq: bool = False,
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:  # fmt: skip
+    """(dq, dk, dv, d pos_w, d time_w) of ``hstu_forward``; the bias gradients None unless ``pos_grad``/``time_grad``.
+
+    ``unscaled_dq``: return dQ * 2 / scale in float32 instead of dQ (the dK/dV kernel's sums as they are when it
+    computes dQ), for the caller to scale and round: the compiled step's next kernel does, instead of one more pass."""
     do = grad_out.contiguous()
     total, heads, _ = q.shape
     batch = offsets.numel() - 1
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    fused = _fused_dq(max_seq_len, dot_precision(q.dtype), q.shape[2])
+    # fused: the dK/dV kernel adds dS * 2 / scale times k into dq32: dQ * 2 / scale
+    dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else placeholder(q.device, torch.float32)
+    if unscaled_dq:
+        dq = dq32 if fused else torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    else:
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     pos_grad = pos_grad and pos_w is not None
@@ -429,13 +483,10 @@ def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
     if total > 0 and batch > 0:
         common, scalars, meta = _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets)
         strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2])
-        fused = _fused_dq(max_seq_len, meta["DOT_PREC"], q.shape[2])
-        if fused:
-            dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        else:
-            dq32 = placeholder(q.device, torch.float32)
+        if not fused:  # the kernel's dQ times its scale argument: 2 for dQ * 2 / scale
+            dq_scalars = (2.0, *scalars[1:]) if unscaled_dq else scalars
             launch(_bwd_dq, "m", batch, heads, max_seq_len,
-                   (q, k, v, do, dq, *strides, *dq.stride()[:2], *common, *scalars), meta)
+                   (q, k, v, do, dq, *strides, *dq.stride()[:2], *common, *dq_scalars), meta)
         dq_strides = dq32.stride()[:2] if fused else (0, 0)
         dkdv_args = (q, k, v, do, dk, dv, dq32, *strides, *dk.stride()[:2], *dv.stride()[:2], *dq_strides, *common,
                      dpos, dtime, *scalars)  # fmt: skip
@@ -444,12 +495,13 @@ def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
                          REUSE_BUCKET=bool(reuse_time_bucket))  # fmt: skip
         launch(_bwd_dkdv, "n", batch, heads, max_seq_len, dkdv_args,
                dict(bias_meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad, FUSED_DQ=fused))
-        if fused:
-            dq.copy_(dq32)
+        if fused and not unscaled_dq:
+            torch.mul(dq32, 0.5 * scale, out=dq)
     else:
         dq.zero_(), dk.zero_(), dv.zero_()
-    d_pos = dpos.to(pos_w.dtype) if pos_grad else None
-    d_time = dtime.to(time_w.dtype) if time_grad else None
+    # the kernel summed dS * 2 / scale (see _silu_and_twice_grad)
+    d_pos = (dpos * (0.5 * scale)).to(pos_w.dtype) if pos_grad else None
+    d_time = (dtime * (0.5 * scale)).to(time_w.dtype) if time_grad else None
     return dq, dk, dv, d_pos, d_time
 
 
