@@ -7,7 +7,7 @@ are never visited, and fully visible tiles skip the mask arithmetic (``recforge.
 The bias gradients (position and time-bucket weights, shared by all heads) are summed
 per tile and weight before any atomic (``recforge.ops.triton.bias_grad``), in float32.
 
-Sections: the kernels' shared tile math (scores, sigmoid); the three kernels (forward, dQ, dK/dV); the backward's
+Sections: the kernels' shared tile math (scores, sigmoid, SiLU and its derivative); the three kernels (forward, dQ, dK/dV); the backward's
 switches (time-bias gradient loops, per-pair atomics, dQ inside the dK/dV kernel); launching (constexprs, forward,
 backward); the autograd function and the public entry point.
 """
@@ -85,7 +85,8 @@ def _sigmoid(x, FAST: tl.constexpr):
     hardware tanh (relative error ~2^-11, under bf16/fp16 rounding of the tile before the next
     dot): one special-function op per element instead of two (exp, reciprocal). At head dim 64
     those ops, not the tensor cores, bound the forward: a 128x64 tile's two dots take ~512 cycles
-    per SM, its 8192 exp + 8192 reciprocals at 16 per cycle ~1024."""
+    per SM, its 8192 exp + 8192 reciprocals at 16 per cycle ~1024. The forward at head dims over 64
+    and the serving kernel (``cached``) use it; the others ``_silu`` / ``_silu_and_twice_grad``."""
     if FAST:
         t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [0.5 * x], dtype=tl.float32,
                                       is_pure=True, pack=1)
@@ -100,18 +101,15 @@ def _sigmoid(x, FAST: tl.constexpr):
 # end instead of every element of every tile: two to three float32 operations per element fewer than
 # ``s * _sigmoid(s) * scale`` and its derivative. The forward does so at head dims up to 64 only (1.04-1.13x there;
 # at 128 ~3% slower on an H200, BENCHMARKS.md, 18th session). Halving q or k once per program instead of each
-# score cost a second copy of the key block in shared memory and was not faster.
+# score cost a second copy of the key block in shared memory and was not faster. With float16 inputs dS, carried
+# times 2 / scale into its dots, overflows 2 max_len times sooner than dS would (a loss scaler backs off; bfloat16,
+# which training uses, has float32's range).
 
 
 @triton.jit
-def _tanh(h, FAST: tl.constexpr):
-    """tanh(h) in float32: the hardware tanh with FAST (bf16/fp16 inputs, relative error ~2^-11, as
-    ``_sigmoid``), else 2 sigmoid(2h) - 1."""
-    if FAST:
-        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [h], dtype=tl.float32, is_pure=True,
-                                         pack=1)  # fmt: skip
-    else:
-        return 2.0 * tl.sigmoid(2.0 * h) - 1.0
+def _tanh_approx(h):
+    """tanh(h) in float32 on the hardware tanh (relative error ~2^-11, as ``_sigmoid``'s FAST)."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [h], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -119,7 +117,7 @@ def _silu(s, FAST: tl.constexpr):
     """SiLU(s) = h (1 + tanh h), h = s / 2."""
     if FAST:
         h = 0.5 * s
-        return h + h * _tanh(h, FAST)
+        return h + h * _tanh_approx(h)
     else:
         return s * tl.sigmoid(s)
 
@@ -129,7 +127,7 @@ def _silu_and_twice_grad(s, FAST: tl.constexpr):
     """(SiLU(s), 2 SiLU'(s)): SiLU'(s) = sigmoid(s) (1 + s (1 - sigmoid(s))), sigmoid(s) = (1 + tanh h) / 2."""
     if FAST:
         h = 0.5 * s
-        t = _tanh(h, FAST)
+        t = _tanh_approx(h)
         return h + h * t, (1.0 + t) * (1.0 + h * (1.0 - t))
     else:
         sig = tl.sigmoid(s)
@@ -405,7 +403,7 @@ reuse_time_bucket = True
 # serialises on long sequences); read at each backward call.
 pair_atomics = False
 # True: the dK/dV kernel also computes dQ (one more dot per tile, its (BLOCK_M, Dqk) product added with float32
-# atomics into a zeroed float32 dQ) and the dQ kernel is not launched: each (query, key) tile's scores and dS are
+# atomics into a zeroed float32 buffer, dQ * 2 / scale: see _silu_and_twice_grad) and the dQ kernel is not launched: each (query, key) tile's scores and dS are
 # computed once instead of twice (5 tile dots instead of 7). dQ's float32 sums then come in no fixed order (run to
 # run differences at float32 rounding); never used under torch.use_deterministic_algorithms(True). Read at each
 # backward call; autotuned (bf16/fp16, long sequences) launches only. None (the default, $RECFORGE_HSTU_FUSED_DQ
