@@ -7,9 +7,9 @@ are never visited, and fully visible tiles skip the mask arithmetic (``recforge.
 The bias gradients (position and time-bucket weights, shared by all heads) are summed
 per tile and weight before any atomic (``recforge.ops.triton.bias_grad``), in float32.
 
-Sections: the kernels' shared tile math (scores, sigmoid, SiLU and its derivative); the three kernels (forward, dQ, dK/dV); the backward's
-switches (time-bias gradient loops, per-pair atomics, dQ inside the dK/dV kernel); launching (constexprs, forward,
-backward); the autograd function and the public entry point.
+Sections: the kernels' shared tile math (scores, sigmoid, SiLU and its derivative); the three kernels (forward, dQ,
+dK/dV); the backward's switches (time-bias gradient loops, per-pair atomics, dQ inside the dK/dV kernel); launching
+(constexprs, forward, backward); the autograd function and the public entry point.
 """
 
 from __future__ import annotations
