@@ -99,7 +99,7 @@ def _sigmoid(x, FAST: tl.constexpr):
 # multiply-add per element after the halving, and 2 SiLU'(s) = (1 + tanh h)(1 + h (1 - tanh h)); the attention's
 # 1 / max_len scale, and the 1/2 of SiLU', multiply each program's accumulators (or the bias gradients) once at the
 # end instead of every element of every tile: two to three float32 operations per element fewer than
-# ``s * _sigmoid(s) * scale`` and its derivative. The forward does so at head dims up to 64 only (1.04-1.13x there;
+# ``s * _sigmoid(s) * scale`` and its derivative. The forward does so at head dims up to 64 only (1.04x there;
 # at 128 ~3% slower on an H200, BENCHMARKS.md, 18th session). Halving q or k once per program instead of each
 # score cost a second copy of the key block in shared memory and was not faster. With float16 inputs dS, carried
 # times 2 / scale into its dots, overflows 2 max_len times sooner than dS would (a loss scaler backs off; bfloat16,
