@@ -94,6 +94,7 @@ VARIANTS = {  # name: (train.precision, train.compile, train.cuda_graphs, loss t
     "fp32-graphs": ("float32", "none", True, 5e-3),  # padded to buckets: TF32 GEMMs of other shapes
     "bf16-graphs": ("bfloat16", "none", True, 1e-2),
     "bf16-compile-graphs": ("bfloat16", "default", True, 1e-2),
+    "bf16-compile-max-autotune-graphs": ("bfloat16", "max-autotune-no-cudagraphs", True, 1e-2),
 }
 CATEGORIES = [  # (category, substrings of kernel names), first match wins
     ("attention", ("_hstu_", "hstu_attention")),
