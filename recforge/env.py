@@ -17,17 +17,14 @@
                                     one launch; ``recforge.ops.triton.hstu.fused_dq``; autotuned bf16/fp16 launches
                                     only, never in deterministic mode): unset, for sequences of more than 2,048 tokens
                                     at head dims over 64; 1 (or true/on/yes) for every such launch; 0 never
-    RECFORGE_HSTU_MIXER             0 (or false/off/no): the HSTU block's SiLU, attention and norm-gate as separate
-                                    autograd nodes on CUDA too (``recforge.ops.hstu_mixer``); default 1, one node
-                                    whose backward writes the uvqk pre-activation's gradient directly
     TRITON_INTERPRET                1: Triton kernels run in Triton's CPU interpreter (tests)
 
-The five RECFORGE_ switches (launch plans, norm gate, gather-dot, fused dQ, mixer) take 1/true/on/yes or 0/false/off/no (any case); any other value is refused with
+The four RECFORGE_ switches (launch plans, norm gate, gather-dot, fused dQ) take 1/true/on/yes or 0/false/off/no (any case); any other value is refused with
 ``ValueError``. Each is read when its function is called, so a test can set it with ``monkeypatch.setenv``;
 ``RECFORGE_TRITON_LAUNCH_PLANS`` is read once, when the Triton kernels are first imported, and
 ``RECFORGE_FUSED_NORM_GATE`` once, when ``recforge.ops.norm_gate`` is imported, ``RECFORGE_FUSED_GATHER_DOT``
-once, when ``recforge.ops.gather_dot`` is imported, ``RECFORGE_HSTU_FUSED_DQ`` once, when the HSTU Triton kernels
-are, and ``RECFORGE_HSTU_MIXER`` once, when ``recforge.ops.hstu_mixer`` is imported.
+once, when ``recforge.ops.gather_dot`` is imported, and ``RECFORGE_HSTU_FUSED_DQ`` once, when the HSTU Triton kernels
+are.
 """
 
 from __future__ import annotations
@@ -84,14 +81,9 @@ def hstu_fused_dq() -> bool | None:
     return _switch("RECFORGE_HSTU_FUSED_DQ")
 
 
-def hstu_mixer_fused() -> bool:
-    """``$RECFORGE_HSTU_MIXER`` (``_switch``): on unless switched off (``recforge.ops.hstu_mixer``)."""
-    return _switch("RECFORGE_HSTU_MIXER") is not False
-
-
 def triton_interpret() -> bool:
     """``$TRITON_INTERPRET`` is set to something other than 0 (Triton reads it when kernels are defined)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-__all__ = ["TRUSTED_SLICE_MODULES", "data_dir", "fused_gather_dot", "fused_norm_gate", "hstu_fused_dq", "hstu_mixer_fused", "triton_interpret", "triton_launch_plans", "trusted_slice_modules"]
+__all__ = ["TRUSTED_SLICE_MODULES", "data_dir", "fused_gather_dot", "fused_norm_gate", "hstu_fused_dq", "triton_interpret", "triton_launch_plans", "trusted_slice_modules"]

@@ -23,7 +23,6 @@ from torch.utils.checkpoint import checkpoint
 from recforge.jagged.index import lengths_from_offsets, padding_index
 from recforge.jagged.mask import AttentionMask
 from recforge.ops.hstu_attention import hstu_attention
-from recforge.ops.hstu_mixer import hstu_mixer
 from recforge.ops.norm_gate import norm_gate, unsupported
 
 
@@ -73,14 +72,10 @@ class HSTUBlock(nn.Module):
             self.register_parameter("pos_weights", None)
         self.time_weights = nn.Parameter(torch.zeros(cfg.num_time_buckets + 1)) if cfg.num_time_buckets else None
 
-    def pre_activation(self, x: Tensor) -> Tensor:
-        """The uvqk projection of tokens ``x`` (T, d) before its SiLU: (T, H * (2 Dv + 2 Dqk)), columns u | v | q | k."""
-        return self.uvqk(self.norm(x))
-
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(u, q, k, v) of tokens ``x`` (T, d): u (T, H*Dv) gates the attention output, q/k (T, H, Dqk), v (T, H, Dv)."""
         cfg, tokens = self.cfg, x.shape[0]
-        u, v, q, k = F.silu(self.pre_activation(x)).split(self.split_sizes, dim=-1)  # each (T, H*D)
+        u, v, q, k = F.silu(self.uvqk(self.norm(x))).split(self.split_sizes, dim=-1)  # each (T, H*D)
         return (u, q.view(tokens, cfg.num_heads, cfg.dqk), k.view(tokens, cfg.num_heads, cfg.dqk),
                 v.view(tokens, cfg.num_heads, cfg.dv))  # fmt: skip
 
@@ -115,15 +110,6 @@ class HSTUBlock(nn.Module):
         """``visible_keys`` (T,): for attn_norm=visible_mean, each token's visible-key count (the same in
         every block: ``HSTUEncoder`` counts once per batch); counted here when not given."""
         cfg = self.cfg
-        if self.attn_norm is not None:  # SiLU, attention and LayerNorm * u * dropout as one op (ops.hstu_mixer)
-            norm = self.attn_norm
-            gated = hstu_mixer(self.pre_activation(x), seq_offsets, max_seq_len, mask, num_heads=cfg.num_heads,
-                               dqk=cfg.dqk, dv=cfg.dv, norm_weight=norm.weight, norm_bias=norm.bias, eps=norm.eps,
-                               scale=1.0 / cfg.max_seq_len, pos_weights=self.pos_weights,
-                               timestamps=timestamps if self.time_weights is not None else None,
-                               time_weights=self.time_weights if timestamps is not None else None,
-                               p=self.dropout.p, training=self.training, kernel=cfg.kernel)  # fmt: skip
-            return x + self.out(gated)  # (T, d)
         u, q, k, v = self.project(x)
         attn = hstu_attention(
             q,

@@ -29,19 +29,14 @@ def _mask(num_targets, num_contextual, segment_lengths, mask_timestamps, causal,
     return AttentionMask(causal, num_targets, num_contextual, window, segment_lengths, full, mask_timestamps)
 
 
-def _mask_inputs(offsets, mask: AttentionMask, timestamps, time_weights):
-    """(offsets, mask arguments, time-bias timestamps, number of time buckets) as the kernels take them."""
+def _prepare(q, k, v, offsets, mask: AttentionMask, timestamps, time_weights):
     from recforge.ops.triton._common import mask_args  # first real call: Triton is installed (dispatch checked)
 
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     offsets = offsets.contiguous()
     ts_bias = timestamps.to(torch.int64).contiguous() if time_weights is not None else None
     num_buckets = time_weights.numel() - 1 if time_weights is not None else 0
-    return offsets, mask_args(mask, offsets), ts_bias, num_buckets
-
-
-def _prepare(q, k, v, offsets, mask: AttentionMask, timestamps, time_weights):
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    return q, k, v, *_mask_inputs(offsets, mask, timestamps, time_weights)
+    return q, k, v, offsets, mask_args(mask, offsets), ts_bias, num_buckets
 
 
 @torch.library.custom_op("recforge::hstu_attention", mutates_args=())
@@ -129,109 +124,6 @@ def hstu_attention_op(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_
     return _forward_op(q, k, v, seq_offsets, max_seq_len, mask.num_targets, mask.num_contextual, mask.segment_lengths,
                        mask.timestamps, mask.causal, window, full, float(scale), pos_weights,
                        timestamps if has_time else None, time_weights if has_time else None)  # fmt: skip
-
-
-@torch.library.custom_op("recforge::hstu_mixer", mutates_args=())
-def _mixer_op(pre: Tensor, offsets: Tensor, max_seq_len: int, num_targets: Optional[Tensor],
-              num_contextual: Optional[Tensor], segment_lengths: Optional[Tensor], mask_timestamps: Optional[Tensor],
-              causal: bool, max_attn_len: int, segment_full: int, scale: float, pos_weights: Optional[Tensor],
-              timestamps: Optional[Tensor], time_weights: Optional[Tensor], weight: Tensor, bias: Tensor,
-              seed: Optional[Tensor], eps: float, p: float, heads: int, dqk: int,
-              dv: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """(y, SiLU(pre), attention output, row means, row 1/std) of ``recforge.ops.triton.mixer.mixer_forward``."""
-    from recforge.ops.triton.mixer import mixer_forward
-
-    mask = _mask(num_targets, num_contextual, segment_lengths, mask_timestamps, causal, max_attn_len, segment_full)
-    offsets, ma, ts_bias, num_buckets = _mask_inputs(offsets, mask, timestamps, time_weights)
-    return mixer_forward(pre.contiguous(), heads, dqk, dv, offsets, max_seq_len, ma, scale, pos_weights, ts_bias,
-                         time_weights, num_buckets, weight, bias, seed, eps, p)  # fmt: skip
-
-
-@_mixer_op.register_fake
-def _(pre, offsets, max_seq_len, num_targets, num_contextual, segment_lengths, mask_timestamps, causal, max_attn_len,
-      segment_full, scale, pos_weights, timestamps, time_weights, weight, bias, seed, eps, p, heads, dqk, dv):  # fmt: skip
-    tokens = pre.shape[0]
-    rows = pre.new_empty(tokens, dtype=torch.float32)
-    return (pre.new_empty(tokens, heads * dv), pre.new_empty(pre.shape), pre.new_empty(tokens, heads, dv), rows,
-            rows.new_empty(rows.shape))  # fmt: skip
-
-
-@torch.library.custom_op("recforge::hstu_mixer_backward", mutates_args=())
-def _mixer_backward_op(dy: Tensor, pre: Tensor, act: Tensor, attn: Tensor, mean: Tensor, rstd: Tensor,
-                       offsets: Tensor, max_seq_len: int, num_targets: Optional[Tensor],
-                       num_contextual: Optional[Tensor], segment_lengths: Optional[Tensor],
-                       mask_timestamps: Optional[Tensor], causal: bool, max_attn_len: int, segment_full: int,
-                       scale: float, pos_weights: Optional[Tensor], timestamps: Optional[Tensor],
-                       time_weights: Optional[Tensor], weight: Tensor, bias: Tensor, seed: Optional[Tensor],
-                       p: float, heads: int, dqk: int, dv: int, pos_grad: bool,
-                       time_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """(d pre, d weight, d bias, d pos_weights, d time_weights); a bias gradient not asked for is an empty tensor."""
-    from recforge.ops.triton.mixer import mixer_backward
-
-    mask = _mask(num_targets, num_contextual, segment_lengths, mask_timestamps, causal, max_attn_len, segment_full)
-    offsets, ma, ts_bias, num_buckets = _mask_inputs(offsets, mask, timestamps, time_weights)
-    d_pre, d_weight, d_bias, d_pos, d_time = mixer_backward(
-        dy.contiguous(), pre.contiguous(), act, attn, mean, rstd, heads, dqk, dv, offsets, max_seq_len, ma, scale,
-        pos_weights, ts_bias, time_weights, num_buckets, weight, bias, seed, p, pos_grad, time_grad)  # fmt: skip
-    return (d_pre, d_weight, d_bias, d_pos if d_pos is not None else pre.new_empty(0),
-            d_time if d_time is not None else pre.new_empty(0))  # fmt: skip
-
-
-@_mixer_backward_op.register_fake
-def _(dy, pre, act, attn, mean, rstd, offsets, max_seq_len, num_targets, num_contextual, segment_lengths,
-      mask_timestamps, causal, max_attn_len, segment_full, scale, pos_weights, timestamps, time_weights, weight, bias,
-      seed, p, heads, dqk, dv, pos_grad, time_grad):  # fmt: skip
-    d_pos = pos_weights.new_empty(pos_weights.shape) if pos_grad and pos_weights is not None else pre.new_empty(0)
-    d_time = time_weights.new_empty(time_weights.shape) if time_grad and time_weights is not None else pre.new_empty(0)
-    return pre.new_empty(pre.shape), weight.new_empty(weight.shape), bias.new_empty(bias.shape), d_pos, d_time
-
-
-_M_POS, _M_TIME, _M_WEIGHT, _M_BIAS, _M_P = 11, 13, 14, 15, 18  # input positions in recforge::hstu_mixer
-
-
-def _mixer_setup_context(ctx, inputs, output) -> None:
-    tensors = [x for x in inputs if isinstance(x, Tensor) or x is None]
-    ctx.save_for_backward(*tensors, *output[1:])
-    ctx.scalars = {i: x for i, x in enumerate(inputs) if not (isinstance(x, Tensor) or x is None)}
-    ctx.num_inputs = len(inputs)
-
-
-def _mixer_backward(ctx, dy, _dact, _dattn, _dmean, _drstd):
-    saved = list(ctx.saved_tensors)
-    act, attn, mean, rstd = saved[-4:]
-    saved = iter(saved[:-4])
-    inputs = [ctx.scalars[i] if i in ctx.scalars else next(saved) for i in range(ctx.num_inputs)]
-    pos_grad, time_grad = ctx.needs_input_grad[_M_POS], ctx.needs_input_grad[_M_TIME]
-    # the op's inputs after pre, as _mixer_backward_op takes them (eps, not needed, left out)
-    rest = inputs[1:17] + inputs[_M_P:]
-    d_pre, d_weight, d_bias, d_pos, d_time = _mixer_backward_op(dy, inputs[0], act, attn, mean, rstd, *rest, pos_grad,
-                                                                time_grad)  # fmt: skip
-    grads = [None] * ctx.num_inputs
-    grads[0], grads[_M_WEIGHT], grads[_M_BIAS] = d_pre, d_weight, d_bias
-    if pos_grad and inputs[_M_POS] is not None:
-        grads[_M_POS] = d_pos
-    if time_grad and inputs[_M_TIME] is not None:
-        grads[_M_TIME] = d_time
-    return tuple(grads)
-
-
-_mixer_op.register_autograd(_mixer_backward, setup_context=_mixer_setup_context)
-
-
-def hstu_mixer_op(pre: Tensor, seq_offsets: Tensor, max_seq_len: int, mask: AttentionMask, scale: float,
-                  pos_weights: Optional[Tensor], timestamps: Optional[Tensor], time_weights: Optional[Tensor],
-                  weight: Tensor, bias: Tensor, seed: Optional[Tensor], eps: float, p: float, heads: int, dqk: int,
-                  dv: int) -> Tensor:  # fmt: skip
-    """``recforge.ops.triton.mixer.HSTUMixer`` through the custom op (same contract): what a compiled model calls."""
-    has_time = time_weights is not None and timestamps is not None
-    full = 0
-    if mask.segment_lengths is not None:
-        full = sum(1 << s for s, f in enumerate(mask.segment_full or ()) if f)
-    window = _NO_WINDOW if mask.max_attn_len is None else int(mask.max_attn_len)
-    return _mixer_op(pre, seq_offsets, max_seq_len, mask.num_targets, mask.num_contextual, mask.segment_lengths,
-                     mask.timestamps, mask.causal, window, full, float(scale), pos_weights,
-                     timestamps if has_time else None, time_weights if has_time else None, weight, bias, seed,
-                     float(eps), float(p), int(heads), int(dqk), int(dv))[0]  # fmt: skip
 
 
 @torch.library.custom_op("recforge::norm_gate", mutates_args=())
@@ -351,5 +243,4 @@ def scatter_rows_sum_op(g: Tensor, q: Tensor, idx: Tensor, num_rows: int) -> Ten
     return _scatter_rows_sum_op(g, q, idx, int(num_rows))
 
 
-__all__ = ["gather_dot_op", "gather_rows_sum_op", "hstu_attention_op", "hstu_mixer_op", "norm_gate_op",
-           "scatter_rows_sum_op"]
+__all__ = ["gather_dot_op", "gather_rows_sum_op", "hstu_attention_op", "norm_gate_op", "scatter_rows_sum_op"]

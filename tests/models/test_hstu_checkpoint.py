@@ -27,12 +27,12 @@ def _encoders(checkpoint_blocks: int, kernel: str, attn_norm: str, dtype: torch.
 
 
 def _count_projections(blocks) -> list[int]:
-    """A list that grows by one each time one of ``blocks`` runs its uvqk projection (module hooks do not
+    """A list that grows by one each time one of ``blocks`` runs its projection (module hooks do not
     see the recomputation)."""
     runs: list[int] = []
     for block in blocks:
-        pre_activation = block.pre_activation
-        block.pre_activation = lambda x, pre_activation=pre_activation: (runs.append(1), pre_activation(x))[1]
+        project = block.project
+        block.project = lambda x, project=project: (runs.append(1), project(x))[1]
     return runs
 
 

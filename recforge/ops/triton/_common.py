@@ -155,14 +155,6 @@ def lengths_ok(offsets: Tensor, max_seq_len: int) -> None:
 
 
 @triton.jit
-def silu_grad(x):
-    """SiLU'(x) = sigmoid(x) (1 + x (1 - sigmoid(x))), float32 in, exact sigmoid: the kernels that take the
-    pre-activation of SiLU-ed inputs multiply their gradients by it before they store them."""
-    sig = tl.sigmoid(x)
-    return sig * (1.0 + x * (1.0 - sig))
-
-
-@triton.jit
 def block_of_program(len_key, num_heads, BLOCK: tl.constexpr):
     """(block index, number of blocks, sequence, head) of this program in the one-dimensional
     block-major grid of ``tuning.launch``: ``cdiv(len_key, BLOCK)`` blocks per (sequence, head),

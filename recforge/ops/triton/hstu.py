@@ -35,7 +35,6 @@ from recforge.ops.triton._common import (
     padded_dim,
     placeholder,
     query_block_ranges,
-    silu_grad,
     query_tile,
     time_thresholds,
     visible,
@@ -208,13 +207,13 @@ def _hstu_fwd(
 
 @triton.jit
 def _hstu_bwd_dq(
-    Q, K, V, DO, DQ, PRE_Q, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sdq_t, sdq_h,
+    Q, K, V, DO, DQ, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sdq_t, sdq_h,
     offsets, num_targets, num_contextual, seg_ends, ts_mask, ts_bias, pos_w, time_w, time_thr,
     scale, window, P, NB, num_heads, len_key,
     S: tl.constexpr, FULL_BITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
-    DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr, SILU_IN: tl.constexpr,
+    DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     blk, num_blocks, b, h = block_of_program(len_key, num_heads, BLOCK_M)
@@ -270,17 +269,13 @@ def _hstu_bwd_dq(
                               S, FULL_BITS, HAS_WINDOW, HAS_TS) & (j < khi)
                 ds = tl.where(vis, ds, 0.0)
             dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=DOT_PREC)
-    dq = dq * (0.5 * scale)
-    if SILU_IN:  # q = SiLU(PRE_Q): the gradient of the pre-activation (PRE_Q strided as Q)
-        dq *= silu_grad(tl.load(PRE_Q + rows * sq_t + h * sq_h + dq_[None, :], mask=row_ok[:, None] & (dq_[None, :] < DQK),
-                                other=0.0).to(tl.float32))  # fmt: skip
-    tl.store(DQ + rows * sdq_t + h * sdq_h + dq_[None, :], dq.to(DQ.dtype.element_ty),
+    tl.store(DQ + rows * sdq_t + h * sdq_h + dq_[None, :], (dq * (0.5 * scale)).to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (dq_[None, :] < DQK))
 
 
 @triton.jit
 def _hstu_bwd_dkdv(
-    Q, K, V, DO, DK, DV_, DQ32, PRE_K, PRE_V, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sdk_t, sdk_h, sdv_t, sdv_h,
+    Q, K, V, DO, DK, DV_, DQ32, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sdk_t, sdk_h, sdv_t, sdv_h,
     sdq_t, sdq_h,
     offsets, num_targets, num_contextual, seg_ends, ts_mask, ts_bias, pos_w, time_w, time_thr, dpos, dtime,
     scale, window, P, NB, num_heads, len_key,
@@ -290,7 +285,7 @@ def _hstu_bwd_dkdv(
     NB_PAD: tl.constexpr, TIME_STEPS: tl.constexpr, TIME_LOOP: tl.constexpr, REUSE_BUCKET: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
     FUSED_DQ: tl.constexpr, DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
-    SILU_IN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n, _, b, h = block_of_program(len_key, num_heads, BLOCK_N)  # first keys (most rows see them) first
     start_tok = tl.load(offsets + b)
@@ -382,18 +377,9 @@ def _hstu_bwd_dkdv(
     if TIME_GRAD and not PAIR_ATOMICS:
         slots = tl.arange(0, NB_PAD)
         tl.atomic_add(dtime + slots, time_hist, mask=(slots <= NB) & (time_hist != 0.0))
-    dk = dk * (0.5 * scale)
-    if SILU_IN:  # k = SiLU(PRE_K), v = SiLU(PRE_V): the gradients of the pre-activations (strided as K and V); dK
-        # stored before PRE_V is read (fewer registers live at once: ptxas spills less)
-        dk *= silu_grad(tl.load(PRE_K + keys * sk_t + h * sk_h + dq_[None, :], mask=key_ok[:, None] & (dq_[None, :] < DQK),
-                                other=0.0).to(tl.float32))  # fmt: skip
-    tl.store(DK + keys * sdk_t + h * sdk_h + dq_[None, :], dk.to(DK.dtype.element_ty),
+    tl.store(DK + keys * sdk_t + h * sdk_h + dq_[None, :], (dk * (0.5 * scale)).to(DK.dtype.element_ty),
              mask=key_ok[:, None] & (dq_[None, :] < DQK))
-    dv = dv * scale
-    if SILU_IN:
-        dv *= silu_grad(tl.load(PRE_V + keys * sv_t + h * sv_h + dv_[None, :], mask=key_ok[:, None] & (dv_[None, :] < DV),
-                                other=0.0).to(tl.float32))  # fmt: skip
-    tl.store(DV_ + keys * sdv_t + h * sdv_h + dv_[None, :], dv.to(DV_.dtype.element_ty),
+    tl.store(DV_ + keys * sdv_t + h * sdv_h + dv_[None, :], (dv * scale).to(DV_.dtype.element_ty),
              mask=key_ok[:, None] & (dv_[None, :] < DV))
 
 
@@ -468,41 +454,23 @@ def hstu_forward(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: 
 def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, ma: MaskArgs,
                   scale: float, pos_w: Tensor | None, ts_bias: Tensor | None, time_w: Tensor | None, num_buckets: int,
                   pos_grad: bool, time_grad: bool, unscaled_dq: bool = False,
-                  silu_pre: tuple[Tensor, Tensor, Tensor] | None = None,
-                  grads_out: tuple[Tensor, Tensor, Tensor] | None = None,
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:  # fmt: skip
     """(dq, dk, dv, d pos_w, d time_w) of ``hstu_forward``; the bias gradients None unless ``pos_grad``/``time_grad``.
 
     ``unscaled_dq``: return dQ * 2 / scale in float32 instead of dQ (the dK/dV kernel's sums as they are when it
-    computes dQ), for the caller to scale and round: the compiled step's next kernel does, instead of one more pass.
-    ``silu_pre``: (pre_q, pre_k, pre_v), strided as q, k, v, whose SiLU q, k and v are: the gradients returned are
-    those of the pre-activations (the kernels multiply by SiLU' before they store). ``grads_out``: (dq, dk, dv)
-    tensors to write the gradients into (e.g. slices of one (T, ...) gradient), returned as they are."""
-    if unscaled_dq and (silu_pre is not None or grads_out is not None):
-        raise ValueError("hstu_backward: unscaled_dq returns dQ's float32 sums, silu_pre/grads_out a finished dQ")
+    computes dQ), for the caller to scale and round: the compiled step's next kernel does, instead of one more pass."""
     do = grad_out.contiguous()
     total, heads, _ = q.shape
     batch = offsets.numel() - 1
     fused = _fused_dq(max_seq_len, dot_precision(q.dtype), q.shape[2])
     # fused: the dK/dV kernel adds dS * 2 / scale times k into dq32: dQ * 2 / scale
     dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else placeholder(q.device, torch.float32)
-    if grads_out is not None:
-        dq, dk, dv = grads_out
+    if unscaled_dq:
+        dq = dq32 if fused else torch.empty(q.shape, dtype=torch.float32, device=q.device)
     else:
-        if unscaled_dq:
-            dq = dq32 if fused else torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        else:
-            dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    if silu_pre is not None:
-        for name, x, pre in zip("qkv", (q, k, v), silu_pre, strict=True):
-            if pre.shape != x.shape or pre.stride() != x.stride():
-                raise ValueError(f"hstu_backward: silu_pre's {name} must have {name}'s shape and strides "
-                                 f"{tuple(x.shape)}/{x.stride()}, got {tuple(pre.shape)}/{pre.stride()}")
-        pre_q, pre_k, pre_v = silu_pre
-    else:
-        pre_q = pre_k = pre_v = placeholder(q.device, q.dtype)
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     pos_grad = pos_grad and pos_w is not None
     time_grad = time_grad and time_w is not None
     # summed by the dK/dV kernel (atomics) when wanted; otherwise never written (POS_GRAD/TIME_GRAD off)
@@ -512,23 +480,20 @@ def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
              else placeholder(q.device, torch.float32))
     if total > 0 and batch > 0:
         common, scalars, meta = _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets)
-        meta = dict(meta, SILU_IN=silu_pre is not None)
         strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2])
         if not fused:  # the kernel's dQ times its scale argument: 2 for dQ * 2 / scale
             dq_scalars = (2.0, *scalars[1:]) if unscaled_dq else scalars
             launch(_bwd_dq, "m", batch, heads, max_seq_len,
-                   (q, k, v, do, dq, pre_q, *strides, *dq.stride()[:2], *common, *dq_scalars), meta)
+                   (q, k, v, do, dq, *strides, *dq.stride()[:2], *common, *dq_scalars), meta)
         dq_strides = dq32.stride()[:2] if fused else (0, 0)
-        dkdv_args = (q, k, v, do, dk, dv, dq32, pre_k, pre_v, *strides, *dk.stride()[:2], *dv.stride()[:2], *dq_strides,
-                     *common, dpos, dtime, *scalars)  # fmt: skip
+        dkdv_args = (q, k, v, do, dk, dv, dq32, *strides, *dk.stride()[:2], *dv.stride()[:2], *dq_strides, *common,
+                     dpos, dtime, *scalars)  # fmt: skip
         bias_meta = dict(meta, PAIR_ATOMICS=bool(pair_atomics), NB_PAD=next_power_of_2(num_buckets + 1) if time_grad else 16,
                          TIME_STEPS=TIME_STEPS, TIME_LOOP=bool(time_loop_in_masked_tiles),
                          REUSE_BUCKET=bool(reuse_time_bucket))  # fmt: skip
         launch(_bwd_dkdv, "n", batch, heads, max_seq_len, dkdv_args,
                dict(bias_meta, POS_GRAD=pos_grad, TIME_GRAD=time_grad, FUSED_DQ=fused))
-        if fused and silu_pre is not None:
-            silu_grad_scale(dq32, pre_q, dq, 0.5 * scale)
-        elif fused and not unscaled_dq:
+        if fused and not unscaled_dq:
             torch.mul(dq32, 0.5 * scale, out=dq)
     else:
         dq.zero_(), dk.zero_(), dv.zero_()
@@ -536,33 +501,6 @@ def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
     d_pos = (dpos * (0.5 * scale)).to(pos_w.dtype) if pos_grad else None
     d_time = (dtime * (0.5 * scale)).to(time_w.dtype) if time_grad else None
     return dq, dk, dv, d_pos, d_time
-
-
-@triton.jit
-def _silu_grad_scale(X, PRE, OUT, T, sx_t, sx_h, sp_t, sp_h, so_t, so_h, factor,
-                     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(1)
-    cols = tl.arange(0, BLOCK_D)
-    ok = (rows < T)[:, None] & (cols < D)[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    x = tl.load(X + r64 * sx_t + h * sx_h + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    pre = tl.load(PRE + r64 * sp_t + h * sp_h + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(OUT + r64 * so_t + h * so_h + cols[None, :], (x * factor * silu_grad(pre)).to(OUT.dtype.element_ty),
-             mask=ok)
-
-
-def silu_grad_scale(x: Tensor, pre: Tensor, out: Tensor, factor: float) -> None:
-    """``out = x * factor * SiLU'(pre)`` over (T, H, D) tensors (any strides, unit last): the fused dQ's float32 sums
-    to the gradient of the queries' pre-activation, in one pass."""
-    tokens, heads, dim = x.shape
-    if tokens == 0:
-        return
-    block_d = padded_dim(dim)
-    block_t = max(1, 4096 // block_d)
-    _silu_grad_scale[(triton.cdiv(tokens, block_t), heads)](
-        x, pre, out, tokens, *x.stride()[:2], *pre.stride()[:2], *out.stride()[:2], float(factor),
-        D=dim, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)  # fmt: skip
 
 
 def _fused_dq(max_seq_len: int, dot_prec: str, dqk: int) -> bool:

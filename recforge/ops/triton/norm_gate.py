@@ -17,9 +17,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from recforge.ops.triton._common import silu_grad
-
-
 @triton.jit
 def _keep(SEED, rows, cols, N, p):
     """Dropout's keep mask of elements (rows, cols): Philox uniform >= p (kept with probability 1 - p)."""
@@ -52,13 +49,12 @@ def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, SEED, T, N, stride_x, stride_u, ep
 
 
 @triton.jit
-def _norm_gate_bwd(DY, X, U, W, B, MEAN, RSTD, SEED, DX, DU, PRE_U, DW_PART, DB_PART, T, N, stride_dy, stride_x,
-                   stride_u, stride_du, p, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr,
-                   SILU_IN: tl.constexpr):  # fmt: skip
+def _norm_gate_bwd(DY, X, U, W, B, MEAN, RSTD, SEED, DX, DU, DW_PART, DB_PART, T, N, stride_dy, stride_x, stride_u,
+                   p, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr):  # fmt: skip
     """Row blocks pid, pid + programs, ...; dWeight/dBias partial sums over them in registers (element-wise per
     (row, column) of the block, summed over its rows once after the loop: no cross-warp reduction per block), one
     row of partials per program (kernel names hold "norm": ``benchmarks/train_mfu.py`` counts them as
-    elementwise/norm). SILU_IN: u = SiLU(PRE_U) (strided as U), and DU gets the gradient of PRE_U."""
+    elementwise/norm)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -79,10 +75,7 @@ def _norm_gate_bwd(DY, X, U, W, B, MEAN, RSTD, SEED, DX, DU, PRE_U, DW_PART, DB_
         if DROPOUT:
             dg = tl.where(_keep(SEED, rows, cols, N, p), dg * scale, 0.0)
         u = tl.load(U + r64 * stride_u + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        du = dg * (xhat * w[None, :] + b[None, :])
-        if SILU_IN:
-            du *= silu_grad(tl.load(PRE_U + r64 * stride_u + cols[None, :], mask=ok, other=0.0).to(tl.float32))
-        tl.store(DU + r64 * stride_du + cols[None, :], du.to(DU.dtype.element_ty), mask=ok)
+        tl.store(DU + r64 * N + cols[None, :], (dg * (xhat * w[None, :] + b[None, :])).to(DU.dtype.element_ty), mask=ok)
         dn = dg * u  # gradient of the LayerNorm output
         dw += dn * xhat
         db += dn
@@ -143,30 +136,20 @@ def norm_gate_forward(x: Tensor, u: Tensor, weight: Tensor, bias: Tensor, seed: 
 
 
 def norm_gate_backward(dy: Tensor, x: Tensor, u: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, rstd: Tensor,
-                       seed: Tensor | None, p: float, u_pre: Tensor | None = None,
-                       du_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """(dx, du, dweight, dbias) of ``norm_gate_forward``'s ``y`` given its gradient ``dy``.
-
-    ``u_pre``: the pre-activation whose SiLU ``u`` is (strided as ``u``): ``du`` is then the gradient of ``u_pre``.
-    ``du_out``: a (T, N) tensor (unit column stride, any row stride) to write ``du`` into, returned as it is."""
+                       seed: Tensor | None, p: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(dx, du, dweight, dbias) of ``norm_gate_forward``'s ``y`` given its gradient ``dy``."""
     dy, x, u = _rows(dy), _rows(x), _rows(u)
     tokens, width = x.shape
-    if u_pre is not None and (u_pre.shape != u.shape or u_pre.stride() != u.stride()):
-        raise ValueError(f"norm_gate_backward: u_pre must have u's shape and strides {tuple(u.shape)}/{u.stride()}, "
-                         f"got {tuple(u_pre.shape)}/{u_pre.stride()}")
-    if du_out is not None and (du_out.shape != u.shape or du_out.stride(-1) != 1):
-        raise ValueError(f"norm_gate_backward: du_out must be {tuple(u.shape)} with unit column stride")
     dx = torch.empty((tokens, width), dtype=x.dtype, device=x.device)
-    du = du_out if du_out is not None else torch.empty((tokens, width), dtype=u.dtype, device=x.device)
+    du = torch.empty((tokens, width), dtype=u.dtype, device=x.device)
     block_m, block_n, warps = _tile(width)
     programs = max(1, min(triton.cdiv(tokens, block_m), _programs(x.device)))
     dw_part = torch.empty((programs, width), dtype=torch.float32, device=x.device)
     db_part = torch.empty_like(dw_part)
     seed_arg, scale, dropout = _dropout_args(seed, p, mean)
-    _norm_gate_bwd[(programs,)](dy, x, u, weight, bias, mean, rstd, seed_arg, dx, du, u if u_pre is None else u_pre,
-                                dw_part, db_part, tokens, width, dy.stride(0), x.stride(0), u.stride(0), du.stride(0),
-                                float(p), scale, BLOCK_M=block_m, BLOCK_N=block_n, DROPOUT=dropout,
-                                SILU_IN=u_pre is not None, num_warps=warps)  # fmt: skip
+    _norm_gate_bwd[(programs,)](dy, x, u, weight, bias, mean, rstd, seed_arg, dx, du, dw_part, db_part, tokens, width,
+                                dy.stride(0), x.stride(0), u.stride(0), float(p), scale, BLOCK_M=block_m,
+                                BLOCK_N=block_n, DROPOUT=dropout, num_warps=warps)  # fmt: skip
     return dx, du, dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(bias.dtype)
 
 
