@@ -42,6 +42,7 @@ def hstu_encoder(cfg: ModelConfig, max_seq_len: int) -> HSTUEncoder:
             relative_bias=cfg.relative_bias,
             kernel=cfg.kernel,
             attn_norm=cfg.attn_norm,
+            residual_dtype=cfg.residual_dtype,
             checkpoint_blocks=cfg.num_blocks if cfg.checkpoint_blocks is True else int(cfg.checkpoint_blocks),
         )
     )

@@ -49,6 +49,9 @@ class HSTUConfig:
     # activation checkpointing: the first N blocks keep only their input for backward and recompute
     # the rest there (one block's activations live at a time); 0 none, >= num_blocks all
     checkpoint_blocks: int = 0
+    # the residual stream x under autocast: "float32" (autocast's own: float32 x plus each block's output) or "compute"
+    # (x cast to the autocast dtype before the first block: bfloat16 LayerNorm inputs, residual adds and gradients)
+    residual_dtype: str = "float32"
 
 
 class HSTUBlock(nn.Module):
@@ -63,6 +66,8 @@ class HSTUBlock(nn.Module):
         self.uvqk = nn.Linear(cfg.dim, sum(self.split_sizes))
         if cfg.attn_norm not in ("layernorm", "visible_mean"):
             raise ValueError(f"HSTUConfig.attn_norm={cfg.attn_norm!r}: expected layernorm or visible_mean")
+        if cfg.residual_dtype not in ("float32", "compute"):
+            raise ValueError(f"HSTUConfig.residual_dtype={cfg.residual_dtype!r}: expected float32 or compute")
         self.attn_norm = nn.LayerNorm(h * cfg.dv) if cfg.attn_norm == "layernorm" else None
         self.out = nn.Linear(h * cfg.dv, cfg.dim)
         self.dropout = nn.Dropout(cfg.dropout)
@@ -182,6 +187,8 @@ class HSTUEncoder(nn.Module):
         visible_keys = None
         if self.cfg.attn_norm == "visible_mean":  # once per batch, not per block
             visible_keys = visible_key_counts(seq_offsets, max_seq_len, mask, x.shape[0])
+        if self.cfg.residual_dtype == "compute" and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         recompute = torch.is_grad_enabled() and self.training  # no backward, nothing to save memory on
         for layer, block in enumerate(self.blocks):
             if recompute and layer < self.cfg.checkpoint_blocks:

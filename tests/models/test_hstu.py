@@ -164,3 +164,31 @@ def test_batch_of_empty_sequences() -> None:
     model = make_model()
     out = model.encoder(torch.zeros(0, 16, dtype=torch.float64), torch.zeros(3, dtype=torch.int64), 1, AttentionMask())
     assert out.shape == (0, 16)
+
+
+@pytest.mark.parametrize("residual_dtype", ["float32", "compute"])
+def test_residual_dtype_under_autocast(residual_dtype: str) -> None:
+    """``residual_dtype=compute`` carries the stream in the autocast dtype (bfloat16 here: the blocks' outputs and
+    the input's gradient), ``float32`` keeps autocast's float32 stream; both close to the float32 encoder, and
+    nothing changes without autocast."""
+    torch.manual_seed(int(torch.randint(0, 2**30, ())))
+    cfg = HSTUConfig(dim=16, num_blocks=2, num_heads=2, dqk=8, dv=8, dropout=0.0, max_seq_len=MAX_LEN,
+                     num_time_buckets=0, residual_dtype=residual_dtype)  # fmt: skip
+    encoder = HSTUEncoder(cfg)
+    offsets = _offsets(LENGTHS)
+    x = torch.randn(sum(LENGTHS), 16, requires_grad=True)
+    expected = encoder(x, offsets, MAX_LEN, AttentionMask())
+    assert expected.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = encoder(x, offsets, MAX_LEN, AttentionMask())
+    assert y.dtype == (torch.bfloat16 if residual_dtype == "compute" else torch.float32)
+    torch.testing.assert_close(y.float(), expected, rtol=0.05, atol=0.05)
+    (grad,) = torch.autograd.grad(y.float().sum(), x)
+    (grad_ref,) = torch.autograd.grad(expected.sum(), x)
+    assert grad.dtype == torch.float32 and torch.isfinite(grad).all()
+    torch.testing.assert_close(grad, grad_ref, rtol=0.1, atol=0.1)
+
+
+def test_residual_dtype_is_checked() -> None:
+    with pytest.raises(ValueError, match="residual_dtype"):
+        HSTUEncoder(HSTUConfig(residual_dtype="bfloat16"))
