@@ -236,7 +236,7 @@ def profile_steps(runner: StepRunner, batches: list, device: torch.device, steps
             continue
         cat = categorize(event.key)
         kernels[cat] = kernels.get(cat, 0.0) + device_us / 1e3 / steps
-        top[event.key[:90]] = top.get(event.key[:90], 0.0) + device_us / 1e3 / steps
+        top[event.key[:200]] = top.get(event.key[:200], 0.0) + device_us / 1e3 / steps
         if cat == "memcpy/memset":
             copying[event.key[:160]] = copying.get(event.key[:160], 0.0) + device_us / 1e3 / steps
     busy = sum(kernels.values())

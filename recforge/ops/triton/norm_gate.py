@@ -49,11 +49,11 @@ def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, SEED, T, N, stride_x, stride_u, ep
 
 
 @triton.jit
-def _norm_gate_bwd(DY, X, U, W, B, MEAN, RSTD, SEED, DX, DU, DW_PART, DB_PART, T, N, stride_dy, stride_x, stride_u,
+def _norm_gate_bwd(DY, X, U, W, B, MEAN, RSTD, SEED, DX, DU, PART, T, N, stride_dy, stride_x, stride_u,
                    p, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr):  # fmt: skip
     """Row blocks pid, pid + programs, ...; dWeight/dBias partial sums over them in registers (element-wise per
     (row, column) of the block, summed over its rows once after the loop: no cross-warp reduction per block), one
-    row of partials per program (kernel names hold "norm": ``benchmarks/train_mfu.py`` counts them as
+    column of partials per program (kernel names hold "norm": ``benchmarks/train_mfu.py`` counts them as
     elementwise/norm)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -84,8 +84,11 @@ def _norm_gate_bwd(DY, X, U, W, B, MEAN, RSTD, SEED, DX, DU, DW_PART, DB_PART, T
         c2 = tl.sum(dxhat, 1) / N
         dx = (dxhat - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
         tl.store(DX + r64 * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=ok)
-    tl.store(DW_PART + pid * N + cols, tl.sum(dw, 0), mask=col_ok)
-    tl.store(DB_PART + pid * N + cols, tl.sum(db, 0), mask=col_ok)
+    # PART (2, N, programs): each column's partials contiguous, so the sum after the kernel is one inner-dim reduction
+    # (two sums of (programs, N) partials over dim 0 before: PyTorch's strided reduction, see BENCHMARKS.md)
+    programs = tl.num_programs(0)
+    tl.store(PART + cols * programs + pid, tl.sum(dw, 0), mask=col_ok)
+    tl.store(PART + (N + cols) * programs + pid, tl.sum(db, 0), mask=col_ok)
 
 
 _fwd = _norm_gate_fwd  # the name the tests' interpreter fixture checks (tests/ops/conftest.py)
@@ -144,13 +147,13 @@ def norm_gate_backward(dy: Tensor, x: Tensor, u: Tensor, weight: Tensor, bias: T
     du = torch.empty((tokens, width), dtype=u.dtype, device=x.device)
     block_m, block_n, warps = _tile(width)
     programs = max(1, min(triton.cdiv(tokens, block_m), _programs(x.device)))
-    dw_part = torch.empty((programs, width), dtype=torch.float32, device=x.device)
-    db_part = torch.empty_like(dw_part)
+    part = torch.empty((2, width, programs), dtype=torch.float32, device=x.device)  # dWeight, dBias partial sums
     seed_arg, scale, dropout = _dropout_args(seed, p, mean)
-    _norm_gate_bwd[(programs,)](dy, x, u, weight, bias, mean, rstd, seed_arg, dx, du, dw_part, db_part, tokens, width,
+    _norm_gate_bwd[(programs,)](dy, x, u, weight, bias, mean, rstd, seed_arg, dx, du, part, tokens, width,
                                 dy.stride(0), x.stride(0), u.stride(0), float(p), scale, BLOCK_M=block_m,
                                 BLOCK_N=block_n, DROPOUT=dropout, num_warps=warps)  # fmt: skip
-    return dx, du, dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(bias.dtype)
+    # two sums, not one over (2, N, programs): a custom op's outputs may not be views of one tensor
+    return dx, du, part[0].sum(1).to(weight.dtype), part[1].sum(1).to(bias.dtype)
 
 
 class NormGate(torch.autograd.Function):
