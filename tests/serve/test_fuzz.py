@@ -77,7 +77,7 @@ def test_concurrent_users_histories_and_reloads_fuzz(tmp_path) -> None:
     runs = [export(build_model(seed=s), tmp_path / f"run{s}", step=s + 1) for s in (0, 1)]
     engine = RankEngine.from_run(runs[0], EngineConfig())
     config = ServerConfig(max_loop_lag_ms=LAG_MS, scheduler=SchedulerConfig(token_budget=rng.choice([16, 40, 4096]), prefill_chunk=rng.choice([8, 24]),
-                                                    max_wait_ms=1), pool=PoolConfig(device_mb=1, block_size=8),
+                                                    max_wait_ms=1, max_queue_ms=QUEUE_MS), pool=PoolConfig(device_mb=1, block_size=8),
                           allow_reload=True, request_timeout_ms=60_000)  # fmt: skip
     histories = {f"u{u}": random_history(rng.randint(0, 30), seed=rng.randrange(1000)) for u in range(3)}
     lock = threading.Lock()
