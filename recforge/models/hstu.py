@@ -66,8 +66,6 @@ class HSTUBlock(nn.Module):
         self.uvqk = nn.Linear(cfg.dim, sum(self.split_sizes))
         if cfg.attn_norm not in ("layernorm", "visible_mean"):
             raise ValueError(f"HSTUConfig.attn_norm={cfg.attn_norm!r}: expected layernorm or visible_mean")
-        if cfg.residual_dtype not in ("float32", "compute"):
-            raise ValueError(f"HSTUConfig.residual_dtype={cfg.residual_dtype!r}: expected float32 or compute")
         self.attn_norm = nn.LayerNorm(h * cfg.dv) if cfg.attn_norm == "layernorm" else None
         self.out = nn.Linear(h * cfg.dv, cfg.dim)
         self.dropout = nn.Dropout(cfg.dropout)
@@ -171,6 +169,8 @@ class HSTUEncoder(nn.Module):
 
     def __init__(self, cfg: HSTUConfig) -> None:
         super().__init__()
+        if cfg.residual_dtype not in ("float32", "compute"):  # the encoder's setting (forward casts the stream)
+            raise ValueError(f"HSTUConfig.residual_dtype={cfg.residual_dtype!r}: expected float32 or compute")
         self.cfg = cfg
         self.blocks = nn.ModuleList(HSTUBlock(cfg) for _ in range(cfg.num_blocks))
 
