@@ -81,10 +81,11 @@ class ModelConfig:
     # HSTU activation checkpointing per block: true (all blocks) | false | N (the first N); each
     # checkpointed block keeps only its (T, d) input and recomputes the rest in backward
     checkpoint_blocks: bool | int = False
-    # HSTU residual stream under mixed precision (train.precision bfloat16/float16): float32 (autocast's: each block's
-    # output is added to a float32 stream) | compute (the stream in the autocast dtype: half the bytes for every
-    # LayerNorm, residual add and their gradients; LayerNorm statistics stay float32)
-    residual_dtype: str = "float32"
+    # HSTU residual stream under mixed precision (train.precision bfloat16/float16): auto (compute under bfloat16,
+    # float32 under float16, whose range an unbounded stream can leave) | float32 (autocast's: each block's output is
+    # added to a float32 stream) | compute (the stream in the autocast dtype: half the bytes for every LayerNorm,
+    # residual add and their gradients; LayerNorm statistics stay float32). No effect in float32 runs.
+    residual_dtype: str = "auto"
     embedding: str = "static"  # item IDs (ranking: also user features): static (nn.Embedding) | dynamic (recforge.sparse tables, see sparse:)
 
 
@@ -281,7 +282,7 @@ CHOICES = {
     "model.embedding": ("static", "dynamic"),
     "model.target_attention": ("none", "din"),
     "model.attn_norm": ("layernorm", "visible_mean"),
-    "model.residual_dtype": ("float32", "compute"),
+    "model.residual_dtype": ("auto", "float32", "compute"),
     "train.loader": ("memory", "pipeline"),
     "train.precision": ("float32", "bfloat16"),
     "train.compile": ("none", "default", "max-autotune-no-cudagraphs"),

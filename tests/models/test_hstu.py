@@ -8,6 +8,7 @@ import torch
 from recforge.jagged import AttentionMask
 from recforge.jagged.batch import JaggedBatch
 from recforge.models import HSTUConfig, HSTUEncoder, ItemPrefix, L2NormPostfix, RetrievalModel
+from recforge.models.hstu import residual_stream_dtype
 
 NUM_ITEMS = 40
 MAX_LEN = 10
@@ -166,11 +167,11 @@ def test_batch_of_empty_sequences() -> None:
     assert out.shape == (0, 16)
 
 
-@pytest.mark.parametrize("residual_dtype", ["float32", "compute"])
+@pytest.mark.parametrize("residual_dtype", ["float32", "compute", "auto"])
 def test_residual_dtype_under_autocast(residual_dtype: str) -> None:
-    """``residual_dtype=compute`` carries the stream in the autocast dtype (bfloat16 here: the blocks' outputs and
-    the input's gradient), ``float32`` keeps autocast's float32 stream; both close to the float32 encoder, and
-    nothing changes without autocast."""
+    """``residual_dtype=compute`` (and the default ``auto``, under bfloat16) carries the stream in the autocast dtype
+    (bfloat16 here: the blocks' outputs and the input's gradient), ``float32`` keeps autocast's float32 stream; all
+    close to the float32 encoder, and nothing changes without autocast."""
     torch.manual_seed(int(torch.randint(0, 2**30, ())))
     cfg = HSTUConfig(dim=16, num_blocks=2, num_heads=2, dqk=8, dv=8, dropout=0.0, max_seq_len=MAX_LEN,
                      num_time_buckets=0, residual_dtype=residual_dtype)  # fmt: skip
@@ -181,12 +182,29 @@ def test_residual_dtype_under_autocast(residual_dtype: str) -> None:
     assert expected.dtype == torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = encoder(x, offsets, MAX_LEN, AttentionMask())
-    assert y.dtype == (torch.bfloat16 if residual_dtype == "compute" else torch.float32)
+    assert y.dtype == (torch.float32 if residual_dtype == "float32" else torch.bfloat16)
     torch.testing.assert_close(y.float(), expected, rtol=0.05, atol=0.05)
     (grad,) = torch.autograd.grad(y.float().sum(), x)
     (grad_ref,) = torch.autograd.grad(expected.sum(), x)
     assert grad.dtype == torch.float32 and torch.isfinite(grad).all()
     torch.testing.assert_close(grad, grad_ref, rtol=0.1, atol=0.1)
+
+
+@pytest.mark.parametrize(("residual_dtype", "autocast_dtype", "stream"), [
+    ("auto", torch.float16, torch.float32), ("compute", torch.float16, torch.float16),
+    ("auto", torch.bfloat16, torch.bfloat16), ("float32", torch.bfloat16, None)])  # fmt: skip
+def test_residual_stream_dtype(residual_dtype: str, autocast_dtype: torch.dtype, stream: torch.dtype | None) -> None:
+    """``auto`` keeps float32 under float16 autocast (float16's range; ``compute`` takes it anyway), bfloat16 under
+    bfloat16; ``encode`` (serving's path) casts as ``forward`` does."""
+    assert residual_stream_dtype(residual_dtype, "cpu") is None  # no autocast
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        got = residual_stream_dtype(residual_dtype, "cpu")
+        assert got == (None if stream == torch.float32 else stream)
+        cfg = HSTUConfig(dim=16, num_blocks=1, num_heads=2, dqk=8, dv=8, dropout=0.0, max_seq_len=MAX_LEN,
+                         num_time_buckets=0, residual_dtype=residual_dtype)  # fmt: skip
+        x = torch.randn(sum(LENGTHS), 16)
+        y = HSTUEncoder(cfg).eval().encode(x, lambda layer, block, q, k, v: v)
+    assert y.dtype == (got or torch.float32)
 
 
 def test_residual_dtype_is_checked() -> None:
