@@ -134,24 +134,6 @@ def _silu_and_twice_grad(s, FAST: tl.constexpr):
         return s * sig, 2.0 * sig * (1.0 + s * (1.0 - sig))
 
 
-@triton.jit
-def _red_add(ptr, val, mask):
-    """ABLATION: float32 red.add per element from registers in whatever layout the value has."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p red.relaxed.gpu.global.add.f32 [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,f,r", [ptr.to(tl.int64, bitcast=True), val, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _red_add_v2(ptr, val, mask):
-    """ABLATION: two adjacent float32 per red.add.v2 (the pair must be adjacent in memory)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $6, 0; @p red.relaxed.gpu.global.add.v2.f32 [$2], {$4, $5}; "
-        "mov.u32 $0, 0; mov.u32 $1, 0; }",
-        "=r,=r,l,l,f,f,r,r", [ptr.to(tl.int64, bitcast=True), val, mask.to(tl.int32)], dtype=tl.int32,
-        is_pure=False, pack=2)
-
-
 # ---- the kernels --------------------------------------------------------------------------------------------------
 
 
@@ -303,7 +285,7 @@ def _hstu_bwd_dkdv(
     NB_PAD: tl.constexpr, TIME_STEPS: tl.constexpr, TIME_LOOP: tl.constexpr, REUSE_BUCKET: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
     FUSED_DQ: tl.constexpr, DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ABL: tl.constexpr = 0,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n, _, b, h = block_of_program(len_key, num_heads, BLOCK_N)  # first keys (most rows see them) first
     start_tok = tl.load(offsets + b)
@@ -354,46 +336,21 @@ def _hstu_bwd_dkdv(
             else:
                 sT = _scores(k, qT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
                              HAS_POS, HAS_TIME, DOT_PREC)  # (BLOCK_N, BLOCK_M)
-            if ABL & 32:  # ABLATION (benchmarks/dkdv_ablation.py): no SiLU arithmetic, wrong outputs
-                aT = sT
-                daT = tl.dot(v, doT, input_precision=DOT_PREC)
-                dsT = daT
-            else:
-                aT, grad2 = _silu_and_twice_grad(sT, FAST_SIGMOID)  # A / scale, SiLU' * 2
-                daT = tl.dot(v, doT, input_precision=DOT_PREC)
-                dsT = daT * grad2  # dS * 2 / scale: its factor once, at the end (bias gradients: in hstu_backward)
+            aT, grad2 = _silu_and_twice_grad(sT, FAST_SIGMOID)  # A / scale, SiLU' * 2
+            daT = tl.dot(v, doT, input_precision=DOT_PREC)
+            dsT = daT * grad2  # dS * 2 / scale: its factor once, at the end (bias gradients: in hstu_backward)
             if masked:
                 ts_i = tl.load(ts_mask + start_tok + i_vec, mask=row_ok, other=0) if HAS_TS else i_vec
                 vis = visible(i, j, n, c, he, ends, ts_i[None, :], ts_j[:, None], window,
                               S, FULL_BITS, HAS_WINDOW, HAS_TS) & (i < hi)
                 aT = tl.where(vis, aT, 0.0)
                 dsT = tl.where(vis, dsT, 0.0)
-            if FUSED_DQ and (ABL & 1):  # ABLATION: the dQ dot first, its atomics while the dK/dV dots run
-                dq_part = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PREC)  # (BLOCK_M, BD_QK)
             dv += tl.dot(aT.to(doT.dtype), tl.trans(doT), input_precision=DOT_PREC)
             dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=DOT_PREC)
             if FUSED_DQ:  # this tile's share of dQ, added to the float32 dQ of its rows (see fused_dq)
-                if ABL & 64:  # ABLATION: dQ^T = K^T dS^T, both operands from shared memory
-                    dqT_part = tl.dot(tl.trans(k), dsT.to(k.dtype), input_precision=DOT_PREC)  # (BD_QK, BLOCK_M)
-                    tl.atomic_add(DQ32 + h * sdq_h + tok[None, :] * sdq_t + dq_[:, None], dqT_part,
-                                  mask=row_ok[None, :] & (dq_[:, None] < DQK), sem="relaxed")
-                elif not (ABL & 1):
-                    dq_part = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PREC)  # (BLOCK_M, BD_QK)
-                dq_ptr = DQ32 + h * sdq_h + tok[:, None] * sdq_t + dq_[None, :]
-                dq_ok = row_ok[:, None] & (dq_[None, :] < DQK)
-                if ABL & 64:
-                    pass
-                elif ABL & 2:  # ABLATION: red.add.f32 from the dot's register layout
-                    _red_add(dq_ptr, dq_part, dq_ok)
-                elif ABL & 16:  # ABLATION: red.add.v2.f32, two adjacent columns each
-                    _red_add_v2(dq_ptr, dq_part, dq_ok)
-                elif ABL & 4:  # ABLATION: the atomics skipped (never taken: scale > 0), the dot kept
-                    if scale < 0:
-                        tl.atomic_add(dq_ptr, dq_part, mask=dq_ok, sem="relaxed")
-                elif ABL & 8:  # ABLATION: a plain store, wrong dQ
-                    tl.store(dq_ptr, dq_part, mask=dq_ok)
-                else:
-                    tl.atomic_add(dq_ptr, dq_part, mask=dq_ok, sem="relaxed")
+                dq_part = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PREC)  # (BLOCK_M, BD_QK)
+                tl.atomic_add(DQ32 + h * sdq_h + tok[:, None] * sdq_t + dq_[None, :], dq_part,
+                              mask=row_ok[:, None] & (dq_[None, :] < DQK), sem="relaxed")
             if PAIR_ATOMICS:  # the per-pair atomics of earlier releases, for A/B benchmarks only
                 if POS_GRAD:
                     dist = tl.minimum(i, he) - tl.minimum(j, he)
