@@ -190,21 +190,20 @@ def test_residual_dtype_under_autocast(residual_dtype: str) -> None:
     torch.testing.assert_close(grad, grad_ref, rtol=0.1, atol=0.1)
 
 
-@pytest.mark.parametrize(("residual_dtype", "autocast_dtype", "stream"), [
-    ("auto", torch.float16, torch.float32), ("compute", torch.float16, torch.float16),
+@pytest.mark.parametrize(("residual_dtype", "autocast_dtype", "cast"), [
+    ("auto", torch.float16, None), ("compute", torch.float16, torch.float16),
     ("auto", torch.bfloat16, torch.bfloat16), ("float32", torch.bfloat16, None)])  # fmt: skip
-def test_residual_stream_dtype(residual_dtype: str, autocast_dtype: torch.dtype, stream: torch.dtype | None) -> None:
-    """``auto`` keeps float32 under float16 autocast (float16's range; ``compute`` takes it anyway), bfloat16 under
-    bfloat16; ``encode`` (serving's path) casts as ``forward`` does."""
-    assert residual_stream_dtype(residual_dtype, "cpu") is None  # no autocast
+def test_residual_stream_dtype(residual_dtype: str, autocast_dtype: torch.dtype, cast: torch.dtype | None) -> None:
+    """``auto`` leaves the float32 stream under float16 autocast (float16's range; ``compute`` casts anyway) and casts
+    to bfloat16 under bfloat16; ``encode`` (serving's path) casts as ``forward`` does."""
+    assert residual_stream_dtype(residual_dtype, "cpu") is None  # no autocast, no cast
     with torch.autocast("cpu", dtype=autocast_dtype):
-        got = residual_stream_dtype(residual_dtype, "cpu")
-        assert got == (None if stream == torch.float32 else stream)
+        assert residual_stream_dtype(residual_dtype, "cpu") == cast
         cfg = HSTUConfig(dim=16, num_blocks=1, num_heads=2, dqk=8, dv=8, dropout=0.0, max_seq_len=MAX_LEN,
                          num_time_buckets=0, residual_dtype=residual_dtype)  # fmt: skip
         x = torch.randn(sum(LENGTHS), 16)
         y = HSTUEncoder(cfg).eval().encode(x, lambda layer, block, q, k, v: v)
-    assert y.dtype == (got or torch.float32)
+    assert y.dtype == (cast or torch.float32)
 
 
 def test_residual_dtype_is_checked() -> None:
