@@ -80,12 +80,11 @@ CASES = {  # name: (model, max_len, tokens per batch (0: users), users per batch
     "large-norab": (_NORAB, 4096, 16384, 0, "per_position", 128, 100_000),
     "large-shared-norab": (_NORAB, 4096, 16384, 0, "shared", 8192, 100_000),
     "long-shared-norab": (_NORAB, 8192, 65536, 0, "shared", 8192, 100_000),
-    # model.residual_dtype=compute: the residual stream in bf16 (what the default, auto, does under bf16 since the 20th
-    # session; the cases without the suffix ran float32 streams before it)
-    "long-shared-norab-res16": (dict(_NORAB, residual_dtype="compute"), 8192, 65536, 0, "shared", 8192, 100_000),
-    # NVIDIA recsys-examples' MFU shape (8 x 1024, users up to 4K tokens) in 16K- and 64K-token batches
-    "large-shared-norab-res16": (dict(_NORAB, residual_dtype="compute"), 4096, 16384, 0, "shared", 8192, 100_000),
-    "large-64k-shared-norab-res16": (dict(_NORAB, residual_dtype="compute"), 4096, 65536, 0, "shared", 8192, 100_000),
+    # the residual stream in float32 (model.residual_dtype=float32, the default before the 20th session; bf16 variants
+    # of the other cases carry it in bf16, the default auto: the "-res16" cases of earlier results)
+    "long-shared-norab-res32": (dict(_NORAB, residual_dtype="float32"), 8192, 65536, 0, "shared", 8192, 100_000),
+    # NVIDIA recsys-examples' MFU shape (8 x 1024, users up to 4K tokens) in 64K-token batches (large-shared-norab: 16K)
+    "large-64k-shared-norab": (_NORAB, 4096, 65536, 0, "shared", 8192, 100_000),
     "medium": (dict(dim=512, num_blocks=8, num_heads=4, dqk=128, dv=128), 1024, 4096, 0, "per_position", 128, 100_000),
     "ml1m": (dict(dim=128, num_blocks=8, num_heads=2, dqk=64, dv=64), 200, 0, 256, "full", 0, 3706),
     "small": (dict(dim=128, num_blocks=2, num_heads=2, dqk=64, dv=64), 512, 2048, 0, "per_position", 128, 20_000),

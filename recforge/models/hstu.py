@@ -203,9 +203,7 @@ class HSTUEncoder(nn.Module):
         visible_keys = None
         if self.cfg.attn_norm == "visible_mean":  # once per batch, not per block
             visible_keys = visible_key_counts(seq_offsets, max_seq_len, mask, x.shape[0])
-        stream = residual_stream_dtype(self.cfg.residual_dtype, x.device.type)
-        if stream is not None:
-            x = x.to(stream)
+        x = self._residual_stream(x)
         recompute = torch.is_grad_enabled() and self.training  # no backward, nothing to save memory on
         for layer, block in enumerate(self.blocks):
             if recompute and layer < self.cfg.checkpoint_blocks:
@@ -216,15 +214,18 @@ class HSTUEncoder(nn.Module):
                 x = block(x, seq_offsets, max_seq_len, mask, timestamps, visible_keys)
         return x
 
+    def _residual_stream(self, x: Tensor) -> Tensor:
+        """``x`` in the dtype ``cfg.residual_dtype`` gives the stream (``residual_stream_dtype``): forward and encode."""
+        stream = residual_stream_dtype(self.cfg.residual_dtype, x.device.type)
+        return x if stream is None else x.to(stream)
+
     def encode(self, x: Tensor, attention: AttentionHook) -> Tensor:
         """``x`` (T, d) through every block with ``attention(layer, block, q, k, v)`` as the blocks' attention
         (``attn_norm=layernorm``: ``visible_mean`` needs per-token visible-key counts that a hook does not give)."""
         if self.cfg.attn_norm != "layernorm":
             raise ValueError(f"HSTUEncoder.encode: attn_norm={self.cfg.attn_norm!r} needs visible-key counts; "
                              "run forward() with a mask instead")  # fmt: skip
-        stream = residual_stream_dtype(self.cfg.residual_dtype, x.device.type)  # as forward
-        if stream is not None:
-            x = x.to(stream)
+        x = self._residual_stream(x)
         for layer, block in enumerate(self.blocks):
             u, q, k, v = block.project(x)
             x = block.combine(x, attention(layer, block, q, k, v), u)

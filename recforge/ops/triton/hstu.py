@@ -403,12 +403,13 @@ reuse_time_bucket = True
 # serialises on long sequences); read at each backward call.
 pair_atomics = False
 # True: the dK/dV kernel also computes dQ (one more dot per tile, its (BLOCK_M, Dqk) product added with float32
-# atomics into a zeroed float32 buffer, dQ * 2 / scale: see _silu_and_twice_grad) and the dQ kernel is not launched: each (query, key) tile's scores and dS are
-# computed once instead of twice (5 tile dots instead of 7). dQ's float32 sums then come in no fixed order (run to
-# run differences at float32 rounding); never used under torch.use_deterministic_algorithms(True). Read at each
-# backward call; autotuned (bf16/fp16, long sequences) launches only. None (the default, $RECFORGE_HSTU_FUSED_DQ
-# unset): on for sequences of more than FUSED_DQ_AUTO_LEN tokens at head dims over 64, where an H200 measured it
-# faster (1.14x the two kernels at D 128, L 8192; equal at L 2048, no gain at D 64: BENCHMARKS.md, 16th session).
+# atomics into a zeroed float32 buffer, dQ * 2 / scale: see _silu_and_twice_grad) and the dQ kernel is not launched:
+# each (query, key) tile's scores and dS are computed once instead of twice (5 tile dots instead of 7). dQ's float32
+# sums then come in no fixed order (run to run differences at float32 rounding); never used under
+# torch.use_deterministic_algorithms(True). Read at each backward call; autotuned (bf16/fp16, long sequences)
+# launches only. None (the default, $RECFORGE_HSTU_FUSED_DQ unset): on for sequences of more than FUSED_DQ_AUTO_LEN
+# tokens at head dims over 64, where an H200 measured it faster (1.14x the two kernels at D 128, L 8192; equal at
+# L 2048, no gain at D 64: BENCHMARKS.md, 16th session).
 fused_dq = hstu_fused_dq()
 FUSED_DQ_AUTO_LEN = 2048
 
