@@ -16,6 +16,8 @@ from recforge.cli import main
 from recforge.data.synthetic import SyntheticConfig, write_synthetic
 from recforge.generate.retrieval_run import load_retrieval_run
 from recforge.jagged.batch import JaggedBatch
+from recforge.serve.scheduler import SchedulerConfig
+from recforge.serve.server import ServerConfig
 
 # the model and loop of a seconds-long CPU run (each test file adds its beam, epochs, ...)
 TINY = ["model.dim=16", "model.num_blocks=1", "generative.decoder_blocks=1", "model.num_heads=2", "model.ffn_dim=32",
@@ -25,6 +27,12 @@ RUN_TINY = [*TINY, "generative.beam=10", "optim.schedule=constant"]  # a run who
 # a tiny SASRec run that reads fewer history items (5) than the SID models (8) and has its own temperature (0.2)
 SASREC = ["model.dim=8", "model.ffn_dim=8", "train.threads=1", "train.epochs=1", "eval.batch_size=64",
           "data.max_seq_len=5", "loss.temperature=0.2"]  # fmt: skip
+
+
+# a server that sheds nothing: these tests check answers, not admission control, and a loaded 2-core CI machine
+# can hold the event loop past the default 250 ms or queue more than the default 500 ms of estimated work
+# (shedding is tested in tests/serve/test_server_hardening.py and test_server.py)
+UNSHED = ServerConfig(max_loop_lag_ms=60_000, scheduler=SchedulerConfig(max_wait_ms=20.0, max_queue_ms=60_000))
 
 
 def sid_dataset(path: Path, seed: int, num_users: int = 50) -> Path:

@@ -48,9 +48,11 @@ def loaded(run_dir: Path):
 
 def _client(loaded, **scheduler) -> TestClient:
     retriever, version, settings = loaded
-    # no shedding on event-loop lag: building /openapi.json or a loaded CI machine can hold the loop past the
-    # default 250 ms and the next request would read 503 (lag shedding: tests/serve/test_server_hardening.py)
-    config = ServerConfig(max_loop_lag_ms=60_000, scheduler=SchedulerConfig(**{"max_wait_ms": 1.0, **scheduler}))
+    # no shedding: building /openapi.json or a loaded CI machine can hold the loop past the default 250 ms, or
+    # queue past the default 500 ms of estimated work, and the next request would read 503 (shedding is tested
+    # in tests/serve/test_server_hardening.py)
+    config = ServerConfig(max_loop_lag_ms=60_000,
+                          scheduler=SchedulerConfig(**{"max_wait_ms": 1.0, "max_queue_ms": 60_000, **scheduler}))
     return TestClient(create_retrieve_app(retriever, version, config, settings))
 
 

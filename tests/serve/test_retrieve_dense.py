@@ -10,9 +10,7 @@ import torch
 
 from recforge.generate import RetrieveRequest, Retriever
 from recforge.serve.retrieve_app import RetrieveSettings, create_retrieve_app, load_retriever
-from recforge.serve.scheduler import SchedulerConfig
-from recforge.serve.server import ServerConfig
-from _sid_runs import serve_matches, train_tiny_run
+from _sid_runs import UNSHED, serve_matches, train_tiny_run
 
 TINY = ["generative.beam=12", "train.epochs=1", "generative.rescore=2.0"]  # after _sid_runs.TINY
 
@@ -53,8 +51,7 @@ def test_retrieve_returns_the_rescored_order_cached_or_not(run_dir: Path) -> Non
         assert items_want == rescored
         changed += rescored != generated
     assert changed  # the dense head reorders some lists
-    config = ServerConfig(max_loop_lag_ms=60_000, scheduler=SchedulerConfig(max_wait_ms=20.0))  # no lag shedding
-    serve_matches(create_retrieve_app(retriever, version, config, settings), bodies, want, workers=5)
+    serve_matches(create_retrieve_app(retriever, version, UNSHED, settings), bodies, want, workers=5)
     assert retriever.cache.entries
 
 
@@ -74,5 +71,4 @@ def test_the_serve_config_sets_dense_candidates_and_serving_returns_the_retrieve
     beam_only = [plain.retrieve([b["history"]], k=20, beam=plain.config.beam)[0] for b in bodies]
     assert all(set(b) <= set(w) for (w, _), (b, _) in zip(want, beam_only, strict=True))  # the beam's items stay
     assert sum(len(w) > len(b) for (w, _), (b, _) in zip(want, beam_only, strict=True))  # and the dense head's join
-    config = ServerConfig(max_loop_lag_ms=60_000, scheduler=SchedulerConfig(max_wait_ms=20.0))  # no lag shedding
-    serve_matches(create_retrieve_app(retriever, version, config, settings), bodies, want, workers=4)
+    serve_matches(create_retrieve_app(retriever, version, UNSHED, settings), bodies, want, workers=4)

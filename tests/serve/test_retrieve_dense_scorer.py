@@ -14,13 +14,10 @@ import torch
 from recforge.data.sid_sequences import eval_samples
 from recforge.generate import RetrieveRequest, Retriever
 from recforge.serve.retrieve_app import RetrieveSettings, create_retrieve_app, load_retriever
-from recforge.serve.scheduler import SchedulerConfig
-from recforge.serve.server import ServerConfig
 from recforge.train import generative
-from _sid_runs import histories_of, retrieval_run, scorer_logits_by_hand, serve_matches, train_tiny_run
+from _sid_runs import UNSHED, histories_of, retrieval_run, scorer_logits_by_hand, serve_matches, train_tiny_run
 
 TIGER = "configs/beauty-sid-tiger.yaml"
-SERVER = ServerConfig(max_loop_lag_ms=60_000, scheduler=SchedulerConfig(max_wait_ms=20.0))  # no lag shedding
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +52,7 @@ def test_serving_returns_the_evaluated_lists(runs: tuple[Path, Path, Path]) -> N
     for row in fresh:
         keep = items[row] > 0
         want.append((s.seqs.item_vocab[items[row][keep].numpy()].tolist(), scores[row][keep].tolist()))
-    serve_matches(create_retrieve_app(retriever, version, SERVER, settings), bodies, want, workers=4)
+    serve_matches(create_retrieve_app(retriever, version, UNSHED, settings), bodies, want, workers=4)
     assert retriever.cache.entries
 
 
@@ -105,7 +102,7 @@ def test_allowed_items_and_history_exclusion_follow_the_definition(runs: tuple[P
             torch.testing.assert_close(torch.tensor(scores), want_scores, rtol=1e-4, atol=1e-4)
     want = [retriever.retrieve([b["history"]], k=8, beam=retriever.config.beam,
                                allowed_items=[b.get("allowed_items")])[0] for b in bodies]  # fmt: skip
-    serve_matches(create_retrieve_app(retriever, version, SERVER, settings), bodies, want, workers=4)
+    serve_matches(create_retrieve_app(retriever, version, UNSHED, settings), bodies, want, workers=4)
 
 
 def test_a_scorer_that_reads_timestamps_is_refused_for_serving_and_used_by_evaluation(

@@ -12,9 +12,7 @@ import torch
 from recforge.data.dataset import load_dataset, write_dataset
 from recforge.generate import RetrieveRequest
 from recforge.serve.retrieve_app import RetrieveSettings, create_retrieve_app, load_retriever
-from recforge.serve.scheduler import SchedulerConfig
-from recforge.serve.server import ServerConfig
-from _sid_runs import serve_matches, train_tiny_run
+from _sid_runs import UNSHED, serve_matches, train_tiny_run
 from recforge.train.sid_fit import add_items
 
 TINY = ["generative.beam=12", "train.epochs=1"]  # after _sid_runs.TINY
@@ -46,8 +44,7 @@ def test_retrieve_with_item_ids_equals_the_retriever_cached_or_not(run_dir: Path
             history.append(NEW_ITEM)
         bodies.append({"user_id": f"u{i % 4}", "history": history, "k": 8})
     want = [retriever.retrieve([b["history"]], k=8, beam=retriever.config.beam)[0] for b in bodies]
-    config = ServerConfig(max_loop_lag_ms=60_000, scheduler=SchedulerConfig(max_wait_ms=20.0))  # no lag shedding
-    serve_matches(create_retrieve_app(retriever, version, config, settings), bodies, want, workers=6)
+    serve_matches(create_retrieve_app(retriever, version, UNSHED, settings), bodies, want, workers=6)
     assert retriever.cache.entries
     # the table row changes the answer: the same history without the IDs' contribution scores differently
     codes, mask, rows = retriever.history_batch([retriever.encode(RetrieveRequest(bodies[1]["history"]))])
