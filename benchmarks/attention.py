@@ -23,7 +23,8 @@ lengths ``do_bench``'s time is bounded by host time, not by the kernels).
 
 ``--baseline DIR``: DIR holds a package ``base_triton``, a copy of ``recforge/ops/triton`` from
 another revision (imports rewritten to ``base_triton.``), timed as "recforge triton (baseline)"
-in the same run, so that a kernel change is judged by a ratio from one process on one GPU.
+in the same run, so that a kernel change is judged by a ratio from one process on one GPU; each
+HSTU case also records how far the two revisions' outputs and gradients differ ("agreement" rows).
 ``--precompile N``: compile every autotuning candidate of the recforge kernels in N processes
 first (Triton's disk cache), so that autotuning in the timed process only loads binaries; also
 each generative-recommenders candidate in a process of its own (one that breaks its process,
@@ -199,6 +200,24 @@ def softmax_variants(lengths, dim, seed, tokens, flex, baseline):
         variants["recforge triton (softmax, baseline)"] = lambda: baseline.softmax.softmax_attention_triton(
             q, k, v, offsets, L, mask)
     return [q, k, v], variants
+
+
+def agreement(fn, base_fn, inputs) -> dict:
+    """Largest absolute differences between two variants' outputs and gradients (same inputs, same output
+    gradient), relative to the largest magnitude of each: a kernel change timed against ``--baseline`` is also
+    checked to compute the same thing (float32 atomics sum dQ in no fixed order, so dQ may differ at rounding)."""
+    grad = torch.randn_like(fn())
+    results = []
+    for f in (fn, base_fn):
+        for x in inputs:
+            x.grad = None
+        out = f()
+        out.backward(grad)
+        results.append([out.detach(), *(x.grad.detach().clone() for x in inputs)])
+    for x in inputs:
+        x.grad = None
+    return {name: float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+            for name, a, b in zip(("out", "dq", "dk", "dv"), *results, strict=True)}
 
 
 def measure(name, fn, inputs, fl_fwd, fl_bwd, peak) -> dict:
@@ -555,6 +574,11 @@ def main() -> None:
             for family in ("hstu", "softmax"):
                 if family == "hstu":
                     inputs, variants = hstu_variants(lengths, dim, args.seed, compiled_ref, baseline)
+                    if baseline is not None and "recforge triton" not in args.skip:
+                        check = agreement(variants["recforge triton"], variants["recforge triton (baseline)"], inputs)
+                        print(json.dumps({"dim": dim, "max_len": L, "relative_difference_vs_baseline": check}))
+                        rows.append({"variant": "agreement with the baseline", "dim": dim, "max_len": L,
+                                     "relative_difference": check})
                 else:
                     inputs, variants = softmax_variants(lengths, dim, args.seed, args.tokens, flex, baseline)
                 for name, fn in variants.items():
@@ -616,6 +640,10 @@ def print_table(rows: list[dict]) -> None:
     print("| D | L | batch | variant | fwd TFLOP/s (% peak) | fwd+bwd TFLOP/s (% peak) | ours / this, fwd | fwd+bwd |")
     print("|---|---|---|---|---|---|---|---|")
     for row in sorted(rows, key=lambda r: (r["dim"], r["max_len"], "softmax" in r["variant"], r["variant"])):
+        if "relative_difference" in row:  # an agreement row, no timing
+            print(f"| {row['dim']} | {row['max_len']} | | {row['variant']}: "
+                  + ", ".join(f"{k} {v:.1e}" for k, v in row["relative_difference"].items()) + " | | | | |")
+            continue
         ours_name = "recforge triton (softmax)" if ("softmax" in row["variant"] or "Flex" in row["variant"]) else "recforge triton"
         ours = next((r for r in rows if r["variant"] == ours_name and r["dim"] == row["dim"] and r["max_len"] == row["max_len"]), {})
         ratios = []

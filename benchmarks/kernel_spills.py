@@ -38,7 +38,7 @@ from recforge.ops.triton import hstu
 
 KERNELS = {"fwd": hstu._hstu_fwd, "dq": hstu._hstu_bwd_dq, "dkdv": hstu._hstu_bwd_dkdv}
 DATA = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV_"}  # bf16 tensors
-INT64 = {"offsets", "num_targets", "num_contextual", "seg_ends", "ts_mask", "ts_bias", "time_thr"}
+INT64 = {"offsets", "seq_order", "num_targets", "num_contextual", "seg_ends", "ts_mask", "ts_bias", "time_thr"}
 FP32 = {"pos_w", "time_w", "dpos", "dtime", "DQ32"}
 VARIANTS = {
     "grads": dict(POS_GRAD=True, TIME_GRAD=True),
@@ -54,7 +54,7 @@ def constexprs(dim: int, block_m: int, block_n: int, split_loops: bool, override
     meta = dict(S=1, FULL_BITS=0, CAUSAL=True, HAS_TARGETS=False, HAS_CONTEXT=False, HAS_WINDOW=False, HAS_TS=False,
                 HAS_POS=True, HAS_TIME=True, POS_GRAD=True, TIME_GRAD=True, PAIR_ATOMICS=False, NB_PAD=256,
                 TIME_STEPS=hstu.TIME_STEPS, TIME_LOOP=True, REUSE_BUCKET=False, DQK=dim, DV=dim, BD_QK=dim, BD_V=dim,
-                DOT_PREC="tf32", FAST_SIGMOID=True, SPLIT_LOOPS=split_loops, FUSED_DQ=False,
+                DOT_PREC="tf32", FAST_SIGMOID=True, SPLIT_LOOPS=split_loops, FUSED_DQ=False, SEQ_ORDER=True,
                 BLOCK_M=block_m, BLOCK_N=block_n)  # fmt: skip
     return {**meta, **overrides}
 

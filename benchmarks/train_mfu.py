@@ -19,6 +19,8 @@ sampled softmax with 128 negatives per position over 100K items, attention in Tr
               (``model.relative_bias=false``, as NVIDIA's recsys-examples HSTU; FLOPs counted alike: the bias is
               elementwise work, which MFU does not count)
     long-shared-norab  large-shared-norab's model on users up to 8,192 tokens, 64K-token batches
+    large-64k-shared-norab  users up to 4,096 tokens (NVIDIA recsys-examples' MFU shape), 64K-token batches
+    xlong-32k-shared-norab, xlong-100k-shared-norab  users up to 32,768 / 100,000 tokens, 128K-token batches
     medium    8 blocks, d 512, 4 heads of 128, users up to 1024 tokens, 4K-token batches
     ml1m      configs/ml1m-hstu-plus-d128.yaml's shape: 8 blocks, d 128, 2 heads of 64, users up to 200 tokens,
               256 users per batch (about 38K tokens), full softmax over 3,706 items
@@ -85,6 +87,10 @@ CASES = {  # name: (model, max_len, tokens per batch (0: users), users per batch
     "long-shared-norab-res32": (dict(_NORAB, residual_dtype="float32"), 8192, 65536, 0, "shared", 8192, 100_000),
     # NVIDIA recsys-examples' MFU shape (8 x 1024, users up to 4K tokens) in 64K-token batches (large-shared-norab: 16K)
     "large-64k-shared-norab": (_NORAB, 4096, 65536, 0, "shared", 8192, 100_000),
+    # long histories (issue 18's title regime, seed 000's "10万级" sequences): users of 8K-32K / 25K-100K tokens in
+    # 128K-token batches, the same model; attention is most of the FLOPs there
+    "xlong-32k-shared-norab": (_NORAB, 32768, 131072, 0, "shared", 8192, 100_000),
+    "xlong-100k-shared-norab": (_NORAB, 100_000, 131072, 0, "shared", 8192, 100_000),
     "medium": (dict(dim=512, num_blocks=8, num_heads=4, dqk=128, dv=128), 1024, 4096, 0, "per_position", 128, 100_000),
     "ml1m": (dict(dim=128, num_blocks=8, num_heads=2, dqk=64, dv=64), 200, 0, 256, "full", 0, 3706),
     "small": (dict(dim=128, num_blocks=2, num_heads=2, dqk=64, dv=64), 512, 2048, 0, "per_position", 128, 20_000),

@@ -118,6 +118,36 @@ def test_interpreter_fused_dq(interpreter, monkeypatch, kind: str) -> None:
     assert interpreter._bwd_dq not in launched and interpreter._bwd_dkdv in launched
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("kind", ["causal", "all"])
+def test_interpreter_longest_sequences_first(interpreter, monkeypatch, kind: str, fused: bool) -> None:
+    """Programs launched by the sequences' length order (``SEQ_ORDER_MIN_LEN`` 0 here: every batch of 2 or more) give
+    the reference's outputs and gradients: every sequence's programs run once, whatever the order."""
+    monkeypatch.setattr(interpreter, "SEQ_ORDER_MIN_LEN", 0)
+    monkeypatch.setattr(interpreter, "fused_dq", fused)
+    orders = []
+    real_launch = interpreter.launch
+
+    def launch(kernel, grid_blocks, batch, heads, max_seq_len, args, meta):
+        orders.append(meta["SEQ_ORDER"] and args[list(kernel.fn.arg_names).index("seq_order")].tolist())
+        real_launch(kernel, grid_blocks, batch, heads, max_seq_len, args, meta)
+
+    monkeypatch.setattr(interpreter, "launch", launch)
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    errors = _case("hstu", kind, seed, batch=5, max_len=37, heads=2, dqk=24, dv=20, dtype=torch.float32, device="cpu")
+    _check(errors, 1e-5, f"hstu/{kind}/longest first, fused dq {fused}, seed {seed}")
+    assert len(orders) == (2 if fused else 3) and all(sorted(order) == list(range(5)) for order in orders)
+
+
+def test_sequence_order_is_longest_first_ties_in_batch_order() -> None:
+    from recforge.ops.triton._common import sequence_order
+
+    lengths = torch.randint(0, 4, (int(torch.randint(2, 40, (1,))),))
+    order = sequence_order(offsets_of(lengths.tolist()))
+    want = sorted(range(len(lengths)), key=lambda b: (-int(lengths[b]), b))
+    assert order.tolist() == want and order.dtype == torch.int64
+
+
 def test_fused_dq_off_in_deterministic_mode(interpreter, monkeypatch) -> None:
     monkeypatch.setattr(interpreter, "fused_dq", True)
     assert interpreter._fused_dq(1000, "tf32", 128)

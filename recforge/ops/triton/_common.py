@@ -63,6 +63,13 @@ def placeholder(device: torch.device, dtype: torch.dtype, size: int = 1) -> Tens
     return t
 
 
+def sequence_order(offsets: Tensor) -> Tensor:
+    """The batch's sequences longest first (int64 indices, ties in batch order): the order in which the HSTU kernels
+    launch their (sequence, head) program groups, so that the last programs to start are the shortest and the grid
+    does not end on one long program while the other SMs idle (``sequence_of_rank``)."""
+    return torch.argsort(offsets[1:] - offsets[:-1], descending=True, stable=True)
+
+
 def mask_args(mask: AttentionMask, offsets: Tensor) -> MaskArgs:
     device = offsets.device
     dummy32 = placeholder(device, torch.int32)
@@ -163,6 +170,16 @@ def block_of_program(len_key, num_heads, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     bh = pid // num_blocks
     return pid % num_blocks, num_blocks, bh // num_heads, bh % num_heads
+
+
+@triton.jit
+def sequence_of_rank(rank, seq_order, SEQ_ORDER: tl.constexpr):
+    """The batch index of the ``rank``-th sequence in launch order: ``seq_order[rank]`` (the batch's sequences
+    longest first, ``sequence_order``) when ``SEQ_ORDER``, else ``rank``."""
+    b = rank
+    if SEQ_ORDER:
+        b = tl.load(seq_order + rank).to(tl.int32)
+    return b
 
 
 @triton.jit

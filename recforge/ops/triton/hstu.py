@@ -36,6 +36,8 @@ from recforge.ops.triton._common import (
     placeholder,
     query_block_ranges,
     query_tile,
+    sequence_of_rank,
+    sequence_order,
     time_thresholds,
     visible,
 )
@@ -140,15 +142,16 @@ def _silu_and_twice_grad(s, FAST: tl.constexpr):
 @triton.jit
 def _hstu_fwd(
     Q, K, V, O, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
-    offsets, num_targets, num_contextual, seg_ends, ts_mask, ts_bias, pos_w, time_w, time_thr,
+    offsets, seq_order, num_targets, num_contextual, seg_ends, ts_mask, ts_bias, pos_w, time_w, time_thr,
     scale, window, P, NB, num_heads, len_key,
     S: tl.constexpr, FULL_BITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
     DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEQ_ORDER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    blk, num_blocks, b, h = block_of_program(len_key, num_heads, BLOCK_M)
+    blk, num_blocks, rank, h = block_of_program(len_key, num_heads, BLOCK_M)
+    b = sequence_of_rank(rank, seq_order, SEQ_ORDER)  # the longest sequences first
     pid_m = num_blocks - 1 - blk  # of a sequence's row blocks, the longest key walk first
     start_tok = tl.load(offsets + b)
     n = (tl.load(offsets + b + 1) - start_tok).to(tl.int32)
@@ -208,15 +211,16 @@ def _hstu_fwd(
 @triton.jit
 def _hstu_bwd_dq(
     Q, K, V, DO, DQ, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sdq_t, sdq_h,
-    offsets, num_targets, num_contextual, seg_ends, ts_mask, ts_bias, pos_w, time_w, time_thr,
+    offsets, seq_order, num_targets, num_contextual, seg_ends, ts_mask, ts_bias, pos_w, time_w, time_thr,
     scale, window, P, NB, num_heads, len_key,
     S: tl.constexpr, FULL_BITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
     DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEQ_ORDER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    blk, num_blocks, b, h = block_of_program(len_key, num_heads, BLOCK_M)
+    blk, num_blocks, rank, h = block_of_program(len_key, num_heads, BLOCK_M)
+    b = sequence_of_rank(rank, seq_order, SEQ_ORDER)
     pid_m = num_blocks - 1 - blk
     start_tok = tl.load(offsets + b)
     n = (tl.load(offsets + b + 1) - start_tok).to(tl.int32)
@@ -277,7 +281,7 @@ def _hstu_bwd_dq(
 def _hstu_bwd_dkdv(
     Q, K, V, DO, DK, DV_, DQ32, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sdk_t, sdk_h, sdv_t, sdv_h,
     sdq_t, sdq_h,
-    offsets, num_targets, num_contextual, seg_ends, ts_mask, ts_bias, pos_w, time_w, time_thr, dpos, dtime,
+    offsets, seq_order, num_targets, num_contextual, seg_ends, ts_mask, ts_bias, pos_w, time_w, time_thr, dpos, dtime,
     scale, window, P, NB, num_heads, len_key,
     S: tl.constexpr, FULL_BITS: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TS: tl.constexpr, HAS_POS: tl.constexpr,
@@ -285,9 +289,10 @@ def _hstu_bwd_dkdv(
     NB_PAD: tl.constexpr, TIME_STEPS: tl.constexpr, TIME_LOOP: tl.constexpr, REUSE_BUCKET: tl.constexpr,
     DQK: tl.constexpr, DV: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
     FUSED_DQ: tl.constexpr, DOT_PREC: tl.constexpr, FAST_SIGMOID: tl.constexpr, SPLIT_LOOPS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEQ_ORDER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_n, _, b, h = block_of_program(len_key, num_heads, BLOCK_N)  # first keys (most rows see them) first
+    pid_n, _, rank, h = block_of_program(len_key, num_heads, BLOCK_N)  # first keys (most rows see them) first
+    b = sequence_of_rank(rank, seq_order, SEQ_ORDER)
     start_tok = tl.load(offsets + b)
     n = (tl.load(offsets + b + 1) - start_tok).to(tl.int32)
     j0 = pid_n * BLOCK_N
@@ -412,6 +417,11 @@ pair_atomics = False
 # L 2048, no gain at D 64: BENCHMARKS.md, 16th session).
 fused_dq = hstu_fused_dq()
 FUSED_DQ_AUTO_LEN = 2048
+# Batches whose max_seq_len is over this launch their sequences longest first (``_common.sequence_order``: one argsort
+# per call): in the one-dimensional grid each (sequence, head) group of programs runs its longest programs first, and
+# with the groups in batch order the grid's last programs could be a long sequence's longest, run while the other SMs
+# idle. Up to it (short sequences, many short programs) the batch order is kept and no sort is launched.
+SEQ_ORDER_MIN_LEN = 256
 
 # ---- launching ----------------------------------------------------------------------------------------------------
 
@@ -439,14 +449,17 @@ def _static_meta(num_segments, full_bits, causal, has_targets, has_contextual, h
 
 
 def hstu_forward(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, ma: MaskArgs, scale: float,
-                 pos_w: Tensor | None, ts_bias: Tensor | None, time_w: Tensor | None, num_buckets: int) -> Tensor:  # fmt: skip
-    """The forward kernel's (T, H, Dv) output (no autograd: ``_HSTUAttention`` and the custom op call it)."""
+                 pos_w: Tensor | None, ts_bias: Tensor | None, time_w: Tensor | None, num_buckets: int,
+                 seq_order: Tensor | None = None) -> Tensor:  # fmt: skip
+    """The forward kernel's (T, H, Dv) output (no autograd: ``_HSTUAttention`` and the custom op call it).
+    ``seq_order``: ``launch_order(offsets, max_seq_len)`` when the caller has it (None: taken here)."""
     total, heads, dqk = q.shape
     dv = v.shape[2]
     batch = offsets.numel() - 1
     out = torch.empty(total, heads, dv, dtype=q.dtype, device=q.device)
     if total > 0 and batch > 0:
-        common, scalars, meta = _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets)
+        common, scalars, meta = _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets,
+                                             seq_order)  # fmt: skip
         launch(_fwd, "m", batch, heads, max_seq_len,
                (q, k, v, out, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2], *common, *scalars), meta)
     return out
@@ -454,7 +467,7 @@ def hstu_forward(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: 
 
 def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, ma: MaskArgs,
                   scale: float, pos_w: Tensor | None, ts_bias: Tensor | None, time_w: Tensor | None, num_buckets: int,
-                  pos_grad: bool, time_grad: bool, unscaled_dq: bool = False,
+                  pos_grad: bool, time_grad: bool, unscaled_dq: bool = False, seq_order: Tensor | None = None,
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:  # fmt: skip
     """(dq, dk, dv, d pos_w, d time_w) of ``hstu_forward``; the bias gradients None unless ``pos_grad``/``time_grad``.
 
@@ -480,7 +493,8 @@ def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
     dtime = (torch.zeros(num_buckets + 1, dtype=torch.float32, device=q.device) if time_grad
              else placeholder(q.device, torch.float32))
     if total > 0 and batch > 0:
-        common, scalars, meta = _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets)
+        common, scalars, meta = _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets,
+                                             seq_order)  # fmt: skip
         strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2])
         if not fused:  # the kernel's dQ times its scale argument: 2 for dQ * 2 / scale
             dq_scalars = (2.0, *scalars[1:]) if unscaled_dq else scalars
@@ -514,16 +528,24 @@ def _fused_dq(max_seq_len: int, dot_prec: str, dqk: int) -> bool:
     return is_interpreting() or (max_seq_len > 256 and dot_prec != "ieee")
 
 
-def _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets) -> tuple:
-    """The kernels' shared arguments: (mask and bias tensors, scalars, constexprs)."""
+def launch_order(offsets: Tensor, max_seq_len: int) -> Tensor | None:
+    """The order in which the kernels take a batch's sequences (``SEQ_ORDER_MIN_LEN``), None: batch order."""
+    return sequence_order(offsets) if offsets.numel() > 2 and max_seq_len > SEQ_ORDER_MIN_LEN else None
+
+
+def _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets, seq_order) -> tuple:
+    """The kernels' shared arguments: (mask and bias tensors, scalars, constexprs); ``seq_order`` None: taken here."""
     has_pos, has_time = pos_w is not None, time_w is not None
     dummy_f = placeholder(q.device, torch.float32)
     thr = time_thresholds(num_buckets, q.device) if has_time else placeholder(q.device, torch.int64, 2)
-    common = (offsets, ma.num_targets, ma.num_contextual, ma.segment_ends, ma.ts, ts_bias if has_time else ma.ts,
+    order = seq_order if seq_order is not None else launch_order(offsets, max_seq_len)
+    ordered = order is not None
+    order = order if ordered else placeholder(q.device, torch.int64)
+    common = (offsets, order, ma.num_targets, ma.num_contextual, ma.segment_ends, ma.ts, ts_bias if has_time else ma.ts,
               pos_w if has_pos else dummy_f, time_w if has_time else dummy_f, thr)  # fmt: skip
     P = pos_w.numel() if has_pos else 1
     scalars = (scale, ma.window, P, num_buckets, q.shape[1], max_len_bucket(max_seq_len))
-    return common, scalars, _meta(ma, q.shape[2], v.shape[2], has_pos, has_time, q.dtype)
+    return common, scalars, dict(_meta(ma, q.shape[2], v.shape[2], has_pos, has_time, q.dtype), SEQ_ORDER=ordered)
 
 
 # ---- autograd and the entry point ---------------------------------------------------------------------------------
@@ -532,16 +554,18 @@ def _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, 
 class _HSTUAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets):
-        ctx.save_for_backward(q, k, v, offsets, pos_w, ts_bias, time_w)
+        order = launch_order(offsets, max_seq_len)  # taken once for the forward and the backward
+        ctx.save_for_backward(q, k, v, offsets, pos_w, ts_bias, time_w, order)
         ctx.stuff = (max_seq_len, ma, scale, num_buckets)
-        return hstu_forward(q, k, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets)
+        return hstu_forward(q, k, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets, order)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, offsets, pos_w, ts_bias, time_w = ctx.saved_tensors
+        q, k, v, offsets, pos_w, ts_bias, time_w, order = ctx.saved_tensors
         max_seq_len, ma, scale, num_buckets = ctx.stuff
         dq, dk, dv, d_pos, d_time = hstu_backward(grad_out, q, k, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias,
-                                                  time_w, num_buckets, ctx.needs_input_grad[7], ctx.needs_input_grad[9])  # fmt: skip
+                                                  time_w, num_buckets, ctx.needs_input_grad[7], ctx.needs_input_grad[9],
+                                                  seq_order=order)  # fmt: skip
         return dq, dk, dv, None, None, None, None, d_pos, None, d_time, None
 
 
