@@ -4,6 +4,7 @@
 
 One program per (query block or key block, sequence, head); tiles a row block cannot see
 are never visited, and fully visible tiles skip the mask arithmetic (``recforge.ops.triton._common``).
+Batches of long sequences launch them longest first (``SEQ_ORDER_MIN_LEN``).
 The bias gradients (position and time-bucket weights, shared by all heads) are summed
 per tile and weight before any atomic (``recforge.ops.triton.bias_grad``), in float32.
 

@@ -233,7 +233,8 @@ def launch(kernel, grid_blocks: str, batch: int, heads: int, max_seq_len: int, a
     they are resident together and read that sequence's keys (or queries) from L2 rather than
     each from memory. On a (batch * heads, blocks) grid neighbours are other sequences' blocks at
     the same position: block-major HSTU took 1.2-1.5x less GPU time at D = 128, L 512-2048 on an
-    H100 and the same at L = 8192 (BENCHMARKS.md).
+    H100 and the same at L = 8192 (BENCHMARKS.md). The HSTU kernels take the (sequence, head) groups
+    longest sequence first on long batches (``_common.sequence_of_rank``).
 
     The first launch of each specialization goes through Triton (autotuner, argument binding,
     compilation); later ones call the compiled kernel directly (``_LaunchPlans``).
