@@ -153,7 +153,8 @@ def cache_kwargs(autotune=None) -> dict:
 # for another (names a kernel does not take are left out of its key).
 TUNING_KEY = ["len_key", "BD_QK", "BD_V", "DQK", "DV", "DOT_PREC", "SPLIT_LOOPS", "S", "FULL_BITS", "CAUSAL",
               "HAS_TARGETS", "HAS_CONTEXT", "HAS_WINDOW", "HAS_TS", "HAS_POS", "HAS_TIME", "POS_GRAD", "TIME_GRAD",
-              "PAIR_ATOMICS", "NB_PAD", "TIME_STEPS", "TIME_LOOP", "REUSE_BUCKET", "FUSED_DQ", "FAST_SIGMOID"]  # fmt: skip
+              "PAIR_ATOMICS", "NB_PAD", "TIME_STEPS", "TIME_LOOP", "REUSE_BUCKET", "FUSED_DQ", "FAST_SIGMOID",
+              "SEQ_ORDER"]  # fmt: skip
 
 
 def tuned(kernel, kind: str, reset_to_zero: list[str] | None = None):
