@@ -129,7 +129,8 @@ def test_interpreter_longest_sequences_first(interpreter, monkeypatch, kind: str
     real_launch = interpreter.launch
 
     def launch(kernel, grid_blocks, batch, heads, max_seq_len, args, meta):
-        orders.append(meta["SEQ_ORDER"] and args[list(kernel.fn.arg_names).index("seq_order")].tolist())
+        assert meta["SEQ_ORDER"], "a batch of 5 sequences over SEQ_ORDER_MIN_LEN launched in batch order"
+        orders.append(args[list(kernel.fn.arg_names).index("seq_order")].tolist())
         real_launch(kernel, grid_blocks, batch, heads, max_seq_len, args, meta)
 
     monkeypatch.setattr(interpreter, "launch", launch)
