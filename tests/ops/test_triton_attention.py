@@ -138,6 +138,8 @@ def test_interpreter_longest_sequences_first(interpreter, monkeypatch, kind: str
     errors = _case("hstu", kind, seed, batch=5, max_len=37, heads=2, dqk=24, dv=20, dtype=torch.float32, device="cpu")
     _check(errors, 1e-5, f"hstu/{kind}/longest first, fused dq {fused}, seed {seed}")
     assert len(orders) == (2 if fused else 3) and all(sorted(order) == list(range(5)) for order in orders)
+    lengths = random_lengths(torch.Generator().manual_seed(seed), 5, 37)  # _case's lengths: the same generator draw
+    assert all([lengths[b] for b in order] == sorted(lengths, reverse=True) for order in orders)  # longest first
 
 
 def test_sequence_order_is_longest_first_ties_in_batch_order() -> None:

@@ -540,13 +540,12 @@ def _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, 
     dummy_f = placeholder(q.device, torch.float32)
     thr = time_thresholds(num_buckets, q.device) if has_time else placeholder(q.device, torch.int64, 2)
     order = seq_order if seq_order is not None else launch_order(offsets, max_seq_len)
-    ordered = order is not None
-    order = order if ordered else placeholder(q.device, torch.int64)
-    common = (offsets, order, ma.num_targets, ma.num_contextual, ma.segment_ends, ma.ts, ts_bias if has_time else ma.ts,
+    order_arg = order if order is not None else placeholder(q.device, torch.int64)  # SEQ_ORDER False: never read
+    common = (offsets, order_arg, ma.num_targets, ma.num_contextual, ma.segment_ends, ma.ts, ts_bias if has_time else ma.ts,
               pos_w if has_pos else dummy_f, time_w if has_time else dummy_f, thr)  # fmt: skip
     P = pos_w.numel() if has_pos else 1
     scalars = (scale, ma.window, P, num_buckets, q.shape[1], max_len_bucket(max_seq_len))
-    return common, scalars, dict(_meta(ma, q.shape[2], v.shape[2], has_pos, has_time, q.dtype), SEQ_ORDER=ordered)
+    return common, scalars, dict(_meta(ma, q.shape[2], v.shape[2], has_pos, has_time, q.dtype), SEQ_ORDER=order is not None)
 
 
 # ---- autograd and the entry point ---------------------------------------------------------------------------------
