@@ -17,14 +17,17 @@
                                     one launch; ``recforge.ops.triton.hstu.fused_dq``; autotuned bf16/fp16 launches
                                     only, never in deterministic mode): unset, for sequences of more than 2,048 tokens
                                     at head dims over 64; 1 (or true/on/yes) for every such launch; 0 never
+    RECFORGE_GLUON_HSTU             0 (or false/off/no): the HSTU attention forward in Triton everywhere; default on, the
+                                    Gluon forward (``recforge.ops.triton.hstu_gluon``) for the calls it supports
+                                    (Hopper, bf16/fp16, head dim 128, causal, no relative bias)
     TRITON_INTERPRET                1: Triton kernels run in Triton's CPU interpreter (tests)
 
-The four RECFORGE_ switches (launch plans, norm gate, gather-dot, fused dQ) take 1/true/on/yes or 0/false/off/no (any case); any other value is refused with
+The five RECFORGE_ switches (launch plans, norm gate, gather-dot, fused dQ, Gluon HSTU) take 1/true/on/yes or 0/false/off/no (any case); any other value is refused with
 ``ValueError``. Each is read when its function is called, so a test can set it with ``monkeypatch.setenv``;
 ``RECFORGE_TRITON_LAUNCH_PLANS`` is read once, when the Triton kernels are first imported, and
 ``RECFORGE_FUSED_NORM_GATE`` once, when ``recforge.ops.norm_gate`` is imported, ``RECFORGE_FUSED_GATHER_DOT``
 once, when ``recforge.ops.gather_dot`` is imported, and ``RECFORGE_HSTU_FUSED_DQ`` once, when the HSTU Triton kernels
-are.
+are; ``RECFORGE_GLUON_HSTU`` on every attention call.
 """
 
 from __future__ import annotations
@@ -81,9 +84,15 @@ def hstu_fused_dq() -> bool | None:
     return _switch("RECFORGE_HSTU_FUSED_DQ")
 
 
+def gluon_hstu() -> bool | None:
+    """``$RECFORGE_GLUON_HSTU`` (``_switch``): False turns the Gluon HSTU forward off; unset or True, it computes the
+    calls it supports (``recforge.ops.triton.hstu_gluon.supported``)."""
+    return _switch("RECFORGE_GLUON_HSTU")
+
+
 def triton_interpret() -> bool:
     """``$TRITON_INTERPRET`` is set to something other than 0 (Triton reads it when kernels are defined)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-__all__ = ["TRUSTED_SLICE_MODULES", "data_dir", "fused_gather_dot", "fused_norm_gate", "hstu_fused_dq", "triton_interpret", "triton_launch_plans", "trusted_slice_modules"]
+__all__ = ["TRUSTED_SLICE_MODULES", "data_dir", "fused_gather_dot", "fused_norm_gate", "gluon_hstu", "hstu_fused_dq", "triton_interpret", "triton_launch_plans", "trusted_slice_modules"]

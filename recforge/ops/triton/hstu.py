@@ -4,7 +4,9 @@
 
 One program per (query block or key block, sequence, head); tiles a row block cannot see
 are never visited, and fully visible tiles skip the mask arithmetic (``recforge.ops.triton._common``).
-Batches of long sequences launch them longest first (``SEQ_ORDER_MIN_LEN``).
+Batches of long sequences launch them longest first (``SEQ_ORDER_MIN_LEN``). On Hopper the forward of the hot path
+(bf16/fp16, head dim 128, causal, no relative bias) runs a warp-specialized Gluon kernel instead
+(``recforge.ops.triton.hstu_gluon``); the backward is always these kernels.
 The bias gradients (position and time-bucket weights, shared by all heads) are summed
 per tile and weight before any atomic (``recforge.ops.triton.bias_grad``), in float32.
 
@@ -42,6 +44,7 @@ from recforge.ops.triton._common import (
     time_thresholds,
     visible,
 )
+from recforge.ops.triton import hstu_gluon
 from recforge.ops.triton.bias_grad import pos_grad_tile, time_grad_tile, time_index
 from recforge.ops.triton.tuning import dot_precision, is_interpreting, launch, tuned
 
@@ -452,12 +455,16 @@ def _static_meta(num_segments, full_bits, causal, has_targets, has_contextual, h
 def hstu_forward(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, ma: MaskArgs, scale: float,
                  pos_w: Tensor | None, ts_bias: Tensor | None, time_w: Tensor | None, num_buckets: int,
                  seq_order: Tensor | None = None) -> Tensor:  # fmt: skip
-    """The forward kernel's (T, H, Dv) output (no autograd: ``_HSTUAttention`` and the custom op call it).
+    """The forward kernel's (T, H, Dv) output (no autograd: ``_HSTUAttention`` and the custom op call it): the Gluon
+    forward's on Hopper for the calls it supports (``recforge.ops.triton.hstu_gluon``), else the Triton kernel's.
     ``seq_order``: ``launch_order(offsets, max_seq_len)`` when the caller has it (None: taken here)."""
     total, heads, dqk = q.shape
     dv = v.shape[2]
     batch = offsets.numel() - 1
     out = torch.empty(total, heads, dv, dtype=q.dtype, device=q.device)
+    if total > 0 and batch > 0 and hstu_gluon.supported(q, k, v, max_seq_len, ma, pos_w, time_w):
+        order = seq_order if seq_order is not None else launch_order(offsets, max_seq_len)
+        return hstu_gluon.hstu_forward_gluon(q, k, v, offsets, max_seq_len, scale, order, out)
     if total > 0 and batch > 0:
         common, scalars, meta = _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets,
                                              seq_order)  # fmt: skip

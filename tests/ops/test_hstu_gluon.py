@@ -1,0 +1,139 @@
+"""The Gluon HSTU forward (``recforge.ops.triton.hstu_gluon``).
+
+CPU: the kernel compiles for sm_90 with the installed Triton, without spills (a subprocess: a compiler crash must
+fail this test, not abort the run). GPU (Hopper): against the float64 reference and the Triton forward on fresh
+jagged batches (empty sequences, strided q/k/v, sequence order on and off), and it is the path actually taken.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from _oracles import offsets_of, relative_error
+
+from recforge.jagged.mask import AttentionMask
+from recforge.ops.hstu_attention import hstu_attention, hstu_attention_reference
+from recforge.ops.triton import hstu_gluon
+
+COMPILE = textwrap.dedent("""
+    import re, subprocess, tempfile, pathlib, torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+    from recforge.ops.triton import hstu_gluon as g
+
+    t = torch.empty(4096, 4, 128, dtype=torch.bfloat16)
+    qd, kd, vd = g.descriptors(t, t, t)
+    kern = g._hstu_fwd_gluon
+    types = {"q_desc": mangle_type(qd), "k_desc": mangle_type(kd), "v_desc": mangle_type(vd), "O": "*bf16",
+             "so_t": "i32", "offsets": "*i64", "seq_order": "*i64", "scale": "fp32", "num_heads": "i32",
+             "len_key": "i32", "STAGES": "constexpr", "SEQ_ORDER": "constexpr"}
+    sig = {a: types[a] for a in kern.arg_names}
+    for order in (False, True):
+        cx = {(kern.arg_names.index("STAGES"),): g.STAGES, (kern.arg_names.index("SEQ_ORDER"),): order}
+        k = triton.compile(GluonASTSource(kern, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4})
+        ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+        with tempfile.TemporaryDirectory() as tmp:
+            pathlib.Path(tmp, "k.ptx").write_text(k.asm["ptx"])
+            log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                                 capture_output=True, text=True, check=True).stderr
+        print("order", order, "spills", re.findall(r"(\\d+) bytes spill stores", log), "shared", k.metadata.shared,
+              "wgmma", len(re.findall(r"wgmma.mma_async", k.asm["ptx"])))
+""")
+
+
+@pytest.mark.skipif(not hstu_gluon.AVAILABLE, reason="this Triton has no Gluon")
+def test_kernel_compiles_for_hopper_without_spills() -> None:
+    done = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "HOME": "/tmp"})
+    assert done.returncode == 0, f"compiling the Gluon HSTU forward for sm_90 failed:\n{done.stderr[-3000:]}"
+    lines = [line for line in done.stdout.splitlines() if line.startswith("order")]
+    assert len(lines) == 2, done.stdout
+    for line in lines:
+        assert "spills ['0']" in line, line
+        assert "wgmma 0" not in line, line
+        shared = int(line.split("shared ")[1].split()[0])
+        assert shared <= 227 * 1024, f"over the H100/H200's 227 KiB of shared memory per block: {line}"
+
+
+def test_not_supported_off_hopper_or_off_the_hot_path(monkeypatch) -> None:
+    from recforge.ops.triton._common import mask_args
+
+    q = torch.randn(600, 2, 128, dtype=torch.bfloat16)
+    ma = mask_args(AttentionMask(causal=True), offsets_of([600]))
+    assert not hstu_gluon.supported(q, q, q, 600, ma, None, None)  # CPU tensors
+    monkeypatch.setenv("RECFORGE_GLUON_HSTU", "maybe")
+    with pytest.raises(ValueError, match="RECFORGE_GLUON_HSTU"):
+        hstu_gluon.supported(q, q, q, 600, ma, None, None)
+
+
+# ----------------------------------------------------------------------------------------- GPU
+
+
+@pytest.fixture
+def hopper(cuda_device) -> torch.device:
+    if torch.cuda.get_device_capability(cuda_device) != (9, 0):
+        pytest.skip("needs a Hopper GPU (sm_90)")
+    if not hstu_gluon.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    return cuda_device
+
+
+def _batch(gen: torch.Generator, lengths: list[int], heads: int, dtype: torch.dtype, device, fused: bool):
+    total = sum(lengths)
+    if fused:  # slices of one (T, 3 H D) projection, as the HSTU block makes them
+        qkv = torch.randn(total, 3 * heads * 128, generator=gen).to(device=device, dtype=dtype)
+        q, k, v = (x.view(total, heads, 128) for x in qkv.split(heads * 128, dim=1))
+    else:
+        q, k, v = (torch.randn(total, heads, 128, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
+    return q, k, v, offsets_of(lengths).to(device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("fused", [False, True], ids=["packed", "fused-projection"])
+def test_gpu_gluon_forward_matches_reference_and_triton(hopper, monkeypatch, dtype, fused) -> None:
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    gen = torch.Generator().manual_seed(seed)
+    max_len = int(torch.randint(hstu_gluon.MIN_LEN, 1600, (1,), generator=gen))
+    lengths = [max_len, 0, 1, 127, 128, 129] + torch.randint(1, max_len + 1, (6,), generator=gen).tolist()
+    q, k, v, offsets = _batch(gen, lengths, 3, dtype, hopper, fused)
+    calls = []
+    real = hstu_gluon.hstu_forward_gluon
+    monkeypatch.setattr(hstu_gluon, "hstu_forward_gluon", lambda *a: calls.append(a[6] is not None) or real(*a))
+    mask = AttentionMask(causal=True)
+    out = hstu_attention(q, k, v, offsets, max_len, mask, scale=1.0 / max_len, kernel="triton")
+    assert calls == [True], "the Gluon forward was not taken (or took no sequence order) on a supported call"
+    ref = hstu_attention_reference(*(x.double().cpu() for x in (q, k, v)), offsets.cpu(), max_len, mask, 1.0 / max_len)
+    err = relative_error(out.cpu(), ref)
+    assert err < (2e-2 if dtype == torch.bfloat16 else 4e-3), f"seed {seed}: relative error {err:.2e} vs float64"
+    monkeypatch.setenv("RECFORGE_GLUON_HSTU", "0")
+    triton_out = hstu_attention(q, k, v, offsets, max_len, mask, scale=1.0 / max_len, kernel="triton")
+    assert len(calls) == 1, "RECFORGE_GLUON_HSTU=0 did not turn the Gluon forward off"
+    diff = relative_error(out.float().cpu(), triton_out.float().cpu())
+    assert diff < (1e-2 if dtype == torch.bfloat16 else 2e-3), f"seed {seed}: {diff:.2e} from the Triton forward"
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_forward_in_training_gradients_match(hopper) -> None:
+    """Forward by Gluon, backward by Triton (HSTU keeps no forward statistics): the gradients match the reference."""
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 1100, (7,), generator=gen).tolist() + [1100]
+    q, k, v, offsets = _batch(gen, lengths, 2, torch.bfloat16, hopper, fused=False)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    mask = AttentionMask(causal=True)
+    out = hstu_attention(*leaves, offsets, 1100, mask, scale=0.01, kernel="triton")
+    grad = torch.randn(out.shape, generator=gen).to(hopper, torch.bfloat16)
+    got = torch.autograd.grad(out, leaves, grad)
+    ref_leaves = [x.detach().double().cpu().requires_grad_() for x in leaves]
+    ref = hstu_attention_reference(*ref_leaves, offsets.cpu(), 1100, mask, 0.01)
+    want = torch.autograd.grad(ref, ref_leaves, grad.double().cpu())
+    for name, g, w in zip("qkv", got, want):
+        err = relative_error(g.cpu(), w)
+        assert err < 2e-2, f"seed {seed}: d{name} relative error {err:.2e}"
