@@ -137,3 +137,11 @@ def test_gpu_gluon_forward_in_training_gradients_match(hopper) -> None:
     for name, g, w in zip("qkv", got, want):
         err = relative_error(g.cpu(), w)
         assert err < 2e-2, f"seed {seed}: d{name} relative error {err:.2e}"
+
+
+@pytest.mark.skipif(not hstu_gluon.AVAILABLE, reason="this Triton has no Gluon")
+def test_a_failed_launch_says_how_to_turn_it_off() -> None:
+    """Without a Hopper GPU the launch fails; the error names the switch back to the Triton forward."""
+    q = torch.randn(300, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="RECFORGE_GLUON_HSTU=0"):
+        hstu_gluon.hstu_forward_gluon(q, q, q, offsets_of([300]), 300, 0.1, None, torch.empty_like(q))

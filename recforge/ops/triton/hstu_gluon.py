@@ -199,6 +199,10 @@ def hstu_forward_gluon(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq
     batch, heads = offsets.numel() - 1, q.shape[1]
     grid = (triton.cdiv(max_seq_len, 2 * BLOCK_ROWS) * batch * heads,)
     order = seq_order if seq_order is not None else offsets  # SEQ_ORDER False: never read
-    _hstu_fwd_gluon[grid](*descriptors(q, k, v), out, out.stride(0), offsets, order, scale, heads, max_seq_len,
-                          STAGES=STAGES, SEQ_ORDER=seq_order is not None, num_warps=4)
+    try:
+        _hstu_fwd_gluon[grid](*descriptors(q, k, v), out, out.stride(0), offsets, order, scale, heads, max_seq_len,
+                              STAGES=STAGES, SEQ_ORDER=seq_order is not None, num_warps=4)
+    except Exception as e:  # a compiler or driver failure: say how to run the Triton forward instead
+        raise RuntimeError(f"the Gluon HSTU attention forward failed ({type(e).__name__}: {e}); set "
+                           "RECFORGE_GLUON_HSTU=0 to use the Triton forward, and please report it") from e
     return out
