@@ -7,10 +7,10 @@ idle through its SiLU, and ``tl.range(warp_specialize=True)`` does nothing on sm
 .gluon``, Triton >= 3.6) states the schedule itself: one program per (block of 128 query rows, sequence, head), a
 1-warp loader streams K/V tiles by TMA into a two-stage ring (ready/empty mbarriers), and two 4-warp consumer
 warpgroups own 64 rows each and walk the same key tiles, so one warpgroup's SiLU runs while the other's wgmmas do.
-On an H200 this took 1.10x / 1.14x / 1.18x less time than the Triton forward at L 2048 / 4096 / 8192 (head dim 128,
-jagged 64K-token batches; BENCHMARKS.md, 22nd session); at head dim 64 it was slower (0.88-0.96x), so it is not used
-there. Two variants that lost are recorded there too (a persistent grid; the next tile's scores issued before this
-tile's P.V inside a warpgroup).
+On an H200 the Triton forward took 1.06x / 1.13x / 1.20x this kernel's time at L 2048 / 4096 / 8192 (head dim 128,
+jagged 64K-token batches; level at 1,024, hence ``MIN_LEN``; BENCHMARKS.md, 22nd session); at head dim 64 the
+prototype lost to Triton (0.57-0.98x), so it is not used there. The variants that lost are recorded there too (a
+persistent grid; the next tile's scores issued before this tile's P.V inside a warpgroup; 64-key tiles).
 
 The hot path only (``supported``): CUDA sm_90, bf16/fp16, head dims 128/128, a plain causal mask (no targets,
 contextual tokens, segments, window or timestamps), no relative bias, heads packed in each row (stride(1) == 128,
