@@ -145,3 +145,29 @@ def test_a_failed_launch_says_how_to_turn_it_off() -> None:
     q = torch.randn(300, 2, 128, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="RECFORGE_GLUON_HSTU=0"):
         hstu_gluon.hstu_forward_gluon(q, q, q, offsets_of([300]), 300, 0.1, None, torch.empty_like(q))
+
+
+@pytest.mark.gpu
+def test_gpu_off_the_hot_path_takes_triton(hopper) -> None:
+    """Each case the Gluon kernel does not compute is refused (it would give wrong answers or lose speed there)."""
+    from recforge.ops.triton._common import mask_args
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    q, k, v, offsets = _batch(gen, [1100, 900], 2, torch.bfloat16, hopper, fused=False)
+    causal = mask_args(AttentionMask(causal=True), offsets)
+    assert hstu_gluon.supported(q, k, v, 1100, causal, None, None)
+    pos_w = torch.zeros(4, device=hopper)
+    refused = {
+        "targets": (q, k, v, 1100, mask_args(AttentionMask(causal=True, num_targets=torch.tensor([3, 2])), offsets),
+                    None, None),
+        "window": (q, k, v, 1100, mask_args(AttentionMask(causal=True, max_attn_len=64), offsets), None, None),
+        "full": (q, k, v, 1100, mask_args(AttentionMask(causal=False), offsets), None, None),
+        "position bias": (q, k, v, 1100, causal, pos_w, None),
+        "time bias": (q, k, v, 1100, causal, None, pos_w),
+        "short batch": (q, k, v, hstu_gluon.MIN_LEN - 1, causal, None, None),
+        "float32": (q.float(), k.float(), v.float(), 1100, causal, None, None),
+        "head dim 64": (q[..., :64], k[..., :64], v[..., :64], 1100, causal, None, None),
+        "heads not packed": (q.transpose(0, 1).contiguous().transpose(0, 1), k, v, 1100, causal, None, None),
+    }
+    taken = [name for name, args in refused.items() if hstu_gluon.supported(*args)]
+    assert not taken, f"the Gluon forward accepted calls it does not compute: {taken}"

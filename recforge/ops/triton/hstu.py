@@ -462,12 +462,12 @@ def hstu_forward(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: 
     dv = v.shape[2]
     batch = offsets.numel() - 1
     out = torch.empty(total, heads, dv, dtype=q.dtype, device=q.device)
-    if total > 0 and batch > 0 and hstu_gluon.supported(q, k, v, max_seq_len, ma, pos_w, time_w):
-        order = seq_order if seq_order is not None else launch_order(offsets, max_seq_len)
-        return hstu_gluon.hstu_forward_gluon(q, k, v, offsets, max_seq_len, scale, order, out)
     if total > 0 and batch > 0:
+        order = seq_order if seq_order is not None else launch_order(offsets, max_seq_len)
+        if hstu_gluon.supported(q, k, v, max_seq_len, ma, pos_w, time_w):
+            return hstu_gluon.hstu_forward_gluon(q, k, v, offsets, max_seq_len, scale, order, out)
         common, scalars, meta = _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets,
-                                             seq_order)  # fmt: skip
+                                             order)  # fmt: skip
         launch(_fwd, "m", batch, heads, max_seq_len,
                (q, k, v, out, *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2], *common, *scalars), meta)
     return out
