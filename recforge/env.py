@@ -17,9 +17,9 @@
                                     one launch; ``recforge.ops.triton.hstu.fused_dq``; autotuned bf16/fp16 launches
                                     only, never in deterministic mode): unset, for sequences of more than 2,048 tokens
                                     at head dims over 64; 1 (or true/on/yes) for every such launch; 0 never
-    RECFORGE_GLUON_HSTU             0 (or false/off/no): the HSTU attention forward in Triton everywhere; default on, the
-                                    Gluon forward (``recforge.ops.triton.hstu_gluon``) for the calls it supports
-                                    (Hopper, bf16/fp16, head dim 128, causal, no relative bias)
+    RECFORGE_GLUON_HSTU             0 (or false/off/no): the HSTU attention in Triton everywhere; default on, the
+                                    Gluon forward and backward (``recforge.ops.triton.hstu_gluon``) for the calls they
+                                    support (Hopper, bf16/fp16, head dim 128, causal, no relative bias)
     TRITON_INTERPRET                1: Triton kernels run in Triton's CPU interpreter (tests)
 
 The five RECFORGE_ switches (launch plans, norm gate, gather-dot, fused dQ, Gluon HSTU) take 1/true/on/yes or 0/false/off/no (any case); any other value is refused with
@@ -85,8 +85,8 @@ def hstu_fused_dq() -> bool | None:
 
 
 def gluon_hstu() -> bool | None:
-    """``$RECFORGE_GLUON_HSTU`` (``_switch``): False turns the Gluon HSTU forward off; unset or True, it computes the
-    calls it supports (``recforge.ops.triton.hstu_gluon.supported``)."""
+    """``$RECFORGE_GLUON_HSTU`` (``_switch``): False turns the Gluon HSTU attention (forward and backward) off; unset
+    or True, it computes the calls it supports (``recforge.ops.triton.hstu_gluon.supported``)."""
     return _switch("RECFORGE_GLUON_HSTU")
 
 

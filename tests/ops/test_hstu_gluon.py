@@ -1,8 +1,8 @@
-"""The Gluon HSTU forward (``recforge.ops.triton.hstu_gluon``).
+"""The Gluon HSTU attention, forward and backward (``recforge.ops.triton.hstu_gluon``).
 
-CPU: the kernel compiles for sm_90 with the installed Triton, without spills (a subprocess: a compiler crash must
-fail this test, not abort the run). GPU (Hopper): against the float64 reference and the Triton forward on fresh
-jagged batches (empty sequences, strided q/k/v, sequence order on and off), and it is the path actually taken.
+CPU: the three kernels compile for sm_90 with the installed Triton, (nearly) without spills (a subprocess: a compiler
+crash must fail this test, not abort the run). GPU (Hopper): against the float64 reference and the Triton kernels on
+fresh jagged batches (empty and edge-length sequences, strided q/k/v, bf16/fp16), and they are the paths actually taken.
 """
 
 from __future__ import annotations
@@ -28,37 +28,50 @@ COMPILE = textwrap.dedent("""
 
     t = torch.empty(4096, 4, 128, dtype=torch.bfloat16)
     qd, kd, vd = g.descriptors(t, t, t)
-    kern = g._hstu_fwd_gluon
-    types = {"q_desc": mangle_type(qd), "k_desc": mangle_type(kd), "v_desc": mangle_type(vd), "O": "*bf16",
-             "so_t": "i32", "offsets": "*i64", "seq_order": "*i64", "scale": "fp32", "num_heads": "i32",
-             "len_key": "i32", "STAGES": "constexpr", "SEQ_ORDER": "constexpr"}
-    sig = {a: types[a] for a in kern.arg_names}
-    for order in (False, True):
-        cx = {(kern.arg_names.index("STAGES"),): g.STAGES, (kern.arg_names.index("SEQ_ORDER"),): order}
-        k = triton.compile(GluonASTSource(kern, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4})
-        ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-        with tempfile.TemporaryDirectory() as tmp:
-            pathlib.Path(tmp, "k.ptx").write_text(k.asm["ptx"])
-            log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                                 capture_output=True, text=True, check=True).stderr
-        print("order", order, "spills", re.findall(r"(\\d+) bytes spill stores", log), "shared", k.metadata.shared,
-              "wgmma", len(re.findall(r"wgmma.mma_async", k.asm["ptx"])))
+    d64 = mangle_type(g.descriptor(t, 64))
+    kernels = {
+        g._hstu_fwd_gluon: {"q_desc": mangle_type(qd), "k_desc": mangle_type(kd), "v_desc": mangle_type(vd),
+                            "O": "*bf16", "so_t": "i32", "scale": "fp32"},
+        g._hstu_bwd_dkdv_gluon: {"q_desc": d64, "do_desc": d64, "k_desc": d64, "v_desc": d64, "DK": "*bf16",
+                                 "DV": "*bf16", "sdk_t": "i32", "sdv_t": "i32", "scale": "fp32"},
+        g._hstu_bwd_dq_gluon: {"q_desc": d64, "do_desc": d64, "k_desc": d64, "v_desc": d64, "DQ": "*fp32",
+                               "sdq_t": "i32", "dq_scale": "fp32"},
+    }
+    for kern, types in kernels.items():
+        types = dict(types, offsets="*i64", seq_order="*i64", num_heads="i32", len_key="i32", STAGES="constexpr",
+                     SEQ_ORDER="constexpr")
+        sig = {a: types[a] for a in kern.arg_names}
+        for order in (False, True):
+            cx = {(kern.arg_names.index("STAGES"),): g.STAGES, (kern.arg_names.index("SEQ_ORDER"),): order}
+            k = triton.compile(GluonASTSource(kern, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": 4})
+            ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+            with tempfile.TemporaryDirectory() as tmp:
+                pathlib.Path(tmp, "k.ptx").write_text(k.asm["ptx"])
+                log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                                     capture_output=True, text=True, check=True).stderr
+            print("kernel", kern.fn.__name__, "order", order, "spills", *re.findall(r"(\\d+) bytes spill stores", log),
+                  "shared", k.metadata.shared, "wgmma", len(re.findall(r"wgmma.mma_async", k.asm["ptx"])))
 """)
 
 
+# spill stores (bytes) each kernel may have: the dK/dV kernel's two float32 (64, 128) accumulators and two (64, 64)
+# tiles per thread leave ptxas 8 bytes short (a register pair, outside the wgmma loop's hot part)
+SPILL_BYTES = {"_hstu_fwd_gluon": 0, "_hstu_bwd_dkdv_gluon": 8, "_hstu_bwd_dq_gluon": 0}
+
+
 @pytest.mark.skipif(not hstu_gluon.AVAILABLE, reason="this Triton has no Gluon")
-def test_kernel_compiles_for_hopper_without_spills() -> None:
-    done = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, timeout=300,
+def test_kernels_compile_for_hopper_without_spills() -> None:
+    done = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, timeout=600,
                           env={"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "HOME": "/tmp"})
-    assert done.returncode == 0, f"compiling the Gluon HSTU forward for sm_90 failed:\n{done.stderr[-3000:]}"
-    lines = [line for line in done.stdout.splitlines() if line.startswith("order")]
-    assert len(lines) == 2, done.stdout
-    for line in lines:
-        assert "spills ['0']" in line, line
-        assert "wgmma 0" not in line, line
-        shared = int(line.split("shared ")[1].split()[0])
-        assert shared <= 227 * 1024, f"over the H100/H200's 227 KiB of shared memory per block: {line}"
+    assert done.returncode == 0, f"compiling the Gluon HSTU kernels for sm_90 failed:\n{done.stderr[-3000:]}"
+    lines = [line.split() for line in done.stdout.splitlines() if line.startswith("kernel")]
+    assert sorted((w[1], w[3]) for w in lines) == sorted((k, o) for k in SPILL_BYTES for o in ("False", "True")), \
+        done.stdout
+    for w in lines:  # kernel NAME order O spills N shared S wgmma W
+        assert int(w[5]) <= SPILL_BYTES[w[1]], f"more spills than before: {w}"
+        assert int(w[9]) > 0, f"no wgmma: {w}"
+        assert int(w[7]) <= 227 * 1024, f"over the H100/H200's 227 KiB of shared memory per block: {w}"
 
 
 def test_not_supported_off_hopper_or_off_the_hot_path(monkeypatch) -> None:
@@ -120,31 +133,58 @@ def test_gpu_gluon_forward_matches_reference_and_triton(hopper, monkeypatch, dty
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_forward_in_training_gradients_match(hopper) -> None:
-    """Forward by Gluon, backward by Triton (HSTU keeps no forward statistics): the gradients match the reference."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("fused", [False, True], ids=["packed", "fused-projection"])
+def test_gpu_gluon_backward_matches_reference_and_triton(hopper, monkeypatch, dtype, fused) -> None:
+    """dQ, dK, dV by the two Gluon backward kernels against float64 and against the Triton backward (the switch off),
+    on sequences of 0, 1 and tile-edge lengths; and dQ * 2 / scale in float32 as the compiled step takes it."""
+    from recforge.ops.triton import hstu as triton_hstu
+    from recforge.ops.triton._common import mask_args
+
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, 1100, (7,), generator=gen).tolist() + [1100]
-    q, k, v, offsets = _batch(gen, lengths, 2, torch.bfloat16, hopper, fused=False)
-    leaves = [x.requires_grad_() for x in (q, k, v)]
-    mask = AttentionMask(causal=True)
-    out = hstu_attention(*leaves, offsets, 1100, mask, scale=0.01, kernel="triton")
-    grad = torch.randn(out.shape, generator=gen).to(hopper, torch.bfloat16)
+    max_len = int(torch.randint(hstu_gluon.MIN_LEN, 1600, (1,), generator=gen))
+    lengths = [max_len, 0, 1, 63, 64, 65, 127, 128, 129] + torch.randint(1, max_len + 1, (4,), generator=gen).tolist()
+    q, k, v, offsets = _batch(gen, lengths, 2, dtype, hopper, fused)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    calls = []
+    real = hstu_gluon.hstu_backward_gluon
+    monkeypatch.setattr(hstu_gluon, "hstu_backward_gluon", lambda *a: calls.append(a[7] is not None) or real(*a))
+    mask, scale = AttentionMask(causal=True), 1.0 / max_len
+    out = hstu_attention(*leaves, offsets, max_len, mask, scale=scale, kernel="triton")
+    grad = torch.randn(out.shape, generator=gen).to(hopper, dtype)
     got = torch.autograd.grad(out, leaves, grad)
+    assert calls == [True], "the Gluon backward was not taken (or took no sequence order) on a supported call"
     ref_leaves = [x.detach().double().cpu().requires_grad_() for x in leaves]
-    ref = hstu_attention_reference(*ref_leaves, offsets.cpu(), 1100, mask, 0.01)
+    ref = hstu_attention_reference(*ref_leaves, offsets.cpu(), max_len, mask, scale)
     want = torch.autograd.grad(ref, ref_leaves, grad.double().cpu())
     for name, g, w in zip("qkv", got, want):
         err = relative_error(g.cpu(), w)
-        assert err < 2e-2, f"seed {seed}: d{name} relative error {err:.2e}"
+        assert err < (2e-2 if dtype == torch.bfloat16 else 4e-3), f"seed {seed}: d{name} relative error {err:.2e}"
+    ma = mask_args(mask, offsets)
+    dq32, *_ = triton_hstu.hstu_backward(grad, q, k, v, offsets, max_len, ma, scale, None, None, None, 0, False, False,
+                                         unscaled_dq=True)
+    assert dq32.dtype == torch.float32 and len(calls) == 2
+    err = relative_error((dq32 * (0.5 * scale)).cpu(), want[0])
+    assert err < (2e-2 if dtype == torch.bfloat16 else 4e-3), f"seed {seed}: unscaled dQ relative error {err:.2e}"
+    monkeypatch.setenv("RECFORGE_GLUON_HSTU", "0")
+    out = hstu_attention(*leaves, offsets, max_len, mask, scale=scale, kernel="triton")
+    triton_grads = torch.autograd.grad(out, leaves, grad)
+    assert len(calls) == 2, "RECFORGE_GLUON_HSTU=0 did not turn the Gluon backward off"
+    for name, g, t in zip("qkv", got, triton_grads):
+        diff = relative_error(g.float().cpu(), t.float().cpu())
+        assert diff < (1e-2 if dtype == torch.bfloat16 else 2e-3), f"seed {seed}: d{name} {diff:.2e} from Triton's"
 
 
 @pytest.mark.skipif(not hstu_gluon.AVAILABLE, reason="this Triton has no Gluon")
 def test_a_failed_launch_says_how_to_turn_it_off() -> None:
-    """Without a Hopper GPU the launch fails; the error names the switch back to the Triton forward."""
+    """Without a Hopper GPU the launches fail; the errors name the switch back to the Triton kernels."""
     q = torch.randn(300, 2, 128, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="RECFORGE_GLUON_HSTU=0"):
+    with pytest.raises(RuntimeError, match="forward failed .*RECFORGE_GLUON_HSTU=0"):
         hstu_gluon.hstu_forward_gluon(q, q, q, offsets_of([300]), 300, 0.1, None, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="backward failed .*RECFORGE_GLUON_HSTU=0"):
+        hstu_gluon.hstu_backward_gluon(q, q, q, q, offsets_of([300]), 300, 0.1, None, torch.empty_like(q),
+                                       torch.empty_like(q), torch.empty_like(q), 0.05)
 
 
 @pytest.mark.gpu
@@ -170,4 +210,8 @@ def test_gpu_off_the_hot_path_takes_triton(hopper) -> None:
         "heads not packed": (q.transpose(0, 1).contiguous().transpose(0, 1), k, v, 1100, causal, None, None),
     }
     taken = [name for name, args in refused.items() if hstu_gluon.supported(*args)]
-    assert not taken, f"the Gluon forward accepted calls it does not compute: {taken}"
+    assert not taken, f"the Gluon kernels accepted calls they do not compute: {taken}"
+    grad = torch.randn(q.shape, generator=gen).to(hopper, torch.bfloat16)
+    assert hstu_gluon.tma_ready(grad, torch.bfloat16)
+    assert not hstu_gluon.tma_ready(grad.float(), torch.bfloat16), "a float32 gradient of bf16 inputs"
+    assert not hstu_gluon.tma_ready(grad.transpose(0, 1).contiguous().transpose(0, 1), torch.bfloat16)

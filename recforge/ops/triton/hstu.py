@@ -4,9 +4,9 @@
 
 One program per (query block or key block, sequence, head); tiles a row block cannot see
 are never visited, and fully visible tiles skip the mask arithmetic (``recforge.ops.triton._common``).
-Batches of long sequences launch them longest first (``SEQ_ORDER_MIN_LEN``). On Hopper the forward of the hot path
-(bf16/fp16, head dim 128, causal, no relative bias) runs a warp-specialized Gluon kernel instead
-(``recforge.ops.triton.hstu_gluon``); the backward is always these kernels.
+Batches of long sequences launch them longest first (``SEQ_ORDER_MIN_LEN``). On Hopper the hot path (bf16/fp16, head
+dim 128, causal, no relative bias) runs warp-specialized Gluon kernels instead, forward and backward
+(``recforge.ops.triton.hstu_gluon``).
 The bias gradients (position and time-bucket weights, shared by all heads) are summed
 per tile and weight before any atomic (``recforge.ops.triton.bias_grad``), in float32.
 
@@ -480,10 +480,20 @@ def hstu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
     """(dq, dk, dv, d pos_w, d time_w) of ``hstu_forward``; the bias gradients None unless ``pos_grad``/``time_grad``.
 
     ``unscaled_dq``: return dQ * 2 / scale in float32 instead of dQ (the dK/dV kernel's sums as they are when it
-    computes dQ), for the caller to scale and round: the compiled step's next kernel does, instead of one more pass."""
+    computes dQ), for the caller to scale and round: the compiled step's next kernel does, instead of one more pass.
+    The Gluon backward computes the calls ``hstu_gluon.supported`` accepts (with ``grad_out`` TMA-readable)."""
     do = grad_out.contiguous()
     total, heads, _ = q.shape
     batch = offsets.numel() - 1
+    if total > 0 and batch > 0 and hstu_gluon.supported(q, k, v, max_seq_len, ma, pos_w, time_w) and \
+            hstu_gluon.tma_ready(do, q.dtype):  # no relative bias: no bias gradients
+        dq = torch.empty(q.shape, dtype=torch.float32 if unscaled_dq else q.dtype, device=q.device)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        order = seq_order if seq_order is not None else launch_order(offsets, max_seq_len)
+        hstu_gluon.hstu_backward_gluon(do, q, k, v, offsets, max_seq_len, scale, order, dq, dk, dv,
+                                       1.0 if unscaled_dq else 0.5 * scale)
+        return dq, dk, dv, None, None
     fused = _fused_dq(max_seq_len, dot_precision(q.dtype), q.shape[2])
     # fused: the dK/dV kernel adds dS * 2 / scale times k into dq32: dQ * 2 / scale
     dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else placeholder(q.device, torch.float32)

@@ -1,25 +1,36 @@
-"""The HSTU attention forward in Gluon for Hopper (sm_90): warp-specialized, TMA-fed, asynchronous wgmma.
+"""The HSTU attention in Gluon for Hopper (sm_90): warp-specialized, TMA-fed, asynchronous wgmma; forward and backward.
 
     out_i = scale * sum_{j <= i} SiLU(q_i . k_j) v_j        (causal mask, no relative bias)
 
-Why a second forward: Triton's compiler waits on every wgmma right after issuing it, so one warpgroup's tensor cores
-idle through its SiLU, and ``tl.range(warp_specialize=True)`` does nothing on sm_90. Gluon (``triton.experimental
-.gluon``, Triton >= 3.6) states the schedule itself: one program per (block of 128 query rows, sequence, head), a
-1-warp loader streams K/V tiles by TMA into a two-stage ring (ready/empty mbarriers), and two 4-warp consumer
-warpgroups own 64 rows each and walk the same key tiles, so one warpgroup's SiLU runs while the other's wgmmas do.
-On an H200 the Triton forward took 1.06x / 1.13x / 1.20x this kernel's time at L 2048 / 4096 / 8192 (head dim 128,
-jagged 64K-token batches; level at 1,024, hence ``MIN_LEN``; BENCHMARKS.md, 22nd session); at head dim 64 the
-prototype lost to Triton (0.57-0.98x), so it is not used there. The variants that lost are recorded there too (a
-persistent grid; the next tile's scores issued before this tile's P.V inside a warpgroup; 64-key tiles).
+Why next to the Triton kernels: Triton's compiler waits on every wgmma right after issuing it, so one warpgroup's
+tensor cores idle through its SiLU, and ``tl.range(warp_specialize=True)`` does nothing on sm_90. Gluon (``triton
+.experimental.gluon``, Triton >= 3.6) states the schedule itself. Every kernel here is one program per (block of 128
+rows, sequence, head) in the block-major grid of the Triton kernels (a group's longest walk first, sequences longest
+first via ``seq_order``): a 1-warp loader streams tiles by TMA into a two-stage ring (ready/empty mbarriers) while two
+4-warp consumer warpgroups own 64 rows each and walk the same tiles, so one warpgroup's SiLU runs while the other's
+wgmmas do.
+
+- Forward (query rows; 128-key K/V tiles): S = Q K^T, P = SiLU(S), O += P V.
+- Backward, dK/dV (key rows; K and V loaded once, 64-row Q/dO tiles streamed): S^T = K Q^T and dP^T = V dO^T
+  issued together, P^T and dS^T in registers feed dV += P^T dO and dK += dS^T Q.
+- Backward, dQ (query rows; Q and dO loaded once, 64-key K/V tiles streamed): S = Q K^T and dP = dO V^T issued
+  together, dQ += dS K. Two kernels instead of one with dQ summed by float32 atomics: each is deterministic, and the
+  atomics variant measured 0.89-0.97x the Triton backward (the atomics' L2 traffic; BENCHMARKS.md, 23rd session).
+
+On an H200 (head dim 128, jagged 64K-token batches) the Triton forward took 1.06x / 1.13x / 1.20x this forward's time
+at L 2048 / 4096 / 8192 (level at 1,024, hence ``MIN_LEN``; 22nd session), and the Triton backward (its fused-dQ
+variant where faster) 1.05-1.12x these two kernels' (23rd session). At head dim 64 the forward prototype lost to
+Triton (0.57-0.98x), so none is used there. The variants that lost are in BENCHMARKS.md.
 
 The hot path only (``supported``): CUDA sm_90, bf16/fp16, head dims 128/128, a plain causal mask (no targets,
-contextual tokens, segments, window or timestamps), no relative bias, heads packed in each row (stride(1) == 128,
-the layout of ``(T, H, D)`` tensors and of slices of a fused projection). ``RECFORGE_GLUON_HSTU=0`` turns it off.
-The backward stays Triton's (``recforge.ops.triton.hstu``): HSTU keeps no forward statistics, so the two forwards
-are interchangeable.
+contextual tokens, segments, window or timestamps), no relative bias (so no bias gradients), heads packed in each
+row (stride(1) == 128, the layout of ``(T, H, D)`` tensors and of slices of a fused projection).
+``RECFORGE_GLUON_HSTU=0`` turns both directions off. dS carries the factor 2 / scale of the Triton kernels
+(``recforge.ops.triton.hstu``), taken out once when dK and dQ are stored.
 
-Rows of another sequence that a TMA tile reads only meet rows past the causal diagonal (masked) or rows past the
-sequence's end (never stored: the output is written with masked stores), and rows past the tensor read as zeros.
+Rows of another sequence that a TMA tile reads only meet rows or keys past the causal diagonal (masked) or past the
+sequence's end (masked where they would reach a stored row; never stored: outputs are written with masked stores), and
+rows past the tensor read as zeros.
 """
 
 from __future__ import annotations
@@ -41,8 +52,8 @@ try:  # Triton >= 3.6 (the layout of the module differs in older releases)
 except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
 
-BLOCK_ROWS = 64  # query rows per consumer warpgroup (two per program)
-BLOCK_KEYS = 128  # keys per K/V tile
+BLOCK_ROWS = 64  # rows per consumer warpgroup (two per program); the backward's Q/dO and K/V tiles
+BLOCK_KEYS = 128  # keys per K/V tile of the forward
 STAGES = 2  # K/V ring depth
 HEAD_DIM = 128
 MIN_LEN = 1024  # shorter batches keep the Triton forward (level with it at 1,024 on the H200, faster above)
@@ -59,12 +70,15 @@ def supported(q: Tensor, k: Tensor, v: Tensor, max_seq_len: int, ma: MaskArgs, p
         return False
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
-    for x in (q, k, v):
-        if x.dtype != q.dtype or x.shape[2] != HEAD_DIM or x.stride(2) != 1 or x.stride(1) != HEAD_DIM:
-            return False
-        if x.stride(0) % 8 or x.data_ptr() % 16:  # TMA: 16-byte aligned rows and base
-            return False
-    return True
+    return all(tma_ready(x, q.dtype) for x in (q, k, v))
+
+
+def tma_ready(x: Tensor, dtype: torch.dtype) -> bool:
+    """``x`` ((T, H, 128)) is a ``dtype`` tensor the kernels' TMA descriptors can read: heads packed in each row
+    (stride(1) == 128, stride(2) == 1) and 16-byte aligned rows and base."""
+    if x.dtype != dtype or x.shape[2] != HEAD_DIM or x.stride(2) != 1 or x.stride(1) != HEAD_DIM:
+        return False
+    return x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
 
 
 if AVAILABLE:
@@ -86,13 +100,32 @@ if AVAILABLE:
         return gl.convert_layout(p.to(dtype), p_layout)
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, ready, empty, start, i0, col, nb):
+    def _program(offsets, seq_order, num_heads, len_key, BLOCK: gl.constexpr, D: gl.constexpr, SEQ_ORDER: gl.constexpr):
+        """(block index, number of blocks, first token, length, column of the head) of this program in the block-major
+        grid of ``recforge.ops.triton.tuning.launch`` (``_common.block_of_program`` / ``sequence_of_rank`` in Gluon)."""
+        num_blocks = gl.cdiv(len_key, BLOCK)
+        pid = gl.program_id(0)
+        bh = pid // num_blocks
+        b = bh // num_heads
+        if SEQ_ORDER:
+            b = gl.load(seq_order + b).to(gl.int32)
+        start = gl.load(offsets + b).to(gl.int32)
+        n = (gl.load(offsets + b + 1) - start).to(gl.int32)
+        return pid % num_blocks, num_blocks, start, n, (bh % num_heads) * D
+
+    @gluon.jit
+    def _loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, start, i0, col, nb,
+                WITH_DO: gl.constexpr):
+        """The row-block kernels' loader: the block's two Q (and dO) tiles once, then K/V tiles through the ring."""
         rows: gl.constexpr = q_desc.block_type.shape[0]
         BN: gl.constexpr = k_desc.block_type.shape[0]
         stages: gl.constexpr = k_s.shape[0]
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        mbarrier.expect(q_bar, (4 if WITH_DO else 2) * q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [start + i0, col], q_bar, q_s.index(0))
         tma.async_copy_global_to_shared(q_desc, [start + i0 + rows, col], q_bar, q_s.index(1))
+        if WITH_DO:
+            tma.async_copy_global_to_shared(do_desc, [start + i0, col], q_bar, do_s.index(0))
+            tma.async_copy_global_to_shared(do_desc, [start + i0 + rows, col], q_bar, do_s.index(1))
         kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
         for jb in range(nb):
             st = jb % stages
@@ -140,7 +173,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _loader_part(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, ready, empty, O, so_t, start, n, i0, col, nb, scale):
-        _loader(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, ready, empty, start, i0, col, nb)
+        _loader(q_desc, q_desc, k_desc, v_desc, q_s, q_s, k_s, v_s, q_bar, ready, empty, start, i0, col, nb, False)
 
     @gluon.jit
     def _hstu_fwd_gluon(q_desc, k_desc, v_desc, O, so_t, offsets, seq_order, scale, num_heads, len_key,
@@ -150,19 +183,10 @@ if AVAILABLE:
         rows: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
-        num_blocks = gl.cdiv(len_key, 2 * rows)
-        pid = gl.program_id(0)
-        blk = pid % num_blocks
-        bh = pid // num_blocks
-        b = bh // num_heads
-        if SEQ_ORDER:
-            b = gl.load(seq_order + b).to(gl.int32)
-        start = gl.load(offsets + b).to(gl.int32)
-        n = (gl.load(offsets + b + 1) - start).to(gl.int32)
+        blk, num_blocks, start, n, col = _program(offsets, seq_order, num_heads, len_key, 2 * rows, D, SEQ_ORDER)
         i0 = (num_blocks - 1 - blk) * 2 * rows
         if i0 < n:  # blocks past the sequence's end exit before any set-up
             nb = gl.cdiv(gl.minimum(i0 + 2 * rows, n), BN)
-            col = (bh % num_heads) * D
             q_s = gl.allocate_shared_memory(q_desc.dtype, [2, rows, D], q_desc.layout)
             k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
             v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
@@ -183,14 +207,219 @@ if AVAILABLE:
                 [1, 4], [24, 240])  # the loader's warp and the second consumer's four; registers (setmaxnreg where honoured)
 
 
-def descriptors(q: Tensor, k: Tensor, v: Tensor) -> tuple:
-    """TMA descriptors of q (64-row tiles), k and v (128-row tiles) as (T, H * D) matrices with their row strides."""
-    def desc(x: Tensor, rows: int):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, HEAD_DIM], gl.bfloat16 if x.dtype == torch.bfloat16
-                                                      else gl.float16)
-        return TensorDescriptor(x, [x.shape[0], x.shape[1] * HEAD_DIM], [x.stride(0), 1], [rows, HEAD_DIM], layout)
+    # ---- backward ---------------------------------------------------------------------------------------------------
 
-    return desc(q, BLOCK_ROWS), desc(k, BLOCK_KEYS), desc(v, BLOCK_KEYS)
+    @gluon.jit
+    def _silu_grad(s, dp):
+        """(SiLU(s), dS * 2 / scale = dP * 2 SiLU'(s)) from h = s / 2: 2 SiLU'(s) = (1 + tanh h)(1 + h (1 - tanh h))."""
+        h = s * 0.5
+        t = _tanh(h)
+        return gl.fma(h, t, h), dp * ((1.0 + t) * gl.fma(h, 1.0 - t, 1.0))
+
+    @gluon.jit
+    def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, start, j0, col, nt):
+        """The key block's K and V once (two 64-row halves), then its query tiles' Q and dO through the ring."""
+        rows: gl.constexpr = q_desc.block_type.shape[0]
+        stages: gl.constexpr = q_s.shape[0]
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+        for c in gl.static_range(2):
+            tma.async_copy_global_to_shared(k_desc, [start + j0 + c * rows, col], kv_bar, k_s.index(c))
+            tma.async_copy_global_to_shared(v_desc, [start + j0 + c * rows, col], kv_bar, v_s.index(c))
+        tile_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+        for t in range(nt):
+            st = t % stages
+            mbarrier.wait(empty.index(st), ((t // stages) & 1) ^ 1)
+            mbarrier.expect(ready.index(st), tile_bytes)
+            tma.async_copy_global_to_shared(q_desc, [start + j0 + t * rows, col], ready.index(st), q_s.index(st))
+            tma.async_copy_global_to_shared(do_desc, [start + j0 + t * rows, col], ready.index(st), do_s.index(st))
+
+    @gluon.jit
+    def _dkdv_consumer(q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col, nt, scale,
+                       CID: gl.constexpr):
+        """dK and dV of the block's keys j0 + 64 CID ...: tiles are (keys, queries); the query tiles from j0 on."""
+        stages: gl.constexpr = q_s.shape[0]
+        BM: gl.constexpr = q_s.shape[1]
+        D: gl.constexpr = q_s.shape[2]
+        keys: gl.constexpr = k_s.shape[1]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        jc = j0 + CID * keys
+        k_c = k_s.index(CID)
+        v_c = v_s.index(CID)
+        mbarrier.wait(kv_bar, 0)
+        dk = gl.zeros((keys, D), gl.float32, o_layout)
+        dv = gl.zeros((keys, D), gl.float32, o_layout)
+        for t in range(nt):
+            st = t % stages
+            i_start = j0 + t * BM
+            mbarrier.wait(ready.index(st), (t // stages) & 1)
+            if i_start + BM > jc:  # some row of the tile sees one of these keys (not so: the second half's first tile)
+                q_t = q_s.index(st)
+                do_t = do_s.index(st)
+                zeros = gl.zeros((keys, BM), gl.float32, s_layout)
+                s_tok = warpgroup_mma(k_c, q_t.permute((1, 0)), zeros, use_acc=False, is_async=True)
+                dp_tok = warpgroup_mma(v_c, do_t.permute((1, 0)), zeros, use_acc=False, is_async=True)
+                s, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
+                p, ds = _silu_grad(s, dp)
+                if (i_start < jc + keys - 1) | (i_start + BM > n):  # crosses the diagonal or the sequence's end
+                    i = i_start + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
+                    j = jc + gl.arange(0, keys, layout=gl.SliceLayout(1, s_layout))
+                    vis = (i[None, :] >= j[:, None]) & (i[None, :] < n)
+                    p = gl.where(vis, p, 0.0)
+                    ds = gl.where(vis, ds, 0.0)
+                dv = warpgroup_mma(gl.convert_layout(p.to(q_s.dtype), a_layout), do_t, dv, is_async=True)
+                dk = warpgroup_mma(gl.convert_layout(ds.to(q_s.dtype), a_layout), q_t, dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, q_t, do_t))
+            mbarrier.arrive(empty.index(st), count=1)
+        r = jc + gl.arange(0, keys, layout=gl.SliceLayout(1, o_layout))
+        c = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        ok = (r < n)[:, None]
+        gl.store(DV + (start + r)[:, None].to(gl.int64) * sdv_t + col + c[None, :], (dv * scale).to(DV.dtype.element_ty),
+                 mask=ok)
+        gl.store(DK + (start + r)[:, None].to(gl.int64) * sdk_t + col + c[None, :],
+                 (dk * (0.5 * scale)).to(DK.dtype.element_ty), mask=ok)
+
+    @gluon.jit
+    def _dkdv_consumer0(q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col, nt, scale):
+        _dkdv_consumer(q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col, nt, scale, 0)
+        return (nt,)
+
+    @gluon.jit
+    def _dkdv_consumer1(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t,
+                        start, n, j0, col, nt, scale):
+        _dkdv_consumer(q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col, nt, scale, 1)
+
+    @gluon.jit
+    def _dkdv_loader_part(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t,
+                          sdv_t, start, n, j0, col, nt, scale):
+        _dkdv_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, start, j0, col, nt)
+
+    @gluon.jit
+    def _hstu_bwd_dkdv_gluon(q_desc, do_desc, k_desc, v_desc, DK, DV, sdk_t, sdv_t, offsets, seq_order, scale,
+                             num_heads, len_key, STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr):
+        """One program per (128 keys, sequence, head), the first keys (the longest query walk) first."""
+        rows: gl.constexpr = q_desc.block_type.shape[0]
+        D: gl.constexpr = q_desc.block_type.shape[1]
+        blk, num_blocks, start, n, col = _program(offsets, seq_order, num_heads, len_key, 2 * rows, D, SEQ_ORDER)
+        j0 = blk * 2 * rows
+        if j0 < n:
+            nt = gl.cdiv(n - j0, rows)
+            q_s = gl.allocate_shared_memory(q_desc.dtype, [STAGES, rows, D], q_desc.layout)
+            do_s = gl.allocate_shared_memory(do_desc.dtype, [STAGES, rows, D], do_desc.layout)
+            k_s = gl.allocate_shared_memory(k_desc.dtype, [2, rows, D], k_desc.layout)
+            v_s = gl.allocate_shared_memory(v_desc.dtype, [2, rows, D], v_desc.layout)
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            for st in gl.static_range(STAGES):
+                mbarrier.init(ready.index(st), count=1)
+                mbarrier.init(empty.index(st), count=2)
+            mbarrier.init(kv_bar, count=1)
+            fence_async_shared()
+            gl.warp_specialize(
+                [(_dkdv_consumer0, (q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col, nt,
+                                    scale)),
+                 (_dkdv_loader_part, (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV,
+                                      sdk_t, sdv_t, start, n, j0, col, nt, scale)),
+                 (_dkdv_consumer1, (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV,
+                                    sdk_t, sdv_t, start, n, j0, col, nt, scale))],
+                [1, 4], [24, 240])
+
+    @gluon.jit
+    def _dq_consumer(q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t, start, n, i0, col, nb, dq_scale,
+                     CID: gl.constexpr):
+        """dQ of the block's rows i0 + 64 CID ...: the key tiles up to the diagonal, masked on the tiles crossing it
+        (keys past the sequence's end only meet rows past it, never stored)."""
+        stages: gl.constexpr = k_s.shape[0]
+        BN: gl.constexpr = k_s.shape[1]
+        D: gl.constexpr = k_s.shape[2]
+        rows: gl.constexpr = q_s.shape[1]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        i_lo = i0 + CID * rows
+        q_c = q_s.index(CID)
+        do_c = do_s.index(CID)
+        mbarrier.wait(q_bar, 0)
+        dq = gl.zeros((rows, D), gl.float32, o_layout)
+        for jb in range(nb):
+            st = jb % stages
+            mbarrier.wait(ready.index(st), (jb // stages) & 1)
+            k_t = k_s.index(st)
+            zeros = gl.zeros((rows, BN), gl.float32, s_layout)
+            s_tok = warpgroup_mma(q_c, k_t.permute((1, 0)), zeros, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(do_c, v_s.index(st).permute((1, 0)), zeros, use_acc=False, is_async=True)
+            s, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
+            _, ds = _silu_grad(s, dp)
+            if jb * BN + BN - 1 > i_lo:
+                i = i_lo + gl.arange(0, rows, layout=gl.SliceLayout(1, s_layout))
+                j = jb * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+                ds = gl.where(j[None, :] <= i[:, None], ds, 0.0)
+            dq = warpgroup_mma(gl.convert_layout(ds.to(q_s.dtype), a_layout), k_t, dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq, k_t))[0]
+            mbarrier.arrive(empty.index(st), count=1)
+        r = i_lo + gl.arange(0, rows, layout=gl.SliceLayout(1, o_layout))
+        c = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        ptrs = DQ + (start + r)[:, None].to(gl.int64) * sdq_t + col + c[None, :]
+        gl.store(ptrs, (dq * dq_scale).to(DQ.dtype.element_ty), mask=(r < n)[:, None])
+
+    @gluon.jit
+    def _dq_consumer0(q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t, start, n, i0, col, nb, dq_scale):
+        _dq_consumer(q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t, start, n, i0, col, nb, dq_scale, 0)
+        return (nb,)
+
+    @gluon.jit
+    def _dq_consumer1(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t, start, n, i0,
+                      col, nb, dq_scale):
+        _dq_consumer(q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t, start, n, i0, col, nb, dq_scale, 1)
+
+    @gluon.jit
+    def _dq_loader_part(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t, start, n,
+                        i0, col, nb, dq_scale):
+        _loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, start, i0, col, nb, True)
+
+    @gluon.jit
+    def _hstu_bwd_dq_gluon(q_desc, do_desc, k_desc, v_desc, DQ, sdq_t, offsets, seq_order, dq_scale, num_heads, len_key,
+                           STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr):
+        """One program per (128 query rows, sequence, head), the longest key walk first (as the forward)."""
+        rows: gl.constexpr = q_desc.block_type.shape[0]
+        D: gl.constexpr = q_desc.block_type.shape[1]
+        BN: gl.constexpr = k_desc.block_type.shape[0]
+        blk, num_blocks, start, n, col = _program(offsets, seq_order, num_heads, len_key, 2 * rows, D, SEQ_ORDER)
+        i0 = (num_blocks - 1 - blk) * 2 * rows
+        if i0 < n:
+            nb = gl.cdiv(gl.minimum(i0 + 2 * rows, n), BN)
+            q_s = gl.allocate_shared_memory(q_desc.dtype, [2, rows, D], q_desc.layout)
+            do_s = gl.allocate_shared_memory(do_desc.dtype, [2, rows, D], do_desc.layout)
+            k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
+            v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            for st in gl.static_range(STAGES):
+                mbarrier.init(ready.index(st), count=1)
+                mbarrier.init(empty.index(st), count=2)
+            mbarrier.init(q_bar, count=1)
+            fence_async_shared()
+            gl.warp_specialize(
+                [(_dq_consumer0, (q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t, start, n, i0, col, nb, dq_scale)),
+                 (_dq_loader_part, (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t,
+                                    start, n, i0, col, nb, dq_scale)),
+                 (_dq_consumer1, (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t,
+                                  start, n, i0, col, nb, dq_scale))],
+                [1, 4], [24, 240])
+
+def descriptor(x: Tensor, rows: int):
+    """The TMA descriptor of ``x`` ((T, H, 128), ``tma_ready``) as a (T, H * 128) matrix read in (rows, 128) tiles."""
+    layout = gl.NVMMASharedLayout.get_default_for([rows, HEAD_DIM], gl.bfloat16 if x.dtype == torch.bfloat16
+                                                  else gl.float16)
+    return TensorDescriptor(x, [x.shape[0], x.shape[1] * HEAD_DIM], [x.stride(0), 1], [rows, HEAD_DIM], layout)
+
+
+def descriptors(q: Tensor, k: Tensor, v: Tensor) -> tuple:
+    """The forward's TMA descriptors: q in 64-row tiles, k and v in 128-row tiles."""
+    return descriptor(q, BLOCK_ROWS), descriptor(k, BLOCK_KEYS), descriptor(v, BLOCK_KEYS)
 
 
 def hstu_forward_gluon(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, scale: float,
@@ -206,3 +435,21 @@ def hstu_forward_gluon(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq
         raise RuntimeError(f"the Gluon HSTU attention forward failed ({type(e).__name__}: {e}); set "
                            "RECFORGE_GLUON_HSTU=0 to use the Triton forward, and please report it") from e
     return out
+
+
+def hstu_backward_gluon(do: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, scale: float,
+                        seq_order: Tensor | None, dq: Tensor, dk: Tensor, dv: Tensor, dq_scale: float) -> None:  # fmt: skip
+    """Fill ``dk``, ``dv`` ((T, H, 128), contiguous) with the gradients of a ``supported`` call given ``do``
+    (``tma_ready``), and ``dq`` with dQ * 2 / scale times ``dq_scale`` (``scale / 2``: dQ) in its dtype."""
+    batch, heads = offsets.numel() - 1, q.shape[1]
+    grid = (triton.cdiv(max_seq_len, 2 * BLOCK_ROWS) * batch * heads,)
+    order = seq_order if seq_order is not None else offsets  # SEQ_ORDER False: never read
+    tiles = [descriptor(x, BLOCK_ROWS) for x in (q, do, k, v)]
+    common = dict(STAGES=STAGES, SEQ_ORDER=seq_order is not None, num_warps=4)
+    try:
+        _hstu_bwd_dkdv_gluon[grid](*tiles, dk, dv, dk.stride(0), dv.stride(0), offsets, order, scale, heads, max_seq_len,
+                                   **common)
+        _hstu_bwd_dq_gluon[grid](*tiles, dq, dq.stride(0), offsets, order, dq_scale, heads, max_seq_len, **common)
+    except Exception as e:  # a compiler or driver failure: say how to run the Triton backward instead
+        raise RuntimeError(f"the Gluon HSTU attention backward failed ({type(e).__name__}: {e}); set "
+                           "RECFORGE_GLUON_HSTU=0 to use the Triton kernels, and please report it") from e
