@@ -56,8 +56,8 @@ COMPILE = textwrap.dedent("""
 
 
 # spill stores (bytes) each kernel may have: the dK/dV kernel's two float32 (64, 128) accumulators and two (64, 64)
-# tiles per thread leave ptxas 8 bytes short (a register pair, outside the wgmma loop's hot part)
-SPILL_BYTES = {"_hstu_fwd_gluon": 0, "_hstu_bwd_dkdv_gluon": 8, "_hstu_bwd_dq_gluon": 0}
+# tiles per thread leave ptxas a few registers short (8 bytes with Triton 3.7.1, 16 with 3.6.0)
+SPILL_BYTES = {"_hstu_fwd_gluon": 0, "_hstu_bwd_dkdv_gluon": 16, "_hstu_bwd_dq_gluon": 0}
 
 
 @pytest.mark.skipif(not hstu_gluon.AVAILABLE, reason="this Triton has no Gluon")
