@@ -13,10 +13,11 @@
                                     Triton kernels for float32 CUDA inputs and PyTorch's gather + bmm for bf16/fp16;
                                     1 (or true/on/yes) the kernels for every supported dtype; 0 (or false/off/no)
                                     PyTorch's always
-    RECFORGE_HSTU_FUSED_DQ          the HSTU attention backward computes dQ inside its dK/dV kernel (float32 atomics,
-                                    one launch; ``recforge.ops.triton.hstu.fused_dq``; autotuned bf16/fp16 launches
-                                    only, never in deterministic mode): unset, for sequences of more than 2,048 tokens
-                                    at head dims over 64; 1 (or true/on/yes) for every such launch; 0 never
+    RECFORGE_HSTU_FUSED_DQ          the Triton HSTU attention backward computes dQ inside its dK/dV kernel (float32
+                                    atomics, one launch; ``recforge.ops.triton.hstu.fused_dq``; autotuned bf16/fp16
+                                    launches only, never in deterministic mode): unset, for sequences of more than 2,048
+                                    tokens at head dims over 64; 1 (or true/on/yes) for every such launch; 0 never (the
+                                    Gluon backward, below, has a dQ kernel of its own and no atomics)
     RECFORGE_GLUON_HSTU             0 (or false/off/no): the HSTU attention in Triton everywhere; default on, the
                                     Gluon forward and backward (``recforge.ops.triton.hstu_gluon``) for the calls they
                                     support (Hopper, bf16/fp16, head dim 128, causal, no relative bias)
