@@ -114,6 +114,28 @@ if AVAILABLE:
         return pid % num_blocks, num_blocks, start, n, (bh % num_heads) * D
 
     @gluon.jit
+    def _barriers(STAGES: gl.constexpr):
+        """(ready, empty, once): the ring's mbarriers (both consumers release a stage) and the once-loaded tiles'."""
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        once = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(ready.index(st), count=1)
+            mbarrier.init(empty.index(st), count=2)
+        mbarrier.init(once, count=1)
+        fence_async_shared()
+        return ready, empty, once
+
+    @gluon.jit
+    def _store_rows(ptr, stride, start, n, r0, col, acc, factor):
+        """``acc * factor`` into rows r0 ... of the sequence in a (T, H * 128) output; rows past its end untouched."""
+        layout: gl.constexpr = acc.type.layout
+        r = r0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+        c = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+        gl.store(ptr + (start + r)[:, None].to(gl.int64) * stride + col + c[None, :], (acc * factor).to(ptr.dtype.element_ty),
+                 mask=(r < n)[:, None])
+
+    @gluon.jit
     def _loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, start, i0, col, nb,
                 WITH_DO: gl.constexpr):
         """The row-block kernels' loader: the block's two Q (and dO) tiles once, then K/V tiles through the ring."""
@@ -157,10 +179,7 @@ if AVAILABLE:
             o_tok = warpgroup_mma(p, v_s.index(st), o, is_async=True)
             o = warpgroup_mma_wait(0, deps=(o_tok, v_s.index(st)))[0]
             mbarrier.arrive(empty.index(st), count=1)
-        r = i_lo + gl.arange(0, rows, layout=gl.SliceLayout(1, o_layout))
-        c = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        ptrs = O + (start + r)[:, None].to(gl.int64) * so_t + col + c[None, :]
-        gl.store(ptrs, (o * scale).to(O.dtype.element_ty), mask=(r < n)[:, None])
+        _store_rows(O, so_t, start, n, i_lo, col, o, scale)
 
     @gluon.jit
     def _consumer0(q_s, k_s, v_s, q_bar, ready, empty, O, so_t, start, n, i0, col, nb, scale):
@@ -190,14 +209,7 @@ if AVAILABLE:
             q_s = gl.allocate_shared_memory(q_desc.dtype, [2, rows, D], q_desc.layout)
             k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
             v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            for st in gl.static_range(STAGES):
-                mbarrier.init(ready.index(st), count=1)
-                mbarrier.init(empty.index(st), count=2)  # both consumers release a stage
-            mbarrier.init(q_bar, count=1)
-            fence_async_shared()
+            ready, empty, q_bar = _barriers(STAGES)
             gl.warp_specialize(
                 [(_consumer0, (q_s, k_s, v_s, q_bar, ready, empty, O, so_t, start, n, i0, col, nb, scale)),
                  (_loader_part, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, ready, empty, O, so_t, start, n, i0, col,
@@ -272,13 +284,8 @@ if AVAILABLE:
                 dk = warpgroup_mma(gl.convert_layout(ds.to(q_s.dtype), a_layout), q_t, dk, is_async=True)
                 dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, q_t, do_t))
             mbarrier.arrive(empty.index(st), count=1)
-        r = jc + gl.arange(0, keys, layout=gl.SliceLayout(1, o_layout))
-        c = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        ok = (r < n)[:, None]
-        gl.store(DV + (start + r)[:, None].to(gl.int64) * sdv_t + col + c[None, :], (dv * scale).to(DV.dtype.element_ty),
-                 mask=ok)
-        gl.store(DK + (start + r)[:, None].to(gl.int64) * sdk_t + col + c[None, :],
-                 (dk * (0.5 * scale)).to(DK.dtype.element_ty), mask=ok)
+        _store_rows(DV, sdv_t, start, n, jc, col, dv, scale)
+        _store_rows(DK, sdk_t, start, n, jc, col, dk, 0.5 * scale)
 
     @gluon.jit
     def _dkdv_consumer0(q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col, nt, scale):
@@ -309,14 +316,7 @@ if AVAILABLE:
             do_s = gl.allocate_shared_memory(do_desc.dtype, [STAGES, rows, D], do_desc.layout)
             k_s = gl.allocate_shared_memory(k_desc.dtype, [2, rows, D], k_desc.layout)
             v_s = gl.allocate_shared_memory(v_desc.dtype, [2, rows, D], v_desc.layout)
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            for st in gl.static_range(STAGES):
-                mbarrier.init(ready.index(st), count=1)
-                mbarrier.init(empty.index(st), count=2)
-            mbarrier.init(kv_bar, count=1)
-            fence_async_shared()
+            ready, empty, kv_bar = _barriers(STAGES)
             gl.warp_specialize(
                 [(_dkdv_consumer0, (q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col, nt,
                                     scale)),
@@ -359,10 +359,7 @@ if AVAILABLE:
             dq = warpgroup_mma(gl.convert_layout(ds.to(q_s.dtype), a_layout), k_t, dq, is_async=True)
             dq = warpgroup_mma_wait(0, deps=(dq, k_t))[0]
             mbarrier.arrive(empty.index(st), count=1)
-        r = i_lo + gl.arange(0, rows, layout=gl.SliceLayout(1, o_layout))
-        c = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        ptrs = DQ + (start + r)[:, None].to(gl.int64) * sdq_t + col + c[None, :]
-        gl.store(ptrs, (dq * dq_scale).to(DQ.dtype.element_ty), mask=(r < n)[:, None])
+        _store_rows(DQ, sdq_t, start, n, i_lo, col, dq, dq_scale)
 
     @gluon.jit
     def _dq_consumer0(q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t, start, n, i0, col, nb, dq_scale):
@@ -394,14 +391,7 @@ if AVAILABLE:
             do_s = gl.allocate_shared_memory(do_desc.dtype, [2, rows, D], do_desc.layout)
             k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
             v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            for st in gl.static_range(STAGES):
-                mbarrier.init(ready.index(st), count=1)
-                mbarrier.init(empty.index(st), count=2)
-            mbarrier.init(q_bar, count=1)
-            fence_async_shared()
+            ready, empty, q_bar = _barriers(STAGES)
             gl.warp_specialize(
                 [(_dq_consumer0, (q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t, start, n, i0, col, nb, dq_scale)),
                  (_dq_loader_part, (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t,
