@@ -266,7 +266,7 @@ if AVAILABLE:
             st = t % stages
             i_start = j0 + t * BM
             mbarrier.wait(ready.index(st), (t // stages) & 1)
-            if i_start + BM > jc:  # some row of the tile sees one of these keys (not so: the second half's first tile)
+            if i_start + BM > jc:  # else every row precedes these keys (the second warpgroup's first tile)
                 q_t = q_s.index(st)
                 do_t = do_s.index(st)
                 zeros = gl.zeros((keys, BM), gl.float32, s_layout)
@@ -399,6 +399,7 @@ if AVAILABLE:
                  (_dq_consumer1, (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t,
                                   start, n, i0, col, nb, dq_scale))],
                 [1, 4], [24, 240])
+
 
 def descriptor(x: Tensor, rows: int):
     """The TMA descriptor of ``x`` ((T, H, 128), ``tma_ready``) as a (T, H * 128) matrix read in (rows, 128) tiles."""
