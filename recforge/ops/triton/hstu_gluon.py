@@ -14,7 +14,7 @@ wgmmas do.
 - Backward, dK/dV (key rows; K and V loaded once, 64-row Q/dO tiles streamed): S^T = K Q^T and dP^T = V dO^T
   issued together, P^T and dS^T in registers feed dV += P^T dO and dK += dS^T Q.
 - Backward, dQ (query rows; Q and dO loaded once, 64-key K/V tiles streamed): S = Q K^T and dP = dO V^T issued
-  together, dQ += dS K. Two kernels instead of one with dQ summed by float32 atomics: each is deterministic, and the
+  together, dQ += dS K. The forward and dQ share one row-block program (``_row_blocks``, ``GRAD``). Two kernels instead of one with dQ summed by float32 atomics: each is deterministic, and the
   atomics variant measured 0.89-0.97x the Triton backward (the atomics' L2 traffic; BENCHMARKS.md, 23rd session).
 
 On an H200 (head dim 128, jagged 64K-token batches) the Triton forward took 1.06x / 1.13x / 1.20x this forward's time
@@ -88,16 +88,25 @@ if AVAILABLE:
         return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _silu_tile(s, jb, i_lo, BN: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, dtype: gl.constexpr):
-        """SiLU(s) as (s / 2)(1 + tanh(s / 2)), masked causally on a tile that crosses the diagonal, as a wgmma A."""
+    def _silu_grad(s, dp):
+        """(SiLU(s), dS * 2 / scale = dP * 2 SiLU'(s)) from h = s / 2: SiLU(s) = h (1 + tanh h), 2 SiLU'(s) =
+        (1 + tanh h)(1 + h (1 - tanh h)). The fma form, not h + h * tanh h: that one crashes LLVM's SLP vectorizer in
+        Triton 3.7.1 (after the inline tanh and a conditional mask)."""
         h = s * 0.5
-        p = gl.fma(h, _tanh(h), h)  # not h + h * tanh(h): that form crashes LLVM's SLP vectorizer in Triton 3.7.1
+        t = _tanh(h)
+        return gl.fma(h, t, h), dp * ((1.0 + t) * gl.fma(h, 1.0 - t, 1.0))
+
+    @gluon.jit
+    def _causal(t, jb, i_lo, layout: gl.constexpr):
+        """Tile ``t`` of rows i_lo ... and key tile ``jb`` with each row's later keys zeroed, if the tile crosses the
+        diagonal (keys past the sequence's end only meet rows past it, never stored)."""
+        rows: gl.constexpr = t.shape[0]
+        BN: gl.constexpr = t.shape[1]
         if jb * BN + BN - 1 > i_lo:
-            rows: gl.constexpr = s.shape[0]
-            i = i_lo + gl.arange(0, rows, layout=gl.SliceLayout(1, s_layout))
-            j = jb * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-            p = gl.where(j[None, :] <= i[:, None], p, 0.0)
-        return gl.convert_layout(p.to(dtype), p_layout)
+            i = i_lo + gl.arange(0, rows, layout=gl.SliceLayout(1, layout))
+            j = jb * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+            t = gl.where(j[None, :] <= i[:, None], t, 0.0)
+        return t
 
     @gluon.jit
     def _program(offsets, seq_order, num_heads, len_key, BLOCK: gl.constexpr, D: gl.constexpr, SEQ_ORDER: gl.constexpr):
@@ -135,17 +144,20 @@ if AVAILABLE:
         gl.store(ptr + (start + r)[:, None].to(gl.int64) * stride + col + c[None, :], (acc * factor).to(ptr.dtype.element_ty),
                  mask=(r < n)[:, None])
 
+    # ---- row blocks: the forward and the backward's dQ -----------------------------------------------------------
+
     @gluon.jit
-    def _loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, start, i0, col, nb,
-                WITH_DO: gl.constexpr):
-        """The row-block kernels' loader: the block's two Q (and dO) tiles once, then K/V tiles through the ring."""
+    def _row_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, OUT, so_t, start, n, i0,
+                    col, nb, factor, GRAD: gl.constexpr):
+        """The block's two Q (and, GRAD, dO) tiles once, then its K/V tiles through the ring."""
         rows: gl.constexpr = q_desc.block_type.shape[0]
         BN: gl.constexpr = k_desc.block_type.shape[0]
         stages: gl.constexpr = k_s.shape[0]
-        mbarrier.expect(q_bar, (4 if WITH_DO else 2) * q_desc.block_type.nbytes)
+        once_bytes: gl.constexpr = (2 + 2 * GRAD) * q_desc.block_type.nbytes
+        mbarrier.expect(q_bar, once_bytes)
         tma.async_copy_global_to_shared(q_desc, [start + i0, col], q_bar, q_s.index(0))
         tma.async_copy_global_to_shared(q_desc, [start + i0 + rows, col], q_bar, q_s.index(1))
-        if WITH_DO:
+        if GRAD:
             tma.async_copy_global_to_shared(do_desc, [start + i0, col], q_bar, do_s.index(0))
             tma.async_copy_global_to_shared(do_desc, [start + i0 + rows, col], q_bar, do_s.index(1))
         kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
@@ -157,48 +169,59 @@ if AVAILABLE:
             tma.async_copy_global_to_shared(v_desc, [start + jb * BN, col], ready.index(st), v_s.index(st))
 
     @gluon.jit
-    def _consumer(q_s, k_s, v_s, q_bar, ready, empty, O, so_t, start, n, i0, col, nb, scale, CID: gl.constexpr):
+    def _row_consumer(q_s, do_s, k_s, v_s, q_bar, ready, empty, OUT, so_t, start, n, i0, col, nb, factor,
+                      CID: gl.constexpr, GRAD: gl.constexpr):
+        """Rows i0 + 64 CID ... of the output: O += SiLU(Q K^T) V, or (GRAD) dQ += dS K with S = Q K^T and dP = dO V^T
+        issued together; stored times ``factor``."""
         stages: gl.constexpr = k_s.shape[0]
         BN: gl.constexpr = k_s.shape[1]
         D: gl.constexpr = k_s.shape[2]
         rows: gl.constexpr = q_s.shape[1]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         i_lo = i0 + CID * rows
         q_c = q_s.index(CID)
         mbarrier.wait(q_bar, 0)
-        o = gl.zeros((rows, D), gl.float32, o_layout)
+        acc = gl.zeros((rows, D), gl.float32, o_layout)
         for jb in range(nb):
             st = jb % stages
             mbarrier.wait(ready.index(st), (jb // stages) & 1)
-            s_tok = warpgroup_mma(q_c, k_s.index(st).permute((1, 0)), gl.zeros((rows, BN), gl.float32, s_layout),
-                                  use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s_tok, q_c, k_s.index(st)))[0]
-            p = _silu_tile(s, jb, i_lo, BN, s_layout, p_layout, q_s.dtype)
-            o_tok = warpgroup_mma(p, v_s.index(st), o, is_async=True)
-            o = warpgroup_mma_wait(0, deps=(o_tok, v_s.index(st)))[0]
+            k_t = k_s.index(st)
+            s_tok = warpgroup_mma(q_c, k_t.permute((1, 0)), gl.zeros((rows, BN), gl.float32, s_layout), use_acc=False,
+                                  is_async=True)
+            if GRAD:
+                dp_tok = warpgroup_mma(do_s.index(CID), v_s.index(st).permute((1, 0)),
+                                       gl.zeros((rows, BN), gl.float32, s_layout), use_acc=False, is_async=True)
+                s, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
+                _, t = _silu_grad(s, dp)
+                b = k_t
+            else:
+                s = warpgroup_mma_wait(0, deps=(s_tok, q_c, k_t))[0]
+                t, _ = _silu_grad(s, s)  # SiLU(s); the unused gradient is dropped by the compiler
+                b = v_s.index(st)
+            t = _causal(t, jb, i_lo, s_layout)
+            acc = warpgroup_mma(gl.convert_layout(t.to(q_s.dtype), a_layout), b, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, b))[0]
             mbarrier.arrive(empty.index(st), count=1)
-        _store_rows(O, so_t, start, n, i_lo, col, o, scale)
+        _store_rows(OUT, so_t, start, n, i_lo, col, acc, factor)
 
     @gluon.jit
-    def _consumer0(q_s, k_s, v_s, q_bar, ready, empty, O, so_t, start, n, i0, col, nb, scale):
-        _consumer(q_s, k_s, v_s, q_bar, ready, empty, O, so_t, start, n, i0, col, nb, scale, 0)
+    def _row_consumer0(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, OUT, so_t, start, n,
+                       i0, col, nb, factor, GRAD: gl.constexpr):
+        _row_consumer(q_s, do_s, k_s, v_s, q_bar, ready, empty, OUT, so_t, start, n, i0, col, nb, factor, 0, GRAD)
         return (nb,)  # Triton 3.6 wants a tuple from the default partition
 
     @gluon.jit
-    def _consumer1(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, ready, empty, O, so_t, start, n, i0, col, nb, scale):
-        _consumer(q_s, k_s, v_s, q_bar, ready, empty, O, so_t, start, n, i0, col, nb, scale, 1)
+    def _row_consumer1(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, OUT, so_t, start, n,
+                       i0, col, nb, factor, GRAD: gl.constexpr):
+        _row_consumer(q_s, do_s, k_s, v_s, q_bar, ready, empty, OUT, so_t, start, n, i0, col, nb, factor, 1, GRAD)
 
     @gluon.jit
-    def _loader_part(q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, ready, empty, O, so_t, start, n, i0, col, nb, scale):
-        _loader(q_desc, q_desc, k_desc, v_desc, q_s, q_s, k_s, v_s, q_bar, ready, empty, start, i0, col, nb, False)
-
-    @gluon.jit
-    def _hstu_fwd_gluon(q_desc, k_desc, v_desc, O, so_t, offsets, seq_order, scale, num_heads, len_key,
-                        STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr):
-        """One program per (128 query rows, sequence, head) in the block-major grid of ``recforge.ops.triton.tuning
-        .launch`` (a group's longest key walk first; the sequences in ``seq_order`` when ``SEQ_ORDER``)."""
+    def _row_blocks(q_desc, do_desc, k_desc, v_desc, OUT, so_t, offsets, seq_order, factor, num_heads, len_key,
+                    STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr, GRAD: gl.constexpr):
+        """One program per (128 rows, sequence, head) in the block-major grid of ``recforge.ops.triton.tuning.launch``
+        (a group's longest key walk first; the sequences in ``seq_order`` when ``SEQ_ORDER``)."""
         rows: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -207,29 +230,41 @@ if AVAILABLE:
         if i0 < n:  # blocks past the sequence's end exit before any set-up
             nb = gl.cdiv(gl.minimum(i0 + 2 * rows, n), BN)
             q_s = gl.allocate_shared_memory(q_desc.dtype, [2, rows, D], q_desc.layout)
+            if GRAD:
+                do_s = gl.allocate_shared_memory(do_desc.dtype, [2, rows, D], do_desc.layout)
+            else:
+                do_s = q_s  # not read
             k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
             v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
             ready, empty, q_bar = _barriers(STAGES)
-            gl.warp_specialize(
-                [(_consumer0, (q_s, k_s, v_s, q_bar, ready, empty, O, so_t, start, n, i0, col, nb, scale)),
-                 (_loader_part, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, ready, empty, O, so_t, start, n, i0, col,
-                                 nb, scale)),
-                 (_consumer1, (q_desc, k_desc, v_desc, q_s, k_s, v_s, q_bar, ready, empty, O, so_t, start, n, i0, col, nb,
-                               scale))],
-                [1, 4], [24, 240])  # the loader's warp and the second consumer's four; registers (setmaxnreg where honoured)
+            # the loader's warp and the second consumer's four; registers (setmaxnreg where honoured)
+            gl.warp_specialize([(_row_consumer0, (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready,
+                                                  empty, OUT, so_t, start, n, i0, col, nb, factor, GRAD)),
+                                (_row_loader, (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty,
+                                               OUT, so_t, start, n, i0, col, nb, factor, GRAD)),
+                                (_row_consumer1, (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready,
+                                                  empty, OUT, so_t, start, n, i0, col, nb, factor, GRAD))],
+                               [1, 4], [24, 240])
 
+    @gluon.jit
+    def _hstu_fwd_gluon(q_desc, k_desc, v_desc, O, so_t, offsets, seq_order, scale, num_heads, len_key,
+                        STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr):
+        """The forward: 128 query rows per program, 128-key K/V tiles (``_row_blocks``)."""
+        _row_blocks(q_desc, q_desc, k_desc, v_desc, O, so_t, offsets, seq_order, scale, num_heads, len_key, STAGES,
+                    SEQ_ORDER, False)
+
+    @gluon.jit
+    def _hstu_bwd_dq_gluon(q_desc, do_desc, k_desc, v_desc, DQ, sdq_t, offsets, seq_order, dq_scale, num_heads, len_key,
+                           STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr):
+        """dQ (times ``dq_scale``): 128 query rows per program, 64-key K/V tiles (``_row_blocks``)."""
+        _row_blocks(q_desc, do_desc, k_desc, v_desc, DQ, sdq_t, offsets, seq_order, dq_scale, num_heads, len_key, STAGES,
+                    SEQ_ORDER, True)
 
     # ---- backward ---------------------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _silu_grad(s, dp):
-        """(SiLU(s), dS * 2 / scale = dP * 2 SiLU'(s)) from h = s / 2: 2 SiLU'(s) = (1 + tanh h)(1 + h (1 - tanh h))."""
-        h = s * 0.5
-        t = _tanh(h)
-        return gl.fma(h, t, h), dp * ((1.0 + t) * gl.fma(h, 1.0 - t, 1.0))
-
-    @gluon.jit
-    def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, start, j0, col, nt):
+    def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t,
+                     start, n, j0, col, nt, scale):
         """The key block's K and V once (two 64-row halves), then its query tiles' Q and dO through the ring."""
         rows: gl.constexpr = q_desc.block_type.shape[0]
         stages: gl.constexpr = q_s.shape[0]
@@ -288,7 +323,8 @@ if AVAILABLE:
         _store_rows(DK, sdk_t, start, n, jc, col, dk, 0.5 * scale)
 
     @gluon.jit
-    def _dkdv_consumer0(q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col, nt, scale):
+    def _dkdv_consumer0(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t,
+                        start, n, j0, col, nt, scale):
         _dkdv_consumer(q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col, nt, scale, 0)
         return (nt,)
 
@@ -296,11 +332,6 @@ if AVAILABLE:
     def _dkdv_consumer1(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t,
                         start, n, j0, col, nt, scale):
         _dkdv_consumer(q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col, nt, scale, 1)
-
-    @gluon.jit
-    def _dkdv_loader_part(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t,
-                          sdv_t, start, n, j0, col, nt, scale):
-        _dkdv_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, start, j0, col, nt)
 
     @gluon.jit
     def _hstu_bwd_dkdv_gluon(q_desc, do_desc, k_desc, v_desc, DK, DV, sdk_t, sdv_t, offsets, seq_order, scale,
@@ -317,88 +348,9 @@ if AVAILABLE:
             k_s = gl.allocate_shared_memory(k_desc.dtype, [2, rows, D], k_desc.layout)
             v_s = gl.allocate_shared_memory(v_desc.dtype, [2, rows, D], v_desc.layout)
             ready, empty, kv_bar = _barriers(STAGES)
-            gl.warp_specialize(
-                [(_dkdv_consumer0, (q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col, nt,
-                                    scale)),
-                 (_dkdv_loader_part, (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV,
-                                      sdk_t, sdv_t, start, n, j0, col, nt, scale)),
-                 (_dkdv_consumer1, (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV,
-                                    sdk_t, sdv_t, start, n, j0, col, nt, scale))],
-                [1, 4], [24, 240])
-
-    @gluon.jit
-    def _dq_consumer(q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t, start, n, i0, col, nb, dq_scale,
-                     CID: gl.constexpr):
-        """dQ of the block's rows i0 + 64 CID ...: the key tiles up to the diagonal, masked on the tiles crossing it
-        (keys past the sequence's end only meet rows past it, never stored)."""
-        stages: gl.constexpr = k_s.shape[0]
-        BN: gl.constexpr = k_s.shape[1]
-        D: gl.constexpr = k_s.shape[2]
-        rows: gl.constexpr = q_s.shape[1]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        i_lo = i0 + CID * rows
-        q_c = q_s.index(CID)
-        do_c = do_s.index(CID)
-        mbarrier.wait(q_bar, 0)
-        dq = gl.zeros((rows, D), gl.float32, o_layout)
-        for jb in range(nb):
-            st = jb % stages
-            mbarrier.wait(ready.index(st), (jb // stages) & 1)
-            k_t = k_s.index(st)
-            zeros = gl.zeros((rows, BN), gl.float32, s_layout)
-            s_tok = warpgroup_mma(q_c, k_t.permute((1, 0)), zeros, use_acc=False, is_async=True)
-            dp_tok = warpgroup_mma(do_c, v_s.index(st).permute((1, 0)), zeros, use_acc=False, is_async=True)
-            s, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
-            _, ds = _silu_grad(s, dp)
-            if jb * BN + BN - 1 > i_lo:
-                i = i_lo + gl.arange(0, rows, layout=gl.SliceLayout(1, s_layout))
-                j = jb * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-                ds = gl.where(j[None, :] <= i[:, None], ds, 0.0)
-            dq = warpgroup_mma(gl.convert_layout(ds.to(q_s.dtype), a_layout), k_t, dq, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=(dq, k_t))[0]
-            mbarrier.arrive(empty.index(st), count=1)
-        _store_rows(DQ, sdq_t, start, n, i_lo, col, dq, dq_scale)
-
-    @gluon.jit
-    def _dq_consumer0(q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t, start, n, i0, col, nb, dq_scale):
-        _dq_consumer(q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t, start, n, i0, col, nb, dq_scale, 0)
-        return (nb,)
-
-    @gluon.jit
-    def _dq_consumer1(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t, start, n, i0,
-                      col, nb, dq_scale):
-        _dq_consumer(q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t, start, n, i0, col, nb, dq_scale, 1)
-
-    @gluon.jit
-    def _dq_loader_part(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t, start, n,
-                        i0, col, nb, dq_scale):
-        _loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, start, i0, col, nb, True)
-
-    @gluon.jit
-    def _hstu_bwd_dq_gluon(q_desc, do_desc, k_desc, v_desc, DQ, sdq_t, offsets, seq_order, dq_scale, num_heads, len_key,
-                           STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr):
-        """One program per (128 query rows, sequence, head), the longest key walk first (as the forward)."""
-        rows: gl.constexpr = q_desc.block_type.shape[0]
-        D: gl.constexpr = q_desc.block_type.shape[1]
-        BN: gl.constexpr = k_desc.block_type.shape[0]
-        blk, num_blocks, start, n, col = _program(offsets, seq_order, num_heads, len_key, 2 * rows, D, SEQ_ORDER)
-        i0 = (num_blocks - 1 - blk) * 2 * rows
-        if i0 < n:
-            nb = gl.cdiv(gl.minimum(i0 + 2 * rows, n), BN)
-            q_s = gl.allocate_shared_memory(q_desc.dtype, [2, rows, D], q_desc.layout)
-            do_s = gl.allocate_shared_memory(do_desc.dtype, [2, rows, D], do_desc.layout)
-            k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
-            v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
-            ready, empty, q_bar = _barriers(STAGES)
-            gl.warp_specialize(
-                [(_dq_consumer0, (q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t, start, n, i0, col, nb, dq_scale)),
-                 (_dq_loader_part, (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t,
-                                    start, n, i0, col, nb, dq_scale)),
-                 (_dq_consumer1, (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, DQ, sdq_t,
-                                  start, n, i0, col, nb, dq_scale))],
-                [1, 4], [24, 240])
+            args = (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t,
+                    start, n, j0, col, nt, scale)
+            gl.warp_specialize([(_dkdv_consumer0, args), (_dkdv_loader, args), (_dkdv_consumer1, args)], [1, 4], [24, 240])
 
 
 def descriptor(x: Tensor, rows: int):
