@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from recforge.jagged.index import lengths_from_offsets, padding_index
 from recforge.jagged.mask import AttentionMask
-from recforge.ops.hstu_attention import hstu_attention
+from recforge.ops.hstu_attention import hstu_silu_attention
 from recforge.ops.norm_gate import norm_gate, unsupported
 
 
@@ -115,11 +115,13 @@ class HSTUBlock(nn.Module):
         """``visible_keys`` (T,): for attn_norm=visible_mean, each token's visible-key count (the same in
         every block: ``HSTUEncoder`` counts once per batch); counted here when not given."""
         cfg = self.cfg
-        u, q, k, v = self.project(x)
-        attn = hstu_attention(
-            q,
-            k,
-            v,
+        # project()'s SiLU and split, then the attention: one op where the Gluon kernels take the call (its backward
+        # writes the projection's gradient from the attention's stores; ops.hstu_silu_attention)
+        u, attn = hstu_silu_attention(
+            self.uvqk(self.norm(x)),
+            cfg.num_heads,
+            cfg.dqk,
+            cfg.dv,
             seq_offsets,
             max_seq_len,
             mask,
@@ -128,7 +130,7 @@ class HSTUBlock(nn.Module):
             timestamps=timestamps if self.time_weights is not None else None,
             time_weights=self.time_weights if timestamps is not None else None,
             kernel=cfg.kernel,
-        )  # (T, H, Dv)
+        )  # (T, H Dv), (T, H, Dv)
         if self.attn_norm is None and visible_keys is None:
             visible_keys = visible_key_counts(seq_offsets, max_seq_len, mask, x.shape[0])
         return self.combine(x, attn, u, visible_keys, kernel=cfg.kernel)

@@ -5,7 +5,9 @@ Eager calls take ``recforge.ops.triton.hstu.hstu_attention_triton`` directly (an
 ``hstu_attention_op`` instead: Dynamo sees one opaque node per block (forward and backward ops
 with fake implementations for shape propagation), so it neither traces into the Triton launch
 code nor breaks the graph at every block. The mask travels as its tensors and scalars (custom
-ops take no dataclasses); the kernels module is imported on the first real call. The HSTU block's
+ops take no dataclasses); the kernels module is imported on the first real call. The block's SiLU
+and attention as one op (``recforge.ops.triton.hstu_silu``, its backward writing the projection's
+gradient) is ``hstu_silu_attention_op``. The HSTU block's
 fused ``dropout(layer_norm(a) * u)`` (``recforge.ops.norm_gate``) and sampled softmax's gather-dot
 (``recforge.ops.gather_dot``: forward and its two gradients) are custom ops here the same way.
 """
@@ -126,6 +128,64 @@ def hstu_attention_op(q: Tensor, k: Tensor, v: Tensor, seq_offsets: Tensor, max_
                        timestamps if has_time else None, time_weights if has_time else None)  # fmt: skip
 
 
+@torch.library.custom_op("recforge::hstu_silu_attention", mutates_args=())
+def _silu_attention_op(pre: Tensor, offsets: Tensor, max_seq_len: int, scale: float, heads: int, dqk: int,
+                       dv: int) -> Tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(u, a, y) of ``recforge.ops.triton.hstu_silu.silu_attention_forward`` (y: SiLU of the v | q | k columns, kept
+    for the backward, not differentiable)."""
+    from recforge.ops.triton.hstu_silu import silu_attention_forward
+
+    u, y, a = silu_attention_forward(pre.contiguous(), offsets.contiguous(), max_seq_len, scale, heads, dqk, dv)
+    return u, a, y
+
+
+@_silu_attention_op.register_fake
+def _(pre, offsets, max_seq_len, scale, heads, dqk, dv):
+    tokens = pre.shape[0]
+    return (pre.new_empty(tokens, heads * dv), pre.new_empty(tokens, heads, dv),
+            pre.new_empty(tokens, heads * (dv + 2 * dqk)))  # fmt: skip
+
+
+@torch.library.custom_op("recforge::hstu_silu_attention_backward", mutates_args=())
+def _silu_attention_backward_op(du: Tensor, da: Tensor, pre: Tensor, y: Tensor, offsets: Tensor, max_seq_len: int,
+                                scale: float, heads: int, dqk: int, dv: int) -> Tensor:  # fmt: skip
+    """The gradient of the projection (``recforge.ops.triton.hstu_silu.silu_attention_backward``)."""
+    from recforge.ops.triton.hstu_silu import silu_attention_backward
+
+    return silu_attention_backward(du, da, pre.contiguous(), y, offsets.contiguous(), max_seq_len, scale, heads, dqk, dv)
+
+
+@_silu_attention_backward_op.register_fake
+def _(du, da, pre, y, offsets, max_seq_len, scale, heads, dqk, dv):
+    return pre.new_empty(pre.shape)
+
+
+def _silu_attention_setup_context(ctx, inputs, output) -> None:
+    pre, offsets, *scalars = inputs
+    ctx.save_for_backward(pre, output[2], offsets)
+    ctx.mark_non_differentiable(output[2])
+    ctx.scalars = scalars
+
+
+def _silu_attention_backward(ctx, du, da, _dy):
+    pre, y, offsets = ctx.saved_tensors
+    du = du if du is not None else pre.new_zeros(pre.shape[0], ctx.scalars[2] * ctx.scalars[4])
+    da = da if da is not None else pre.new_zeros(pre.shape[0], ctx.scalars[2], ctx.scalars[4])
+    d_pre = _silu_attention_backward_op(du, da, pre, y, offsets, *ctx.scalars)
+    return d_pre, None, None, None, None, None, None
+
+
+_silu_attention_op.register_autograd(_silu_attention_backward, setup_context=_silu_attention_setup_context)
+
+
+def hstu_silu_attention_op(pre: Tensor, offsets: Tensor, max_seq_len: int, scale: float, heads: int, dqk: int,
+                           dv: int) -> Tuple[Tensor, Tensor]:  # fmt: skip
+    """``recforge.ops.triton.hstu_silu.hstu_silu_attention_triton`` through the custom op (same contract): what a
+    compiled model calls."""
+    u, a, _ = _silu_attention_op(pre, offsets, int(max_seq_len), float(scale), int(heads), int(dqk), int(dv))
+    return u, a
+
+
 @torch.library.custom_op("recforge::norm_gate", mutates_args=())
 def _norm_gate_op(x: Tensor, u: Tensor, weight: Tensor, bias: Tensor, seed: Optional[Tensor], eps: float,
                   p: float) -> Tuple[Tensor, Tensor, Tensor]:  # fmt: skip
@@ -243,4 +303,5 @@ def scatter_rows_sum_op(g: Tensor, q: Tensor, idx: Tensor, num_rows: int) -> Ten
     return _scatter_rows_sum_op(g, q, idx, int(num_rows))
 
 
-__all__ = ["gather_dot_op", "gather_rows_sum_op", "hstu_attention_op", "norm_gate_op", "scatter_rows_sum_op"]
+__all__ = ["gather_dot_op", "gather_rows_sum_op", "hstu_attention_op", "hstu_silu_attention_op", "norm_gate_op",
+           "scatter_rows_sum_op"]

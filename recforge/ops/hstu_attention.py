@@ -18,8 +18,8 @@ from torch import Tensor
 
 from recforge.jagged.index import jagged_rows, jagged_to_padded, lengths_from_offsets, padded_to_jagged
 from recforge.jagged.mask import AttentionMask
-from recforge.ops.custom_ops import hstu_attention_op
-from recforge.ops.dispatch import resolve_kernel, unsupported_by_triton
+from recforge.ops.custom_ops import hstu_attention_op, hstu_silu_attention_op
+from recforge.ops.dispatch import resolve_kernel, triton_available, unsupported_by_triton
 from recforge.ops.time_bias import time_buckets
 
 @functools.lru_cache(maxsize=16)
@@ -215,5 +215,66 @@ def hstu_attention(
     )
 
 
-__all__ = ["hstu_attention", "hstu_attention_reference", "apply_bias_index", "relative_bias", "relative_bias_index_rows",
+@torch.compiler.assume_constant_result  # one answer per (device, dtype, head dims): a constant to torch.compile
+def _fused_silu_min_len(device: torch.device, dtype: torch.dtype, dqk: int, dv: int) -> int:
+    """``hstu_gluon.fused_silu_min_len``, -1 for None (Triton's modules imported only here: a CUDA call)."""
+    from recforge.ops.triton.hstu_gluon import fused_silu_min_len
+
+    min_len = fused_silu_min_len(device, dtype, dqk, dv)
+    return -1 if min_len is None else min_len
+
+
+def hstu_silu_attention(
+    pre: Tensor,
+    num_heads: int,
+    dqk: int,
+    dv: int,
+    seq_offsets: Tensor,
+    max_seq_len: int,
+    mask: AttentionMask,
+    *,
+    scale: float | None = None,
+    pos_weights: Tensor | None = None,
+    timestamps: Tensor | None = None,
+    time_weights: Tensor | None = None,
+    kernel: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """The HSTU block's gate and attention from its projection: ``u, v, q, k = split(SiLU(pre))``, then
+    ``(u, hstu_attention(q, k, v, ...))``.
+
+    Args:
+        pre: (T, H (2 Dv + 2 Dqk)) the block's projection W_uvqk · LayerNorm(x) before its SiLU, columns u | v | q | k.
+        num_heads, dqk, dv: H, the query/key and the value/gate widths per head.
+        The rest: as ``hstu_attention``.
+
+    Returns:
+        (u (T, H Dv), attention (T, H, Dv)).
+
+    The same values either way. On Hopper, for the calls its Gluon kernels take (a plain causal mask, no relative
+    bias, head dims 128, bf16/fp16, ``max_seq_len`` >= ``hstu_gluon.MIN_LEN``), one op computes both
+    (``recforge.ops.triton.hstu_silu``) and its backward writes ``pre``'s gradient from the attention kernels' stores,
+    without the separate SiLU-backward and concatenation pass over the projection.
+    """
+    tokens, h = pre.shape[0], num_heads
+    if scale is None:
+        scale = 1.0 / max_seq_len
+    plain = mask.causal and mask.num_targets is None and mask.num_contextual is None and mask.max_attn_len is None \
+        and mask.segment_lengths is None and mask.timestamps is None
+    if plain and pos_weights is None and (time_weights is None or timestamps is None) and pre.dim() == 2 and \
+            pre.shape[1] == h * (2 * dv + 2 * dqk) and kernel != "pytorch" and pre.is_cuda and triton_available():
+        min_len = _fused_silu_min_len(pre.device, pre.dtype, dqk, dv)
+        if 0 <= min_len <= max_seq_len:
+            if torch.compiler.is_compiling():
+                return hstu_silu_attention_op(pre, seq_offsets, max_seq_len, scale, h, dqk, dv)
+            from recforge.ops.triton.hstu_silu import hstu_silu_attention_triton
+
+            return hstu_silu_attention_triton(pre, seq_offsets, max_seq_len, scale, h, dqk, dv)
+    u, v, q, k = F.silu(pre).split([h * dv, h * dv, h * dqk, h * dqk], dim=-1)
+    attn = hstu_attention(q.view(tokens, h, dqk), k.view(tokens, h, dqk), v.view(tokens, h, dv), seq_offsets,
+                          max_seq_len, mask, scale=scale, pos_weights=pos_weights, timestamps=timestamps,
+                          time_weights=time_weights, kernel=kernel)  # fmt: skip
+    return u, attn
+
+
+__all__ = ["hstu_attention", "hstu_attention_reference", "hstu_silu_attention", "apply_bias_index", "relative_bias", "relative_bias_index_rows",
            "relative_bias_rows"]

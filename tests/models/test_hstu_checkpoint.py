@@ -27,12 +27,12 @@ def _encoders(checkpoint_blocks: int, kernel: str, attn_norm: str, dtype: torch.
 
 
 def _count_projections(blocks) -> list[int]:
-    """A list that grows by one each time one of ``blocks`` runs its projection (module hooks do not
+    """A list that grows by one each time one of ``blocks`` runs its projection W_uvqk (module hooks do not
     see the recomputation)."""
     runs: list[int] = []
     for block in blocks:
-        project = block.project
-        block.project = lambda x, project=project: (runs.append(1), project(x))[1]
+        project = block.uvqk.forward
+        block.uvqk.forward = lambda x, project=project: (runs.append(1), project(x))[1]
     return runs
 
 

@@ -24,3 +24,15 @@ def interpreter(request, monkeypatch):
     if not hasattr(module._fwd, "fn") or type(module._fwd).__name__ == "Autotuner":
         pytest.skip("Triton kernels were already built for a GPU in this process")
     return module
+
+
+@pytest.fixture
+def hopper(cuda_device) -> torch.device:
+    """The CUDA device if it is a Hopper GPU (sm_90) and Triton has Gluon (the Gluon HSTU kernels' tests), else skip."""
+    if torch.cuda.get_device_capability(cuda_device) != (9, 0):
+        pytest.skip("needs a Hopper GPU (sm_90)")
+    from recforge.ops.triton import hstu_gluon
+
+    if not hstu_gluon.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    return cuda_device

@@ -29,20 +29,24 @@ COMPILE = textwrap.dedent("""
     t = torch.empty(4096, 4, 128, dtype=torch.bfloat16)
     qd, kd, vd = g.descriptors(t, t, t)
     d64 = mangle_type(g.descriptor(t, 64))
-    kernels = {
-        g._hstu_fwd_gluon: {"q_desc": mangle_type(qd), "k_desc": mangle_type(kd), "v_desc": mangle_type(vd),
-                            "O": "*bf16", "so_t": "i32", "scale": "fp32"},
-        g._hstu_bwd_dkdv_gluon: {"q_desc": d64, "do_desc": d64, "k_desc": d64, "v_desc": d64, "DK": "*bf16",
-                                 "DV": "*bf16", "sdk_t": "i32", "sdv_t": "i32", "scale": "fp32"},
-        g._hstu_bwd_dq_gluon: {"q_desc": d64, "do_desc": d64, "k_desc": d64, "v_desc": d64, "DQ": "*fp32",
-                               "sdq_t": "i32", "dq_scale": "fp32"},
-    }
-    for kern, types in kernels.items():
+    kernels = [  # (kernel, argument types, SILU or None: the kernel has no such constexpr)
+        (g._hstu_fwd_gluon, {"q_desc": mangle_type(qd), "k_desc": mangle_type(kd), "v_desc": mangle_type(vd),
+                             "O": "*bf16", "so_t": "i32", "scale": "fp32"}, None),
+        *((g._hstu_bwd_dkdv_gluon, {"q_desc": d64, "do_desc": d64, "k_desc": d64, "v_desc": d64, "DK": "*bf16",
+                                    "DV": "*bf16", "sdk_t": "i32", "sdv_t": "i32", "xk_desc": d64, "xv_desc": d64,
+                                    "scale": "fp32"}, silu) for silu in (False, True)),
+        *((g._hstu_bwd_dq_gluon, {"q_desc": d64, "do_desc": d64, "k_desc": d64, "v_desc": d64,
+                                  "DQ": "*bf16" if silu else "*fp32", "sdq_t": "i32", "xq_desc": d64, "dq_scale": "fp32"},
+          silu) for silu in (False, True)),
+    ]
+    for kern, types, silu in kernels:
         types = dict(types, offsets="*i64", seq_order="*i64", num_heads="i32", len_key="i32", STAGES="constexpr",
-                     SEQ_ORDER="constexpr")
+                     SEQ_ORDER="constexpr", SILU="constexpr")
         sig = {a: types[a] for a in kern.arg_names}
         for order in (False, True):
             cx = {(kern.arg_names.index("STAGES"),): g.STAGES, (kern.arg_names.index("SEQ_ORDER"),): order}
+            if silu is not None:
+                cx[(kern.arg_names.index("SILU"),)] = silu
             k = triton.compile(GluonASTSource(kern, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": 4})
             ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -50,14 +54,17 @@ COMPILE = textwrap.dedent("""
                 pathlib.Path(tmp, "k.ptx").write_text(k.asm["ptx"])
                 log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
                                      capture_output=True, text=True, check=True).stderr
-            print("kernel", kern.fn.__name__, "order", order, "spills", *re.findall(r"(\\d+) bytes spill stores", log),
+            print("kernel", kern.fn.__name__, "order", order, "silu", silu, "spills", *re.findall(r"(\\d+) bytes spill stores", log),
                   "shared", k.metadata.shared, "wgmma", len(re.findall(r"wgmma.mma_async", k.asm["ptx"])))
 """)
 
 
-# spill stores (bytes) each kernel may have: the dK/dV kernel's two float32 (64, 128) accumulators and two (64, 64)
-# tiles per thread leave ptxas a few registers short (8 bytes with Triton 3.7.1, 16 with 3.6.0)
-SPILL_BYTES = {"_hstu_fwd_gluon": 0, "_hstu_bwd_dkdv_gluon": 16, "_hstu_bwd_dq_gluon": 0}
+# spill stores (bytes) each kernel (and SILU variant) may have: the dK/dV kernel's two float32 (64, 128) accumulators
+# and two (64, 64) tiles per thread leave ptxas a few registers short (8 bytes with Triton 3.7.1, 16 with 3.6.0; with
+# the SiLU' epilogue 20 with either)
+SPILL_BYTES = {("_hstu_fwd_gluon", "None"): 0, ("_hstu_bwd_dkdv_gluon", "False"): 16,
+               ("_hstu_bwd_dkdv_gluon", "True"): 20, ("_hstu_bwd_dq_gluon", "False"): 0,
+               ("_hstu_bwd_dq_gluon", "True"): 0}
 
 
 @pytest.mark.skipif(not hstu_gluon.AVAILABLE, reason="this Triton has no Gluon")
@@ -66,12 +73,12 @@ def test_kernels_compile_for_hopper_without_spills() -> None:
                           env={"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "HOME": "/tmp"})
     assert done.returncode == 0, f"compiling the Gluon HSTU kernels for sm_90 failed:\n{done.stderr[-3000:]}"
     lines = [line.split() for line in done.stdout.splitlines() if line.startswith("kernel")]
-    assert sorted((w[1], w[3]) for w in lines) == sorted((k, o) for k in SPILL_BYTES for o in ("False", "True")), \
-        done.stdout
-    for w in lines:  # kernel NAME order O spills N shared S wgmma W
-        assert int(w[5]) <= SPILL_BYTES[w[1]], f"more spills than before: {w}"
-        assert int(w[9]) > 0, f"no wgmma: {w}"
-        assert int(w[7]) <= 227 * 1024, f"over the H100/H200's 227 KiB of shared memory per block: {w}"
+    expected = [(k, o, silu) for k, silu in SPILL_BYTES for o in ("False", "True")]
+    assert sorted((w[1], w[3], w[5]) for w in lines) == sorted(expected), done.stdout
+    for w in lines:  # kernel NAME order O silu S spills N shared S wgmma W
+        assert int(w[7]) <= SPILL_BYTES[w[1], w[5]], f"more spills than before: {w}"
+        assert int(w[11]) > 0, f"no wgmma: {w}"
+        assert int(w[9]) <= 227 * 1024, f"over the H100/H200's 227 KiB of shared memory per block: {w}"
 
 
 def test_not_supported_off_hopper_or_off_the_hot_path(monkeypatch) -> None:
@@ -86,15 +93,6 @@ def test_not_supported_off_hopper_or_off_the_hot_path(monkeypatch) -> None:
 
 
 # ----------------------------------------------------------------------------------------- GPU
-
-
-@pytest.fixture
-def hopper(cuda_device) -> torch.device:
-    if torch.cuda.get_device_capability(cuda_device) != (9, 0):
-        pytest.skip("needs a Hopper GPU (sm_90)")
-    if not hstu_gluon.AVAILABLE:
-        pytest.skip("this Triton has no Gluon")
-    return cuda_device
 
 
 def _batch(gen: torch.Generator, lengths: list[int], heads: int, dtype: torch.dtype, device, fused: bool):

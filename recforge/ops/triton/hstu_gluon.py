@@ -28,6 +28,12 @@ row (stride(1) == 128, the layout of ``(T, H, D)`` tensors and of slices of a fu
 ``RECFORGE_GLUON_HSTU=0`` turns both directions off. dS carries the factor 2 / scale of the Triton kernels
 (``recforge.ops.triton.hstu``), taken out once when dK and dQ are stored.
 
+The backward's ``SILU`` variant (``hstu_backward_gluon(pre=...)``, for ``recforge.ops.triton.hstu_silu``: q, k, v are
+the SiLU of an HSTU projection's columns x) stores dQ SiLU'(x_q), dK SiLU'(x_k), dV SiLU'(x_v) straight into the
+projection's gradient; the loader prefetches the x tiles by TMA after the loop's first tile. Those bytes cost each
+program its share (the two kernels 1.04x at L 8192 to 1.24x at 1,024 against plain stores on an H200) but save a pass
+over the whole projection (BENCHMARKS.md, 24th session); issuing them later in the loop measured the same.
+
 Rows of another sequence that a TMA tile reads only meet rows or keys past the causal diagonal (masked) or past the
 sequence's end (masked where they would reach a stored row; never stored: outputs are written with masked stores), and
 rows past the tensor read as zeros.
@@ -71,6 +77,17 @@ def supported(q: Tensor, k: Tensor, v: Tensor, max_seq_len: int, ma: MaskArgs, p
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     return all(tma_ready(x, q.dtype) for x in (q, k, v))
+
+
+def fused_silu_min_len(device: torch.device, dtype: torch.dtype, dqk: int, dv: int) -> int | None:
+    """The shortest ``max_seq_len`` from which a plain causal call without relative bias on ``device`` takes these
+    kernels (``supported``, tensor layouts aside), or None if none does: where the HSTU block runs its SiLU and
+    attention as one op (``recforge.ops.triton.hstu_silu``)."""
+    if gluon_hstu() is False or not AVAILABLE or device.type != "cuda" or (dqk, dv) != (HEAD_DIM, HEAD_DIM):
+        return None
+    if dtype not in (torch.bfloat16, torch.float16) or torch.cuda.get_device_capability(device) != (9, 0):
+        return None
+    return MIN_LEN
 
 
 def tma_ready(x: Tensor, dtype: torch.dtype) -> bool:
@@ -124,42 +141,52 @@ if AVAILABLE:
 
     @gluon.jit
     def _barriers(STAGES: gl.constexpr):
-        """(ready, empty, once): the ring's mbarriers (both consumers release a stage) and the once-loaded tiles'."""
+        """(ready, empty, once): the ring's mbarriers (both consumers release a stage) and the once-loaded tiles' two:
+        those the loop needs (0) and those only the stores need (1: the pre-activation tiles of ``SILU``)."""
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        once = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        once = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES):
             mbarrier.init(ready.index(st), count=1)
             mbarrier.init(empty.index(st), count=2)
-        mbarrier.init(once, count=1)
+        mbarrier.init(once.index(0), count=1)
+        mbarrier.init(once.index(1), count=1)
         fence_async_shared()
         return ready, empty, once
 
     @gluon.jit
-    def _store_rows(ptr, stride, start, n, r0, col, acc, factor):
-        """``acc * factor`` into rows r0 ... of the sequence in a (T, H * 128) output; rows past its end untouched."""
+    def _store_rows(ptr, stride, start, n, r0, col, acc, factor, x_s, SILU: gl.constexpr):
+        """``acc * factor`` into rows r0 ... of the sequence in a (T, H * 128) output; rows past its end untouched.
+        ``SILU``: times SiLU'(x), x the tile of the pre-activation whose SiLU was the kernel's input, prefetched into
+        shared memory ``x_s`` by the loader: the gradient of x."""
         layout: gl.constexpr = acc.type.layout
         r = r0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
         c = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
-        gl.store(ptr + (start + r)[:, None].to(gl.int64) * stride + col + c[None, :], (acc * factor).to(ptr.dtype.element_ty),
-                 mask=(r < n)[:, None])
+        rows = (start + r)[:, None].to(gl.int64)
+        keep = (r < n)[:, None]
+        val = acc * factor
+        if SILU:
+            x = x_s.load(layout).to(gl.float32)
+            sig = 1.0 / (1.0 + gl.exp(-x))
+            val = val * (sig * gl.fma(x, 1.0 - sig, 1.0))
+        gl.store(ptr + rows * stride + col + c[None, :], val.to(ptr.dtype.element_ty), mask=keep)
 
     # ---- row blocks: the forward and the backward's dQ -----------------------------------------------------------
 
     @gluon.jit
-    def _row_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, OUT, so_t, start, n, i0,
-                    col, nb, factor, GRAD: gl.constexpr):
-        """The block's two Q (and, GRAD, dO) tiles once, then its K/V tiles through the ring."""
+    def _row_loader(q_desc, do_desc, k_desc, v_desc, x_desc, q_s, do_s, k_s, v_s, x_s, q_bar, ready, empty, start, i0, col,
+                    nb, GRAD: gl.constexpr, SILU: gl.constexpr):
+        """The block's two Q (and, GRAD, dO; SILU, pre-activation) tiles once, then its K/V tiles through the ring."""
         rows: gl.constexpr = q_desc.block_type.shape[0]
         BN: gl.constexpr = k_desc.block_type.shape[0]
         stages: gl.constexpr = k_s.shape[0]
         once_bytes: gl.constexpr = (2 + 2 * GRAD) * q_desc.block_type.nbytes
-        mbarrier.expect(q_bar, once_bytes)
-        tma.async_copy_global_to_shared(q_desc, [start + i0, col], q_bar, q_s.index(0))
-        tma.async_copy_global_to_shared(q_desc, [start + i0 + rows, col], q_bar, q_s.index(1))
+        mbarrier.expect(q_bar.index(0), once_bytes)
+        tma.async_copy_global_to_shared(q_desc, [start + i0, col], q_bar.index(0), q_s.index(0))
+        tma.async_copy_global_to_shared(q_desc, [start + i0 + rows, col], q_bar.index(0), q_s.index(1))
         if GRAD:
-            tma.async_copy_global_to_shared(do_desc, [start + i0, col], q_bar, do_s.index(0))
-            tma.async_copy_global_to_shared(do_desc, [start + i0 + rows, col], q_bar, do_s.index(1))
+            tma.async_copy_global_to_shared(do_desc, [start + i0, col], q_bar.index(0), do_s.index(0))
+            tma.async_copy_global_to_shared(do_desc, [start + i0 + rows, col], q_bar.index(0), do_s.index(1))
         kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
         for jb in range(nb):
             st = jb % stages
@@ -167,12 +194,17 @@ if AVAILABLE:
             mbarrier.expect(ready.index(st), kv_bytes)
             tma.async_copy_global_to_shared(k_desc, [start + jb * BN, col], ready.index(st), k_s.index(st))
             tma.async_copy_global_to_shared(v_desc, [start + jb * BN, col], ready.index(st), v_s.index(st))
+            if SILU:
+                if jb == 0:  # the stores' pre-activation tiles after the loop's first (issued later: the same speed)
+                    mbarrier.expect(q_bar.index(1), 2 * x_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(x_desc, [start + i0, col], q_bar.index(1), x_s.index(0))
+                    tma.async_copy_global_to_shared(x_desc, [start + i0 + rows, col], q_bar.index(1), x_s.index(1))
 
     @gluon.jit
-    def _row_consumer(q_s, do_s, k_s, v_s, q_bar, ready, empty, OUT, so_t, start, n, i0, col, nb, factor,
-                      CID: gl.constexpr, GRAD: gl.constexpr):
+    def _row_consumer(q_s, do_s, k_s, v_s, x_s, q_bar, ready, empty, OUT, so_t, start, n, i0, col, nb, factor,
+                      CID: gl.constexpr, GRAD: gl.constexpr, SILU: gl.constexpr):
         """Rows i0 + 64 CID ... of the output: O += SiLU(Q K^T) V, or (GRAD) dQ += dS K with S = Q K^T and dP = dO V^T
-        issued together; stored times ``factor``."""
+        issued together; stored times ``factor`` (and ``SILU``: SiLU' of ``x_s``, ``_store_rows``)."""
         stages: gl.constexpr = k_s.shape[0]
         BN: gl.constexpr = k_s.shape[1]
         D: gl.constexpr = k_s.shape[2]
@@ -182,7 +214,7 @@ if AVAILABLE:
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         i_lo = i0 + CID * rows
         q_c = q_s.index(CID)
-        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(q_bar.index(0), 0)
         acc = gl.zeros((rows, D), gl.float32, o_layout)
         for jb in range(nb):
             st = jb % stages
@@ -204,22 +236,26 @@ if AVAILABLE:
             acc = warpgroup_mma(gl.convert_layout(t.to(q_s.dtype), a_layout), b, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc, b))[0]
             mbarrier.arrive(empty.index(st), count=1)
-        _store_rows(OUT, so_t, start, n, i_lo, col, acc, factor)
+        if SILU:
+            mbarrier.wait(q_bar.index(1), 0)
+        _store_rows(OUT, so_t, start, n, i_lo, col, acc, factor, x_s.index(CID), SILU)
 
     @gluon.jit
-    def _row_consumer0(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, OUT, so_t, start, n,
-                       i0, col, nb, factor, GRAD: gl.constexpr):
-        _row_consumer(q_s, do_s, k_s, v_s, q_bar, ready, empty, OUT, so_t, start, n, i0, col, nb, factor, 0, GRAD)
+    def _row_consumer0(q_s, do_s, k_s, v_s, x_s, q_bar, ready, empty, OUT, so_t, start, n, i0, col, nb, factor,
+                       GRAD: gl.constexpr, SILU: gl.constexpr):
+        _row_consumer(q_s, do_s, k_s, v_s, x_s, q_bar, ready, empty, OUT, so_t, start, n, i0, col, nb, factor, 0,
+                      GRAD, SILU)
         return (nb,)  # Triton 3.6 wants a tuple from the default partition
 
     @gluon.jit
-    def _row_consumer1(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty, OUT, so_t, start, n,
-                       i0, col, nb, factor, GRAD: gl.constexpr):
-        _row_consumer(q_s, do_s, k_s, v_s, q_bar, ready, empty, OUT, so_t, start, n, i0, col, nb, factor, 1, GRAD)
+    def _row_consumer1(q_s, do_s, k_s, v_s, x_s, q_bar, ready, empty, OUT, so_t, start, n, i0, col, nb, factor,
+                       GRAD: gl.constexpr, SILU: gl.constexpr):
+        _row_consumer(q_s, do_s, k_s, v_s, x_s, q_bar, ready, empty, OUT, so_t, start, n, i0, col, nb, factor, 1,
+                      GRAD, SILU)
 
     @gluon.jit
-    def _row_blocks(q_desc, do_desc, k_desc, v_desc, OUT, so_t, offsets, seq_order, factor, num_heads, len_key,
-                    STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr, GRAD: gl.constexpr):
+    def _row_blocks(q_desc, do_desc, k_desc, v_desc, x_desc, OUT, so_t, offsets, seq_order, factor, num_heads, len_key,
+                    STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr, GRAD: gl.constexpr, SILU: gl.constexpr):
         """One program per (128 rows, sequence, head) in the block-major grid of ``recforge.ops.triton.tuning.launch``
         (a group's longest key walk first; the sequences in ``seq_order`` when ``SEQ_ORDER``)."""
         rows: gl.constexpr = q_desc.block_type.shape[0]
@@ -234,44 +270,50 @@ if AVAILABLE:
                 do_s = gl.allocate_shared_memory(do_desc.dtype, [2, rows, D], do_desc.layout)
             else:
                 do_s = q_s  # not read
+            if SILU:
+                x_s = gl.allocate_shared_memory(x_desc.dtype, [2, rows, D], x_desc.layout)
+            else:
+                x_s = q_s  # not read
             k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
             v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
             ready, empty, q_bar = _barriers(STAGES)
             # the loader's warp and the second consumer's four; registers (setmaxnreg where honoured)
-            gl.warp_specialize([(_row_consumer0, (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready,
-                                                  empty, OUT, so_t, start, n, i0, col, nb, factor, GRAD)),
-                                (_row_loader, (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready, empty,
-                                               OUT, so_t, start, n, i0, col, nb, factor, GRAD)),
-                                (_row_consumer1, (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, q_bar, ready,
-                                                  empty, OUT, so_t, start, n, i0, col, nb, factor, GRAD))],
+            gl.warp_specialize([(_row_consumer0, (q_s, do_s, k_s, v_s, x_s, q_bar, ready, empty, OUT, so_t, start, n, i0,
+                                                  col, nb, factor, GRAD, SILU)),
+                                (_row_loader, (q_desc, do_desc, k_desc, v_desc, x_desc, q_s, do_s, k_s, v_s, x_s, q_bar,
+                                               ready, empty, start, i0, col, nb, GRAD, SILU)),
+                                (_row_consumer1, (q_s, do_s, k_s, v_s, x_s, q_bar, ready, empty, OUT, so_t, start, n, i0,
+                                                  col, nb, factor, GRAD, SILU))],
                                [1, 4], [24, 240])
 
     @gluon.jit
     def _hstu_fwd_gluon(q_desc, k_desc, v_desc, O, so_t, offsets, seq_order, scale, num_heads, len_key,
                         STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr):
         """The forward: 128 query rows per program, 128-key K/V tiles (``_row_blocks``)."""
-        _row_blocks(q_desc, q_desc, k_desc, v_desc, O, so_t, offsets, seq_order, scale, num_heads, len_key, STAGES,
-                    SEQ_ORDER, False)
+        _row_blocks(q_desc, q_desc, k_desc, v_desc, q_desc, O, so_t, offsets, seq_order, scale, num_heads, len_key, STAGES,
+                    SEQ_ORDER, False, False)
 
     @gluon.jit
-    def _hstu_bwd_dq_gluon(q_desc, do_desc, k_desc, v_desc, DQ, sdq_t, offsets, seq_order, dq_scale, num_heads, len_key,
-                           STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr):
-        """dQ (times ``dq_scale``): 128 query rows per program, 64-key K/V tiles (``_row_blocks``)."""
-        _row_blocks(q_desc, do_desc, k_desc, v_desc, DQ, sdq_t, offsets, seq_order, dq_scale, num_heads, len_key, STAGES,
-                    SEQ_ORDER, True)
+    def _hstu_bwd_dq_gluon(q_desc, do_desc, k_desc, v_desc, xq_desc, DQ, sdq_t, offsets, seq_order, dq_scale, num_heads,
+                           len_key, STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr, SILU: gl.constexpr):
+        """dQ (times ``dq_scale``; ``SILU``: times SiLU' of the pre-activation read by ``xq_desc``): 128 query rows per
+        program, 64-key K/V tiles (``_row_blocks``)."""
+        _row_blocks(q_desc, do_desc, k_desc, v_desc, xq_desc, DQ, sdq_t, offsets, seq_order, dq_scale, num_heads, len_key,
+                    STAGES, SEQ_ORDER, True, SILU)
 
     # ---- backward ---------------------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t,
-                     start, n, j0, col, nt, scale):
-        """The key block's K and V once (two 64-row halves), then its query tiles' Q and dO through the ring."""
+    def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, xk_desc, xv_desc, q_s, do_s, k_s, v_s, xk_s, xv_s, kv_bar, ready,
+                     empty, start, j0, col, nt, SILU: gl.constexpr):
+        """The key block's K and V (and, SILU, their pre-activations) once, two 64-row halves each, then its query
+        tiles' Q and dO through the ring."""
         rows: gl.constexpr = q_desc.block_type.shape[0]
         stages: gl.constexpr = q_s.shape[0]
-        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+        mbarrier.expect(kv_bar.index(0), 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
         for c in gl.static_range(2):
-            tma.async_copy_global_to_shared(k_desc, [start + j0 + c * rows, col], kv_bar, k_s.index(c))
-            tma.async_copy_global_to_shared(v_desc, [start + j0 + c * rows, col], kv_bar, v_s.index(c))
+            tma.async_copy_global_to_shared(k_desc, [start + j0 + c * rows, col], kv_bar.index(0), k_s.index(c))
+            tma.async_copy_global_to_shared(v_desc, [start + j0 + c * rows, col], kv_bar.index(0), v_s.index(c))
         tile_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
         for t in range(nt):
             st = t % stages
@@ -279,11 +321,20 @@ if AVAILABLE:
             mbarrier.expect(ready.index(st), tile_bytes)
             tma.async_copy_global_to_shared(q_desc, [start + j0 + t * rows, col], ready.index(st), q_s.index(st))
             tma.async_copy_global_to_shared(do_desc, [start + j0 + t * rows, col], ready.index(st), do_s.index(st))
+            if SILU:
+                if t == 0:  # the stores' pre-activation tiles after the loop's first (issued later: the same speed)
+                    mbarrier.expect(kv_bar.index(1), 2 * xk_desc.block_type.nbytes + 2 * xv_desc.block_type.nbytes)
+                    for c in gl.static_range(2):
+                        tma.async_copy_global_to_shared(xk_desc, [start + j0 + c * rows, col], kv_bar.index(1),
+                                                        xk_s.index(c))
+                        tma.async_copy_global_to_shared(xv_desc, [start + j0 + c * rows, col], kv_bar.index(1),
+                                                        xv_s.index(c))
 
     @gluon.jit
-    def _dkdv_consumer(q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col, nt, scale,
-                       CID: gl.constexpr):
-        """dK and dV of the block's keys j0 + 64 CID ...: tiles are (keys, queries); the query tiles from j0 on."""
+    def _dkdv_consumer(q_s, do_s, k_s, v_s, xk_s, xv_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col, nt,
+                       scale, CID: gl.constexpr, SILU: gl.constexpr):
+        """dK and dV of the block's keys j0 + 64 CID ...: tiles are (keys, queries); the query tiles from j0 on.
+        ``SILU``: stored times SiLU' of the pre-activations in ``xk_s``, ``xv_s`` (``_store_rows``)."""
         stages: gl.constexpr = q_s.shape[0]
         BM: gl.constexpr = q_s.shape[1]
         D: gl.constexpr = q_s.shape[2]
@@ -294,7 +345,7 @@ if AVAILABLE:
         jc = j0 + CID * keys
         k_c = k_s.index(CID)
         v_c = v_s.index(CID)
-        mbarrier.wait(kv_bar, 0)
+        mbarrier.wait(kv_bar.index(0), 0)
         dk = gl.zeros((keys, D), gl.float32, o_layout)
         dv = gl.zeros((keys, D), gl.float32, o_layout)
         for t in range(nt):
@@ -319,24 +370,30 @@ if AVAILABLE:
                 dk = warpgroup_mma(gl.convert_layout(ds.to(q_s.dtype), a_layout), q_t, dk, is_async=True)
                 dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, q_t, do_t))
             mbarrier.arrive(empty.index(st), count=1)
-        _store_rows(DV, sdv_t, start, n, jc, col, dv, scale)
-        _store_rows(DK, sdk_t, start, n, jc, col, dk, 0.5 * scale)
+        if SILU:
+            mbarrier.wait(kv_bar.index(1), 0)
+        _store_rows(DV, sdv_t, start, n, jc, col, dv, scale, xv_s.index(CID), SILU)
+        _store_rows(DK, sdk_t, start, n, jc, col, dk, 0.5 * scale, xk_s.index(CID), SILU)
 
     @gluon.jit
-    def _dkdv_consumer0(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t,
-                        start, n, j0, col, nt, scale):
-        _dkdv_consumer(q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col, nt, scale, 0)
+    def _dkdv_consumer0(q_s, do_s, k_s, v_s, xk_s, xv_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col,
+                        nt, scale, SILU: gl.constexpr):
+        _dkdv_consumer(q_s, do_s, k_s, v_s, xk_s, xv_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col, nt,
+                       scale, 0, SILU)
         return (nt,)
 
     @gluon.jit
-    def _dkdv_consumer1(q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t,
-                        start, n, j0, col, nt, scale):
-        _dkdv_consumer(q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col, nt, scale, 1)
+    def _dkdv_consumer1(q_s, do_s, k_s, v_s, xk_s, xv_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col,
+                        nt, scale, SILU: gl.constexpr):
+        _dkdv_consumer(q_s, do_s, k_s, v_s, xk_s, xv_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t, start, n, j0, col, nt,
+                       scale, 1, SILU)
 
     @gluon.jit
-    def _hstu_bwd_dkdv_gluon(q_desc, do_desc, k_desc, v_desc, DK, DV, sdk_t, sdv_t, offsets, seq_order, scale,
-                             num_heads, len_key, STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr):
-        """One program per (128 keys, sequence, head), the first keys (the longest query walk) first."""
+    def _hstu_bwd_dkdv_gluon(q_desc, do_desc, k_desc, v_desc, xk_desc, xv_desc, DK, DV, sdk_t, sdv_t, offsets, seq_order,
+                             scale, num_heads, len_key, STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr,
+                             SILU: gl.constexpr):
+        """One program per (128 keys, sequence, head), the first keys (the longest query walk) first; ``SILU``: dK and
+        dV times SiLU' of the pre-activations read by ``xk_desc``, ``xv_desc``."""
         rows: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         blk, num_blocks, start, n, col = _program(offsets, seq_order, num_heads, len_key, 2 * rows, D, SEQ_ORDER)
@@ -347,10 +404,20 @@ if AVAILABLE:
             do_s = gl.allocate_shared_memory(do_desc.dtype, [STAGES, rows, D], do_desc.layout)
             k_s = gl.allocate_shared_memory(k_desc.dtype, [2, rows, D], k_desc.layout)
             v_s = gl.allocate_shared_memory(v_desc.dtype, [2, rows, D], v_desc.layout)
+            if SILU:
+                xk_s = gl.allocate_shared_memory(xk_desc.dtype, [2, rows, D], xk_desc.layout)
+                xv_s = gl.allocate_shared_memory(xv_desc.dtype, [2, rows, D], xv_desc.layout)
+            else:
+                xk_s = k_s  # not read
+                xv_s = v_s
             ready, empty, kv_bar = _barriers(STAGES)
-            args = (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_s, v_s, kv_bar, ready, empty, DK, DV, sdk_t, sdv_t,
-                    start, n, j0, col, nt, scale)
-            gl.warp_specialize([(_dkdv_consumer0, args), (_dkdv_loader, args), (_dkdv_consumer1, args)], [1, 4], [24, 240])
+            # the constexpr written in each tuple: one in a tuple variable reaches the partitions as a runtime value
+            gl.warp_specialize([(_dkdv_consumer0, (q_s, do_s, k_s, v_s, xk_s, xv_s, kv_bar, ready, empty, DK, DV, sdk_t,
+                                                   sdv_t, start, n, j0, col, nt, scale, SILU)),
+                                (_dkdv_loader, (q_desc, do_desc, k_desc, v_desc, xk_desc, xv_desc, q_s, do_s, k_s, v_s,
+                                                xk_s, xv_s, kv_bar, ready, empty, start, j0, col, nt, SILU)),
+                                (_dkdv_consumer1, (q_s, do_s, k_s, v_s, xk_s, xv_s, kv_bar, ready, empty, DK, DV, sdk_t,
+                                                   sdv_t, start, n, j0, col, nt, scale, SILU))], [1, 4], [24, 240])
 
 
 def descriptor(x: Tensor, rows: int):
@@ -381,18 +448,25 @@ def hstu_forward_gluon(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq
 
 
 def hstu_backward_gluon(do: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, scale: float,
-                        seq_order: Tensor | None, dq: Tensor, dk: Tensor, dv: Tensor, dq_scale: float) -> None:  # fmt: skip
-    """Fill ``dk``, ``dv`` ((T, H, 128), contiguous) with the gradients of a ``supported`` call given ``do``
-    (``tma_ready``), and ``dq`` with dQ * 2 / scale times ``dq_scale`` (``scale / 2``: dQ) in its dtype."""
+                        seq_order: Tensor | None, dq: Tensor, dk: Tensor, dv: Tensor, dq_scale: float,
+                        pre: tuple[Tensor, Tensor, Tensor] | None = None) -> None:  # fmt: skip
+    """Fill ``dk``, ``dv`` ((T, H, 128), heads packed in each row) with the gradients of a ``supported`` call given
+    ``do`` (``tma_ready``), and ``dq`` with dQ * 2 / scale times ``dq_scale`` (``scale / 2``: dQ) in its dtype.
+
+    ``pre``: (x_q, x_k, x_v) (``tma_ready``), the pre-activations of which q, k, v are the SiLU: then the three are the
+    gradients of those instead, dQ SiLU'(x_q) and so on, each multiplied in at its store from tiles the loader
+    prefetched (``hstu_silu.silu_attention_backward``: the HSTU projection's gradient without a pass of its own)."""
     batch, heads = offsets.numel() - 1, q.shape[1]
     grid = (triton.cdiv(max_seq_len, 2 * BLOCK_ROWS) * batch * heads,)
     order = seq_order if seq_order is not None else offsets  # SEQ_ORDER False: never read
     tiles = [descriptor(x, BLOCK_ROWS) for x in (q, do, k, v)]
-    common = dict(STAGES=STAGES, SEQ_ORDER=seq_order is not None, num_warps=4)
+    silu = pre is not None
+    x_q, x_k, x_v = [descriptor(x, BLOCK_ROWS) for x in pre] if silu else tiles[:3]  # SILU False: never read
+    common = dict(STAGES=STAGES, SEQ_ORDER=seq_order is not None, SILU=silu, num_warps=4)
     try:
-        _hstu_bwd_dkdv_gluon[grid](*tiles, dk, dv, dk.stride(0), dv.stride(0), offsets, order, scale, heads, max_seq_len,
-                                   **common)
-        _hstu_bwd_dq_gluon[grid](*tiles, dq, dq.stride(0), offsets, order, dq_scale, heads, max_seq_len, **common)
+        _hstu_bwd_dkdv_gluon[grid](*tiles, x_k, x_v, dk, dv, dk.stride(0), dv.stride(0), offsets, order, scale, heads,
+                                   max_seq_len, **common)
+        _hstu_bwd_dq_gluon[grid](*tiles, x_q, dq, dq.stride(0), offsets, order, dq_scale, heads, max_seq_len, **common)
     except Exception as e:  # a compiler or driver failure: say how to run the Triton backward instead
         raise RuntimeError(f"the Gluon HSTU attention backward failed ({type(e).__name__}: {e}); set "
                            "RECFORGE_GLUON_HSTU=0 to use the Triton kernels, and please report it") from e

@@ -1,0 +1,153 @@
+"""The HSTU block's SiLU and attention as one op: the projection's gradient from the attention backward's stores.
+
+    u, v, q, k = split(SiLU(x))        x = W_uvqk · LayerNorm(h), columns u | v | q | k
+    a          = hstu_attention(q, k, v)    (plain causal mask, no relative bias)
+
+Run as two steps, the backward concatenates du, dv, dq, dk and multiplies them by SiLU'(x) in a pass of its own over
+the (T, 2 H Dv + 2 H Dqk) projection: 2.0 ms of a 42.6 ms step at NVIDIA's 8 x 1024 / 4K-user shape on an H200
+(BENCHMARKS.md, 24th session). Here the Gluon backward (``hstu_gluon.hstu_backward_gluon(pre=...)``) multiplies dQ,
+dK and dV by SiLU' of x's columns as it stores them, straight into the projection's gradient, and only the gate's
+columns (du) take a SiLU-backward pass. Calls the Gluon kernels do not take (``hstu_gluon.supported``, checked
+again at run time) compute the same gradient from the Triton backward and three SiLU-backward passes.
+
+Entry points: ``hstu_silu_attention_triton`` (eager: an ``autograd.Function``) and, under ``torch.compile``,
+``recforge.ops.custom_ops.hstu_silu_attention_op``; ``recforge.ops.hstu_attention.hstu_silu_attention`` picks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from recforge.jagged.mask import AttentionMask
+from recforge.ops.triton import hstu_gluon
+from recforge.ops.triton._common import mask_args
+from recforge.ops.triton.hstu import hstu_backward, hstu_forward, launch_order
+
+
+@triton.jit
+def _silu_split(X, U, Y, rows, sx, WU: tl.constexpr, WY: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """SiLU of x's (rows, WU + WY) columns: the first WU into u (rows, WU), the rest into y (rows, WY); BN divides WU."""
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    c0 = tl.program_id(1) * BN
+    c = c0 + tl.arange(0, BN)
+    keep = r[:, None] < rows
+    r64 = r[:, None].to(tl.int64)
+    x = tl.load(X + r64 * sx + c[None, :], mask=keep, other=0.0).to(tl.float32)
+    s = (x * tl.sigmoid(x)).to(U.dtype.element_ty)
+    if c0 < WU:
+        tl.store(U + r64 * WU + c[None, :], s, mask=keep)
+    else:
+        tl.store(Y + r64 * WY + (c[None, :] - WU), s, mask=keep)
+
+
+@triton.jit
+def _silu_backward(G, X, DX, rows, sg, sx, sdx, W: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """dx = g SiLU'(x) on (rows, W) matrices of row strides sg, sx, sdx; BN divides W."""
+    r = tl.program_id(0) * BM + tl.arange(0, BM)
+    c = tl.program_id(1) * BN + tl.arange(0, BN)
+    keep = r[:, None] < rows
+    r64 = r[:, None].to(tl.int64)
+    g = tl.load(G + r64 * sg + c[None, :], mask=keep, other=0.0).to(tl.float32)
+    x = tl.load(X + r64 * sx + c[None, :], mask=keep, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(x)
+    tl.store(DX + r64 * sdx + c[None, :], (g * sig * (1.0 + x * (1.0 - sig))).to(DX.dtype.element_ty), mask=keep)
+
+
+_BM = 32
+
+
+def _block_cols(width: int) -> int:
+    """Columns per program: a power of two up to 128 that divides ``width``."""
+    return min(128, width & -width)
+
+
+def silu_backward_into(g: Tensor, x: Tensor, out: Tensor) -> None:
+    """``out`` = ``g`` SiLU'(``x``), three (rows, W) matrices with unit column strides (2D views, any row strides)."""
+    rows, width = x.shape
+    if rows == 0:
+        return
+    bn = _block_cols(width)
+    _silu_backward[(triton.cdiv(rows, _BM), width // bn)](g, x, out, rows, g.stride(0), x.stride(0), out.stride(0),
+                                                          W=width, BM=_BM, BN=bn, num_warps=4)  # fmt: skip
+
+
+def _columns(x: Tensor, heads: int, dqk: int, dv: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(v, q, k) of ``x``'s columns v | q | k, as (T, H, D) views."""
+    tokens = x.shape[0]
+    v, q, k = x.split([heads * dv, heads * dqk, heads * dqk], dim=1)
+    return q.view(tokens, heads, dqk), k.view(tokens, heads, dqk), v.view(tokens, heads, dv)
+
+
+def silu_attention_forward(pre: Tensor, offsets: Tensor, max_seq_len: int, scale: float, heads: int, dqk: int, dv: int,
+                           seq_order: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(u, y, a): u = SiLU(x_u) (T, H Dv), y = SiLU(x_vqk) (T, H (Dv + 2 Dqk); the backward's q, k, v), a (T, H, Dv) the
+    causal HSTU attention of y's q, k, v; ``pre`` = x (T, H (2 Dv + 2 Dqk)), row-contiguous."""
+    tokens, width_u = pre.shape[0], heads * dv
+    width_y = pre.shape[1] - width_u
+    u = torch.empty(tokens, width_u, dtype=pre.dtype, device=pre.device)
+    y = torch.empty(tokens, width_y, dtype=pre.dtype, device=pre.device)
+    if tokens > 0:  # one pass over the projection (PyTorch's SiLU of each column slice ran at a third of its speed)
+        bn = _block_cols(width_u)
+        _silu_split[(triton.cdiv(tokens, _BM), pre.shape[1] // bn)](pre, u, y, tokens, pre.stride(0), WU=width_u,
+                                                                    WY=width_y, BM=_BM, BN=bn, num_warps=4)  # fmt: skip
+    q, k, v = _columns(y, heads, dqk, dv)
+    ma = mask_args(AttentionMask(), offsets)
+    return u, y, hstu_forward(q, k, v, offsets, max_seq_len, ma, scale, None, None, None, 0, seq_order)
+
+
+def silu_attention_backward(du: Tensor | None, da: Tensor | None, pre: Tensor, y: Tensor, offsets: Tensor,
+                            max_seq_len: int, scale: float, heads: int, dqk: int, dv: int,
+                            seq_order: Tensor | None = None) -> Tensor:  # fmt: skip
+    """The gradient of ``pre`` (its dtype, row-contiguous) given those of ``silu_attention_forward``'s u and a (None:
+    zero)."""
+    width_u = heads * dv
+    d_pre = torch.empty(pre.shape, dtype=pre.dtype, device=pre.device)
+    if du is None:
+        d_pre[:, :width_u].zero_()
+    else:
+        silu_backward_into(du.reshape(pre.shape[0], width_u).contiguous(), pre[:, :width_u], d_pre[:, :width_u])
+    q, k, v = _columns(y, heads, dqk, dv)
+    x_q, x_k, x_v = _columns(pre[:, width_u:], heads, dqk, dv)
+    g_q, g_k, g_v = _columns(d_pre[:, width_u:], heads, dqk, dv)
+    if da is None:
+        for g in (g_q, g_k, g_v):
+            g.zero_()
+        return d_pre
+    ma = mask_args(AttentionMask(), offsets)
+    do = da.contiguous()
+    total, batch = q.shape[0], offsets.numel() - 1
+    if total > 0 and batch > 0 and hstu_gluon.supported(q, k, v, max_seq_len, ma, None, None) and \
+            all(hstu_gluon.tma_ready(t, q.dtype) for t in (do, x_q, g_q)):  # x_k, x_v, g_k, g_v: the same strides
+        order = seq_order if seq_order is not None else launch_order(offsets, max_seq_len)
+        hstu_gluon.hstu_backward_gluon(do, q, k, v, offsets, max_seq_len, scale, order, g_q, g_k, g_v, 0.5 * scale,
+                                       pre=(x_q, x_k, x_v))  # fmt: skip
+        return d_pre
+    grads = hstu_backward(do, q, k, v, offsets, max_seq_len, ma, scale, None, None, None, 0, False, False,
+                          seq_order=seq_order)[:3]  # fmt: skip
+    for g, x, out in zip(grads, (x_q, x_k, x_v), (g_q, g_k, g_v), strict=True):
+        silu_backward_into(*(t.flatten(1) for t in (g, x, out)))
+    return d_pre
+
+
+class _HSTUSiluAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pre, offsets, max_seq_len, scale, heads, dqk, dv):
+        order = launch_order(offsets, max_seq_len)  # taken once for the forward and the backward
+        u, y, a = silu_attention_forward(pre, offsets, max_seq_len, scale, heads, dqk, dv, order)
+        ctx.save_for_backward(pre, y, offsets, order)
+        ctx.stuff = (max_seq_len, scale, heads, dqk, dv)
+        return u, a
+
+    @staticmethod
+    def backward(ctx, du, da):
+        pre, y, offsets, order = ctx.saved_tensors
+        return silu_attention_backward(du, da, pre, y, offsets, *ctx.stuff, order), None, None, None, None, None, None
+
+
+def hstu_silu_attention_triton(pre: Tensor, offsets: Tensor, max_seq_len: int, scale: float, heads: int, dqk: int,
+                               dv: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(u (T, H Dv), a (T, H, Dv)) of the projection ``pre`` (see the module docstring), with autograd."""
+    return _HSTUSiluAttention.apply(pre.contiguous(), offsets.contiguous(), max_seq_len, float(scale), heads, dqk, dv)

@@ -1,0 +1,182 @@
+"""The HSTU block's SiLU and attention as one op (``recforge.ops.hstu_silu_attention``, ``ops.triton.hstu_silu``).
+
+CPU: Triton's interpreter on tiny float32 shapes: the op (eager ``autograd.Function`` and the custom op) gives the
+two-step values and projection gradient through its fallback backward (Triton backward + SiLU-backward passes).
+GPU (Hopper): the Gluon backward's fused stores against float64 and the unfused path, the routing, and a compiled
+HSTU encoder against eager.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _oracles import offsets_of, random_lengths, relative_error
+
+from recforge.jagged.mask import AttentionMask
+from recforge.ops.hstu_attention import hstu_attention_reference, hstu_silu_attention
+from recforge.ops.triton import hstu_gluon
+
+
+def _two_steps(pre, heads, dqk, dv, offsets, max_len, scale):
+    """The reference: SiLU, split, then the padded PyTorch attention."""
+    tokens = pre.shape[0]
+    u, v, q, k = F.silu(pre).split([heads * dv, heads * dv, heads * dqk, heads * dqk], dim=-1)
+    a = hstu_attention_reference(q.reshape(tokens, heads, dqk), k.reshape(tokens, heads, dqk),
+                                 v.reshape(tokens, heads, dv), offsets, max_len, AttentionMask(), scale)  # fmt: skip
+    return u, a
+
+
+def _tiny(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = random_lengths(gen, 4, 12) + [0, 1]
+    heads, dqk, dv = 2, 8, 4
+    pre = torch.randn(sum(lengths), heads * (2 * dv + 2 * dqk), generator=gen).requires_grad_()
+    return pre, (heads, dqk, dv), offsets_of(lengths), max(lengths), gen
+
+
+@pytest.mark.parametrize("entry", ["function", "custom_op"])
+def test_op_matches_two_steps(interpreter, entry: str) -> None:
+    from recforge.ops.custom_ops import hstu_silu_attention_op
+    from recforge.ops.triton.hstu_silu import hstu_silu_attention_triton
+
+    seed = int(torch.randint(0, 2**30, ()))
+    pre, (heads, dqk, dv), offsets, max_len, gen = _tiny(seed)
+    fn = hstu_silu_attention_triton if entry == "function" else hstu_silu_attention_op
+    u, a = fn(pre, offsets, max_len, 0.3, heads, dqk, dv)
+    u_ref, a_ref = _two_steps(pre, heads, dqk, dv, offsets, max_len, 0.3)
+    torch.testing.assert_close(u, u_ref, rtol=1e-6, atol=1e-7)  # SiLU of a column slice: the same up to rounding
+    torch.testing.assert_close(a, a_ref, rtol=1e-5, atol=1e-6)
+    gu, ga = torch.randn(u.shape, generator=gen), torch.randn(a.shape, generator=gen)
+    got = torch.autograd.grad((u * gu).sum() + (a * ga).sum(), pre)[0]
+    want = torch.autograd.grad((u_ref * gu).sum() + (a_ref * ga).sum(), pre)[0]
+    assert relative_error(got, want) < 1e-5, f"seed {seed}"
+    only_attention = torch.autograd.grad((fn(pre, offsets, max_len, 0.3, heads, dqk, dv)[1] * ga).sum(), pre)[0]
+    want = torch.autograd.grad((_two_steps(pre, heads, dqk, dv, offsets, max_len, 0.3)[1] * ga).sum(), pre)[0]
+    assert relative_error(only_attention, want) < 1e-5, f"seed {seed}: the gate's gradient is not zero when unused"
+
+
+def test_backward_without_gradients_is_zero(interpreter) -> None:
+    from recforge.ops.triton.hstu_silu import silu_attention_backward, silu_attention_forward
+
+    pre, (heads, dqk, dv), offsets, max_len, _ = _tiny(int(torch.randint(0, 2**30, ())))
+    pre = pre.detach()
+    _, y, _ = silu_attention_forward(pre, offsets, max_len, 0.3, heads, dqk, dv)
+    d_pre = silu_attention_backward(None, None, pre, y, offsets, max_len, 0.3, heads, dqk, dv)
+    assert d_pre.shape == pre.shape and not d_pre.any()
+
+
+def test_opcheck(interpreter) -> None:
+    """torch.library's checks of the forward op: schema, fake implementation, autograd registration."""
+    pre, (heads, dqk, dv), offsets, max_len, _ = _tiny(int(torch.randint(0, 2**30, ())))
+    torch.library.opcheck(torch.ops.recforge.hstu_silu_attention.default, (pre, offsets, max_len, 0.3, heads, dqk, dv),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))  # fmt: skip
+
+
+def test_cpu_takes_the_two_steps() -> None:
+    """Off Hopper the entry point is SiLU, split and ``hstu_attention``: the same values as before the op existed."""
+    pre, (heads, dqk, dv), offsets, max_len, _ = _tiny(int(torch.randint(0, 2**30, ())))
+    u, a = hstu_silu_attention(pre, heads, dqk, dv, offsets, max_len, AttentionMask(), scale=0.3, kernel="pytorch")
+    u_ref, a_ref = _two_steps(pre, heads, dqk, dv, offsets, max_len, 0.3)
+    torch.testing.assert_close(u, u_ref, rtol=0, atol=0)
+    torch.testing.assert_close(a, a_ref, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_fused_projection_gradient(hopper, monkeypatch, dtype) -> None:
+    """The projection's gradient from the Gluon backward's SiLU'-multiplied stores against float64 and against the
+    two-step path (the switch off), on sequences of 0, 1 and tile-edge lengths; the fused path is the one taken."""
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    gen = torch.Generator().manual_seed(seed)
+    max_len = int(torch.randint(hstu_gluon.MIN_LEN, 1600, (1,), generator=gen))
+    lengths = [max_len, 0, 1, 63, 64, 65, 127, 128, 129] + torch.randint(1, max_len + 1, (4,), generator=gen).tolist()
+    heads, offsets, scale = 2, offsets_of(lengths).to(hopper), 1.0 / max_len
+    pre = (torch.randn(sum(lengths), heads * 512, generator=gen) * 2).to(hopper, dtype).requires_grad_()
+    fused = []
+    real = hstu_gluon.hstu_backward_gluon
+    monkeypatch.setattr(hstu_gluon, "hstu_backward_gluon",
+                        lambda *a, **kw: fused.append(kw.get("pre") is not None) or real(*a, **kw))
+    u, a = hstu_silu_attention(pre, heads, 128, 128, offsets, max_len, AttentionMask(), scale=scale, kernel="triton")
+    gu = torch.randn(u.shape, generator=gen).to(hopper, dtype)
+    ga = torch.randn(a.shape, generator=gen).to(hopper, dtype)
+    got = torch.autograd.grad((u * gu).float().sum() + (a * ga).float().sum(), pre)[0]
+    assert fused == [True], "the fused Gluon backward was not taken on a supported call"
+    ref_pre = pre.detach().double().cpu().requires_grad_()
+    u_ref, a_ref = _two_steps(ref_pre, heads, 128, 128, offsets.cpu(), max_len, scale)
+    assert relative_error(a.cpu(), a_ref) < (2e-2 if dtype == torch.bfloat16 else 4e-3), f"seed {seed}"
+    want = torch.autograd.grad((u_ref * gu.cpu()).sum() + (a_ref * ga.cpu()).sum(), ref_pre)[0]
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    width = heads * 128
+    for name, cols in (("u", slice(0, width)), ("v", slice(width, 2 * width)), ("q", slice(2 * width, 3 * width)),
+                       ("k", slice(3 * width, 4 * width))):  # fmt: skip
+        err = relative_error(got[:, cols].cpu(), want[:, cols])
+        assert err < tol, f"seed {seed}: d{name} relative error {err:.2e} vs float64"
+    monkeypatch.setenv("RECFORGE_GLUON_HSTU", "0")
+    u2, a2 = hstu_silu_attention(pre, heads, 128, 128, offsets, max_len, AttentionMask(), scale=scale, kernel="triton")
+    two_step = torch.autograd.grad((u2 * gu).float().sum() + (a2 * ga).float().sum(), pre)[0]
+    assert fused == [True], "RECFORGE_GLUON_HSTU=0 did not turn the fused backward off"
+    diff = relative_error(got.float().cpu(), two_step.float().cpu())
+    assert diff < (1e-2 if dtype == torch.bfloat16 else 2e-3), f"seed {seed}: {diff:.2e} from the two-step gradient"
+
+
+@pytest.mark.gpu
+def test_gpu_routing(hopper, monkeypatch) -> None:
+    """The one op for the Gluon kernels' calls only: a bias, another mask, a short batch or head dim 64 take the two
+    steps (the same values)."""
+    from recforge.ops.triton import hstu_silu
+
+    taken = []
+    real = hstu_silu.hstu_silu_attention_triton
+    monkeypatch.setattr(hstu_silu, "hstu_silu_attention_triton", lambda *a: taken.append(a[2]) or real(*a))
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    offsets = offsets_of([1100, 700]).to(hopper)
+    pre = torch.randn(1800, 2 * 512, generator=gen).to(hopper, torch.bfloat16)
+    hstu_silu_attention(pre, 2, 128, 128, offsets, 1100, AttentionMask(), kernel="triton")
+    assert taken == [1100]
+    hstu_silu_attention(pre, 2, 128, 128, offsets, 1100, AttentionMask(), pos_weights=torch.zeros(8, device=hopper))
+    hstu_silu_attention(pre, 2, 128, 128, offsets, 1100, AttentionMask(max_attn_len=64))
+    hstu_silu_attention(pre, 2, 128, 128, offsets, 1100, AttentionMask(causal=False))
+    short = hstu_gluon.MIN_LEN - 1
+    hstu_silu_attention(pre[: 2 * short], 2, 128, 128, offsets_of([short, short]).to(hopper), short, AttentionMask())
+    hstu_silu_attention(pre.float(), 2, 128, 128, offsets, 1100, AttentionMask())
+    hstu_silu_attention(pre, 4, 64, 64, offsets, 1100, AttentionMask())
+    hstu_silu_attention(pre, 2, 128, 128, offsets, 1100, AttentionMask(), kernel="pytorch")
+    assert taken == [1100], "a call off the Gluon kernels' path took the one op"
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_encoder_matches_eager(hopper) -> None:
+    """A compiled bf16 HSTU encoder whose blocks take the one op (custom op) gives eager's outputs and gradients."""
+    from recforge.models.hstu import HSTUConfig, HSTUEncoder
+    from recforge.ops.triton import hstu_silu
+
+    torch.manual_seed(int(torch.randint(0, 2**30, ())))
+    enc = HSTUEncoder(HSTUConfig(dim=256, num_blocks=2, num_heads=2, dqk=128, dv=128, dropout=0.0, max_seq_len=1400,
+                                 relative_bias=False, num_time_buckets=0)).to(hopper)  # fmt: skip
+    lengths = [1300, 1, 640, 129]
+    offsets = offsets_of(lengths).to(hopper)
+    x = torch.randn(sum(lengths), 256, device=hopper)
+    w = torch.randn(256, device=hopper)
+
+    def loss():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return (enc(x, offsets, 1300, AttentionMask()).float() @ w).square().mean()
+
+    calls = []
+    real = hstu_silu.silu_attention_forward
+    hstu_silu.silu_attention_forward = lambda *a: calls.append(1) or real(*a)
+    try:
+        eager = loss()
+        want = torch.autograd.grad(eager, list(enc.parameters()))
+        compiled = torch.compile(loss)()
+        got = torch.autograd.grad(compiled, list(enc.parameters()))
+    finally:
+        hstu_silu.silu_attention_forward = real
+    assert len(calls) == 4, "the blocks did not take the one op, eagerly and compiled"
+    assert relative_error(compiled, eager) < 1e-2
+    for (name, _), g, e in zip(enc.named_parameters(), got, want, strict=True):
+        assert relative_error(g, e) < 3e-2, name
