@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from recforge.jagged.index import lengths_from_offsets, padding_index
 from recforge.jagged.mask import AttentionMask
-from recforge.ops.hstu_attention import hstu_silu_attention
+from recforge.ops.hstu_attention import hstu_silu_attention, hstu_silu_attention_gate
 from recforge.ops.norm_gate import norm_gate, unsupported
 
 
@@ -115,23 +115,18 @@ class HSTUBlock(nn.Module):
         """``visible_keys`` (T,): for attn_norm=visible_mean, each token's visible-key count (the same in
         every block: ``HSTUEncoder`` counts once per batch); counted here when not given."""
         cfg = self.cfg
-        # project()'s SiLU and split, then the attention: one op where the Gluon kernels take the call (its backward
-        # writes the projection's gradient from the attention's stores; ops.hstu_silu_attention)
-        u, attn = hstu_silu_attention(
-            self.uvqk(self.norm(x)),
-            cfg.num_heads,
-            cfg.dqk,
-            cfg.dv,
-            seq_offsets,
-            max_seq_len,
-            mask,
-            scale=1.0 / cfg.max_seq_len,
-            pos_weights=self.pos_weights,
-            timestamps=timestamps if self.time_weights is not None else None,
-            time_weights=self.time_weights if timestamps is not None else None,
-            kernel=cfg.kernel,
-        )  # (T, H Dv), (T, H, Dv)
-        if self.attn_norm is None and visible_keys is None:
+        pre = self.uvqk(self.norm(x))  # (T, H (2 Dv + 2 Dqk)): project() before its SiLU
+        args = (pre, cfg.num_heads, cfg.dqk, cfg.dv, seq_offsets, max_seq_len, mask)
+        kw = dict(scale=1.0 / cfg.max_seq_len, pos_weights=self.pos_weights,
+                  timestamps=timestamps if self.time_weights is not None else None,
+                  time_weights=self.time_weights if timestamps is not None else None, kernel=cfg.kernel)  # fmt: skip
+        if self.attn_norm is not None:  # SiLU, the attention and combine()'s gate as one op where the Gluon kernels
+            norm = self.attn_norm  # take the call (ops.hstu_silu_attention_gate); the same values either way
+            gated = hstu_silu_attention_gate(*args, norm.weight, norm.bias, eps=norm.eps, p=self.dropout.p,
+                                             training=self.training, **kw)  # fmt: skip
+            return x + self.out(gated)  # (T, d)
+        u, attn = hstu_silu_attention(*args, **kw)  # (T, H Dv), (T, H, Dv)
+        if visible_keys is None:
             visible_keys = visible_key_counts(seq_offsets, max_seq_len, mask, x.shape[0])
         return self.combine(x, attn, u, visible_keys, kernel=cfg.kernel)
 

@@ -186,6 +186,71 @@ def hstu_silu_attention_op(pre: Tensor, offsets: Tensor, max_seq_len: int, scale
     return u, a
 
 
+@torch.library.custom_op("recforge::hstu_silu_attention_gate", mutates_args=())
+def _silu_attention_gate_op(pre: Tensor, offsets: Tensor, max_seq_len: int, scale: float, heads: int, dqk: int, dv: int,
+                            weight: Tensor, bias: Tensor, seed: Optional[Tensor], eps: float,
+                            p: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(g, y, a, mean, rstd) of ``recforge.ops.triton.hstu_silu.silu_attention_gate_forward`` (all but g kept for the
+    backward, not differentiable)."""
+    from recforge.ops.triton.hstu_silu import silu_attention_gate_forward
+
+    return silu_attention_gate_forward(pre.contiguous(), offsets.contiguous(), max_seq_len, scale, heads, dqk, dv, weight,
+                                       bias, seed, eps, p)  # fmt: skip
+
+
+@_silu_attention_gate_op.register_fake
+def _(pre, offsets, max_seq_len, scale, heads, dqk, dv, weight, bias, seed, eps, p):
+    tokens = pre.shape[0]
+    rows = pre.new_empty(tokens, dtype=torch.float32)
+    return (pre.new_empty(tokens, heads * dv), pre.new_empty(tokens, heads * (dv + 2 * dqk)),
+            pre.new_empty(tokens, heads, dv), rows, rows.new_empty(tokens))  # fmt: skip
+
+
+@torch.library.custom_op("recforge::hstu_silu_attention_gate_backward", mutates_args=())
+def _silu_attention_gate_backward_op(dg: Tensor, pre: Tensor, y: Tensor, a: Tensor, mean: Tensor, rstd: Tensor,
+                                     weight: Tensor, bias: Tensor, seed: Optional[Tensor], p: float, offsets: Tensor,
+                                     max_seq_len: int, scale: float, heads: int, dqk: int,
+                                     dv: int) -> Tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(d pre, d weight, d bias): ``recforge.ops.triton.hstu_silu.silu_attention_gate_backward``."""
+    from recforge.ops.triton.hstu_silu import silu_attention_gate_backward
+
+    return silu_attention_gate_backward(dg.contiguous(), pre.contiguous(), y, a, mean, rstd, weight, bias, seed, p,
+                                        offsets.contiguous(), max_seq_len, scale, heads, dqk, dv)  # fmt: skip
+
+
+@_silu_attention_gate_backward_op.register_fake
+def _(dg, pre, y, a, mean, rstd, weight, bias, seed, p, offsets, max_seq_len, scale, heads, dqk, dv):
+    return pre.new_empty(pre.shape), weight.new_empty(weight.shape), bias.new_empty(bias.shape)
+
+
+def _silu_attention_gate_setup_context(ctx, inputs, output) -> None:
+    pre, offsets, max_seq_len, scale, heads, dqk, dv, weight, bias, seed, _, p = inputs
+    _, y, a, mean, rstd = output
+    ctx.save_for_backward(pre, y, a, mean, rstd, weight, bias, seed, offsets)
+    ctx.mark_non_differentiable(y, a, mean, rstd)
+    ctx.scalars = (max_seq_len, scale, heads, dqk, dv)
+    ctx.p = p
+
+
+def _silu_attention_gate_backward(ctx, dg, _dy, _da, _dmean, _drstd):
+    pre, y, a, mean, rstd, weight, bias, seed, offsets = ctx.saved_tensors
+    d_pre, d_weight, d_bias = _silu_attention_gate_backward_op(dg, pre, y, a, mean, rstd, weight, bias, seed, ctx.p,
+                                                               offsets, *ctx.scalars)  # fmt: skip
+    return d_pre, None, None, None, None, None, None, d_weight, d_bias, None, None, None
+
+
+_silu_attention_gate_op.register_autograd(_silu_attention_gate_backward, setup_context=_silu_attention_gate_setup_context)
+
+
+def hstu_silu_attention_gate_op(pre: Tensor, offsets: Tensor, max_seq_len: int, scale: float, heads: int, dqk: int,
+                                dv: int, weight: Tensor, bias: Tensor, seed: Optional[Tensor], eps: float,
+                                p: float) -> Tensor:  # fmt: skip
+    """``recforge.ops.triton.hstu_silu.hstu_silu_attention_gate_triton`` through the custom op (same contract): what a
+    compiled model calls."""
+    return _silu_attention_gate_op(pre, offsets, int(max_seq_len), float(scale), int(heads), int(dqk), int(dv), weight,
+                                   bias, seed, float(eps), float(p))[0]
+
+
 @torch.library.custom_op("recforge::norm_gate", mutates_args=())
 def _norm_gate_op(x: Tensor, u: Tensor, weight: Tensor, bias: Tensor, seed: Optional[Tensor], eps: float,
                   p: float) -> Tuple[Tensor, Tensor, Tensor]:  # fmt: skip
@@ -303,5 +368,5 @@ def scatter_rows_sum_op(g: Tensor, q: Tensor, idx: Tensor, num_rows: int) -> Ten
     return _scatter_rows_sum_op(g, q, idx, int(num_rows))
 
 
-__all__ = ["gather_dot_op", "gather_rows_sum_op", "hstu_attention_op", "hstu_silu_attention_op", "norm_gate_op",
-           "scatter_rows_sum_op"]
+__all__ = ["gather_dot_op", "gather_rows_sum_op", "hstu_attention_op", "hstu_silu_attention_gate_op",
+           "hstu_silu_attention_op", "norm_gate_op", "scatter_rows_sum_op"]

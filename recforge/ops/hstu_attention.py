@@ -18,8 +18,10 @@ from torch import Tensor
 
 from recforge.jagged.index import jagged_rows, jagged_to_padded, lengths_from_offsets, padded_to_jagged
 from recforge.jagged.mask import AttentionMask
-from recforge.ops.custom_ops import hstu_attention_op, hstu_silu_attention_op
+from recforge.ops.custom_ops import hstu_attention_op, hstu_silu_attention_gate_op, hstu_silu_attention_op
 from recforge.ops.dispatch import resolve_kernel, triton_available, unsupported_by_triton
+from recforge.ops.norm_gate import SEED_HIGH, fused_kernels, norm_gate
+from recforge.ops.norm_gate import unsupported as norm_gate_unsupported
 from recforge.ops.time_bias import time_buckets
 
 @functools.lru_cache(maxsize=16)
@@ -224,6 +226,24 @@ def _fused_silu_min_len(device: torch.device, dtype: torch.dtype, dqk: int, dv: 
     return -1 if min_len is None else min_len
 
 
+def silu_attention_fusable(pre: Tensor, num_heads: int, dqk: int, dv: int, max_seq_len: int, mask: AttentionMask,
+                           pos_weights: Tensor | None, timestamps: Tensor | None, time_weights: Tensor | None,
+                           kernel: str) -> bool:  # fmt: skip
+    """Whether ``hstu_silu_attention`` (and ``hstu_silu_attention_gate``) run as one op for these arguments: the
+    calls the Gluon kernels take (a plain causal mask, no relative bias, head dims 128, bf16/fp16 on Hopper,
+    ``max_seq_len`` >= ``hstu_gluon.MIN_LEN``)."""
+    plain = mask.causal and mask.num_targets is None and mask.num_contextual is None and mask.max_attn_len is None \
+        and mask.segment_lengths is None and mask.timestamps is None
+    if not plain or pos_weights is not None or (time_weights is not None and timestamps is not None):
+        return False
+    if pre.dim() != 2 or pre.shape[1] != num_heads * (2 * dv + 2 * dqk) or kernel == "pytorch" or not pre.is_cuda:
+        return False
+    if not triton_available():
+        return False
+    min_len = _fused_silu_min_len(pre.device, pre.dtype, dqk, dv)
+    return 0 <= min_len <= max_seq_len
+
+
 def hstu_silu_attention(
     pre: Tensor,
     num_heads: int,
@@ -258,17 +278,12 @@ def hstu_silu_attention(
     tokens, h = pre.shape[0], num_heads
     if scale is None:
         scale = 1.0 / max_seq_len
-    plain = mask.causal and mask.num_targets is None and mask.num_contextual is None and mask.max_attn_len is None \
-        and mask.segment_lengths is None and mask.timestamps is None
-    if plain and pos_weights is None and (time_weights is None or timestamps is None) and pre.dim() == 2 and \
-            pre.shape[1] == h * (2 * dv + 2 * dqk) and kernel != "pytorch" and pre.is_cuda and triton_available():
-        min_len = _fused_silu_min_len(pre.device, pre.dtype, dqk, dv)
-        if 0 <= min_len <= max_seq_len:
-            if torch.compiler.is_compiling():
-                return hstu_silu_attention_op(pre, seq_offsets, max_seq_len, scale, h, dqk, dv)
-            from recforge.ops.triton.hstu_silu import hstu_silu_attention_triton
+    if silu_attention_fusable(pre, h, dqk, dv, max_seq_len, mask, pos_weights, timestamps, time_weights, kernel):
+        if torch.compiler.is_compiling():
+            return hstu_silu_attention_op(pre, seq_offsets, max_seq_len, scale, h, dqk, dv)
+        from recforge.ops.triton.hstu_silu import hstu_silu_attention_triton
 
-            return hstu_silu_attention_triton(pre, seq_offsets, max_seq_len, scale, h, dqk, dv)
+        return hstu_silu_attention_triton(pre, seq_offsets, max_seq_len, scale, h, dqk, dv)
     u, v, q, k = F.silu(pre).split([h * dv, h * dv, h * dqk, h * dqk], dim=-1)
     attn = hstu_attention(q.view(tokens, h, dqk), k.view(tokens, h, dqk), v.view(tokens, h, dv), seq_offsets,
                           max_seq_len, mask, scale=scale, pos_weights=pos_weights, timestamps=timestamps,
@@ -276,5 +291,57 @@ def hstu_silu_attention(
     return u, attn
 
 
-__all__ = ["hstu_attention", "hstu_attention_reference", "hstu_silu_attention", "apply_bias_index", "relative_bias", "relative_bias_index_rows",
+def hstu_silu_attention_gate(
+    pre: Tensor,
+    num_heads: int,
+    dqk: int,
+    dv: int,
+    seq_offsets: Tensor,
+    max_seq_len: int,
+    mask: AttentionMask,
+    norm_weight: Tensor,
+    norm_bias: Tensor,
+    *,
+    eps: float = 1e-5,
+    p: float = 0.0,
+    training: bool = False,
+    scale: float | None = None,
+    pos_weights: Tensor | None = None,
+    timestamps: Tensor | None = None,
+    time_weights: Tensor | None = None,
+    kernel: str = "auto",
+) -> Tensor:
+    """The HSTU block's gated attention from its projection: ``dropout(LayerNorm(a) * u)`` (T, H Dv) with
+    ``u, a = hstu_silu_attention(pre, ...)`` and ``norm_gate``'s LayerNorm ``norm_weight``, ``norm_bias``, ``eps``
+    and dropout ``p`` (applied when ``training``).
+
+    The same values either way. Where ``silu_attention_fusable``, one op computes it all
+    (``recforge.ops.triton.hstu_silu``): the norm-gate kernel reads the gate's pre-activation columns of ``pre`` (u is
+    never written) and its backward writes their gradient into ``pre``'s, next to the attention backward's stores.
+    """
+    if scale is None:
+        scale = 1.0 / max_seq_len
+    if fused_kernels() and silu_attention_fusable(pre, num_heads, dqk, dv, max_seq_len, mask, pos_weights, timestamps,
+                                                    time_weights, kernel):  # fmt: skip
+        p = p if training else 0.0
+        # one int64 drawn on the device by torch's generator (graph-safe Philox offsets), as ops.norm_gate does
+        seed = torch.randint(0, SEED_HIGH, (1,), device=pre.device) if p > 0.0 else None
+        if torch.compiler.is_compiling():
+            return hstu_silu_attention_gate_op(pre, seq_offsets, max_seq_len, scale, num_heads, dqk, dv, norm_weight,
+                                               norm_bias, seed, eps, p)  # fmt: skip
+        from recforge.ops.triton.hstu_silu import hstu_silu_attention_gate_triton
+
+        return hstu_silu_attention_gate_triton(pre, seq_offsets, max_seq_len, scale, num_heads, dqk, dv, norm_weight,
+                                               norm_bias, seed, eps, p)  # fmt: skip
+    u, attn = hstu_silu_attention(pre, num_heads, dqk, dv, seq_offsets, max_seq_len, mask, scale=scale,
+                                  pos_weights=pos_weights, timestamps=timestamps, time_weights=time_weights,
+                                  kernel=kernel)  # fmt: skip
+    attn = attn.reshape(pre.shape[0], num_heads * dv)
+    if kernel == "triton" and norm_gate_unsupported(attn, u, norm_weight, norm_bias) is not None:
+        kernel = "auto"  # the attention's setting: the gate runs PyTorch where its kernel cannot (logged once)
+    return norm_gate(attn, u, norm_weight, norm_bias, eps=eps, p=p, training=training, kernel=kernel)
+
+
+__all__ = ["hstu_attention", "hstu_attention_reference", "hstu_silu_attention", "hstu_silu_attention_gate",
+           "silu_attention_fusable", "apply_bias_index", "relative_bias", "relative_bias_index_rows",
            "relative_bias_rows"]

@@ -29,7 +29,12 @@ from recforge.ops.dispatch import TRITON_DTYPES, resolve_kernel
 
 MAX_TRITON_WIDTH = 8192  # widest row (H * Dv) one Triton program holds in registers
 fused = fused_norm_gate()  # True: the Triton path on CUDA (False: the PyTorch chain, for A/B); read at each call
-_SEED_HIGH = 2**62
+SEED_HIGH = 2**62
+
+
+def fused_kernels() -> bool:
+    """Whether the fused Triton kernels are on (``fused``: ``$RECFORGE_FUSED_NORM_GATE``, or set by a caller)."""
+    return fused
 
 
 def norm_gate_reference(a: Tensor, u: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, p: float,
@@ -90,7 +95,7 @@ def norm_gate(
         return norm_gate_reference(a, u, weight, bias, eps, p, training)
     p = p if training else 0.0
     # one int64 drawn on the device by torch's generator (graph-safe Philox offsets); none without dropout
-    seed = torch.randint(0, _SEED_HIGH, (1,), device=a.device) if p > 0.0 else None
+    seed = torch.randint(0, SEED_HIGH, (1,), device=a.device) if p > 0.0 else None
     if torch.compiler.is_compiling():  # one opaque custom op, not a trace of the launch code
         return norm_gate_op(a, u, weight, bias, seed, eps, p)
     from recforge.ops.triton.norm_gate import NormGate  # defined on first use: see recforge.ops.triton
@@ -98,4 +103,4 @@ def norm_gate(
     return NormGate.apply(a, u, weight, bias, seed, eps, p)
 
 
-__all__ = ["MAX_TRITON_WIDTH", "norm_gate", "norm_gate_reference", "unsupported"]
+__all__ = ["MAX_TRITON_WIDTH", "SEED_HIGH", "fused_kernels", "norm_gate", "norm_gate_reference", "unsupported"]

@@ -73,6 +73,40 @@ def test_opcheck(interpreter) -> None:
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))  # fmt: skip
 
 
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("entry", ["function", "custom_op"])
+def test_gate_op_matches_two_steps(interpreter, entry: str, p: float) -> None:
+    """dropout(LayerNorm(a) * u) as one op (the gate read from the projection's columns, its gradient written into
+    the projection's) against the (u, a) op and the norm-gate kernels with the same dropout seed."""
+    from recforge.ops.custom_ops import hstu_silu_attention_gate_op
+    from recforge.ops.triton.hstu_silu import hstu_silu_attention_gate_triton, hstu_silu_attention_triton
+    from recforge.ops.triton.norm_gate import NormGate
+
+    seed = int(torch.randint(0, 2**30, ()))
+    pre, (heads, dqk, dv), offsets, max_len, gen = _tiny(seed)
+    weight = (1 + 0.1 * torch.randn(heads * dv, generator=gen)).requires_grad_()
+    bias = (0.1 * torch.randn(heads * dv, generator=gen)).requires_grad_()
+    drop_seed = torch.randint(0, 2**40, (1,), generator=gen) if p > 0 else None
+    op = hstu_silu_attention_gate_triton if entry == "function" else hstu_silu_attention_gate_op
+    g = op(pre, offsets, max_len, 0.3, heads, dqk, dv, weight, bias, drop_seed, 1e-5, p)
+    u, a = hstu_silu_attention_triton(pre, offsets, max_len, 0.3, heads, dqk, dv)
+    want = NormGate.apply(a.reshape(a.shape[0], heads * dv), u, weight, bias, drop_seed, 1e-5, p)
+    torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+    dg = torch.randn(g.shape, generator=gen)
+    got = torch.autograd.grad((g * dg).sum(), (pre, weight, bias))
+    expected = torch.autograd.grad((want * dg).sum(), (pre, weight, bias))
+    for name, x, e in zip(("pre", "weight", "bias"), got, expected, strict=True):
+        assert relative_error(x, e) < 1e-5, f"seed {seed}: d{name}"
+
+
+def test_gate_opcheck(interpreter) -> None:
+    pre, (heads, dqk, dv), offsets, max_len, gen = _tiny(int(torch.randint(0, 2**30, ())))
+    weight, bias = torch.randn(heads * dv, generator=gen).requires_grad_(), torch.randn(heads * dv).requires_grad_()
+    torch.library.opcheck(torch.ops.recforge.hstu_silu_attention_gate.default,
+                          (pre, offsets, max_len, 0.3, heads, dqk, dv, weight, bias, None, 1e-5, 0.0),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))  # fmt: skip
+
+
 def test_cpu_takes_the_two_steps() -> None:
     """Off Hopper the entry point is SiLU, split and ``hstu_attention``: the same values as before the op existed."""
     pre, (heads, dqk, dv), offsets, max_len, _ = _tiny(int(torch.randint(0, 2**30, ())))
@@ -149,8 +183,55 @@ def test_gpu_routing(hopper, monkeypatch) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_fused_gate_gradient(hopper, monkeypatch, dtype) -> None:
+    """dropout(LayerNorm(a) * u) as one op on Hopper (the gate's gradient from the norm-gate kernel, the rest from
+    the Gluon stores) against float64 and against the two steps (the switch off)."""
+    from recforge.ops.hstu_attention import hstu_silu_attention_gate
+    from recforge.ops.norm_gate import norm_gate_reference
+
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    gen = torch.Generator().manual_seed(seed)
+    max_len = int(torch.randint(hstu_gluon.MIN_LEN, 1600, (1,), generator=gen))
+    lengths = [max_len, 0, 1, 63, 64, 65, 127, 128, 129] + torch.randint(1, max_len + 1, (4,), generator=gen).tolist()
+    heads, offsets, scale = 2, offsets_of(lengths).to(hopper), 1.0 / max_len
+    pre = (torch.randn(sum(lengths), heads * 512, generator=gen) * 2).to(hopper, dtype).requires_grad_()
+    weight = (1 + 0.1 * torch.randn(heads * 128, generator=gen)).to(hopper).requires_grad_()
+    bias = (0.1 * torch.randn(heads * 128, generator=gen)).to(hopper).requires_grad_()
+    fused = []
+    real = hstu_gluon.hstu_backward_gluon
+    monkeypatch.setattr(hstu_gluon, "hstu_backward_gluon",
+                        lambda *a, **kw: fused.append(kw.get("pre") is not None) or real(*a, **kw))
+
+    def run():
+        return hstu_silu_attention_gate(pre, heads, 128, 128, offsets, max_len, AttentionMask(), weight, bias,
+                                        scale=scale, kernel="triton")  # fmt: skip
+
+    g = run()
+    dg = torch.randn(g.shape, generator=gen).to(hopper, dtype)
+    leaves = (pre, weight, bias)
+    got = torch.autograd.grad((g * dg).float().sum(), leaves)
+    assert fused == [True], "the fused Gluon backward was not taken on a supported call"
+    ref = [t.detach().double().cpu().requires_grad_() for t in leaves]
+    u_ref, a_ref = _two_steps(ref[0], heads, 128, 128, offsets.cpu(), max_len, scale)
+    g_ref = norm_gate_reference(a_ref.reshape(-1, heads * 128), u_ref, ref[1], ref[2], 1e-5, 0.0, False)
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    assert relative_error(g.cpu(), g_ref) < tol, f"seed {seed}"
+    want = torch.autograd.grad((g_ref * dg.cpu()).sum(), ref)
+    for name, x, w in zip(("pre", "weight", "bias"), got, want, strict=True):
+        assert relative_error(x.cpu(), w) < tol, f"seed {seed}: d{name} vs float64"
+    monkeypatch.setenv("RECFORGE_GLUON_HSTU", "0")
+    two_step = torch.autograd.grad((run() * dg).float().sum(), leaves)
+    assert fused == [True], "RECFORGE_GLUON_HSTU=0 did not turn the fused backward off"
+    for name, x, t in zip(("pre", "weight", "bias"), got, two_step, strict=True):
+        diff = relative_error(x.float().cpu(), t.float().cpu())
+        assert diff < (1e-2 if dtype == torch.bfloat16 else 2e-3), f"seed {seed}: d{name} {diff:.2e} from two steps"
+
+
+@pytest.mark.gpu
 def test_gpu_compiled_encoder_matches_eager(hopper) -> None:
-    """A compiled bf16 HSTU encoder whose blocks take the one op (custom op) gives eager's outputs and gradients."""
+    """A compiled bf16 HSTU encoder whose blocks take the one op with the gate (custom op) gives eager's outputs and
+    gradients."""
     from recforge.models.hstu import HSTUConfig, HSTUEncoder
     from recforge.ops.triton import hstu_silu
 
@@ -167,15 +248,15 @@ def test_gpu_compiled_encoder_matches_eager(hopper) -> None:
             return (enc(x, offsets, 1300, AttentionMask()).float() @ w).square().mean()
 
     calls = []
-    real = hstu_silu.silu_attention_forward
-    hstu_silu.silu_attention_forward = lambda *a: calls.append(1) or real(*a)
+    real = hstu_silu.silu_attention_gate_forward
+    hstu_silu.silu_attention_gate_forward = lambda *a: calls.append(1) or real(*a)
     try:
         eager = loss()
         want = torch.autograd.grad(eager, list(enc.parameters()))
         compiled = torch.compile(loss)()
         got = torch.autograd.grad(compiled, list(enc.parameters()))
     finally:
-        hstu_silu.silu_attention_forward = real
+        hstu_silu.silu_attention_gate_forward = real
     assert len(calls) == 4, "the blocks did not take the one op, eagerly and compiled"
     assert relative_error(compiled, eager) < 1e-2
     for (name, _), g, e in zip(enc.named_parameters(), got, want, strict=True):

@@ -25,13 +25,16 @@ from recforge.jagged.mask import AttentionMask
 from recforge.ops.triton import hstu_gluon
 from recforge.ops.triton._common import mask_args
 from recforge.ops.triton.hstu import hstu_backward, hstu_forward, launch_order
+from recforge.ops.triton.norm_gate import norm_gate_backward, norm_gate_forward
 
 
 @triton.jit
-def _silu_split(X, U, Y, rows, sx, WU: tl.constexpr, WY: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """SiLU of x's (rows, WU + WY) columns: the first WU into u (rows, WU), the rest into y (rows, WY); BN divides WU."""
+def _silu_split(X, U, Y, rows, sx, WU: tl.constexpr, WY: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                FIRST: tl.constexpr):  # fmt: skip
+    """SiLU of x's (rows, WU + WY) columns: the first WU into u (rows, WU), the rest into y (rows, WY); BN divides WU.
+    Column blocks from ``FIRST`` on (WU / BN: y's only)."""
     r = tl.program_id(0) * BM + tl.arange(0, BM)
-    c0 = tl.program_id(1) * BN
+    c0 = (tl.program_id(1) + FIRST) * BN
     c = c0 + tl.arange(0, BN)
     keep = r[:, None] < rows
     r64 = r[:, None].to(tl.int64)
@@ -82,17 +85,20 @@ def _columns(x: Tensor, heads: int, dqk: int, dv: int) -> tuple[Tensor, Tensor, 
 
 
 def silu_attention_forward(pre: Tensor, offsets: Tensor, max_seq_len: int, scale: float, heads: int, dqk: int, dv: int,
-                           seq_order: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """(u, y, a): u = SiLU(x_u) (T, H Dv), y = SiLU(x_vqk) (T, H (Dv + 2 Dqk); the backward's q, k, v), a (T, H, Dv) the
-    causal HSTU attention of y's q, k, v; ``pre`` = x (T, H (2 Dv + 2 Dqk)), row-contiguous."""
+                           seq_order: Tensor | None = None, gate: bool = True) -> tuple[Tensor | None, Tensor, Tensor]:  # fmt: skip
+    """(u, y, a): u = SiLU(x_u) (T, H Dv; None unless ``gate``), y = SiLU(x_vqk) (T, H (Dv + 2 Dqk); the backward's
+    q, k, v), a (T, H, Dv) the causal HSTU attention of y's q, k, v; ``pre`` = x (T, H (2 Dv + 2 Dqk)),
+    row-contiguous."""
     tokens, width_u = pre.shape[0], heads * dv
     width_y = pre.shape[1] - width_u
-    u = torch.empty(tokens, width_u, dtype=pre.dtype, device=pre.device)
+    u = torch.empty(tokens, width_u, dtype=pre.dtype, device=pre.device) if gate else None
     y = torch.empty(tokens, width_y, dtype=pre.dtype, device=pre.device)
     if tokens > 0:  # one pass over the projection (PyTorch's SiLU of each column slice ran at a third of its speed)
         bn = _block_cols(width_u)
-        _silu_split[(triton.cdiv(tokens, _BM), pre.shape[1] // bn)](pre, u, y, tokens, pre.stride(0), WU=width_u,
-                                                                    WY=width_y, BM=_BM, BN=bn, num_warps=4)  # fmt: skip
+        first = 0 if gate else width_u // bn
+        _silu_split[(triton.cdiv(tokens, _BM), pre.shape[1] // bn - first)](
+            pre, u if gate else y, y, tokens, pre.stride(0), WU=width_u, WY=width_y, BM=_BM, BN=bn, FIRST=first,
+            num_warps=4)  # fmt: skip
     q, k, v = _columns(y, heads, dqk, dv)
     ma = mask_args(AttentionMask(), offsets)
     return u, y, hstu_forward(q, k, v, offsets, max_seq_len, ma, scale, None, None, None, 0, seq_order)
@@ -109,13 +115,20 @@ def silu_attention_backward(du: Tensor | None, da: Tensor | None, pre: Tensor, y
         d_pre[:, :width_u].zero_()
     else:
         silu_backward_into(du.reshape(pre.shape[0], width_u).contiguous(), pre[:, :width_u], d_pre[:, :width_u])
+    if da is None:
+        d_pre[:, width_u:].zero_()
+    else:
+        _attention_backward_into(da, pre, y, d_pre, offsets, max_seq_len, scale, heads, dqk, dv, seq_order)
+    return d_pre
+
+
+def _attention_backward_into(da: Tensor, pre: Tensor, y: Tensor, d_pre: Tensor, offsets: Tensor, max_seq_len: int,
+                             scale: float, heads: int, dqk: int, dv: int, seq_order: Tensor | None) -> None:  # fmt: skip
+    """``d_pre``'s v | q | k columns: the attention's gradients given ``da``, times SiLU' of ``pre``'s."""
+    width_u = heads * dv
     q, k, v = _columns(y, heads, dqk, dv)
     x_q, x_k, x_v = _columns(pre[:, width_u:], heads, dqk, dv)
     g_q, g_k, g_v = _columns(d_pre[:, width_u:], heads, dqk, dv)
-    if da is None:
-        for g in (g_q, g_k, g_v):
-            g.zero_()
-        return d_pre
     ma = mask_args(AttentionMask(), offsets)
     do = da.contiguous()
     total, batch = q.shape[0], offsets.numel() - 1
@@ -124,12 +137,11 @@ def silu_attention_backward(du: Tensor | None, da: Tensor | None, pre: Tensor, y
         order = seq_order if seq_order is not None else launch_order(offsets, max_seq_len)
         hstu_gluon.hstu_backward_gluon(do, q, k, v, offsets, max_seq_len, scale, order, g_q, g_k, g_v, 0.5 * scale,
                                        pre=(x_q, x_k, x_v))  # fmt: skip
-        return d_pre
+        return
     grads = hstu_backward(do, q, k, v, offsets, max_seq_len, ma, scale, None, None, None, 0, False, False,
                           seq_order=seq_order)[:3]  # fmt: skip
     for g, x, out in zip(grads, (x_q, x_k, x_v), (g_q, g_k, g_v), strict=True):
         silu_backward_into(*(t.flatten(1) for t in (g, x, out)))
-    return d_pre
 
 
 class _HSTUSiluAttention(torch.autograd.Function):
@@ -151,3 +163,60 @@ def hstu_silu_attention_triton(pre: Tensor, offsets: Tensor, max_seq_len: int, s
                                dv: int) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(u (T, H Dv), a (T, H, Dv)) of the projection ``pre`` (see the module docstring), with autograd."""
     return _HSTUSiluAttention.apply(pre.contiguous(), offsets.contiguous(), max_seq_len, float(scale), heads, dqk, dv)
+
+
+# ---- with the gate: dropout(LayerNorm(a) * u) -----------------------------------------------------------------------
+
+
+def silu_attention_gate_forward(pre: Tensor, offsets: Tensor, max_seq_len: int, scale: float, heads: int, dqk: int,
+                                dv: int, weight: Tensor, bias: Tensor, seed: Tensor | None, eps: float, p: float,
+                                seq_order: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(g, y, a, mean, rstd): g = dropout(LayerNorm(a) * SiLU(x_u)) (T, H Dv; ``norm_gate_forward`` with the
+    LayerNorm's ``weight``, ``bias``, ``eps``, dropout ``p`` drawn from ``seed``), reading the gate's pre-activation
+    columns of ``pre`` (u never written); y, a as ``silu_attention_forward``'s; the LayerNorm's row statistics."""
+    _, y, a = silu_attention_forward(pre, offsets, max_seq_len, scale, heads, dqk, dv, seq_order, gate=False)
+    g, mean, rstd = norm_gate_forward(a.view(a.shape[0], heads * dv), pre[:, :heads * dv], weight, bias, seed, eps, p,
+                                      silu_u=True)  # fmt: skip
+    return g, y, a, mean, rstd
+
+
+def silu_attention_gate_backward(dg: Tensor, pre: Tensor, y: Tensor, a: Tensor, mean: Tensor, rstd: Tensor,
+                                 weight: Tensor, bias: Tensor, seed: Tensor | None, p: float, offsets: Tensor,
+                                 max_seq_len: int, scale: float, heads: int, dqk: int, dv: int,
+                                 seq_order: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(d pre, d weight, d bias) of ``silu_attention_gate_forward``'s g given its gradient ``dg``: the norm-gate
+    backward writes the gate's columns of d pre (times SiLU'), the attention backward the rest."""
+    width_u = heads * dv
+    d_pre = torch.empty(pre.shape, dtype=pre.dtype, device=pre.device)
+    da, _, d_weight, d_bias = norm_gate_backward(dg, a.view(a.shape[0], width_u), pre[:, :width_u], weight, bias, mean,
+                                                 rstd, seed, p, silu_u=True, du=d_pre[:, :width_u])  # fmt: skip
+    _attention_backward_into(da.view(a.shape), pre, y, d_pre, offsets, max_seq_len, scale, heads, dqk, dv, seq_order)
+    return d_pre, d_weight, d_bias
+
+
+class _HSTUSiluAttentionGate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pre, offsets, max_seq_len, scale, heads, dqk, dv, weight, bias, seed, eps, p):
+        order = launch_order(offsets, max_seq_len)  # taken once for the forward and the backward
+        g, y, a, mean, rstd = silu_attention_gate_forward(pre, offsets, max_seq_len, scale, heads, dqk, dv, weight, bias,
+                                                          seed, eps, p, order)  # fmt: skip
+        ctx.save_for_backward(pre, y, a, mean, rstd, weight, bias, seed, offsets, order)
+        ctx.stuff = (max_seq_len, scale, heads, dqk, dv, p)
+        return g
+
+    @staticmethod
+    def backward(ctx, dg):
+        pre, y, a, mean, rstd, weight, bias, seed, offsets, order = ctx.saved_tensors
+        max_seq_len, scale, heads, dqk, dv, p = ctx.stuff
+        d_pre, d_weight, d_bias = silu_attention_gate_backward(dg, pre, y, a, mean, rstd, weight, bias, seed, p, offsets,
+                                                               max_seq_len, scale, heads, dqk, dv, order)  # fmt: skip
+        return d_pre, None, None, None, None, None, None, d_weight, d_bias, None, None, None
+
+
+def hstu_silu_attention_gate_triton(pre: Tensor, offsets: Tensor, max_seq_len: int, scale: float, heads: int, dqk: int,
+                                    dv: int, weight: Tensor, bias: Tensor, seed: Tensor | None, eps: float,
+                                    p: float) -> Tensor:  # fmt: skip
+    """dropout(LayerNorm(a) * u) (T, H Dv) of the projection ``pre`` (``silu_attention_gate_forward``), with
+    autograd."""
+    return _HSTUSiluAttentionGate.apply(pre.contiguous(), offsets.contiguous(), max_seq_len, float(scale), heads, dqk, dv,
+                                        weight, bias, seed, float(eps), float(p))

@@ -27,7 +27,8 @@ def _keep(SEED, rows, cols, N, p):
 
 @triton.jit
 def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, SEED, T, N, stride_x, stride_u, eps, p, scale,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr):  # fmt: skip
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, SILU_U: tl.constexpr):  # fmt: skip
+    """``SILU_U``: U holds the gate's pre-activation; the gate is its SiLU."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < T, cols < N
@@ -40,6 +41,8 @@ def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, SEED, T, N, stride_x, stride_u, ep
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
     u = tl.load(U + r64 * stride_u + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    if SILU_U:
+        u = u * tl.sigmoid(u)
     y = (xc * rstd[:, None] * w[None, :] + b[None, :]) * u
     if DROPOUT:
         y = tl.where(_keep(SEED, rows, cols, N, p), y * scale, 0.0)
@@ -49,12 +52,13 @@ def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, SEED, T, N, stride_x, stride_u, ep
 
 
 @triton.jit
-def _norm_gate_bwd(DY, X, U, W, B, MEAN, RSTD, SEED, DX, DU, PART, T, N, stride_dy, stride_x, stride_u,
-                   p, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr):  # fmt: skip
+def _norm_gate_bwd(DY, X, U, W, B, MEAN, RSTD, SEED, DX, DU, PART, T, N, stride_dy, stride_x, stride_u, stride_du,
+                   p, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr,
+                   SILU_U: tl.constexpr):  # fmt: skip
     """Row blocks pid, pid + programs, ...; dWeight/dBias partial sums over them in registers (element-wise per
     (row, column) of the block, summed over its rows once after the loop: no cross-warp reduction per block), one
     column of partials per program (kernel names hold "norm": ``benchmarks/train_mfu.py`` counts them as
-    elementwise/norm)."""
+    elementwise/norm). ``SILU_U``: U holds the gate's pre-activation x_u; DU gets the gradient of x_u."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -75,7 +79,12 @@ def _norm_gate_bwd(DY, X, U, W, B, MEAN, RSTD, SEED, DX, DU, PART, T, N, stride_
         if DROPOUT:
             dg = tl.where(_keep(SEED, rows, cols, N, p), dg * scale, 0.0)
         u = tl.load(U + r64 * stride_u + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        tl.store(DU + r64 * N + cols[None, :], (dg * (xhat * w[None, :] + b[None, :])).to(DU.dtype.element_ty), mask=ok)
+        du = dg * (xhat * w[None, :] + b[None, :])
+        if SILU_U:
+            sig = tl.sigmoid(u)
+            du = du * sig * (1.0 + u * (1.0 - sig))
+            u = u * sig
+        tl.store(DU + r64 * stride_du + cols[None, :], du.to(DU.dtype.element_ty), mask=ok)
         dn = dg * u  # gradient of the LayerNorm output
         dw += dn * xhat
         db += dn
@@ -120,10 +129,11 @@ def _dropout_args(seed: Tensor | None, p: float, like: Tensor) -> tuple[Tensor, 
 
 
 def norm_gate_forward(x: Tensor, u: Tensor, weight: Tensor, bias: Tensor, seed: Tensor | None, eps: float,
-                      p: float) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+                      p: float, silu_u: bool = False) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(y, mean, rstd): ``y`` (T, N) in the inputs' promoted dtype, float32 row statistics (T,) for the backward.
 
-    ``x``, ``u``: (T, N) with unit column stride (any row stride); ``seed``: (1,) int64, used when p > 0."""
+    ``x``, ``u``: (T, N) with unit column stride (any row stride); ``seed``: (1,) int64, used when p > 0.
+    ``silu_u``: ``u`` is the gate's pre-activation, the gate SiLU(u) (``recforge.ops.triton.hstu_silu``)."""
     x, u = _rows(x), _rows(u)
     tokens, width = x.shape
     y = torch.empty((tokens, width), dtype=torch.promote_types(x.dtype, u.dtype), device=x.device)
@@ -134,24 +144,27 @@ def norm_gate_forward(x: Tensor, u: Tensor, weight: Tensor, bias: Tensor, seed: 
     if tokens:
         _norm_gate_fwd[(triton.cdiv(tokens, block_m),)](
             x, u, weight, bias, y, mean, rstd, seed_arg, tokens, width, x.stride(0), u.stride(0), float(eps), float(p),
-            scale, BLOCK_M=block_m, BLOCK_N=block_n, DROPOUT=dropout, num_warps=warps)  # fmt: skip
+            scale, BLOCK_M=block_m, BLOCK_N=block_n, DROPOUT=dropout, SILU_U=silu_u, num_warps=warps)  # fmt: skip
     return y, mean, rstd
 
 
 def norm_gate_backward(dy: Tensor, x: Tensor, u: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, rstd: Tensor,
-                       seed: Tensor | None, p: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """(dx, du, dweight, dbias) of ``norm_gate_forward``'s ``y`` given its gradient ``dy``."""
+                       seed: Tensor | None, p: float, silu_u: bool = False,
+                       du: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(dx, du, dweight, dbias) of ``norm_gate_forward``'s ``y`` given its gradient ``dy``; ``silu_u``: as there (du
+    is then the gradient of the pre-activation). ``du``: where to write it ((T, N), unit column stride), else new."""
     dy, x, u = _rows(dy), _rows(x), _rows(u)
     tokens, width = x.shape
     dx = torch.empty((tokens, width), dtype=x.dtype, device=x.device)
-    du = torch.empty((tokens, width), dtype=u.dtype, device=x.device)
+    if du is None:
+        du = torch.empty((tokens, width), dtype=u.dtype, device=x.device)
     block_m, block_n, warps = _tile(width)
     programs = max(1, min(triton.cdiv(tokens, block_m), _programs(x.device)))
     part = torch.empty((2, width, programs), dtype=torch.float32, device=x.device)  # dWeight, dBias partial sums
     seed_arg, scale, dropout = _dropout_args(seed, p, mean)
     _norm_gate_bwd[(programs,)](dy, x, u, weight, bias, mean, rstd, seed_arg, dx, du, part, tokens, width,
-                                dy.stride(0), x.stride(0), u.stride(0), float(p), scale, BLOCK_M=block_m,
-                                BLOCK_N=block_n, DROPOUT=dropout, num_warps=warps)  # fmt: skip
+                                dy.stride(0), x.stride(0), u.stride(0), du.stride(0), float(p), scale, BLOCK_M=block_m,
+                                BLOCK_N=block_n, DROPOUT=dropout, SILU_U=silu_u, num_warps=warps)  # fmt: skip
     # two sums, not one over (2, N, programs): a custom op's outputs may not be views of one tensor
     return dx, du, part[0].sum(1).to(weight.dtype), part[1].sum(1).to(bias.dtype)
 
