@@ -20,7 +20,9 @@
                                     Gluon backward, below, has a dQ kernel of its own and no atomics)
     RECFORGE_GLUON_HSTU             0 (or false/off/no): the HSTU attention in Triton everywhere; default on, the
                                     Gluon forward and backward (``recforge.ops.triton.hstu_gluon``) for the calls they
-                                    support (Hopper, bf16/fp16, head dim 128, causal, no relative bias)
+                                    support (Hopper, bf16/fp16, head dim 128, causal, no relative bias), and there the
+                                    block's SiLU, attention and gate as one op (``recforge.ops.triton.hstu_silu``;
+                                    a compiled step keeps the choice it was traced with)
     TRITON_INTERPRET                1: Triton kernels run in Triton's CPU interpreter (tests)
 
 The five RECFORGE_ switches (launch plans, norm gate, gather-dot, fused dQ, Gluon HSTU) take 1/true/on/yes or 0/false/off/no (any case); any other value is refused with

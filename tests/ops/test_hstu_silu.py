@@ -119,21 +119,34 @@ def test_cpu_takes_the_two_steps() -> None:
 # ----------------------------------------------------------------------------------------- GPU
 
 
+def _gpu_batch(device, dtype):
+    """(seed, generator, max_len, heads, offsets, pre): a fresh jagged batch with sequences of 0, 1 and tile-edge
+    lengths, a projection of 2 heads of 128 (u | v | q | k)."""
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    gen = torch.Generator().manual_seed(seed)
+    max_len = int(torch.randint(hstu_gluon.MIN_LEN, 1600, (1,), generator=gen))
+    lengths = [max_len, 0, 1, 63, 64, 65, 127, 128, 129] + torch.randint(1, max_len + 1, (4,), generator=gen).tolist()
+    pre = (torch.randn(sum(lengths), 2 * 512, generator=gen) * 2).to(device, dtype).requires_grad_()
+    return seed, gen, max_len, 2, offsets_of(lengths).to(device), pre
+
+
+def _spy_on_fused_backward(monkeypatch) -> list[bool]:
+    """A list that gets, per Gluon backward launch, whether it took the SiLU' stores (``pre=``)."""
+    fused: list[bool] = []
+    real = hstu_gluon.hstu_backward_gluon
+    monkeypatch.setattr(hstu_gluon, "hstu_backward_gluon",
+                        lambda *a, **kw: fused.append(kw.get("pre") is not None) or real(*a, **kw))
+    return fused
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gpu_fused_projection_gradient(hopper, monkeypatch, dtype) -> None:
     """The projection's gradient from the Gluon backward's SiLU'-multiplied stores against float64 and against the
     two-step path (the switch off), on sequences of 0, 1 and tile-edge lengths; the fused path is the one taken."""
-    seed = int(torch.randint(0, 2**31 - 1, (1,)))
-    gen = torch.Generator().manual_seed(seed)
-    max_len = int(torch.randint(hstu_gluon.MIN_LEN, 1600, (1,), generator=gen))
-    lengths = [max_len, 0, 1, 63, 64, 65, 127, 128, 129] + torch.randint(1, max_len + 1, (4,), generator=gen).tolist()
-    heads, offsets, scale = 2, offsets_of(lengths).to(hopper), 1.0 / max_len
-    pre = (torch.randn(sum(lengths), heads * 512, generator=gen) * 2).to(hopper, dtype).requires_grad_()
-    fused = []
-    real = hstu_gluon.hstu_backward_gluon
-    monkeypatch.setattr(hstu_gluon, "hstu_backward_gluon",
-                        lambda *a, **kw: fused.append(kw.get("pre") is not None) or real(*a, **kw))
+    seed, gen, max_len, heads, offsets, pre = _gpu_batch(hopper, dtype)
+    scale = 1.0 / max_len
+    fused = _spy_on_fused_backward(monkeypatch)
     u, a = hstu_silu_attention(pre, heads, 128, 128, offsets, max_len, AttentionMask(), scale=scale, kernel="triton")
     gu = torch.randn(u.shape, generator=gen).to(hopper, dtype)
     ga = torch.randn(a.shape, generator=gen).to(hopper, dtype)
@@ -190,18 +203,11 @@ def test_gpu_fused_gate_gradient(hopper, monkeypatch, dtype) -> None:
     from recforge.ops.hstu_attention import hstu_silu_attention_gate
     from recforge.ops.norm_gate import norm_gate_reference
 
-    seed = int(torch.randint(0, 2**31 - 1, (1,)))
-    gen = torch.Generator().manual_seed(seed)
-    max_len = int(torch.randint(hstu_gluon.MIN_LEN, 1600, (1,), generator=gen))
-    lengths = [max_len, 0, 1, 63, 64, 65, 127, 128, 129] + torch.randint(1, max_len + 1, (4,), generator=gen).tolist()
-    heads, offsets, scale = 2, offsets_of(lengths).to(hopper), 1.0 / max_len
-    pre = (torch.randn(sum(lengths), heads * 512, generator=gen) * 2).to(hopper, dtype).requires_grad_()
+    seed, gen, max_len, heads, offsets, pre = _gpu_batch(hopper, dtype)
+    scale = 1.0 / max_len
     weight = (1 + 0.1 * torch.randn(heads * 128, generator=gen)).to(hopper).requires_grad_()
     bias = (0.1 * torch.randn(heads * 128, generator=gen)).to(hopper).requires_grad_()
-    fused = []
-    real = hstu_gluon.hstu_backward_gluon
-    monkeypatch.setattr(hstu_gluon, "hstu_backward_gluon",
-                        lambda *a, **kw: fused.append(kw.get("pre") is not None) or real(*a, **kw))
+    fused = _spy_on_fused_backward(monkeypatch)
 
     def run():
         return hstu_silu_attention_gate(pre, heads, 128, 128, offsets, max_len, AttentionMask(), weight, bias,

@@ -1,17 +1,21 @@
-"""The HSTU block's SiLU and attention as one op: the projection's gradient from the attention backward's stores.
+"""The HSTU block's SiLU, attention (and gate) as one op: the projection's gradient from the backward kernels' stores.
 
     u, v, q, k = split(SiLU(x))        x = W_uvqk · LayerNorm(h), columns u | v | q | k
     a          = hstu_attention(q, k, v)    (plain causal mask, no relative bias)
+    g          = dropout(LayerNorm(a) * u)  (the gate op only)
 
-Run as two steps, the backward concatenates du, dv, dq, dk and multiplies them by SiLU'(x) in a pass of its own over
-the (T, 2 H Dv + 2 H Dqk) projection: 2.0 ms of a 42.6 ms step at NVIDIA's 8 x 1024 / 4K-user shape on an H200
+Run as steps, the backward concatenates du, dv, dq, dk and multiplies them by SiLU'(x) in a pass of its own over the
+(T, 2 H Dv + 2 H Dqk) projection: 2.1 ms of a 43 ms step at NVIDIA's 8 x 1024 / 4K-user shape on an H200
 (BENCHMARKS.md, 24th session). Here the Gluon backward (``hstu_gluon.hstu_backward_gluon(pre=...)``) multiplies dQ,
-dK and dV by SiLU' of x's columns as it stores them, straight into the projection's gradient, and only the gate's
-columns (du) take a SiLU-backward pass. Calls the Gluon kernels do not take (``hstu_gluon.supported``, checked
-again at run time) compute the same gradient from the Triton backward and three SiLU-backward passes.
+dK and dV by SiLU' of x's columns as it stores them, straight into the projection's gradient; the gate's columns take
+one SiLU-backward pass (``silu_attention_*``: the op returns u and a) or none (``silu_attention_gate_*``: the
+norm-gate kernels read x_u and write its gradient, ``norm_gate_forward(silu_u=True)``; u is never written). Calls the
+Gluon kernels do not take (``hstu_gluon.supported``, checked again at run time) compute the same gradients from the
+Triton backward and SiLU-backward passes.
 
-Entry points: ``hstu_silu_attention_triton`` (eager: an ``autograd.Function``) and, under ``torch.compile``,
-``recforge.ops.custom_ops.hstu_silu_attention_op``; ``recforge.ops.hstu_attention.hstu_silu_attention`` picks.
+Entry points: ``hstu_silu_attention_triton`` and ``hstu_silu_attention_gate_triton`` (eager: ``autograd.Function``s)
+and, under ``torch.compile``, ``recforge.ops.custom_ops.hstu_silu_attention_op`` / ``hstu_silu_attention_gate_op``;
+``recforge.ops.hstu_attention.hstu_silu_attention`` / ``hstu_silu_attention_gate`` pick.
 """
 
 from __future__ import annotations
