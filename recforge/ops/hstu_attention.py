@@ -217,13 +217,18 @@ def hstu_attention(
     )
 
 
-@torch.compiler.assume_constant_result  # one answer per (device, dtype, head dims): a constant to torch.compile
 def _fused_silu_min_len(device: torch.device, dtype: torch.dtype, dqk: int, dv: int) -> int:
     """``hstu_gluon.fused_silu_min_len``, -1 for None (Triton's modules imported only here: a CUDA call)."""
     from recforge.ops.triton.hstu_gluon import fused_silu_min_len
 
     min_len = fused_silu_min_len(device, dtype, dqk, dv)
     return -1 if min_len is None else min_len
+
+
+# one answer per (device, dtype, head dims): a constant to torch.compile, as torch.compiler.assume_constant_result
+# marks it (the attribute it sets), without importing torch._dynamo here: a plain eager run must not (seconds of
+# start-up; tests/train/test_startup_imports.py), and tests/ops/test_hstu_silu.py checks the attribute is still it
+_fused_silu_min_len._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def silu_attention_fusable(pre: Tensor, num_heads: int, dqk: int, dv: int, max_seq_len: int, mask: AttentionMask,

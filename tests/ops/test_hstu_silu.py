@@ -8,6 +8,8 @@ HSTU encoder against eager.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -105,6 +107,15 @@ def test_gate_opcheck(interpreter) -> None:
     torch.library.opcheck(torch.ops.recforge.hstu_silu_attention_gate.default,
                           (pre, offsets, max_len, 0.3, heads, dqk, dv, weight, bias, None, 1e-5, 0.0),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))  # fmt: skip
+
+
+def test_routing_is_a_constant_to_torch_compile() -> None:
+    """The Gluon check is marked the way ``torch.compiler.assume_constant_result`` marks functions (set directly: that
+    API imports torch._dynamo), so a compiled step bakes it in instead of tracing the device and switch queries."""
+    module = importlib.import_module("recforge.ops.hstu_attention")  # the package's attribute is the function
+    marked = torch.compiler.assume_constant_result(lambda: 0)
+    names = [n for n in vars(marked) if not n.startswith("__")]
+    assert names and all(getattr(module._fused_silu_min_len, n) == getattr(marked, n) for n in names), names
 
 
 def test_cpu_takes_the_two_steps() -> None:
