@@ -90,10 +90,11 @@ class HSTUBlock(nn.Module):
 
         ``visible_keys`` (T,): how many keys each token attended to, needed by ``attn_norm=visible_mean``
         (which undoes the attention's 1/max_seq_len and divides by it instead). ``kernel``: the backend of
-        LayerNorm * u * dropout (``ops.norm_gate``: one Triton kernel each way on CUDA); ``forward`` passes
-        its attention's ``cfg.kernel`` ("triton" falls back to PyTorch for inputs the fused kernel does not take,
-        e.g. rows wider than 8192); None (callers with their own attention, e.g. serving or export on CPU):
-        "auto", or "pytorch" when ``cfg.kernel`` is."""
+        LayerNorm * u * dropout (``ops.norm_gate``: one Triton kernel each way on CUDA; "triton" falls back to
+        PyTorch for inputs the fused kernel does not take, e.g. rows wider than 8192); None (callers with their own
+        attention, e.g. serving or export on CPU): "auto", or "pytorch" when ``cfg.kernel`` is. ``forward`` calls
+        it for ``attn_norm=visible_mean`` only: with the LayerNorm, ``ops.hstu_silu_attention_gate`` computes the
+        same gate (one op with the attention where the Gluon kernels take the call)."""
         cfg = self.cfg
         attn = attn.reshape(x.shape[0], cfg.num_heads * cfg.dv)  # (T, H*Dv)
         if self.attn_norm is not None:
