@@ -1,4 +1,5 @@
-"""Attention kernels (and the HSTU block's fused LayerNorm * gate * dropout, ``norm_gate``, and sampled softmax's
+"""Attention kernels (and the HSTU block's fused LayerNorm * gate * dropout, ``norm_gate``, its projection's SiLU with
+the attention (and the gate) as one op, ``hstu_silu_attention`` / ``hstu_silu_attention_gate``, and sampled softmax's
 fused gather-dot, ``gather_dot``): a PyTorch reference and a Triton kernel behind one dispatch function per op.
 
 The vocabulary these ops speak (jagged offsets, ``AttentionMask``) lives in ``recforge.jagged``.
@@ -6,8 +7,9 @@ The vocabulary these ops speak (jagged offsets, ``AttentionMask``) lives in ``re
 
 from recforge.ops.cached_attention import cached_hstu_attention
 from recforge.ops.gather_dot import gather_dot
-from recforge.ops.hstu_attention import hstu_attention
+from recforge.ops.hstu_attention import hstu_attention, hstu_silu_attention, hstu_silu_attention_gate
 from recforge.ops.norm_gate import norm_gate
 from recforge.ops.softmax_attention import softmax_attention
 
-__all__ = ["cached_hstu_attention", "gather_dot", "hstu_attention", "norm_gate", "softmax_attention"]
+__all__ = ["cached_hstu_attention", "gather_dot", "hstu_attention", "hstu_silu_attention", "hstu_silu_attention_gate",
+           "norm_gate", "softmax_attention"]
