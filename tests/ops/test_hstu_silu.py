@@ -29,21 +29,21 @@ def _two_steps(pre, heads, dqk, dv, offsets, max_len, scale):
     return u, a
 
 
-def _tiny(seed: int):
+def _tiny(seed: int, dqk: int = 8, dv: int = 4):
     gen = torch.Generator().manual_seed(seed)
     lengths = random_lengths(gen, 4, 12) + [0, 1]
-    heads, dqk, dv = 2, 8, 4
+    heads = 2
     pre = torch.randn(sum(lengths), heads * (2 * dv + 2 * dqk), generator=gen).requires_grad_()
     return pre, (heads, dqk, dv), offsets_of(lengths), max(lengths), gen
 
 
-@pytest.mark.parametrize("entry", ["function", "custom_op"])
-def test_op_matches_two_steps(interpreter, entry: str) -> None:
+@pytest.mark.parametrize(("entry", "dims"), [("function", (8, 4)), ("custom_op", (8, 4)), ("function", (2, 8))])
+def test_op_matches_two_steps(interpreter, entry: str, dims: tuple[int, int]) -> None:
     from recforge.ops.custom_ops import hstu_silu_attention_op
     from recforge.ops.triton.hstu_silu import hstu_silu_attention_triton
 
     seed = int(torch.randint(0, 2**30, ()))
-    pre, (heads, dqk, dv), offsets, max_len, gen = _tiny(seed)
+    pre, (heads, dqk, dv), offsets, max_len, gen = _tiny(seed, *dims)  # (2, 8): u's width no divisor of v|q|k's
     fn = hstu_silu_attention_triton if entry == "function" else hstu_silu_attention_op
     u, a = fn(pre, offsets, max_len, 0.3, heads, dqk, dv)
     u_ref, a_ref = _two_steps(pre, heads, dqk, dv, offsets, max_len, 0.3)

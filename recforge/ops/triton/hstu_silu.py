@@ -20,6 +20,8 @@ and, under ``torch.compile``, ``recforge.ops.custom_ops.hstu_silu_attention_op``
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -98,7 +100,7 @@ def silu_attention_forward(pre: Tensor, offsets: Tensor, max_seq_len: int, scale
     u = torch.empty(tokens, width_u, dtype=pre.dtype, device=pre.device) if gate else None
     y = torch.empty(tokens, width_y, dtype=pre.dtype, device=pre.device)
     if tokens > 0:  # one pass over the projection (PyTorch's SiLU of each column slice ran at a third of its speed)
-        bn = _block_cols(width_u)
+        bn = _block_cols(math.gcd(width_u, width_y))  # no column block straddles u's end or misses y's last columns
         first = 0 if gate else width_u // bn
         _silu_split[(triton.cdiv(tokens, _BM), pre.shape[1] // bn - first)](
             pre, u if gate else y, y, tokens, pre.stride(0), WU=width_u, WY=width_y, BM=_BM, BN=bn, FIRST=first,
