@@ -331,3 +331,20 @@ def time_bucket(delta, thr_ptr, NB):
     hi = tl.load(thr_ptr + b + 1)
     b = b - (d < lo).to(tl.int32) + (d >= hi).to(tl.int32)
     return tl.minimum(tl.maximum(b, 0), NB)
+
+
+@triton.jit
+def sigmoid(x, FAST: tl.constexpr):
+    """1 / (1 + exp(-x)) in float32. FAST (bf16/fp16 inputs): 0.5 + 0.5 tanh(x / 2) on the
+    hardware tanh (relative error ~2^-11, under bf16/fp16 rounding of the tile before the next
+    dot): one special-function op per element instead of two (exp, reciprocal). At head dim 64
+    those ops, not the tensor cores, bound the forward: a 128x64 tile's two dots take ~512 cycles
+    per SM, its 8192 exp + 8192 reciprocals at 16 per cycle ~1024. The HSTU forward at head dims over 64,
+    the serving kernel (``cached``) and the norm-gate kernels' gate SiLU use it; the other HSTU kernels
+    ``hstu._silu`` / ``_silu_and_twice_grad``."""
+    if FAST:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [0.5 * x], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+        return 0.5 + 0.5 * t
+    else:
+        return tl.sigmoid(x)

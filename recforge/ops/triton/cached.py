@@ -31,7 +31,8 @@ from recforge.ops.triton._common import (
     time_thresholds,
     visible,
 )
-from recforge.ops.triton.hstu import _meta, _scores, _sigmoid
+from recforge.ops.triton._common import sigmoid
+from recforge.ops.triton.hstu import _meta, _scores
 from recforge.ops.triton.tuning import launch, tuned
 
 
@@ -106,7 +107,7 @@ def _cached_fwd(
             j = j_vec[None, :]
             s = _scores(q, kT, i, j, he, c, full_start, ts_bias, pos_w, time_w, time_thr, P, NB, (i < n) & (j < n),
                         HAS_POS, HAS_TIME, DOT_PREC)
-            a = s * _sigmoid(s, FAST_SIGMOID) * scale
+            a = s * sigmoid(s, FAST_SIGMOID) * scale
             if masked:
                 ts_j = tl.load(ts_mask + full_start + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
                 vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,

@@ -41,6 +41,7 @@ from recforge.ops.triton._common import (
     query_tile,
     sequence_of_rank,
     sequence_order,
+    sigmoid,
     time_thresholds,
     visible,
 )
@@ -85,27 +86,11 @@ def _scores_and_bucket(q, kT, i, j, he, c, start_tok, ts_bias, pos_w, time_w, ti
     return s, bucket, events
 
 
-@triton.jit
-def _sigmoid(x, FAST: tl.constexpr):
-    """1 / (1 + exp(-x)) in float32. FAST (bf16/fp16 inputs): 0.5 + 0.5 tanh(x / 2) on the
-    hardware tanh (relative error ~2^-11, under bf16/fp16 rounding of the tile before the next
-    dot): one special-function op per element instead of two (exp, reciprocal). At head dim 64
-    those ops, not the tensor cores, bound the forward: a 128x64 tile's two dots take ~512 cycles
-    per SM, its 8192 exp + 8192 reciprocals at 16 per cycle ~1024. The forward at head dims over 64
-    and the serving kernel (``cached``) use it; the others ``_silu`` / ``_silu_and_twice_grad``."""
-    if FAST:
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [0.5 * x], dtype=tl.float32,
-                                      is_pure=True, pack=1)
-        return 0.5 + 0.5 * t
-    else:
-        return tl.sigmoid(x)
-
-
 # The training kernels' SiLU from h = s / 2: SiLU(s) = s sigmoid(s) = h (1 + tanh h), one hardware tanh and a fused
 # multiply-add per element after the halving, and 2 SiLU'(s) = (1 + tanh h)(1 + h (1 - tanh h)); the attention's
 # 1 / max_len scale, and the 1/2 of SiLU', multiply each program's accumulators (or the bias gradients) once at the
 # end instead of every element of every tile: two to three float32 operations per element fewer than
-# ``s * _sigmoid(s) * scale`` and its derivative. The forward does so at head dims up to 64 only (1.04x there;
+# ``s * sigmoid(s) * scale`` and its derivative. The forward does so at head dims up to 64 only (1.04x there;
 # at 128 ~3% slower on an H200, BENCHMARKS.md, 18th session). Halving q or k once per program instead of each
 # score cost a second copy of the key block in shared memory and was not faster. With float16 inputs dS, carried
 # times 2 / scale into its dots, overflows 2 max_len times sooner than dS would (a loss scaler backs off; bfloat16,
@@ -114,7 +99,7 @@ def _sigmoid(x, FAST: tl.constexpr):
 
 @triton.jit
 def _tanh_approx(h):
-    """tanh(h) in float32 on the hardware tanh (relative error ~2^-11, as ``_sigmoid``'s FAST)."""
+    """tanh(h) in float32 on the hardware tanh (relative error ~2^-11, as ``_common.sigmoid``'s FAST)."""
     return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [h], dtype=tl.float32, is_pure=True, pack=1)
 
 
@@ -201,7 +186,7 @@ def _hstu_fwd(
             if BD_QK <= 64:  # see _silu: at head dim 128 the per-element scale measured faster
                 a = _silu(s, FAST_SIGMOID)  # scale: once, at the end
             else:
-                a = s * _sigmoid(s, FAST_SIGMOID) * scale
+                a = s * sigmoid(s, FAST_SIGMOID) * scale
             if masked:
                 ts_j = tl.load(ts_mask + start_tok + j_vec, mask=key_ok, other=0) if HAS_TS else j_vec
                 vis = visible(i, j, n, c, he, ends, ts_i[:, None], ts_j[None, :], window,

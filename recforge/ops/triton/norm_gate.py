@@ -17,6 +17,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from recforge.ops.triton._common import sigmoid
+from recforge.ops.triton.tuning import is_interpreting
+
 @triton.jit
 def _keep(SEED, rows, cols, N, p):
     """Dropout's keep mask of elements (rows, cols): Philox uniform >= p (kept with probability 1 - p)."""
@@ -27,8 +30,10 @@ def _keep(SEED, rows, cols, N, p):
 
 @triton.jit
 def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, SEED, T, N, stride_x, stride_u, eps, p, scale,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, SILU_U: tl.constexpr):  # fmt: skip
-    """``SILU_U``: U holds the gate's pre-activation; the gate is its SiLU."""
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, SILU_U: tl.constexpr,
+                   FAST: tl.constexpr):  # fmt: skip
+    """``SILU_U``: U holds the gate's pre-activation; the gate is its SiLU (``FAST``: the sigmoid on the hardware
+    tanh, ``_common.sigmoid``)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < T, cols < N
@@ -42,7 +47,7 @@ def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, SEED, T, N, stride_x, stride_u, ep
     b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
     u = tl.load(U + r64 * stride_u + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     if SILU_U:
-        u = u * tl.sigmoid(u)
+        u = u * sigmoid(u, FAST)
     y = (xc * rstd[:, None] * w[None, :] + b[None, :]) * u
     if DROPOUT:
         y = tl.where(_keep(SEED, rows, cols, N, p), y * scale, 0.0)
@@ -54,7 +59,7 @@ def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, SEED, T, N, stride_x, stride_u, ep
 @triton.jit
 def _norm_gate_bwd(DY, X, U, W, B, MEAN, RSTD, SEED, DX, DU, PART, T, N, stride_dy, stride_x, stride_u, stride_du,
                    p, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr,
-                   SILU_U: tl.constexpr):  # fmt: skip
+                   SILU_U: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
     """Row blocks pid, pid + programs, ...; dWeight/dBias partial sums over them in registers (element-wise per
     (row, column) of the block, summed over its rows once after the loop: no cross-warp reduction per block), one
     column of partials per program (kernel names hold "norm": ``benchmarks/train_mfu.py`` counts them as
@@ -81,7 +86,7 @@ def _norm_gate_bwd(DY, X, U, W, B, MEAN, RSTD, SEED, DX, DU, PART, T, N, stride_
         u = tl.load(U + r64 * stride_u + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         du = dg * (xhat * w[None, :] + b[None, :])
         if SILU_U:
-            sig = tl.sigmoid(u)
+            sig = sigmoid(u, FAST)
             du = du * sig * (1.0 + u * (1.0 - sig))
             u = u * sig
         tl.store(DU + r64 * stride_du + cols[None, :], du.to(DU.dtype.element_ty), mask=ok)
@@ -117,6 +122,11 @@ def _programs(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _fast(u: Tensor) -> bool:
+    """The gate's sigmoid on the hardware tanh: bf16/fp16 gates on a GPU (not float32, not the interpreter)."""
+    return u.dtype != torch.float32 and not is_interpreting()
+
+
 def _rows(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -144,7 +154,7 @@ def norm_gate_forward(x: Tensor, u: Tensor, weight: Tensor, bias: Tensor, seed: 
     if tokens:
         _norm_gate_fwd[(triton.cdiv(tokens, block_m),)](
             x, u, weight, bias, y, mean, rstd, seed_arg, tokens, width, x.stride(0), u.stride(0), float(eps), float(p),
-            scale, BLOCK_M=block_m, BLOCK_N=block_n, DROPOUT=dropout, SILU_U=silu_u, num_warps=warps)  # fmt: skip
+            scale, BLOCK_M=block_m, BLOCK_N=block_n, DROPOUT=dropout, SILU_U=silu_u, FAST=_fast(u), num_warps=warps)  # fmt: skip
     return y, mean, rstd
 
 
@@ -164,7 +174,7 @@ def norm_gate_backward(dy: Tensor, x: Tensor, u: Tensor, weight: Tensor, bias: T
     seed_arg, scale, dropout = _dropout_args(seed, p, mean)
     _norm_gate_bwd[(programs,)](dy, x, u, weight, bias, mean, rstd, seed_arg, dx, du, part, tokens, width,
                                 dy.stride(0), x.stride(0), u.stride(0), du.stride(0), float(p), scale, BLOCK_M=block_m,
-                                BLOCK_N=block_n, DROPOUT=dropout, SILU_U=silu_u, num_warps=warps)  # fmt: skip
+                                BLOCK_N=block_n, DROPOUT=dropout, SILU_U=silu_u, FAST=_fast(u), num_warps=warps)  # fmt: skip
     # two sums, not one over (2, N, programs): a custom op's outputs may not be views of one tensor
     return dx, du, part[0].sum(1).to(weight.dtype), part[1].sum(1).to(bias.dtype)
 
