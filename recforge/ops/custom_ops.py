@@ -147,9 +147,10 @@ def _(pre, offsets, max_seq_len, scale, heads, dqk, dv):
 
 
 @torch.library.custom_op("recforge::hstu_silu_attention_backward", mutates_args=())
-def _silu_attention_backward_op(du: Tensor, da: Tensor, pre: Tensor, y: Tensor, offsets: Tensor, max_seq_len: int,
-                                scale: float, heads: int, dqk: int, dv: int) -> Tensor:  # fmt: skip
-    """The gradient of the projection (``recforge.ops.triton.hstu_silu.silu_attention_backward``)."""
+def _silu_attention_backward_op(du: Optional[Tensor], da: Optional[Tensor], pre: Tensor, y: Tensor, offsets: Tensor,
+                                max_seq_len: int, scale: float, heads: int, dqk: int, dv: int) -> Tensor:  # fmt: skip
+    """The gradient of the projection (``recforge.ops.triton.hstu_silu.silu_attention_backward``; None: a zero
+    gradient of u or a)."""
     from recforge.ops.triton.hstu_silu import silu_attention_backward
 
     return silu_attention_backward(du, da, pre.contiguous(), y, offsets.contiguous(), max_seq_len, scale, heads, dqk, dv)
@@ -169,8 +170,6 @@ def _silu_attention_setup_context(ctx, inputs, output) -> None:
 
 def _silu_attention_backward(ctx, du, da, _dy):
     pre, y, offsets = ctx.saved_tensors
-    du = du if du is not None else pre.new_zeros(pre.shape[0], ctx.scalars[2] * ctx.scalars[4])
-    da = da if da is not None else pre.new_zeros(pre.shape[0], ctx.scalars[2], ctx.scalars[4])
     d_pre = _silu_attention_backward_op(du, da, pre, y, offsets, *ctx.scalars)
     return d_pre, None, None, None, None, None, None
 

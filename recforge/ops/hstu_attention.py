@@ -20,7 +20,7 @@ from recforge.jagged.index import jagged_rows, jagged_to_padded, lengths_from_of
 from recforge.jagged.mask import AttentionMask
 from recforge.ops.custom_ops import hstu_attention_op, hstu_silu_attention_gate_op, hstu_silu_attention_op
 from recforge.ops.dispatch import resolve_kernel, triton_available, unsupported_by_triton
-from recforge.ops.norm_gate import SEED_HIGH, fused_kernels, norm_gate
+from recforge.ops.norm_gate import dropout_seed, fused_kernels, norm_gate
 from recforge.ops.norm_gate import unsupported as norm_gate_unsupported
 from recforge.ops.time_bias import time_buckets
 
@@ -218,11 +218,11 @@ def hstu_attention(
 
 
 def _fused_silu_min_len(device: torch.device, dtype: torch.dtype, dqk: int, dv: int) -> int:
-    """``hstu_gluon.fused_silu_min_len``, -1 for None (Triton's modules imported only here: a CUDA call)."""
-    from recforge.ops.triton.hstu_gluon import fused_silu_min_len
+    """``hstu_gluon.min_len``, -1 for None (Triton's modules imported only here: a CUDA call)."""
+    from recforge.ops.triton.hstu_gluon import min_len
 
-    min_len = fused_silu_min_len(device, dtype, dqk, dv)
-    return -1 if min_len is None else min_len
+    shortest = min_len(device, dtype, dqk, dv)
+    return -1 if shortest is None else shortest
 
 
 # one answer per (device, dtype, head dims): a constant to torch.compile, as torch.compiler.assume_constant_result
@@ -329,8 +329,7 @@ def hstu_silu_attention_gate(
     if fused_kernels() and silu_attention_fusable(pre, num_heads, dqk, dv, max_seq_len, mask, pos_weights, timestamps,
                                                     time_weights, kernel):  # fmt: skip
         p = p if training else 0.0
-        # one int64 drawn on the device by torch's generator (graph-safe Philox offsets), as ops.norm_gate does
-        seed = torch.randint(0, SEED_HIGH, (1,), device=pre.device) if p > 0.0 else None
+        seed = dropout_seed(p, pre.device)
         if torch.compiler.is_compiling():
             return hstu_silu_attention_gate_op(pre, seq_offsets, max_seq_len, scale, num_heads, dqk, dv, norm_weight,
                                                norm_bias, seed, eps, p)  # fmt: skip

@@ -29,7 +29,13 @@ from recforge.ops.dispatch import TRITON_DTYPES, resolve_kernel
 
 MAX_TRITON_WIDTH = 8192  # widest row (H * Dv) one Triton program holds in registers
 fused = fused_norm_gate()  # True: the Triton path on CUDA (False: the PyTorch chain, for A/B); read at each call
-SEED_HIGH = 2**62
+_SEED_HIGH = 2**62
+
+
+def dropout_seed(p: float, device: torch.device) -> Tensor | None:
+    """The fused kernels' dropout seed: one int64 drawn on the device by torch's generator (graph-safe Philox offsets,
+    replayed by activation checkpointing); None without dropout."""
+    return torch.randint(0, _SEED_HIGH, (1,), device=device) if p > 0.0 else None
 
 
 def fused_kernels() -> bool:
@@ -94,8 +100,7 @@ def norm_gate(
     if resolve_kernel("norm_gate", kernel, a.device, unsupported(a, u, weight, bias)) == "pytorch":
         return norm_gate_reference(a, u, weight, bias, eps, p, training)
     p = p if training else 0.0
-    # one int64 drawn on the device by torch's generator (graph-safe Philox offsets); none without dropout
-    seed = torch.randint(0, SEED_HIGH, (1,), device=a.device) if p > 0.0 else None
+    seed = dropout_seed(p, a.device)
     if torch.compiler.is_compiling():  # one opaque custom op, not a trace of the launch code
         return norm_gate_op(a, u, weight, bias, seed, eps, p)
     from recforge.ops.triton.norm_gate import NormGate  # defined on first use: see recforge.ops.triton
@@ -103,4 +108,4 @@ def norm_gate(
     return NormGate.apply(a, u, weight, bias, seed, eps, p)
 
 
-__all__ = ["MAX_TRITON_WIDTH", "SEED_HIGH", "fused_kernels", "norm_gate", "norm_gate_reference", "unsupported"]
+__all__ = ["MAX_TRITON_WIDTH", "dropout_seed", "fused_kernels", "norm_gate", "norm_gate_reference", "unsupported"]

@@ -87,6 +87,7 @@ def test_not_supported_off_hopper_or_off_the_hot_path(monkeypatch) -> None:
     q = torch.randn(600, 2, 128, dtype=torch.bfloat16)
     ma = mask_args(AttentionMask(causal=True), offsets_of([600]))
     assert not hstu_gluon.supported(q, q, q, 600, ma, None, None)  # CPU tensors
+    assert hstu_gluon.min_len(q.device, q.dtype, 128, 128) is None  # so the block's SiLU + attention op is not routed
     monkeypatch.setenv("RECFORGE_GLUON_HSTU", "maybe")
     with pytest.raises(ValueError, match="RECFORGE_GLUON_HSTU"):
         hstu_gluon.supported(q, q, q, 600, ma, None, None)

@@ -65,29 +65,26 @@ HEAD_DIM = 128
 MIN_LEN = 1024  # shorter batches keep the Triton forward (level with it at 1,024 on the H200, faster above)
 
 
+def min_len(device: torch.device, dtype: torch.dtype, dqk: int, dv: int) -> int | None:
+    """The shortest ``max_seq_len`` from which calls on ``device`` with these dtype and head dims take these kernels
+    (given a plain causal mask, no relative bias and TMA-readable tensors: ``supported``), or None if none do; the
+    switch included. ``recforge.ops.hstu_attention`` routes the HSTU block's SiLU + attention op by it."""
+    if gluon_hstu() is False or not AVAILABLE or device.type != "cuda":  # the switch first: a typo in it raises
+        return None  # wherever it runs
+    if (dqk, dv) != (HEAD_DIM, HEAD_DIM) or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return MIN_LEN if torch.cuda.get_device_capability(device) == (9, 0) else None
+
+
 def supported(q: Tensor, k: Tensor, v: Tensor, max_seq_len: int, ma: MaskArgs, pos_w: Tensor | None,
               time_w: Tensor | None) -> bool:  # fmt: skip
     """Whether ``hstu_forward_gluon`` computes this call (see the module docstring), the switch included."""
-    if gluon_hstu() is False or not AVAILABLE or not q.is_cuda or max_seq_len < MIN_LEN:  # the switch first: a typo
-        return False  # in it raises wherever it runs
-    if pos_w is not None or time_w is not None or q.dtype not in (torch.bfloat16, torch.float16):
+    shortest = min_len(q.device, q.dtype, q.shape[2], v.shape[2])
+    if shortest is None or max_seq_len < shortest or pos_w is not None or time_w is not None:
         return False
     if not ma.causal or ma.has_targets or ma.has_contextual or ma.has_window or ma.has_ts or ma.num_segments:
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return False
     return all(tma_ready(x, q.dtype) for x in (q, k, v))
-
-
-def fused_silu_min_len(device: torch.device, dtype: torch.dtype, dqk: int, dv: int) -> int | None:
-    """The shortest ``max_seq_len`` from which a plain causal call without relative bias on ``device`` takes these
-    kernels (``supported``, tensor layouts aside), or None if none does: where the HSTU block runs its SiLU and
-    attention as one op (``recforge.ops.triton.hstu_silu``)."""
-    if gluon_hstu() is False or not AVAILABLE or device.type != "cuda" or (dqk, dv) != (HEAD_DIM, HEAD_DIM):
-        return None
-    if dtype not in (torch.bfloat16, torch.float16) or torch.cuda.get_device_capability(device) != (9, 0):
-        return None
-    return MIN_LEN
 
 
 def tma_ready(x: Tensor, dtype: torch.dtype) -> bool:
