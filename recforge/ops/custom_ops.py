@@ -352,6 +352,29 @@ def _gather_dot_backward(ctx, g):
 _gather_dot_op.register_autograd(_gather_dot_backward, setup_context=_gather_dot_setup_context)
 
 
+@torch.library.custom_op("recforge::softmax_nll", mutates_args=())
+def _softmax_nll_op(logits: Tensor, pos: Tensor, ids: Tensor, targets: Tensor, share: Optional[Tensor],
+                    grad_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(nll, grad, grad_pos) of ``recforge.ops.triton.softmax_nll.softmax_nll``: no autograd (its outputs are the
+    gradients)."""
+    from recforge.ops.triton.softmax_nll import softmax_nll
+
+    return softmax_nll(logits, pos.contiguous(), ids, targets.contiguous(), None if share is None else share.contiguous(),
+                       grad_dtype)  # fmt: skip
+
+
+@_softmax_nll_op.register_fake
+def _(logits, pos, ids, targets, share, grad_dtype):
+    nll = pos.new_empty(logits.shape[0], dtype=torch.float32)
+    return nll, logits.new_empty(logits.shape, dtype=grad_dtype), torch.empty_like(nll)
+
+
+def softmax_nll_op(logits: Tensor, pos: Tensor, ids: Tensor, targets: Tensor, share: Optional[Tensor],
+                   grad_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``recforge.ops.triton.softmax_nll.softmax_nll`` through the custom op: what compiled code calls."""
+    return _softmax_nll_op(logits, pos, ids, targets, share, grad_dtype)
+
+
 def gather_dot_op(q: Tensor, table: Tensor, idx: Tensor) -> Tensor:
     """``recforge.ops.triton.gather_dot.GatherDot`` through the custom op (same contract): what compiled code calls."""
     return _gather_dot_op(q, table, idx)
@@ -368,4 +391,4 @@ def scatter_rows_sum_op(g: Tensor, q: Tensor, idx: Tensor, num_rows: int) -> Ten
 
 
 __all__ = ["gather_dot_op", "gather_rows_sum_op", "hstu_attention_op", "hstu_silu_attention_gate_op",
-           "hstu_silu_attention_op", "norm_gate_op", "scatter_rows_sum_op"]
+           "hstu_silu_attention_op", "norm_gate_op", "scatter_rows_sum_op", "softmax_nll_op"]

@@ -24,6 +24,11 @@ negatives' (chunk, K, d) vectors are not gathered either: each chunk's logits an
 Triton kernels, its (chunk, K) logit gradients are kept in one (T, K) float32 buffer (half the bytes of the
 (T, K) int64 rows), and the gradient of the distinct vectors is one sorted segmented sum after the last chunk.
 
+Shared negatives alone (no per-position ones) take each chunk's loss and logit gradients from one read of its
+(c, S) logits (``recforge.ops.softmax_nll``: one Triton kernel on CUDA). The unchunked loss with shared negatives
+(``chunk_size: 0``) runs here too, as one chunk (``chunk=0``): the logits' gradient is computed in the forward, in
+bfloat16 with ``half``, and the backward only scales the (T, d) and (S, d) gradients.
+
 The full-catalogue softmax (``chunked_full_softmax_cross_entropy``) needs no positive column: the
 target's own column of the catalogue's logits is the positive, so each chunk is a plain
 cross-entropy over (c, N+1) logits with the padding column biased to -inf: 8 ops per chunk
@@ -38,6 +43,7 @@ from torch import Tensor
 
 from recforge.ops.gather_dot import gather_dot_logits, gather_rows_sum, scatter_rows_sum, use_triton
 from recforge.ops.half_matmul import mm_f32, mm_f32_add_
+from recforge.ops.softmax_nll import softmax_nll
 
 
 def logsumexp_of_blocks(parts: list[Tensor]) -> Tensor:
@@ -63,7 +69,7 @@ class _ChunkedSoftmaxCE(torch.autograd.Function):
         scaled = user * inv_temp  # (T, d)
         pos = (scaled * positive).sum(-1, keepdim=True)  # (T, 1)
         pad_bias = None
-        if shared is not None:
+        if shared is not None and own is not None:  # (shared columns alone: ``_shared_chunk`` masks in its pass)
             pad_bias = torch.zeros(shared_ids.shape, dtype=user.dtype, device=user.device).masked_fill_(shared_ids == 0, float("-inf"))
         nll = user.new_empty(num_pos)  # (T,) each position's loss
         fused = own is not None and use_triton(scaled, own, own_rows)  # the gather-dot kernels: no (c, K, d) vectors
@@ -78,8 +84,8 @@ class _ChunkedSoftmaxCE(torch.autograd.Function):
             grads = [torch.empty_like(user), torch.empty_like(positive), None if shared is None else torch.zeros_like(shared),
                      None if own is None or fused else torch.zeros_like(own)]  # fmt: skip
             own_grad = user.new_empty(own_rows.shape) if fused else None  # (T, K) d nll / d own logits
-        for lo in range(0, num_pos, chunk):
-            hi = min(lo + chunk, num_pos)
+        for lo in range(0, num_pos, chunk) if 0 < chunk < num_pos else (0,):  # one chunk: no loop, T may be symbolic
+            hi = min(lo + chunk, num_pos) if chunk > 0 else num_pos
             _chunk(user[lo:hi], scaled[lo:hi], pos[lo:hi], positive[lo:hi], shared, pad_bias, own, targets[lo:hi],
                    shared_ids, None if own_rows is None else own_rows[lo:hi], None if own_ids is None else own_ids[lo:hi],
                    nll[lo:hi], grads, lo, None if rel is None else rel[lo:hi, None], fused,
@@ -116,6 +122,9 @@ def _chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: 
     negatives' logits and user gradient by the gather-dot kernels, their logit gradients written to ``own_grad``
     (c, K) for the caller. ``half``: float16 copies of ``scaled`` and ``shared`` (the logits), bfloat16 copies of
     ``shared`` and ``user`` (the gradients, with the logit gradients cast to bfloat16); float32 sums and outputs."""
+    if shared is not None and own is None:  # one block of columns: the loss and its logit gradients in one pass
+        _shared_chunk(user, scaled, pos, positive, shared, shared_ids, targets, nll, grads, lo, share, half)
+        return
     parts = [pos]
     if shared is not None and half is not None:
         s = mm_f32(half[0], half[1].T, bias=pad_bias)  # (c, S)
@@ -163,6 +172,31 @@ def _chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: 
         g_o = softmax_of(parts[col])  # (c, K)
         grad_user.add_(torch.bmm(g_o.unsqueeze(1), own_vec).squeeze(1))
         grads[3].index_add_(0, own_rows.reshape(-1), (g_o.unsqueeze(2) * user.unsqueeze(1)).reshape(-1, user.shape[1]))
+
+
+def _shared_chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, shared: Tensor, shared_ids: Tensor,
+                  targets: Tensor, nll: Tensor, grads: list[Tensor | None] | None, lo: int, share: Tensor | None,
+                  half: tuple[Tensor, Tensor, Tensor, Tensor] | None) -> None:  # fmt: skip
+    """``_chunk`` for the shared columns alone: their logits, then each row's loss and d nll / d logits from one read
+    of them (``recforge.ops.softmax_nll``: one Triton kernel on CUDA, where PyTorch's logsumexp and softmax read the
+    (c, S) float32 logits twice and write masked copies), in bfloat16 for the ``half`` gradient matmuls."""
+    logits = mm_f32(half[0], half[1].T) if half is not None else scaled @ shared.T  # (c, S)
+    grad_dtype = torch.bfloat16 if half is not None else logits.dtype
+    loss, g_s, g_pos = softmax_nll(logits, pos[:, 0], shared_ids, targets, None if share is None else share[:, 0],
+                                   grad_dtype=grad_dtype if grads is not None else None)  # fmt: skip
+    nll.copy_(loss)
+    if grads is None:
+        return
+    g_pos = g_pos[:, None].to(user.dtype)  # (c, 1)
+    hi = lo + user.shape[0]
+    grad_user = torch.mul(g_pos, positive, out=grads[0][lo:hi])  # (c, d)
+    torch.mul(g_pos, user, out=grads[1][lo:hi])
+    if half is not None:
+        mm_f32_add_(grad_user, g_s, half[2])
+        mm_f32_add_(grads[2], g_s.T, half[3])
+    else:
+        grad_user.addmm_(g_s.to(user.dtype), shared)
+        grads[2].addmm_(g_s.T.to(user.dtype), user)
 
 
 class _ChunkedFullSoftmaxCE(torch.autograd.Function):
@@ -266,15 +300,15 @@ def chunked_softmax_cross_entropy(
         own: (U, d) vectors of per-position negatives; ``own_rows`` (T, K) each position's rows of
             ``own``, ``own_ids`` (T, K) their item ids.
         temperature: logits are dot products / temperature.
-        chunk: positions per chunk (> 0).
+        chunk: positions per chunk; 0: all of them as one (no loop: a compiled step keeps its symbolic T).
         weights: (T,) each position's weight (sum > 0): the weighted mean, as ``chunked_full_softmax_cross_entropy``.
         half: the shared columns' matmuls in reduced precision, as ``chunked_full_softmax_cross_entropy``.
 
     Returns:
         The scalar loss; gradients flow to ``user``, ``positive``, ``shared`` and ``own``.
     """
-    if chunk <= 0:
-        raise ValueError(f"chunked_softmax_cross_entropy: chunk={chunk} must be > 0")
+    if chunk < 0:
+        raise ValueError(f"chunked_softmax_cross_entropy: chunk={chunk} must be >= 0 (0: every position in one chunk)")
     if (shared is None) != (shared_ids is None) or (own is None) != (own_rows is None or own_ids is None):
         raise ValueError("chunked_softmax_cross_entropy: give shared with shared_ids, own with own_rows and own_ids")
     inputs = [t for t in (user, positive, shared, own) if t is not None]

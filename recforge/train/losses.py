@@ -174,6 +174,8 @@ def sampled_softmax_loss(
         if not _whole_under_compile(negatives, user.shape[0], num_items) and use_chunks(chunk_size, user.shape[0]):
             return _chunked_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, chunk_size, weights,
                                  half)  # fmt: skip
+        if negatives == "shared":  # one chunk: each row's loss and logit gradients from one read of its logits
+            return _chunked_loss(user.to(dtype), targets, vectors, negatives, sampled, temperature, 0, weights, half)
         table = None
         if negatives == "per_position" and not exact_distinct and targets.shape[0] * num_negatives > num_items + 1:
             table = item_vectors(None).to(dtype)  # (N+1, d): each row normalised once, not once per draw
@@ -218,10 +220,11 @@ def use_chunks(chunk_size: int, positions: int) -> bool:
 def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor | None], Tensor], negatives: str,
                           sampled: SampledNegatives, temperature: float, weights: Tensor | None,
                           table: Tensor | None = None, half: bool = False) -> Tensor:  # fmt: skip
-    """The unchunked loss; ``table``: ``item_vectors`` gives its rows, without side effects (a normalised table),
-    so a position's target and per-position negatives are scored together, by one gather-dot (fused with
-    float32 on CUDA: ``recforge.ops.gather_dot``; else one lookup and one bmm). ``half``: the shared, in-batch and
-    catalogue logits by float16-input matmuls (``half_input_logits``)."""
+    """The unchunked loss of per-position or whole-catalogue negatives (shared ones take ``_chunked_loss``'s one
+    chunk); ``table``: ``item_vectors`` gives its rows, without side effects (a normalised table), so a position's
+    target and per-position negatives are scored together, by one gather-dot (fused with float32 on CUDA:
+    ``recforge.ops.gather_dot``; else one lookup and one bmm). ``half``: the in-batch and catalogue logits by
+    float16-input matmuls (``half_input_logits``)."""
     mm = half_input_logits if half else (lambda a, b: a @ b.T)  # noqa: E731
     if negatives == "full":
         logits = mm(user, item_vectors(None)) / temperature  # (T, N+1)
@@ -229,22 +232,19 @@ def _sampled_softmax_loss(user: Tensor, targets: Tensor, item_vectors: Callable[
         if weights is None:
             return F.cross_entropy(logits, targets)
         return _weighted_mean(F.cross_entropy(logits, targets, reduction="none"), weights)
+    # per-position negatives, neg_ids (T, K) (shared ones take the one-chunk loss, ``_chunked_loss``); bmm, not
+    # einsum: einsum's gradient of the (T, K, d) lookup came out transposed, and was copied whole before the scatter
     neg_ids = sampled.ids
-    if negatives == "per_position":  # neg_ids (T, K); bmm, not einsum: einsum's gradient of the (T, K, d) lookup
-        hits = neg_ids == targets[:, None]  # came out transposed, and was copied whole before the embedding scatter
-        if table is not None:  # side-effect-free lookups: [target | negatives] rows scored together
-            ids = torch.cat([targets[:, None], neg_ids], 1)  # (T, 1+K)
-            logits = gather_dot(user, table, ids).to(user.dtype) / temperature  # (T, 1+K)
-            parts = [logits.masked_fill(torch.cat([torch.zeros_like(hits[:, :1]), hits], 1), MASKED)]
-        else:  # the very tensors a pipelined table staged (recforge.train.pipeline_step): looked up as they are,
-            # targets first (a dynamic table admits and evicts rows in lookup order: the positives keep theirs)
-            pos = (user * item_vectors(targets)).sum(-1, keepdim=True) / temperature  # (T, 1)
-            neg_logits = torch.bmm(item_vectors(neg_ids), user.unsqueeze(2)).squeeze(2) / temperature  # (T, K)
-            parts = [pos, neg_logits.masked_fill(hits, MASKED)]
-    else:  # shared: neg_ids (K,)
-        parts = [(user * item_vectors(targets)).sum(-1, keepdim=True) / temperature]  # (T, 1)
-        neg_logits = mm(user, item_vectors(neg_ids)) / temperature  # (T, K)
-        parts.append(neg_logits.masked_fill(neg_ids[None, :] == targets[:, None], MASKED))
+    hits = neg_ids == targets[:, None]
+    if table is not None:  # side-effect-free lookups: [target | negatives] rows scored together
+        ids = torch.cat([targets[:, None], neg_ids], 1)  # (T, 1+K)
+        logits = gather_dot(user, table, ids).to(user.dtype) / temperature  # (T, 1+K)
+        parts = [logits.masked_fill(torch.cat([torch.zeros_like(hits[:, :1]), hits], 1), MASKED)]
+    else:  # the very tensors a pipelined table staged (recforge.train.pipeline_step): looked up as they are,
+        # targets first (a dynamic table admits and evicts rows in lookup order: the positives keep theirs)
+        pos = (user * item_vectors(targets)).sum(-1, keepdim=True) / temperature  # (T, 1)
+        neg_logits = torch.bmm(item_vectors(neg_ids), user.unsqueeze(2)).squeeze(2) / temperature  # (T, K)
+        parts = [pos, neg_logits.masked_fill(hits, MASKED)]
     if sampled.in_batch is not None:
         batch_ids = sampled.in_batch  # (U,)
         batch_logits = mm(user, item_vectors(batch_ids)) / temperature  # (T, U)
@@ -263,10 +263,15 @@ def _chunked_loss(user: Tensor, targets: Tensor, item_vectors: Callable[[Tensor 
                   sampled: SampledNegatives, temperature: float, chunk: int, weights: Tensor | None,
                   half: bool = False) -> Tensor:  # fmt: skip
     """``_sampled_softmax_loss`` in chunks of positions: the same negatives, the positive / shared / per-position
-    columns handed to ``chunked_softmax_cross_entropy``."""
+    columns handed to ``chunked_softmax_cross_entropy``; ``chunk`` 0 (shared negatives): all positions as one."""
     if negatives == "full":  # cross-entropy over the catalogue: the target's column is the positive
         return chunked_full_softmax_cross_entropy(user, item_vectors(None), targets, temperature=temperature, chunk=chunk,
                                                   weights=weights, half=half)  # fmt: skip
+    if chunk == 0:  # unchunked shared negatives as one chunk (recforge.ops.softmax_nll); the targets looked up first
+        shared_ids = sampled.ids if sampled.in_batch is None else torch.cat([sampled.ids, sampled.in_batch])
+        positive = item_vectors(targets)
+        return chunked_softmax_cross_entropy(user, positive, targets, shared=item_vectors(shared_ids), shared_ids=shared_ids,
+                                             temperature=temperature, chunk=0, weights=weights, half=half)  # fmt: skip
     if sampled.distinct is None and sampled.shared is None:
         raise ValueError(f"sampled_softmax_loss: chunk_size={chunk} needs negatives drawn with that chunk_size "
                          "(draw_negatives(..., chunk_size=...))")  # fmt: skip

@@ -116,8 +116,8 @@ def test_distinct_rows_matches_unique() -> None:
 
 def test_chunked_cross_entropy_checks_arguments() -> None:
     user = torch.randn(4, 3)
-    with pytest.raises(ValueError, match="chunk=0"):
-        chunked_softmax_cross_entropy(user, user, torch.ones(4, dtype=torch.int64), temperature=1.0, chunk=0)
+    with pytest.raises(ValueError, match="chunk=-1"):
+        chunked_softmax_cross_entropy(user, user, torch.ones(4, dtype=torch.int64), temperature=1.0, chunk=-1)
     with pytest.raises(ValueError, match="shared with shared_ids"):
         chunked_softmax_cross_entropy(user, user, torch.ones(4, dtype=torch.int64), shared=user, temperature=1.0, chunk=2)
 
