@@ -13,9 +13,14 @@ float16``, temperature 0.05, accidental hits masked), forward and backward under
 - ``lse``: the negatives' ``logsumexp``, then the logsumexp of [positive, that] (no concatenated copy; autograd's
   backward, which may keep the scaled, masked logits);
 - ``online``: one row maximum over both (no gradient through it), then ``log(sum(exp(x - max)))``;
-- ``recforge``: ``recforge.train.losses.sampled_softmax_loss`` as it is in the tree that runs (now ``lse``'s form).
-  In ``loss_nll-autograd-fn-h200.json`` it was an autograd function whose backward recomputed the scaled, masked
-  logits from the matmul's output: no faster than ``lse`` (Inductor already recomputes them), so not kept.
+- ``recforge``: ``recforge.train.losses.sampled_softmax_loss`` as it is in the tree that runs (since the 25th session
+  one chunk of ``recforge.train.chunked_softmax``: the loss and the logit gradients from one read of the logits,
+  ``recforge.ops.softmax_nll``; before, ``lse``'s form). In ``loss_nll-autograd-fn-h200.json`` it was an autograd
+  function whose backward recomputed the scaled, masked logits from the matmul's output: no faster than ``lse``
+  (Inductor already recomputes them), so not kept.
+- ``f16-logits``: ``recforge``'s computation with the logits written in float16 by the matmul (float32 sums)
+  instead of float32: half the bytes written and read, the logits rounded to float16 (up to ~0.008 at the
+  temperature's largest logits, 20). Not in the library: measured to see what it would save.
 
 Each variant: median ms of ``--steps`` compiled fwd+bwd calls (CUDA events), the loss and the user gradient
 against the first variant's (``cat`` unless ``--variants`` says otherwise), and its kernels' GPU time (profiler) by
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 from _machine import kernel_header, write_result
 
 from recforge.ops.half_matmul import half_input_logits
+from recforge.ops.softmax_nll import softmax_nll
 from recforge.train import losses
 
 TEMPERATURE = 0.05
@@ -66,7 +72,30 @@ def loss_recforge(user, table, targets, neg_ids):
                                        temperature=TEMPERATURE, sampled=sampled, matmul="float16")  # fmt: skip
 
 
-VARIANTS = {"cat": loss_cat, "lse": loss_lse, "online": loss_online, "recforge": loss_recforge}
+class _F16Logits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, user, positive, shared, targets, neg_ids):
+        scaled = user / TEMPERATURE
+        pos = (scaled * positive).sum(-1)
+        logits = scaled.half() @ shared.half().T  # (T, K) float16 out, float32 sums
+        nll, g, g_pos = softmax_nll(logits, pos, neg_ids, targets, grad_dtype=torch.bfloat16)
+        scale = 1.0 / (TEMPERATURE * user.shape[0])
+        g_pos = g_pos[:, None]
+        grad_user = (torch.mm(g, shared.bfloat16(), out_dtype=torch.float32) + g_pos * positive) * scale
+        ctx.save_for_backward(grad_user, g_pos * user * scale, torch.mm(g.T, user.bfloat16(), out_dtype=torch.float32) * scale)
+        return nll.mean()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return (*(t * grad_out for t in ctx.saved_tensors), None, None)
+
+
+def loss_f16_logits(user, table, targets, neg_ids):
+    return _F16Logits.apply(user, table[targets], table[neg_ids], targets, neg_ids)
+
+
+VARIANTS = {"cat": loss_cat, "lse": loss_lse, "online": loss_online, "recforge": loss_recforge,
+            "f16-logits": loss_f16_logits}  # fmt: skip
 
 
 def main() -> None:
