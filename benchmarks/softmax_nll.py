@@ -9,9 +9,9 @@ Shapes (``--shapes``, T x K): 65,536 x 8,192 shared columns (the MFU benchmark's
 program holds: two reads). float32 logits in, bfloat16 gradient out (``loss.matmul: float16``); accidental hits and
 padding columns drawn as the loss has them. ``pytorch``: ``softmax_nll_reference`` under ``torch.compile`` (Inductor's
 fusion of the logsumexp and the softmax). Each configuration (elements of a program's row block, row blocks per
-program, warps, shared ids kept in registers; the default is ``recforge.ops.triton.softmax_nll``'s WIDE or NARROW) is checked
-against the reference, then timed: median ms of ``--reps`` calls (CUDA events), the rounds alternated over the
-variants; GB/s counts one read of the logits and one write of the gradient.
+program, warps, shared ids kept in registers; the default is ``recforge.ops.triton.softmax_nll``'s WIDE or
+NARROW) is checked against the reference, then timed: median ms of ``--reps`` calls (CUDA events), the rounds
+alternated over the variants; GB/s counts one read of the logits and one write of the gradient.
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ def unsupported(logits: Tensor, pos: Tensor, ids: Tensor, targets: Tensor, share
 
 
 def softmax_nll(logits: Tensor, pos: Tensor, ids: Tensor, targets: Tensor, share: Tensor | None = None, *,
-                grad_dtype: torch.dtype | None = None, kernel: str | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+                grad_dtype: torch.dtype | None = None, kernel: str | None = None,
+                ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Each row's ``-log softmax`` at its positive over [positive | unmasked columns], and its gradients.
 
     Args:

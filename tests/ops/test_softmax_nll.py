@@ -85,7 +85,8 @@ def test_refusals_name_the_problem(interpreter) -> None:
     logits, pos, ids, targets, share = _inputs(5, 7, False, False)
     for args, match in [((logits, pos[:4], ids, targets), "pos"), ((logits, pos, ids[:6], targets), "ids"),
                         ((logits, pos, ids, targets, torch.ones(3)), "share"),
-                        ((logits.double(), pos, ids, targets), "float64"), ((logits, pos, ids.float(), targets), "ids")]:  # fmt: skip
+                        ((logits.double(), pos, ids, targets), "float64"),
+                        ((logits, pos, ids.float(), targets), "ids")]:  # fmt: skip
         with pytest.raises(ValueError, match=match):
             softmax_nll(*args, kernel="triton")
 
@@ -170,7 +171,8 @@ def test_gpu_loss_compiled_equals_eager_and_pytorch(cuda_device, monkeypatch, ha
     kwargs = dict(num_negatives=k, matmul="float16" if half else "float32")
     got = _loss_grads(user, table, targets, sampled, num_items, **kwargs)
     torch._dynamo.reset()
-    compiled = _loss_grads(user, table, targets, sampled, num_items, loss_fn=torch.compile(sampled_softmax_loss), **kwargs)
+    compiled = _loss_grads(user, table, targets, sampled, num_items, loss_fn=torch.compile(sampled_softmax_loss),
+                           **kwargs)  # fmt: skip
     monkeypatch.setattr(DISPATCH, "default_kernel", "pytorch")
     expected = _loss_grads(user, table, targets, sampled, num_items, **kwargs)
     for other in (compiled, expected):

@@ -7,9 +7,10 @@
 where column k is masked (-inf) when its item ``ids[t, k]`` (or ``ids[k]``, one row shared by every position) is the
 row's target or the padding item 0. PyTorch (or Inductor) reads the (T, K) float32 logits twice for this, once
 for the forward's logsumexp and once for the backward's softmax, and writes the gradient in between; here each
-program keeps whole rows in registers (K <= ``WHOLE_ROW``; several rows at once when K is small) and reads them once, so the pass costs one read of the
-logits and one write of the gradient (bfloat16 for the loss's bf16 gradient matmuls: half the bytes). Rows wider
-than ``WHOLE_ROW`` take two passes over their columns (an online logsumexp, then the gradient).
+program keeps whole rows in registers (K <= ``WHOLE_ROW``; several rows at once when K is small) and reads them
+once, so the pass costs one read of the logits and one write of the gradient (bfloat16 for the loss's bf16 gradient
+matmuls: half the bytes). Rows wider than ``WHOLE_ROW`` take two passes over their columns (an online logsumexp,
+then the gradient).
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ _fwd = _softmax_nll  # the name the tests' interpreter fixture checks (tests/ops
 
 
 def softmax_nll(logits: Tensor, pos: Tensor, ids: Tensor, targets: Tensor, share: Tensor | None,
-                grad_dtype: torch.dtype, config: tuple[int, int, int, bool] | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+                grad_dtype: torch.dtype, config: tuple[int, int, int, bool] | None = None,
+                ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(nll (T,), grad (T, K) ``grad_dtype``, grad_pos (T,)) of ``recforge.ops.softmax_nll.softmax_nll`` (same
     contract; inputs checked there). ``config``: (elements of a row block, row blocks per program, warps, shared ids
     kept in registers) instead of ``WIDE`` / ``NARROW`` (``benchmarks/softmax_nll.py`` times them)."""
