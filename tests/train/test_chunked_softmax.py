@@ -49,6 +49,27 @@ def test_chunked_equals_unchunked(negatives: str, in_batch: bool, chunk: int) ->
     torch.testing.assert_close(d_table_c, d_table, **TOL)
 
 
+@pytest.mark.parametrize("blocks", ["shared", "own", "both"])
+def test_chunk_zero_is_every_position_in_one_chunk(blocks: str) -> None:
+    """``chunk=0``: one chunk of all positions (what the unchunked shared-negatives loss runs), equal to small
+    chunks, for shared columns, per-position ones and both."""
+    num, items, k = int(torch.randint(8, 30, ())), 12, 5
+    user, table, targets = _inputs(num, items, 6)
+    shared_ids = torch.randint(0, items + 1, (7,)) if blocks != "own" else None  # 0: padding columns, masked
+    own_ids = torch.randint(1, items + 1, (num, k)) if blocks != "shared" else None
+    got = []
+    for chunk in (0, 3):
+        user.grad = table.grad = None
+        loss = chunked_softmax_cross_entropy(
+            user, table[targets], targets, shared=None if shared_ids is None else table[shared_ids],
+            shared_ids=shared_ids, own=None if own_ids is None else table, own_rows=own_ids, own_ids=own_ids,
+            temperature=0.1, chunk=chunk)  # fmt: skip
+        (3.0 * loss).backward()
+        got.append((loss.detach(), user.grad.clone(), table.grad.clone()))
+    for one, small in zip(*got, strict=True):
+        torch.testing.assert_close(one, small, **TOL)
+
+
 def test_chunked_scales_with_upstream_gradient_and_autocast() -> None:
     user, table, targets = _inputs(50, 30, 8)
     item_vectors = lambda ids: table if ids is None else table[ids]
