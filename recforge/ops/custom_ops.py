@@ -359,8 +359,7 @@ def _softmax_nll_op(logits: Tensor, pos: Tensor, ids: Tensor, targets: Tensor, s
     gradients)."""
     from recforge.ops.triton.softmax_nll import softmax_nll
 
-    return softmax_nll(logits, pos.contiguous(), ids, targets.contiguous(), None if share is None else share.contiguous(),
-                       grad_dtype)  # fmt: skip
+    return softmax_nll(logits, pos, ids, targets, share, grad_dtype)
 
 
 @_softmax_nll_op.register_fake

@@ -87,8 +87,7 @@ def softmax_nll(logits: Tensor, pos: Tensor, ids: Tensor, targets: Tensor, share
         return softmax_nll_op(logits, pos, ids, targets, share, grad_dtype)
     from recforge.ops.triton.softmax_nll import softmax_nll as launch  # defined on first use: see recforge.ops.triton
 
-    return launch(logits, pos.contiguous(), ids, targets.contiguous(), None if share is None else share.contiguous(),
-                  grad_dtype)  # fmt: skip
+    return launch(logits, pos, ids, targets, share, grad_dtype)
 
 
 __all__ = ["softmax_nll", "softmax_nll_reference", "unsupported"]

@@ -181,9 +181,8 @@ def _shared_chunk(user: Tensor, scaled: Tensor, pos: Tensor, positive: Tensor, s
     of them (``recforge.ops.softmax_nll``: one Triton kernel on CUDA, where PyTorch's logsumexp and softmax read the
     (c, S) float32 logits twice and write masked copies), in bfloat16 for the ``half`` gradient matmuls."""
     logits = mm_f32(half[0], half[1].T) if half is not None else scaled @ shared.T  # (c, S)
-    grad_dtype = torch.bfloat16 if half is not None else logits.dtype
     loss, g_s, g_pos = softmax_nll(logits, pos[:, 0], shared_ids, targets, None if share is None else share[:, 0],
-                                   grad_dtype=grad_dtype if grads is not None else None)  # fmt: skip
+                                   grad_dtype=torch.bfloat16 if half is not None else None)  # fmt: skip
     nll.copy_(loss)
     if grads is None:
         return

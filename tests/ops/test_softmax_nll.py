@@ -75,6 +75,10 @@ def test_masked_rows_empty_batch_and_half_logits(interpreter) -> None:
     assert torch.equal(grad_pos, torch.zeros(11))
     empty = _inputs(0, 8, False, True)
     assert [tuple(x.shape) for x in softmax_nll(*empty, kernel="triton")] == [(0,), (0, 8), (0,)]
+    logits, pos, ids, targets, share = _inputs(9, 33, False, True)
+    strided = (logits.repeat_interleave(2, 1)[:, ::2], pos.repeat_interleave(2)[::2], ids,
+               targets.repeat_interleave(2)[::2], share.repeat_interleave(2)[::2])  # strided views of the same values
+    _check(softmax_nll(*strided, kernel="triton"), _oracle(logits, pos, ids, targets, share), 1e-5)
     inputs = _inputs(9, 33, True, False)
     half = (inputs[0].half(), *inputs[1:])
     _check(softmax_nll(*half, grad_dtype=torch.float32, kernel="triton"), _oracle(*half), 1e-5)  # float32 sums

@@ -103,9 +103,8 @@ def softmax_nll(logits: Tensor, pos: Tensor, ids: Tensor, targets: Tensor, share
     grad = logits.new_empty((num, k), dtype=grad_dtype)
     if num == 0:
         return nll, grad, grad_pos
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    ids = ids if ids.stride(-1) == 1 else ids.contiguous()
+    logits, ids = (x if x.stride(-1) == 1 else x.contiguous() for x in (logits, ids))  # rows read with unit stride
+    pos, targets, share = (None if x is None else x.contiguous() for x in (pos, targets, share))  # indexed by row
     block = min(triton.next_power_of_2(max(k, 1)), WHOLE_ROW)
     per_row = ids.dim() == 2
     tile, groups, warps, ids_once = config or (WIDE if block >= 4096 else NARROW)
