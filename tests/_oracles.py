@@ -127,6 +127,18 @@ def time_bucket_ref(delta: int, num_buckets: int) -> int:
     return min(max(math.floor(math.log(d) / 0.301), 0), num_buckets)
 
 
+def sampled_loss_inputs(dim: int = 16) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(num_items, user (T, dim), table (N + 1, dim), targets (T,), weights (T,)) for a sampled-softmax loss: fresh
+    sizes (20-39 positions, 5-29 items), leaf user and table, weights of 0 or 1 (the first 1)."""
+    positions, num_items = int(torch.randint(20, 40, ())), int(torch.randint(5, 30, ()))
+    user = torch.randn(positions, dim, requires_grad=True)
+    table = torch.randn(num_items + 1, dim, requires_grad=True)
+    targets = torch.randint(1, num_items + 1, (positions,))
+    weights = (torch.rand(positions) > 0.2).float()
+    weights[0] = 1.0
+    return num_items, user, table, targets, weights
+
+
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     """||got - expected|| / ||expected|| in float64 (0 when both are empty or zero)."""
     got, expected = got.double(), expected.double()

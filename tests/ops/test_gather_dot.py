@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _cuda import capture_without_syncs
-from _oracles import relative_error
+from _oracles import relative_error, sampled_loss_inputs
 
 from recforge.ops.custom_ops import gather_dot_op
 from recforge.ops.gather_dot import gather_dot, gather_dot_reference, gather_rows_sum, scatter_rows_sum
@@ -178,12 +178,8 @@ def _loss_grads(user, table, targets, sampled, num_items: int, loss_fn=sampled_s
 def test_sampled_softmax_through_the_kernels_matches_pytorch(interpreter, monkeypatch, chunk: int) -> None:
     """The loss's per-position path (unchunked: [target | negatives] of the whole table; chunked: the distinct
     negatives) with the kernels and with PyTorch's gather + bmm: the same value and gradients."""
-    positions, num_items, k = int(torch.randint(20, 40, ())), int(torch.randint(5, 30, ())), 9
-    user = torch.randn(positions, 16, requires_grad=True)
-    table = torch.randn(num_items + 1, 16, requires_grad=True)
-    targets = torch.randint(1, num_items + 1, (positions,))
-    weights = (torch.rand(positions) > 0.2).float()
-    weights[0] = 1.0
+    k = 9
+    num_items, user, table, targets, weights = sampled_loss_inputs()
     sampled = draw_negatives(targets, num_items, num_negatives=k, chunk_size=chunk)
     kwargs = dict(num_negatives=k, chunk_size=chunk, weights=weights)
     monkeypatch.setattr(DISPATCH, "default_kernel", "pytorch")

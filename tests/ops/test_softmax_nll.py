@@ -11,6 +11,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from _oracles import sampled_loss_inputs
 
 from recforge.ops.custom_ops import softmax_nll_op
 from recforge.ops.softmax_nll import softmax_nll, softmax_nll_reference
@@ -119,12 +120,8 @@ def test_shared_negatives_loss_through_the_kernel_matches_pytorch(interpreter, m
                                                                    in_batch: bool) -> None:  # fmt: skip
     """Shared negatives (and in-batch ones), unchunked (one chunk) or chunked, weighted: the kernel's loss and
     gradients equal PyTorch's ops'."""
-    positions, num_items, k = int(torch.randint(20, 40, ())), int(torch.randint(5, 30, ())), 9
-    user = torch.randn(positions, 16, requires_grad=True)
-    table = torch.randn(num_items + 1, 16, requires_grad=True)
-    targets = torch.randint(1, num_items + 1, (positions,))
-    weights = (torch.rand(positions) > 0.2).float()
-    weights[0] = 1.0
+    k = 9
+    num_items, user, table, targets, weights = sampled_loss_inputs()
     sampled = draw_negatives(targets, num_items, negatives="shared", num_negatives=k, chunk_size=chunk,
                              in_batch_negatives=in_batch)  # fmt: skip
     kwargs = dict(num_negatives=k, chunk_size=chunk, weights=weights, in_batch_negatives=in_batch)

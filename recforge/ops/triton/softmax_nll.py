@@ -46,9 +46,9 @@ def _logits(S, rows, c, ok, stride_s, ids, tgt):
 @triton.jit
 def _softmax_nll(S, POS, IDS, TGT, SHARE, NLL, G, GPOS, T, K, stride_s, stride_ids, stride_g,
                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr, TILES: tl.constexpr,
-                 PER_ROW: tl.constexpr, IDS_ONCE: tl.constexpr, HAS_SHARE: tl.constexpr):  # fmt: skip
+                 IDS_ONCE: tl.constexpr, HAS_SHARE: tl.constexpr):  # fmt: skip
     cols = tl.arange(0, BLOCK_K)[None, :]
-    if IDS_ONCE:  # the shared draw's ids (PER_ROW False) in registers, reused by every row of the program
+    if IDS_ONCE:  # the shared draw's ids (stride_ids 0) in registers, reused by every row of the program
         ids = tl.load(IDS + cols, mask=cols < K, other=0)
     for i in range(GROUPS):
         rows = (tl.program_id(0).to(tl.int64) * GROUPS + i) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -60,7 +60,7 @@ def _softmax_nll(S, POS, IDS, TGT, SHARE, NLL, G, GPOS, T, K, stride_s, stride_i
             ok = (cols < K) & live[:, None]
             if IDS_ONCE:
                 s = _logits(S, rows, cols, ok, stride_s, ids, tgt)
-            else:  # each row's own ids (PER_ROW), or the shared ones again (from L1/L2)
+            else:  # each row's own ids (stride_ids > 0), or the shared ones again (from L1/L2)
                 s = _logits(S, rows, cols, ok, stride_s, _ids(IDS, rows, cols, ok, stride_ids), tgt)
             top = tl.maximum(tl.max(s, 1), pos)
             e = tl.exp(s - top[:, None])
@@ -112,7 +112,7 @@ def softmax_nll(logits: Tensor, pos: Tensor, ids: Tensor, targets: Tensor, share
     _softmax_nll[(triton.cdiv(num, block_m * groups),)](
         logits, pos, ids, targets, pos if share is None else share, nll, grad, grad_pos, num, k, logits.stride(0),
         ids.stride(0) if per_row else 0, grad.stride(0), BLOCK_M=block_m, BLOCK_K=block, GROUPS=groups,
-        TILES=triton.cdiv(k, block), PER_ROW=per_row, IDS_ONCE=ids_once and not per_row and block >= k,
+        TILES=triton.cdiv(k, block), IDS_ONCE=ids_once and not per_row and block >= k,
         HAS_SHARE=share is not None, num_warps=warps,
     )  # fmt: skip
     return nll, grad, grad_pos
