@@ -4,11 +4,15 @@
 
 Why next to the Triton kernels: Triton's compiler waits on every wgmma right after issuing it, so one warpgroup's
 tensor cores idle through its SiLU, and ``tl.range(warp_specialize=True)`` does nothing on sm_90. Gluon (``triton
-.experimental.gluon``, Triton >= 3.6) states the schedule itself. Every kernel here is one program per (block of 128
-rows, sequence, head) in the block-major grid of the Triton kernels (a group's longest walk first, sequences longest
-first via ``seq_order``): a 1-warp loader streams tiles by TMA into a two-stage ring (ready/empty mbarriers) while two
-4-warp consumer warpgroups own 64 rows each and walk the same tiles, so one warpgroup's SiLU runs while the other's
-wgmmas do.
+.experimental.gluon``, Triton >= 3.6) states the schedule itself. The kernels run in the block-major grid of the
+Triton kernels (sequences longest first via ``seq_order``): a 1-warp loader streams tiles by TMA into a two-stage ring
+(ready/empty mbarriers) while two 4-warp consumer warpgroups own 64 rows each and walk the same tiles, so one
+warpgroup's SiLU runs while the other's wgmmas do. The dK/dV kernel has one program per (block of 128 keys, sequence,
+head), a group's longest walk first. The forward and dQ kernels have one per (pair of 128-row blocks, sequence, head):
+blocks nbs - 1 - p and p of the sequence's nbs, in one ring, so that every program of a sequence walks the same number
+of tiles (nbs + 1) and the second block's Q loads and first tiles overlap the first one's stores; the forward is
+1.10x / 1.09x / 1.08x / 1.04x its one-block programs at L 1024 / 2048 / 4096 / 8192, dQ ~1.01x, while dK/dV lost
+(0.96-0.98x; more spills in its consumers; BENCHMARKS.md, 27th session).
 
 - Forward (query rows; 128-key K/V tiles): S = Q K^T, P = SiLU(S), O += P V.
 - Backward, dK/dV (key rows; K and V loaded once, 64-row Q/dO tiles streamed): S^T = K Q^T and dP^T = V dO^T
@@ -123,31 +127,51 @@ if AVAILABLE:
         return t
 
     @gluon.jit
-    def _program(offsets, seq_order, num_heads, len_key, BLOCK: gl.constexpr, D: gl.constexpr, SEQ_ORDER: gl.constexpr):
+    def _program(offsets, seq_order, num_heads, len_key, BLOCK: gl.constexpr, D: gl.constexpr, SEQ_ORDER: gl.constexpr,
+                 PAIRS: gl.constexpr):
         """(block index, number of blocks, first token, length, column of the head) of this program in the block-major
-        grid of ``recforge.ops.triton.tuning.launch`` (``_common.block_of_program`` / ``sequence_of_rank`` in Gluon)."""
+        grid of ``recforge.ops.triton.tuning.launch`` (``_common.block_of_program`` / ``sequence_of_rank`` in Gluon);
+        ``PAIRS``: of a grid of pairs of blocks, (pair index p, ...) (``_items``, ``_row_block``)."""
         num_blocks = gl.cdiv(len_key, BLOCK)
+        if PAIRS:
+            per_group = gl.cdiv(num_blocks, 2)
+        else:
+            per_group = num_blocks
         pid = gl.program_id(0)
-        bh = pid // num_blocks
+        bh = pid // per_group
         b = bh // num_heads
         if SEQ_ORDER:
             b = gl.load(seq_order + b).to(gl.int32)
         start = gl.load(offsets + b).to(gl.int32)
         n = (gl.load(offsets + b + 1) - start).to(gl.int32)
-        return pid % num_blocks, num_blocks, start, n, (bh % num_heads) * D
+        return pid % per_group, num_blocks, start, n, (bh % num_heads) * D
+
+    @gluon.jit
+    def _items(p, nbs):
+        """How many row blocks pair ``p`` of a sequence of ``nbs`` blocks holds: two, or one (the middle block)."""
+        return 1 + (2 * p + 1 < nbs).to(gl.int32)
+
+    @gluon.jit
+    def _row_block(p, nbs, it):
+        """Row block ``it`` (0 or 1) of pair ``p``: nbs - 1 - p, then p (the longer key walk first)."""
+        return nbs - 1 - p - it * (nbs - 1 - 2 * p)
 
     @gluon.jit
     def _barriers(STAGES: gl.constexpr):
-        """(ready, empty, once): the ring's mbarriers (both consumers release a stage) and the once-loaded tiles' two:
-        those the loop needs (0) and those only the stores need (1: the pre-activation tiles of ``SILU``)."""
+        """(ready, empty, once): the ring's mbarriers (both consumers release a stage) and four for the tiles loaded
+        once per block: loaded, those the loop needs (0) and those only the stores need (1: the pre-activation tiles
+        of ``SILU``); released by both consumers, the loop's (2) and the stores' (3), before the next block's (the row
+        kernels' pairs; the dK/dV kernel's programs have one block)."""
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        once = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        once = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES):
             mbarrier.init(ready.index(st), count=1)
             mbarrier.init(empty.index(st), count=2)
         mbarrier.init(once.index(0), count=1)
         mbarrier.init(once.index(1), count=1)
+        mbarrier.init(once.index(2), count=2)
+        mbarrier.init(once.index(3), count=2)
         fence_async_shared()
         return ready, empty, once
 
@@ -171,37 +195,46 @@ if AVAILABLE:
     # ---- row blocks: the forward and the backward's dQ -----------------------------------------------------------
 
     @gluon.jit
-    def _row_loader(q_desc, do_desc, k_desc, v_desc, x_desc, q_s, do_s, k_s, v_s, x_s, q_bar, ready, empty, start, i0, col,
-                    nb, GRAD: gl.constexpr, SILU: gl.constexpr):
-        """The block's two Q (and, GRAD, dO; SILU, pre-activation) tiles once, then its K/V tiles through the ring."""
+    def _row_loader(q_desc, do_desc, k_desc, v_desc, x_desc, q_s, do_s, k_s, v_s, x_s, once, ready, empty, start, n, p,
+                    nbs, col, GRAD: gl.constexpr, SILU: gl.constexpr):
+        """Per block of the pair: its two Q (and, GRAD, dO) tiles once, its K/V tiles through the ring (one ring for
+        both blocks) and, SILU, its two pre-activation tiles for the stores after them; a block's once-loaded tiles
+        wait until both consumers are done with the previous block's."""
         rows: gl.constexpr = q_desc.block_type.shape[0]
         BN: gl.constexpr = k_desc.block_type.shape[0]
         stages: gl.constexpr = k_s.shape[0]
         once_bytes: gl.constexpr = (2 + 2 * GRAD) * q_desc.block_type.nbytes
-        mbarrier.expect(q_bar.index(0), once_bytes)
-        tma.async_copy_global_to_shared(q_desc, [start + i0, col], q_bar.index(0), q_s.index(0))
-        tma.async_copy_global_to_shared(q_desc, [start + i0 + rows, col], q_bar.index(0), q_s.index(1))
-        if GRAD:
-            tma.async_copy_global_to_shared(do_desc, [start + i0, col], q_bar.index(0), do_s.index(0))
-            tma.async_copy_global_to_shared(do_desc, [start + i0 + rows, col], q_bar.index(0), do_s.index(1))
         kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
-        for jb in range(nb):
-            st = jb % stages
-            mbarrier.wait(empty.index(st), ((jb // stages) & 1) ^ 1)  # a fresh barrier passes parity 1
-            mbarrier.expect(ready.index(st), kv_bytes)
-            tma.async_copy_global_to_shared(k_desc, [start + jb * BN, col], ready.index(st), k_s.index(st))
-            tma.async_copy_global_to_shared(v_desc, [start + jb * BN, col], ready.index(st), v_s.index(st))
-            if SILU:
-                if jb == 0:  # the stores' pre-activation tiles after the loop's first (issued later: the same speed)
-                    mbarrier.expect(q_bar.index(1), 2 * x_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(x_desc, [start + i0, col], q_bar.index(1), x_s.index(0))
-                    tma.async_copy_global_to_shared(x_desc, [start + i0 + rows, col], q_bar.index(1), x_s.index(1))
+        g = 0  # K/V tiles issued so far: the ring's position
+        for it in range(_items(p, nbs)):
+            i0 = _row_block(p, nbs, it) * 2 * rows
+            if it > 0:
+                mbarrier.wait(once.index(2), (it - 1) & 1)
+            mbarrier.expect(once.index(0), once_bytes)
+            tma.async_copy_global_to_shared(q_desc, [start + i0, col], once.index(0), q_s.index(0))
+            tma.async_copy_global_to_shared(q_desc, [start + i0 + rows, col], once.index(0), q_s.index(1))
+            if GRAD:
+                tma.async_copy_global_to_shared(do_desc, [start + i0, col], once.index(0), do_s.index(0))
+                tma.async_copy_global_to_shared(do_desc, [start + i0 + rows, col], once.index(0), do_s.index(1))
+            for jb in range(gl.cdiv(gl.minimum(i0 + 2 * rows, n), BN)):
+                st = g % stages
+                mbarrier.wait(empty.index(st), ((g // stages) & 1) ^ 1)  # a fresh barrier passes parity 1
+                mbarrier.expect(ready.index(st), kv_bytes)
+                tma.async_copy_global_to_shared(k_desc, [start + jb * BN, col], ready.index(st), k_s.index(st))
+                tma.async_copy_global_to_shared(v_desc, [start + jb * BN, col], ready.index(st), v_s.index(st))
+                g += 1
+            if SILU:  # the stores' tiles after the loop's
+                if it > 0:
+                    mbarrier.wait(once.index(3), (it - 1) & 1)
+                mbarrier.expect(once.index(1), 2 * x_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [start + i0, col], once.index(1), x_s.index(0))
+                tma.async_copy_global_to_shared(x_desc, [start + i0 + rows, col], once.index(1), x_s.index(1))
 
     @gluon.jit
-    def _row_consumer(q_s, do_s, k_s, v_s, x_s, q_bar, ready, empty, OUT, so_t, start, n, i0, col, nb, factor,
+    def _row_consumer(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, col, factor,
                       CID: gl.constexpr, GRAD: gl.constexpr, SILU: gl.constexpr):
-        """Rows i0 + 64 CID ... of the output: O += SiLU(Q K^T) V, or (GRAD) dQ += dS K with S = Q K^T and dP = dO V^T
-        issued together; stored times ``factor`` (and ``SILU``: SiLU' of ``x_s``, ``_store_rows``)."""
+        """Rows i0 + 64 CID ... of each block of the pair: O += SiLU(Q K^T) V, or (GRAD) dQ += dS K with S = Q K^T and
+        dP = dO V^T issued together; stored times ``factor`` (and ``SILU``: SiLU' of ``x_s``, ``_store_rows``)."""
         stages: gl.constexpr = k_s.shape[0]
         BN: gl.constexpr = k_s.shape[1]
         D: gl.constexpr = k_s.shape[2]
@@ -209,59 +242,67 @@ if AVAILABLE:
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        i_lo = i0 + CID * rows
         q_c = q_s.index(CID)
-        mbarrier.wait(q_bar.index(0), 0)
-        acc = gl.zeros((rows, D), gl.float32, o_layout)
-        for jb in range(nb):
-            st = jb % stages
-            mbarrier.wait(ready.index(st), (jb // stages) & 1)
-            k_t = k_s.index(st)
-            s_tok = warpgroup_mma(q_c, k_t.permute((1, 0)), gl.zeros((rows, BN), gl.float32, s_layout), use_acc=False,
-                                  is_async=True)
-            if GRAD:
-                dp_tok = warpgroup_mma(do_s.index(CID), v_s.index(st).permute((1, 0)),
-                                       gl.zeros((rows, BN), gl.float32, s_layout), use_acc=False, is_async=True)
-                s, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
-                _, t = _silu_grad(s, dp)
-                b = k_t
-            else:
-                s = warpgroup_mma_wait(0, deps=(s_tok, q_c, k_t))[0]
-                t, _ = _silu_grad(s, s)  # SiLU(s); the unused gradient is dropped by the compiler
-                b = v_s.index(st)
-            t = _causal(t, jb, i_lo, s_layout)
-            acc = warpgroup_mma(gl.convert_layout(t.to(q_s.dtype), a_layout), b, acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc, b))[0]
-            mbarrier.arrive(empty.index(st), count=1)
-        if SILU:
-            mbarrier.wait(q_bar.index(1), 0)
-        _store_rows(OUT, so_t, start, n, i_lo, col, acc, factor, x_s.index(CID), SILU)
+        g = 0  # K/V tiles consumed so far
+        for it in range(_items(p, nbs)):
+            i0 = _row_block(p, nbs, it) * 2 * rows
+            i_lo = i0 + CID * rows
+            mbarrier.wait(once.index(0), it & 1)
+            acc = gl.zeros((rows, D), gl.float32, o_layout)
+            for jb in range(gl.cdiv(gl.minimum(i0 + 2 * rows, n), BN)):
+                st = g % stages
+                mbarrier.wait(ready.index(st), (g // stages) & 1)
+                k_t = k_s.index(st)
+                s_tok = warpgroup_mma(q_c, k_t.permute((1, 0)), gl.zeros((rows, BN), gl.float32, s_layout),
+                                      use_acc=False, is_async=True)
+                if GRAD:
+                    dp_tok = warpgroup_mma(do_s.index(CID), v_s.index(st).permute((1, 0)),
+                                           gl.zeros((rows, BN), gl.float32, s_layout), use_acc=False, is_async=True)
+                    s, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
+                    _, t = _silu_grad(s, dp)
+                    b = k_t
+                else:
+                    s = warpgroup_mma_wait(0, deps=(s_tok, q_c, k_t))[0]
+                    t, _ = _silu_grad(s, s)  # SiLU(s); the unused gradient is dropped by the compiler
+                    b = v_s.index(st)
+                t = _causal(t, jb, i_lo, s_layout)
+                acc = warpgroup_mma(gl.convert_layout(t.to(q_s.dtype), a_layout), b, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc, b))[0]
+                mbarrier.arrive(empty.index(st), count=1)
+                g += 1
+            mbarrier.arrive(once.index(2), count=1)  # Q (and dO) read: the next block's may load
+            if SILU:
+                mbarrier.wait(once.index(1), it & 1)
+            _store_rows(OUT, so_t, start, n, i_lo, col, acc, factor, x_s.index(CID), SILU)
+            if SILU:
+                mbarrier.arrive(once.index(3), count=1)
 
     @gluon.jit
-    def _row_consumer0(q_s, do_s, k_s, v_s, x_s, q_bar, ready, empty, OUT, so_t, start, n, i0, col, nb, factor,
+    def _row_consumer0(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, col, factor,
                        GRAD: gl.constexpr, SILU: gl.constexpr):
-        _row_consumer(q_s, do_s, k_s, v_s, x_s, q_bar, ready, empty, OUT, so_t, start, n, i0, col, nb, factor, 0,
+        _row_consumer(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, col, factor, 0,
                       GRAD, SILU)
-        return (nb,)  # Triton 3.6 wants a tuple from the default partition
+        return (nbs,)  # Triton 3.6 wants a tuple from the default partition
 
     @gluon.jit
-    def _row_consumer1(q_s, do_s, k_s, v_s, x_s, q_bar, ready, empty, OUT, so_t, start, n, i0, col, nb, factor,
+    def _row_consumer1(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, col, factor,
                        GRAD: gl.constexpr, SILU: gl.constexpr):
-        _row_consumer(q_s, do_s, k_s, v_s, x_s, q_bar, ready, empty, OUT, so_t, start, n, i0, col, nb, factor, 1,
+        _row_consumer(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, col, factor, 1,
                       GRAD, SILU)
 
     @gluon.jit
     def _row_blocks(q_desc, do_desc, k_desc, v_desc, x_desc, OUT, so_t, offsets, seq_order, factor, num_heads, len_key,
                     STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr, GRAD: gl.constexpr, SILU: gl.constexpr):
-        """One program per (128 rows, sequence, head) in the block-major grid of ``recforge.ops.triton.tuning.launch``
-        (a group's longest key walk first; the sequences in ``seq_order`` when ``SEQ_ORDER``)."""
+        """One program per (pair of 128-row blocks, sequence, head), the sequences in ``seq_order`` when ``SEQ_ORDER``:
+        blocks nbs - 1 - p and p of the sequence's nbs (``_items``, ``_row_block``), so every program of a sequence
+        walks the same number of K/V tiles, and the second block's loads overlap the first one's stores (the module
+        doc)."""
         rows: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
-        blk, num_blocks, start, n, col = _program(offsets, seq_order, num_heads, len_key, 2 * rows, D, SEQ_ORDER)
-        i0 = (num_blocks - 1 - blk) * 2 * rows
-        if i0 < n:  # blocks past the sequence's end exit before any set-up
-            nb = gl.cdiv(gl.minimum(i0 + 2 * rows, n), BN)
+        p, _, start, n, col = _program(offsets, seq_order, num_heads, len_key, 2 * rows, D, SEQ_ORDER, True)
+        nbs = gl.cdiv(n, 2 * rows)
+        if 2 * p < nbs:  # pairs past the sequence's end exit before any set-up
             q_s = gl.allocate_shared_memory(q_desc.dtype, [2, rows, D], q_desc.layout)
             if GRAD:
                 do_s = gl.allocate_shared_memory(do_desc.dtype, [2, rows, D], do_desc.layout)
@@ -273,14 +314,14 @@ if AVAILABLE:
                 x_s = q_s  # not read
             k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
             v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
-            ready, empty, q_bar = _barriers(STAGES)
+            ready, empty, once = _barriers(STAGES)
             # the loader's warp and the second consumer's four; registers (setmaxnreg where honoured)
-            gl.warp_specialize([(_row_consumer0, (q_s, do_s, k_s, v_s, x_s, q_bar, ready, empty, OUT, so_t, start, n, i0,
-                                                  col, nb, factor, GRAD, SILU)),
-                                (_row_loader, (q_desc, do_desc, k_desc, v_desc, x_desc, q_s, do_s, k_s, v_s, x_s, q_bar,
-                                               ready, empty, start, i0, col, nb, GRAD, SILU)),
-                                (_row_consumer1, (q_s, do_s, k_s, v_s, x_s, q_bar, ready, empty, OUT, so_t, start, n, i0,
-                                                  col, nb, factor, GRAD, SILU))],
+            gl.warp_specialize([(_row_consumer0, (q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p,
+                                                  nbs, col, factor, GRAD, SILU)),
+                                (_row_loader, (q_desc, do_desc, k_desc, v_desc, x_desc, q_s, do_s, k_s, v_s, x_s, once,
+                                               ready, empty, start, n, p, nbs, col, GRAD, SILU)),
+                                (_row_consumer1, (q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p,
+                                                  nbs, col, factor, GRAD, SILU))],
                                [1, 4], [24, 240])
 
     @gluon.jit
@@ -393,7 +434,7 @@ if AVAILABLE:
         dV times SiLU' of the pre-activations read by ``xk_desc``, ``xv_desc``."""
         rows: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
-        blk, num_blocks, start, n, col = _program(offsets, seq_order, num_heads, len_key, 2 * rows, D, SEQ_ORDER)
+        blk, num_blocks, start, n, col = _program(offsets, seq_order, num_heads, len_key, 2 * rows, D, SEQ_ORDER, False)
         j0 = blk * 2 * rows
         if j0 < n:
             nt = gl.cdiv(n - j0, rows)
@@ -417,6 +458,12 @@ if AVAILABLE:
                                                    sdv_t, start, n, j0, col, nt, scale, SILU))], [1, 4], [24, 240])
 
 
+def programs(max_seq_len: int, pairs: bool) -> int:
+    """Programs per (sequence, head): blocks of 128 rows (the dK/dV kernel), or pairs of them (the row kernels)."""
+    blocks = triton.cdiv(max_seq_len, 2 * BLOCK_ROWS)
+    return triton.cdiv(blocks, 2) if pairs else blocks
+
+
 def descriptor(x: Tensor, rows: int):
     """The TMA descriptor of ``x`` ((T, H, 128), ``tma_ready``) as a (T, H * 128) matrix read in (rows, 128) tiles."""
     layout = gl.NVMMASharedLayout.get_default_for([rows, HEAD_DIM], gl.bfloat16 if x.dtype == torch.bfloat16
@@ -433,7 +480,7 @@ def hstu_forward_gluon(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq
                        seq_order: Tensor | None, out: Tensor) -> Tensor:  # fmt: skip
     """Fill ``out`` ((T, H, 128), contiguous) with the causal HSTU attention of a ``supported`` call."""
     batch, heads = offsets.numel() - 1, q.shape[1]
-    grid = (triton.cdiv(max_seq_len, 2 * BLOCK_ROWS) * batch * heads,)
+    grid = (programs(max_seq_len, True) * batch * heads,)
     order = seq_order if seq_order is not None else offsets  # SEQ_ORDER False: never read
     try:
         _hstu_fwd_gluon[grid](*descriptors(q, k, v), out, out.stride(0), offsets, order, scale, heads, max_seq_len,
@@ -454,16 +501,16 @@ def hstu_backward_gluon(do: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
     gradients of those instead, dQ SiLU'(x_q) and so on, each multiplied in at its store from tiles the loader
     prefetched (``hstu_silu.silu_attention_backward``: the HSTU projection's gradient without a pass of its own)."""
     batch, heads = offsets.numel() - 1, q.shape[1]
-    grid = (triton.cdiv(max_seq_len, 2 * BLOCK_ROWS) * batch * heads,)
     order = seq_order if seq_order is not None else offsets  # SEQ_ORDER False: never read
     tiles = [descriptor(x, BLOCK_ROWS) for x in (q, do, k, v)]
     silu = pre is not None
     x_q, x_k, x_v = [descriptor(x, BLOCK_ROWS) for x in pre] if silu else tiles[:3]  # SILU False: never read
     common = dict(STAGES=STAGES, SEQ_ORDER=seq_order is not None, SILU=silu, num_warps=4)
     try:
-        _hstu_bwd_dkdv_gluon[grid](*tiles, x_k, x_v, dk, dv, dk.stride(0), dv.stride(0), offsets, order, scale, heads,
-                                   max_seq_len, **common)
-        _hstu_bwd_dq_gluon[grid](*tiles, x_q, dq, dq.stride(0), offsets, order, dq_scale, heads, max_seq_len, **common)
+        _hstu_bwd_dkdv_gluon[(programs(max_seq_len, False) * batch * heads,)](
+            *tiles, x_k, x_v, dk, dv, dk.stride(0), dv.stride(0), offsets, order, scale, heads, max_seq_len, **common)
+        _hstu_bwd_dq_gluon[(programs(max_seq_len, True) * batch * heads,)](
+            *tiles, x_q, dq, dq.stride(0), offsets, order, dq_scale, heads, max_seq_len, **common)
     except Exception as e:  # a compiler or driver failure: say how to run the Triton backward instead
         raise RuntimeError(f"the Gluon HSTU attention backward failed ({type(e).__name__}: {e}); set "
                            "RECFORGE_GLUON_HSTU=0 to use the Triton kernels, and please report it") from e
