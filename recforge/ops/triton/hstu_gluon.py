@@ -67,6 +67,7 @@ BLOCK_KEYS = 128  # keys per K/V tile of the forward
 STAGES = 2  # K/V ring depth
 HEAD_DIM = 128
 MIN_LEN = 1024  # shorter batches keep the Triton forward (level with it at 1,024 on the H200, faster above)
+GROUP = triton.language.constexpr(2)  # pairs of row blocks per program of the forward and dQ kernels (``_items``)
 
 
 def min_len(device: torch.device, dtype: torch.dtype, dqk: int, dv: int) -> int | None:
@@ -129,14 +130,13 @@ if AVAILABLE:
     @gluon.jit
     def _program(offsets, seq_order, num_heads, len_key, BLOCK: gl.constexpr, D: gl.constexpr, SEQ_ORDER: gl.constexpr,
                  PAIRS: gl.constexpr):
-        """(block index, number of blocks, first token, length, column of the head) of this program in the block-major
-        grid of ``recforge.ops.triton.tuning.launch`` (``_common.block_of_program`` / ``sequence_of_rank`` in Gluon);
-        ``PAIRS``: of a grid of pairs of blocks, (pair index p, ...) (``_items``, ``_row_block``)."""
-        num_blocks = gl.cdiv(len_key, BLOCK)
+        """(block index, programs per sequence and head, first token, length, column of the head) of this program in the
+        block-major grid of ``recforge.ops.triton.tuning.launch`` (``_common.block_of_program`` / ``sequence_of_rank``
+        in Gluon); ``PAIRS``: of a grid of programs of ``GROUP`` pairs of blocks, (program index p, ...) (``_items``,
+        ``_row_block``)."""
+        per_group = gl.cdiv(len_key, BLOCK)
         if PAIRS:
-            per_group = gl.cdiv(num_blocks, 2)
-        else:
-            per_group = num_blocks
+            per_group = gl.cdiv(gl.cdiv(per_group, 2), GROUP)
         pid = gl.program_id(0)
         bh = pid // per_group
         b = bh // num_heads
@@ -144,17 +144,22 @@ if AVAILABLE:
             b = gl.load(seq_order + b).to(gl.int32)
         start = gl.load(offsets + b).to(gl.int32)
         n = (gl.load(offsets + b + 1) - start).to(gl.int32)
-        return pid % per_group, num_blocks, start, n, (bh % num_heads) * D
+        return pid % per_group, per_group, start, n, (bh % num_heads) * D
 
     @gluon.jit
-    def _items(p, nbs):
-        """How many row blocks pair ``p`` of a sequence of ``nbs`` blocks holds: two, or one (the middle block)."""
-        return 1 + (2 * p + 1 < nbs).to(gl.int32)
+    def _items(p, nbs, per_group):
+        """How many row blocks program ``p`` of a sequence of ``nbs`` blocks holds: its pairs p, p + per_group, ...
+        (``GROUP`` at most, those under cdiv(nbs, 2)), two blocks each but an odd nbs's middle block alone."""
+        pairs = gl.minimum(gl.cdiv(gl.cdiv(nbs, 2) - p, per_group), GROUP)
+        last = p + (pairs - 1) * per_group
+        return 2 * pairs - (2 * last + 1 == nbs).to(gl.int32)
 
     @gluon.jit
-    def _row_block(p, nbs, it):
-        """Row block ``it`` (0 or 1) of pair ``p``: nbs - 1 - p, then p (the longer key walk first)."""
-        return nbs - 1 - p - it * (nbs - 1 - 2 * p)
+    def _row_block(p, nbs, it, per_group):
+        """Row block ``it`` of program ``p``: of its pair pp = p + (it // 2) per_group, nbs - 1 - pp then pp (the
+        longer key walk first)."""
+        pp = p + (it // 2) * per_group
+        return nbs - 1 - pp - (it % 2) * (nbs - 1 - 2 * pp)
 
     @gluon.jit
     def _barriers(STAGES: gl.constexpr):
@@ -196,7 +201,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _row_loader(q_desc, do_desc, k_desc, v_desc, x_desc, q_s, do_s, k_s, v_s, x_s, once, ready, empty, start, n, p,
-                    nbs, col, GRAD: gl.constexpr, SILU: gl.constexpr):
+                    nbs, per_group, col, GRAD: gl.constexpr, SILU: gl.constexpr):
         """Per block of the pair: its two Q (and, GRAD, dO) tiles once, its K/V tiles through the ring (one ring for
         both blocks) and, SILU, its two pre-activation tiles for the stores after them; a block's once-loaded tiles
         wait until both consumers are done with the previous block's."""
@@ -206,8 +211,8 @@ if AVAILABLE:
         once_bytes: gl.constexpr = (2 + 2 * GRAD) * q_desc.block_type.nbytes
         kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
         g = 0  # K/V tiles issued so far: the ring's position
-        for it in range(_items(p, nbs)):
-            i0 = _row_block(p, nbs, it) * 2 * rows
+        for it in range(_items(p, nbs, per_group)):
+            i0 = _row_block(p, nbs, it, per_group) * 2 * rows
             if it > 0:
                 mbarrier.wait(once.index(2), (it - 1) & 1)
             mbarrier.expect(once.index(0), once_bytes)
@@ -231,7 +236,7 @@ if AVAILABLE:
                 tma.async_copy_global_to_shared(x_desc, [start + i0 + rows, col], once.index(1), x_s.index(1))
 
     @gluon.jit
-    def _row_consumer(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, col, factor,
+    def _row_consumer(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col, factor,
                       CID: gl.constexpr, GRAD: gl.constexpr, SILU: gl.constexpr):
         """Rows i0 + 64 CID ... of each block of the pair: O += SiLU(Q K^T) V, or (GRAD) dQ += dS K with S = Q K^T and
         dP = dO V^T issued together; stored times ``factor`` (and ``SILU``: SiLU' of ``x_s``, ``_store_rows``)."""
@@ -244,8 +249,8 @@ if AVAILABLE:
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         q_c = q_s.index(CID)
         g = 0  # K/V tiles consumed so far
-        for it in range(_items(p, nbs)):
-            i0 = _row_block(p, nbs, it) * 2 * rows
+        for it in range(_items(p, nbs, per_group)):
+            i0 = _row_block(p, nbs, it, per_group) * 2 * rows
             i_lo = i0 + CID * rows
             mbarrier.wait(once.index(0), it & 1)
             acc = gl.zeros((rows, D), gl.float32, o_layout)
@@ -278,16 +283,16 @@ if AVAILABLE:
                 mbarrier.arrive(once.index(3), count=1)
 
     @gluon.jit
-    def _row_consumer0(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, col, factor,
+    def _row_consumer0(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col, factor,
                        GRAD: gl.constexpr, SILU: gl.constexpr):
-        _row_consumer(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, col, factor, 0,
+        _row_consumer(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col, factor, 0,
                       GRAD, SILU)
         return (nbs,)  # Triton 3.6 wants a tuple from the default partition
 
     @gluon.jit
-    def _row_consumer1(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, col, factor,
+    def _row_consumer1(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col, factor,
                        GRAD: gl.constexpr, SILU: gl.constexpr):
-        _row_consumer(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, col, factor, 1,
+        _row_consumer(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col, factor, 1,
                       GRAD, SILU)
 
     @gluon.jit
@@ -300,7 +305,7 @@ if AVAILABLE:
         rows: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
-        p, _, start, n, col = _program(offsets, seq_order, num_heads, len_key, 2 * rows, D, SEQ_ORDER, True)
+        p, per_group, start, n, col = _program(offsets, seq_order, num_heads, len_key, 2 * rows, D, SEQ_ORDER, True)
         nbs = gl.cdiv(n, 2 * rows)
         if 2 * p < nbs:  # pairs past the sequence's end exit before any set-up
             q_s = gl.allocate_shared_memory(q_desc.dtype, [2, rows, D], q_desc.layout)
@@ -317,11 +322,11 @@ if AVAILABLE:
             ready, empty, once = _barriers(STAGES)
             # the loader's warp and the second consumer's four; registers (setmaxnreg where honoured)
             gl.warp_specialize([(_row_consumer0, (q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p,
-                                                  nbs, col, factor, GRAD, SILU)),
+                                                  nbs, per_group, col, factor, GRAD, SILU)),
                                 (_row_loader, (q_desc, do_desc, k_desc, v_desc, x_desc, q_s, do_s, k_s, v_s, x_s, once,
-                                               ready, empty, start, n, p, nbs, col, GRAD, SILU)),
+                                               ready, empty, start, n, p, nbs, per_group, col, GRAD, SILU)),
                                 (_row_consumer1, (q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p,
-                                                  nbs, col, factor, GRAD, SILU))],
+                                                  nbs, per_group, col, factor, GRAD, SILU))],
                                [1, 4], [24, 240])
 
     @gluon.jit
@@ -434,7 +439,7 @@ if AVAILABLE:
         dV times SiLU' of the pre-activations read by ``xk_desc``, ``xv_desc``."""
         rows: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
-        blk, num_blocks, start, n, col = _program(offsets, seq_order, num_heads, len_key, 2 * rows, D, SEQ_ORDER, False)
+        blk, _, start, n, col = _program(offsets, seq_order, num_heads, len_key, 2 * rows, D, SEQ_ORDER, False)
         j0 = blk * 2 * rows
         if j0 < n:
             nt = gl.cdiv(n - j0, rows)
@@ -461,7 +466,7 @@ if AVAILABLE:
 def programs(max_seq_len: int, pairs: bool) -> int:
     """Programs per (sequence, head): blocks of 128 rows (the dK/dV kernel), or pairs of them (the row kernels)."""
     blocks = triton.cdiv(max_seq_len, 2 * BLOCK_ROWS)
-    return triton.cdiv(blocks, 2) if pairs else blocks
+    return triton.cdiv(triton.cdiv(blocks, 2), GROUP.value) if pairs else blocks
 
 
 def descriptor(x: Tensor, rows: int):
