@@ -8,11 +8,12 @@ tensor cores idle through its SiLU, and ``tl.range(warp_specialize=True)`` does 
 Triton kernels (sequences longest first via ``seq_order``): a 1-warp loader streams tiles by TMA into a two-stage ring
 (ready/empty mbarriers) while two 4-warp consumer warpgroups own 64 rows each and walk the same tiles, so one
 warpgroup's SiLU runs while the other's wgmmas do. The dK/dV kernel has one program per (block of 128 keys, sequence,
-head), a group's longest walk first. The forward and dQ kernels have one per (pair of 128-row blocks, sequence, head):
-blocks nbs - 1 - p and p of the sequence's nbs, in one ring, so that every program of a sequence walks the same number
-of tiles (nbs + 1) and the second block's Q loads and first tiles overlap the first one's stores; the forward is
-1.10x / 1.09x / 1.08x / 1.04x its one-block programs at L 1024 / 2048 / 4096 / 8192, dQ ~1.01x, while dK/dV lost
-(0.96-0.98x; more spills in its consumers; BENCHMARKS.md, 27th session).
+head), a group's longest walk first. The forward and dQ kernels have one per (``GROUP`` pairs of 128-row blocks,
+sequence, head): blocks nbs - 1 - p and p of the sequence's nbs (and of pair p + per_group), in one ring, so that
+every program of a sequence walks the same number of tiles (nbs + 1 per pair) and each next block's Q loads and first
+tiles overlap the previous one's stores. On an H200 the forward is 1.10x / 1.09x / 1.08x / 1.04x its one-block
+programs at L 1024 / 2048 / 4096 / 8192 with one pair, dQ ~1.01x, and two pairs add up to 1.02x; the dK/dV kernel
+lost on pairs (0.96-0.99x: more spills in its consumers) and four pairs were mixed (BENCHMARKS.md, 27th session).
 
 - Forward (query rows; 128-key K/V tiles): S = Q K^T, P = SiLU(S), O += P V.
 - Backward, dK/dV (key rows; K and V loaded once, 64-row Q/dO tiles streamed): S^T = K Q^T and dP^T = V dO^T
