@@ -13,7 +13,9 @@ sequence, head): blocks nbs - 1 - p and p of the sequence's nbs (and of pair p +
 every program of a sequence walks the same number of tiles (nbs + 1 per pair) and each next block's Q loads and first
 tiles overlap the previous one's stores. On an H200 the forward is 1.10x / 1.09x / 1.08x / 1.04x its one-block
 programs at L 1024 / 2048 / 4096 / 8192 with one pair, dQ ~1.01x, and two pairs add up to 1.02x; the dK/dV kernel
-lost on pairs (0.96-0.99x: more spills in its consumers) and four pairs were mixed (BENCHMARKS.md, 27th session).
+lost on pairs (0.96-0.99x: more spills in its consumers) and four pairs were mixed. In the forward's diagonal K/V
+tile the first warpgroup's rows see only the first 64 keys, so it multiplies by that half alone (``_half_diagonal``:
+the forward 1.06x / 1.03x / 1.03x / 1.02x at L 1024-8192; BENCHMARKS.md, 27th session).
 
 - Forward (query rows; 128-key K/V tiles): S = Q K^T, P = SiLU(S), O += P V.
 - Backward, dK/dV (key rows; K and V loaded once, 64-row Q/dO tiles streamed): S^T = K Q^T and dP^T = V dO^T
@@ -258,22 +260,27 @@ if AVAILABLE:
             for jb in range(gl.cdiv(gl.minimum(i0 + 2 * rows, n), BN)):
                 st = g % stages
                 mbarrier.wait(ready.index(st), (g // stages) & 1)
-                k_t = k_s.index(st)
-                s_tok = warpgroup_mma(q_c, k_t.permute((1, 0)), gl.zeros((rows, BN), gl.float32, s_layout),
-                                      use_acc=False, is_async=True)
-                if GRAD:
-                    dp_tok = warpgroup_mma(do_s.index(CID), v_s.index(st).permute((1, 0)),
-                                           gl.zeros((rows, BN), gl.float32, s_layout), use_acc=False, is_async=True)
-                    s, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
-                    _, t = _silu_grad(s, dp)
-                    b = k_t
+                if (not GRAD) and (CID == 0) and (jb * BN == i0):
+                    # the forward's diagonal tile: the first warpgroup's rows see only its first 64 keys
+                    acc = _half_diagonal(q_c, k_s.index(st), v_s.index(st), acc)
                 else:
-                    s = warpgroup_mma_wait(0, deps=(s_tok, q_c, k_t))[0]
-                    t, _ = _silu_grad(s, s)  # SiLU(s); the unused gradient is dropped by the compiler
-                    b = v_s.index(st)
-                t = _causal(t, jb, i_lo, s_layout)
-                acc = warpgroup_mma(gl.convert_layout(t.to(q_s.dtype), a_layout), b, acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc, b))[0]
+                    k_t = k_s.index(st)
+                    s_tok = warpgroup_mma(q_c, k_t.permute((1, 0)), gl.zeros((rows, BN), gl.float32, s_layout),
+                                          use_acc=False, is_async=True)
+                    if GRAD:
+                        dp_tok = warpgroup_mma(do_s.index(CID), v_s.index(st).permute((1, 0)),
+                                               gl.zeros((rows, BN), gl.float32, s_layout), use_acc=False,
+                                               is_async=True)
+                        s, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
+                        _, t = _silu_grad(s, dp)
+                        b = k_t
+                    else:
+                        s = warpgroup_mma_wait(0, deps=(s_tok, q_c, k_t))[0]
+                        t, _ = _silu_grad(s, s)  # SiLU(s); the unused gradient is dropped by the compiler
+                        b = v_s.index(st)
+                    t = _causal(t, jb, i_lo, s_layout)
+                    acc = warpgroup_mma(gl.convert_layout(t.to(q_s.dtype), a_layout), b, acc, is_async=True)
+                    acc = warpgroup_mma_wait(0, deps=(acc, b))[0]
                 mbarrier.arrive(empty.index(st), count=1)
                 g += 1
             mbarrier.arrive(once.index(2), count=1)  # Q (and dO) read: the next block's may load
@@ -282,6 +289,27 @@ if AVAILABLE:
             _store_rows(OUT, so_t, start, n, i_lo, col, acc, factor, x_s.index(CID), SILU)
             if SILU:
                 mbarrier.arrive(once.index(3), count=1)
+
+    @gluon.jit
+    def _half_diagonal(q_c, k_t, v_t, acc):
+        """``acc`` + SiLU(Q K^T) V over the first half of a K/V tile whose keys start at the rows' first: the rest of
+        the tile follows every row (half the wgmma work of the full tile)."""
+        rows: gl.constexpr = q_c.shape[0]
+        half: gl.constexpr = k_t.shape[0] // 2
+        gl.static_assert(half == rows, "the diagonal tile is the block's: keys as many as the two warpgroups' rows")
+        h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, half, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+        k_h = k_t.slice(0, half)
+        v_h = v_t.slice(0, half)
+        s_tok = warpgroup_mma(q_c, k_h.permute((1, 0)), gl.zeros((rows, half), gl.float32, h_layout), use_acc=False,
+                              is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s_tok, q_c, k_h))[0]
+        t, _ = _silu_grad(s, s)
+        i = gl.arange(0, rows, layout=gl.SliceLayout(1, h_layout))
+        j = gl.arange(0, half, layout=gl.SliceLayout(0, h_layout))
+        t = gl.where(j[None, :] <= i[:, None], t, 0.0)
+        acc = warpgroup_mma(gl.convert_layout(t.to(q_c.dtype), p_layout), v_h, acc, is_async=True)
+        return warpgroup_mma_wait(0, deps=(acc, v_h))[0]
 
     @gluon.jit
     def _row_consumer0(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col, factor,
