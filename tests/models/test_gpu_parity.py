@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _oracles import relative_error
 
 from recforge.config import ModelConfig
 from recforge.jagged.batch import JaggedBatch
@@ -11,6 +12,19 @@ from recforge.jagged.index import offsets_from_lengths
 from recforge.models.builders import build_retrieval_model
 
 pytestmark = pytest.mark.gpu
+
+
+def _probe_loss(out: torch.Tensor, seed: int) -> torch.Tensor:
+    """A loss whose gradients are the model's: the outputs are unit vectors (the L2-normalising postfix), so
+    ``out.square().sum()`` is the constant token count and every gradient of it only rounding noise."""
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (out * probe.to(out.device, out.dtype)).sum()
+
+
+def _assert_informative(grads: dict) -> None:
+    """The compared gradients are not noise around zero (the item table's reaches the loss through every block)."""
+    norm = float(grads["prefix.item_embedding.weight"].norm())
+    assert norm > 1e-3, f"the item table's gradient is {norm:.1e}: the test compares rounding noise"
 
 
 @pytest.mark.parametrize("kind", ["hstu", "sasrec"])
@@ -28,11 +42,13 @@ def test_forward_and_gradients_match_cpu(kind: str, cuda_device: torch.device) -
     out_cpu = cpu_model(batch)
     out_gpu = gpu_model(batch.to(cuda_device))
     torch.testing.assert_close(out_gpu.cpu(), out_cpu, rtol=1e-9, atol=1e-9)
-    out_cpu.square().sum().backward()
-    out_gpu.square().sum().backward()
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    _probe_loss(out_cpu, seed).backward()
+    _probe_loss(out_gpu, seed).backward()
+    _assert_informative({n: p.grad for n, p in cpu_model.named_parameters()})
     for (name, p_cpu), p_gpu in zip(cpu_model.named_parameters(), gpu_model.parameters(), strict=True):
         if p_cpu.grad is not None:
-            torch.testing.assert_close(p_gpu.grad.cpu(), p_cpu.grad, rtol=1e-7, atol=1e-9, msg=name)
+            torch.testing.assert_close(p_gpu.grad.cpu(), p_cpu.grad, rtol=1e-7, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("kind", ["hstu", "sasrec"])
@@ -46,18 +62,22 @@ def test_triton_kernel_matches_reference_in_model(kind: str, cuda_device: torch.
     features = {"item_ids": torch.randint(1, 101, (total,)), "timestamps": torch.randint(0, 10**6, (total,)).sort().values}
     batch = JaggedBatch(offsets, features, 40).to(cuda_device)
     outs, grads = [], []
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
     for kernel in ("pytorch", "triton"):
         cfg = ModelConfig(kind=kind, dim=32, num_blocks=2, num_heads=2, dqk=16, dv=16, ffn_dim=32, dropout=0.0, kernel=kernel)
         torch.manual_seed(0)
         model = build_retrieval_model(cfg, 100, 40).to(cuda_device)
         out = model(batch)
-        out.square().sum().backward()
+        _probe_loss(out, seed).backward()
         outs.append(out.detach())
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
     assert grads[0].keys() == grads[1].keys()
-    for name in grads[0]:
-        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-3, atol=1e-5, msg=name)
+    _assert_informative(grads[0])
+    for name in grads[0]:  # over the whole tensor: an entry that is a cancelling sum of larger terms (an item table
+        # row) differs by rounding at the terms' scale, not its own (measured ~4e-7 on an H200)
+        err = relative_error(grads[1][name], grads[0][name])
+        assert err < 1e-5, f"{name}: relative error {err:.1e} between the Triton and PyTorch attention's gradients"
 
 
 def test_ml1m_loss_curve_triton_matches_pytorch(cuda_device: torch.device) -> None:
