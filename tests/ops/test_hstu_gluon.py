@@ -31,7 +31,7 @@ COMPILE = textwrap.dedent("""
     d64 = mangle_type(g.descriptor(t, 64))
     kernels = [  # (kernel, argument types, SILU or None: the kernel has no such constexpr)
         (g._hstu_fwd_gluon, {"q_desc": mangle_type(qd), "k_desc": mangle_type(kd), "v_desc": mangle_type(vd),
-                             "O": "*bf16", "so_t": "i32", "scale": "fp32"}, None),
+                             "o_desc": d64, "O": "*bf16", "so_t": "i32", "scale": "fp32"}, None),
         *((g._hstu_bwd_dkdv_gluon, {"q_desc": d64, "do_desc": d64, "k_desc": d64, "v_desc": d64, "DK": "*bf16",
                                     "DV": "*bf16", "sdk_t": "i32", "sdv_t": "i32", "xk_desc": d64, "xv_desc": d64,
                                     "scale": "fp32"}, silu) for silu in (False, True)),

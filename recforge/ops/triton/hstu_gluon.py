@@ -15,7 +15,9 @@ tiles overlap the previous one's stores. On an H200 the forward is 1.10x / 1.09x
 programs at L 1024 / 2048 / 4096 / 8192 with one pair, dQ ~1.01x, and two pairs add up to 1.02x; the dK/dV kernel
 lost on pairs (0.96-0.99x: more spills in its consumers) and four pairs were mixed. In the forward's diagonal K/V
 tile the first warpgroup's rows see only the first 64 keys, so it multiplies by that half alone (``_half_diagonal``:
-the forward 1.06x / 1.03x / 1.03x / 1.02x at L 1024-8192; BENCHMARKS.md, 27th session).
+the forward 1.06x / 1.03x / 1.03x / 1.02x at L 1024-8192), and it stores its whole 64-row output tiles by TMA from
+shared memory (the buffer the backward's pre-activation tiles use), masked stores only for a sequence's last rows:
+another 1.07x / 1.04x / 1.02x / 1.00x (BENCHMARKS.md, 27th session).
 
 - Forward (query rows; 128-key K/V tiles): S = Q K^T, P = SiLU(S), O += P V.
 - Backward, dK/dV (key rows; K and V loaded once, 64-row Q/dO tiles streamed): S^T = K Q^T and dP^T = V dO^T
@@ -37,9 +39,10 @@ row (stride(1) == 128, the layout of ``(T, H, D)`` tensors and of slices of a fu
 
 The backward's ``SILU`` variant (``hstu_backward_gluon(pre=...)``, for ``recforge.ops.triton.hstu_silu``: q, k, v are
 the SiLU of an HSTU projection's columns x) stores dQ SiLU'(x_q), dK SiLU'(x_k), dV SiLU'(x_v) straight into the
-projection's gradient; the loader prefetches the x tiles by TMA after the loop's first tile. Those bytes cost each
-program its share (the two kernels 1.04x at L 8192 to 1.24x at 1,024 against plain stores on an H200) but save a pass
-over the whole projection (BENCHMARKS.md, 24th session); issuing them later in the loop measured the same.
+projection's gradient; the loader prefetches the x tiles by TMA after the loop's first tile (dK/dV) or after its
+last (dQ, as the next block's come after them). Those bytes cost each program its share (the two kernels 1.04x at
+L 8192 to 1.24x at 1,024 against plain stores on an H200) but save a pass over the whole projection (BENCHMARKS.md,
+24th session); issuing them later in the loop measured the same.
 
 Rows of another sequence that a TMA tile reads only meet rows or keys past the causal diagonal (masked) or past the
 sequence's end (masked where they would reach a stored row; never stored: outputs are written with masked stores), and
@@ -205,9 +208,9 @@ if AVAILABLE:
     @gluon.jit
     def _row_loader(q_desc, do_desc, k_desc, v_desc, x_desc, q_s, do_s, k_s, v_s, x_s, once, ready, empty, start, n, p,
                     nbs, per_group, col, GRAD: gl.constexpr, SILU: gl.constexpr):
-        """Per block of the pair: its two Q (and, GRAD, dO) tiles once, its K/V tiles through the ring (one ring for
-        both blocks) and, SILU, its two pre-activation tiles for the stores after them; a block's once-loaded tiles
-        wait until both consumers are done with the previous block's."""
+        """Per row block of the program (``_items``): its two Q (and, GRAD, dO) tiles once, its K/V tiles through the
+        ring (one ring for all its blocks) and, SILU, its two pre-activation tiles for the stores after them; a block's
+        once-loaded tiles wait until both consumers are done with the previous block's."""
         rows: gl.constexpr = q_desc.block_type.shape[0]
         BN: gl.constexpr = k_desc.block_type.shape[0]
         stages: gl.constexpr = k_s.shape[0]
@@ -239,10 +242,10 @@ if AVAILABLE:
                 tma.async_copy_global_to_shared(x_desc, [start + i0 + rows, col], once.index(1), x_s.index(1))
 
     @gluon.jit
-    def _row_consumer(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col, factor,
-                      CID: gl.constexpr, GRAD: gl.constexpr, SILU: gl.constexpr):
-        """Rows i0 + 64 CID ... of each block of the pair: O += SiLU(Q K^T) V, or (GRAD) dQ += dS K with S = Q K^T and
-        dP = dO V^T issued together; stored times ``factor`` (and ``SILU``: SiLU' of ``x_s``, ``_store_rows``)."""
+    def _row_consumer(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col,
+                      factor,                      CID: gl.constexpr, GRAD: gl.constexpr, SILU: gl.constexpr):
+        """Rows i0 + 64 CID ... of each row block of the program: O += SiLU(Q K^T) V, or (GRAD) dQ += dS K with S = Q K^T
+        and dP = dO V^T issued together; stored times ``factor`` (and ``SILU``: SiLU' of ``x_s``, ``_store_rows``)."""
         stages: gl.constexpr = k_s.shape[0]
         BN: gl.constexpr = k_s.shape[1]
         D: gl.constexpr = k_s.shape[2]
@@ -286,9 +289,18 @@ if AVAILABLE:
             mbarrier.arrive(once.index(2), count=1)  # Q (and dO) read: the next block's may load
             if SILU:
                 mbarrier.wait(once.index(1), it & 1)
-            _store_rows(OUT, so_t, start, n, i_lo, col, acc, factor, x_s.index(CID), SILU)
+            if (not GRAD) and (i_lo + rows <= n):  # the forward's whole tiles by TMA (a tile past n would overwrite
+                # the next sequence's rows), from shared memory; the lowering syncs the warpgroup before the copy
+                tma.store_wait(0)  # the last block's store has read the buffer
+                x_s.index(CID).store((acc * factor).to(x_s.dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(x_desc, [start + i_lo, col], x_s.index(CID))
+            else:
+                _store_rows(OUT, so_t, start, n, i_lo, col, acc, factor, x_s.index(CID), SILU)
             if SILU:
                 mbarrier.arrive(once.index(3), count=1)
+        if not GRAD:
+            tma.store_wait(0)
 
     @gluon.jit
     def _half_diagonal(q_c, k_t, v_t, acc):
@@ -312,25 +324,25 @@ if AVAILABLE:
         return warpgroup_mma_wait(0, deps=(acc, v_h))[0]
 
     @gluon.jit
-    def _row_consumer0(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col, factor,
-                       GRAD: gl.constexpr, SILU: gl.constexpr):
-        _row_consumer(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col, factor, 0,
-                      GRAD, SILU)
+    def _row_consumer0(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col,
+                       factor, GRAD: gl.constexpr, SILU: gl.constexpr):
+        _row_consumer(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col,
+                      factor, 0, GRAD, SILU)
         return (nbs,)  # Triton 3.6 wants a tuple from the default partition
 
     @gluon.jit
-    def _row_consumer1(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col, factor,
-                       GRAD: gl.constexpr, SILU: gl.constexpr):
-        _row_consumer(q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col, factor, 1,
-                      GRAD, SILU)
+    def _row_consumer1(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col,
+                       factor, GRAD: gl.constexpr, SILU: gl.constexpr):
+        _row_consumer(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col,
+                      factor, 1, GRAD, SILU)
 
     @gluon.jit
     def _row_blocks(q_desc, do_desc, k_desc, v_desc, x_desc, OUT, so_t, offsets, seq_order, factor, num_heads, len_key,
                     STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr, GRAD: gl.constexpr, SILU: gl.constexpr):
-        """One program per (pair of 128-row blocks, sequence, head), the sequences in ``seq_order`` when ``SEQ_ORDER``:
-        blocks nbs - 1 - p and p of the sequence's nbs (``_items``, ``_row_block``), so every program of a sequence
-        walks the same number of K/V tiles, and the second block's loads overlap the first one's stores (the module
-        doc)."""
+        """One program per (``GROUP`` pairs of 128-row blocks, sequence, head), the sequences in ``seq_order`` when
+        ``SEQ_ORDER``: blocks nbs - 1 - p and p of the sequence's nbs, then those of pair p + per_group (``_items``,
+        ``_row_block``), so every program of a sequence walks about the same number of K/V tiles, and each next block's
+        loads overlap the last one's stores (the module doc)."""
         rows: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -342,7 +354,7 @@ if AVAILABLE:
                 do_s = gl.allocate_shared_memory(do_desc.dtype, [2, rows, D], do_desc.layout)
             else:
                 do_s = q_s  # not read
-            if SILU:
+            if SILU or not GRAD:  # the stores' pre-activation tiles, or the forward's output tiles for TMA stores
                 x_s = gl.allocate_shared_memory(x_desc.dtype, [2, rows, D], x_desc.layout)
             else:
                 x_s = q_s  # not read
@@ -350,19 +362,19 @@ if AVAILABLE:
             v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
             ready, empty, once = _barriers(STAGES)
             # the loader's warp and the second consumer's four; registers (setmaxnreg where honoured)
-            gl.warp_specialize([(_row_consumer0, (q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p,
-                                                  nbs, per_group, col, factor, GRAD, SILU)),
+            gl.warp_specialize([(_row_consumer0, (q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start,
+                                                  n, p, nbs, per_group, col, factor, GRAD, SILU)),
                                 (_row_loader, (q_desc, do_desc, k_desc, v_desc, x_desc, q_s, do_s, k_s, v_s, x_s, once,
                                                ready, empty, start, n, p, nbs, per_group, col, GRAD, SILU)),
-                                (_row_consumer1, (q_s, do_s, k_s, v_s, x_s, once, ready, empty, OUT, so_t, start, n, p,
-                                                  nbs, per_group, col, factor, GRAD, SILU))],
+                                (_row_consumer1, (q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start,
+                                                  n, p, nbs, per_group, col, factor, GRAD, SILU))],
                                [1, 4], [24, 240])
 
     @gluon.jit
-    def _hstu_fwd_gluon(q_desc, k_desc, v_desc, O, so_t, offsets, seq_order, scale, num_heads, len_key,
+    def _hstu_fwd_gluon(q_desc, k_desc, v_desc, o_desc, O, so_t, offsets, seq_order, scale, num_heads, len_key,
                         STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr):
         """The forward: 128 query rows per program, 128-key K/V tiles (``_row_blocks``)."""
-        _row_blocks(q_desc, q_desc, k_desc, v_desc, q_desc, O, so_t, offsets, seq_order, scale, num_heads, len_key, STAGES,
+        _row_blocks(q_desc, q_desc, k_desc, v_desc, o_desc, O, so_t, offsets, seq_order, scale, num_heads, len_key, STAGES,
                     SEQ_ORDER, False, False)
 
     @gluon.jit
@@ -517,8 +529,8 @@ def hstu_forward_gluon(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq
     grid = (programs(max_seq_len, True) * batch * heads,)
     order = seq_order if seq_order is not None else offsets  # SEQ_ORDER False: never read
     try:
-        _hstu_fwd_gluon[grid](*descriptors(q, k, v), out, out.stride(0), offsets, order, scale, heads, max_seq_len,
-                              STAGES=STAGES, SEQ_ORDER=seq_order is not None, num_warps=4)
+        _hstu_fwd_gluon[grid](*descriptors(q, k, v), descriptor(out, BLOCK_ROWS), out, out.stride(0), offsets, order,
+                              scale, heads, max_seq_len, STAGES=STAGES, SEQ_ORDER=seq_order is not None, num_warps=4)
     except Exception as e:  # a compiler or driver failure: say how to run the Triton forward instead
         raise RuntimeError(f"the Gluon HSTU attention forward failed ({type(e).__name__}: {e}); set "
                            "RECFORGE_GLUON_HSTU=0 to use the Triton forward, and please report it") from e
