@@ -243,7 +243,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _row_consumer(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col,
-                      factor,                      CID: gl.constexpr, GRAD: gl.constexpr, SILU: gl.constexpr):
+                      factor, CID: gl.constexpr, GRAD: gl.constexpr, SILU: gl.constexpr):
         """Rows i0 + 64 CID ... of each row block of the program: O += SiLU(Q K^T) V, or (GRAD) dQ += dS K with S = Q K^T
         and dP = dO V^T issued together; stored times ``factor`` (and ``SILU``: SiLU' of ``x_s``, ``_store_rows``)."""
         stages: gl.constexpr = k_s.shape[0]
@@ -317,9 +317,7 @@ if AVAILABLE:
                               is_async=True)
         s = warpgroup_mma_wait(0, deps=(s_tok, q_c, k_h))[0]
         t, _ = _silu_grad(s, s)
-        i = gl.arange(0, rows, layout=gl.SliceLayout(1, h_layout))
-        j = gl.arange(0, half, layout=gl.SliceLayout(0, h_layout))
-        t = gl.where(j[None, :] <= i[:, None], t, 0.0)
+        t = _causal(t, 0, 0, h_layout)  # rows and keys from the same token
         acc = warpgroup_mma(gl.convert_layout(t.to(q_c.dtype), p_layout), v_h, acc, is_async=True)
         return warpgroup_mma_wait(0, deps=(acc, v_h))[0]
 
@@ -373,15 +371,15 @@ if AVAILABLE:
     @gluon.jit
     def _hstu_fwd_gluon(q_desc, k_desc, v_desc, o_desc, O, so_t, offsets, seq_order, scale, num_heads, len_key,
                         STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr):
-        """The forward: 128 query rows per program, 128-key K/V tiles (``_row_blocks``)."""
+        """The forward: blocks of 128 query rows (up to ``2 GROUP`` per program), 128-key K/V tiles (``_row_blocks``)."""
         _row_blocks(q_desc, q_desc, k_desc, v_desc, o_desc, O, so_t, offsets, seq_order, scale, num_heads, len_key, STAGES,
                     SEQ_ORDER, False, False)
 
     @gluon.jit
     def _hstu_bwd_dq_gluon(q_desc, do_desc, k_desc, v_desc, xq_desc, DQ, sdq_t, offsets, seq_order, dq_scale, num_heads,
                            len_key, STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr, SILU: gl.constexpr):
-        """dQ (times ``dq_scale``; ``SILU``: times SiLU' of the pre-activation read by ``xq_desc``): 128 query rows per
-        program, 64-key K/V tiles (``_row_blocks``)."""
+        """dQ (times ``dq_scale``; ``SILU``: times SiLU' of the pre-activation read by ``xq_desc``): blocks of 128 query
+        rows (up to ``2 GROUP`` per program), 64-key K/V tiles (``_row_blocks``)."""
         _row_blocks(q_desc, do_desc, k_desc, v_desc, xq_desc, DQ, sdq_t, offsets, seq_order, dq_scale, num_heads, len_key,
                     STAGES, SEQ_ORDER, True, SILU)
 
