@@ -235,8 +235,8 @@ def silu_attention_fusable(pre: Tensor, num_heads: int, dqk: int, dv: int, max_s
                            pos_weights: Tensor | None, timestamps: Tensor | None, time_weights: Tensor | None,
                            kernel: str) -> bool:  # fmt: skip
     """Whether ``hstu_silu_attention`` (and ``hstu_silu_attention_gate``) run as one op for these arguments: the
-    calls the Gluon kernels take (a plain causal mask, no relative bias, head dims 128, bf16/fp16 on Hopper,
-    ``max_seq_len`` >= ``hstu_gluon.MIN_LEN``)."""
+    calls the Gluon kernels take (a plain causal mask, no relative bias, head dims 64 or 128, bf16/fp16 on Hopper,
+    ``max_seq_len`` >= ``hstu_gluon.MIN_LEN`` of the head dim)."""
     plain = mask.causal and mask.num_targets is None and mask.num_contextual is None and mask.max_attn_len is None \
         and mask.segment_lengths is None and mask.timestamps is None
     if not plain or pos_weights is not None or (time_weights is not None and timestamps is not None):
@@ -276,9 +276,9 @@ def hstu_silu_attention(
         (u (T, H Dv), attention (T, H, Dv)).
 
     The same values either way. On Hopper, for the calls its Gluon kernels take (a plain causal mask, no relative
-    bias, head dims 128, bf16/fp16, ``max_seq_len`` >= ``hstu_gluon.MIN_LEN``), one op computes both
-    (``recforge.ops.triton.hstu_silu``) and its backward writes ``pre``'s gradient from the attention kernels' stores,
-    without the separate SiLU-backward and concatenation pass over the projection.
+    bias, head dims 64 or 128, bf16/fp16, ``max_seq_len`` >= ``hstu_gluon.MIN_LEN`` of the head dim), one op computes
+    both (``recforge.ops.triton.hstu_silu``) and its backward writes ``pre``'s gradient from the attention kernels'
+    stores, without the separate SiLU-backward and concatenation pass over the projection.
     """
     tokens, h = pre.shape[0], num_heads
     if scale is None:

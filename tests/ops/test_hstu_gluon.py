@@ -26,46 +26,51 @@ COMPILE = textwrap.dedent("""
     from triton.runtime.jit import mangle_type
     from recforge.ops.triton import hstu_gluon as g
 
-    t = torch.empty(4096, 4, 128, dtype=torch.bfloat16)
-    qd, kd, vd = g.descriptors(t, t, t)
-    d64 = mangle_type(g.descriptor(t, 64))
-    kernels = [  # (kernel, argument types, SILU or None: the kernel has no such constexpr)
-        (g._hstu_fwd_gluon, {"q_desc": mangle_type(qd), "k_desc": mangle_type(kd), "v_desc": mangle_type(vd),
-                             "o_desc": d64, "O": "*bf16", "so_t": "i32", "scale": "fp32"}, None),
-        *((g._hstu_bwd_dkdv_gluon, {"q_desc": d64, "do_desc": d64, "k_desc": d64, "v_desc": d64, "DK": "*bf16",
-                                    "DV": "*bf16", "sdk_t": "i32", "sdv_t": "i32", "xk_desc": d64, "xv_desc": d64,
-                                    "scale": "fp32"}, silu) for silu in (False, True)),
-        *((g._hstu_bwd_dq_gluon, {"q_desc": d64, "do_desc": d64, "k_desc": d64, "v_desc": d64,
-                                  "DQ": "*bf16" if silu else "*fp32", "sdq_t": "i32", "xq_desc": d64, "dq_scale": "fp32"},
-          silu) for silu in (False, True)),
-    ]
-    for kern, types, silu in kernels:
-        types = dict(types, offsets="*i64", seq_order="*i64", num_heads="i32", len_key="i32", STAGES="constexpr",
-                     SEQ_ORDER="constexpr", SILU="constexpr")
-        sig = {a: types[a] for a in kern.arg_names}
-        for order in (False, True):
-            cx = {(kern.arg_names.index("STAGES"),): g.STAGES, (kern.arg_names.index("SEQ_ORDER"),): order}
-            if silu is not None:
-                cx[(kern.arg_names.index("SILU"),)] = silu
-            k = triton.compile(GluonASTSource(kern, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": 4})
-            ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-            with tempfile.TemporaryDirectory() as tmp:
-                pathlib.Path(tmp, "k.ptx").write_text(k.asm["ptx"])
-                log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                                     capture_output=True, text=True, check=True).stderr
-            print("kernel", kern.fn.__name__, "order", order, "silu", silu, "spills", *re.findall(r"(\\d+) bytes spill stores", log),
-                  "shared", k.metadata.shared, "wgmma", len(re.findall(r"wgmma.mma_async", k.asm["ptx"])))
+    for dim in g.MIN_LEN:
+        t = torch.empty(4096, 4, dim, dtype=torch.bfloat16)
+        qd, kd, vd = g.descriptors(t, t, t)
+        d64 = mangle_type(g.descriptor(t, 64))
+        kernels = [  # (kernel, argument types, SILU or None: the kernel has no such constexpr)
+            (g._hstu_fwd_gluon, {"q_desc": mangle_type(qd), "k_desc": mangle_type(kd), "v_desc": mangle_type(vd),
+                                 "o_desc": d64, "O": "*bf16", "so_t": "i32", "scale": "fp32"}, None),
+            *((g._hstu_bwd_dkdv_gluon, {"q_desc": d64, "do_desc": d64, "k_desc": d64, "v_desc": d64, "DK": "*bf16",
+                                        "DV": "*bf16", "sdk_t": "i32", "sdv_t": "i32", "xk_desc": d64, "xv_desc": d64,
+                                        "scale": "fp32"}, silu) for silu in (False, True)),
+            *((g._hstu_bwd_dq_gluon, {"q_desc": d64, "do_desc": d64, "k_desc": d64, "v_desc": d64,
+                                      "DQ": "*bf16" if silu else "*fp32", "sdq_t": "i32", "xq_desc": d64,
+                                      "dq_scale": "fp32"}, silu) for silu in (False, True)),
+        ]
+        for kern, types, silu in kernels:
+            types = dict(types, offsets="*i64", seq_order="*i64", num_heads="i32", len_key="i32", STAGES="constexpr",
+                         SEQ_ORDER="constexpr", SILU="constexpr", PINGPONG="constexpr")
+            sig = {a: types[a] for a in kern.arg_names}
+            for order in (False, True):
+                cx = {(kern.arg_names.index("STAGES"),): g.STAGES, (kern.arg_names.index("SEQ_ORDER"),): order}
+                if silu is not None:
+                    cx[(kern.arg_names.index("SILU"),)] = silu
+                else:  # the forward: in turns where the launch asks for them
+                    cx[(kern.arg_names.index("PINGPONG"),)] = dim in g.PINGPONG_DIMS
+                k = triton.compile(GluonASTSource(kern, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
+                                   options={"num_warps": 4})
+                ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+                with tempfile.TemporaryDirectory() as tmp:
+                    pathlib.Path(tmp, "k.ptx").write_text(k.asm["ptx"])
+                    log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                                         capture_output=True, text=True, check=True).stderr
+                print("kernel", kern.fn.__name__, "dim", dim, "order", order, "silu", silu, "spills",
+                      *re.findall(r"(\\d+) bytes spill stores", log), "shared", k.metadata.shared, "wgmma",
+                      len(re.findall(r"wgmma.mma_async", k.asm["ptx"])))
 """)
 
 
-# spill stores (bytes) each kernel (and SILU variant) may have: the dK/dV kernel's two float32 (64, 128) accumulators
-# and two (64, 64) tiles per thread leave ptxas a few registers short (8 bytes with Triton 3.7.1, 16 with 3.6.0; with
-# the SiLU' epilogue 20 with either); the dQ kernel's SiLU' epilogue in a program of two row blocks 16 with 3.7.1, 20
-# with 3.6.0
-SPILL_BYTES = {("_hstu_fwd_gluon", "None"): 0, ("_hstu_bwd_dkdv_gluon", "False"): 16,
-               ("_hstu_bwd_dkdv_gluon", "True"): 20, ("_hstu_bwd_dq_gluon", "False"): 0,
-               ("_hstu_bwd_dq_gluon", "True"): 20}
+# spill stores (bytes) each kernel (head dim, SILU variant) may have: at head dim 128 the dK/dV kernel's two float32
+# (64, 128) accumulators and two (64, 64) tiles per thread leave ptxas a few registers short (8 bytes with Triton
+# 3.7.1, 16 with 3.6.0; with the SiLU' epilogue 20 with either), and the dQ kernel's SiLU' epilogue in a program of
+# two row blocks 16 with 3.7.1, 20 with 3.6.0; none at head dim 64
+SPILL_BYTES = {("_hstu_fwd_gluon", "128", "None"): 0, ("_hstu_bwd_dkdv_gluon", "128", "False"): 16,
+               ("_hstu_bwd_dkdv_gluon", "128", "True"): 20, ("_hstu_bwd_dq_gluon", "128", "False"): 0,
+               ("_hstu_bwd_dq_gluon", "128", "True"): 20}
+SPILL_BYTES |= {(name, "64", silu): 0 for name, _, silu in SPILL_BYTES}
 
 
 @pytest.mark.skipif(not hstu_gluon.AVAILABLE, reason="this Triton has no Gluon")
@@ -74,12 +79,12 @@ def test_kernels_compile_for_hopper_without_spills() -> None:
                           env={"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "HOME": "/tmp"})
     assert done.returncode == 0, f"compiling the Gluon HSTU kernels for sm_90 failed:\n{done.stderr[-3000:]}"
     lines = [line.split() for line in done.stdout.splitlines() if line.startswith("kernel")]
-    expected = [(k, o, silu) for k, silu in SPILL_BYTES for o in ("False", "True")]
-    assert sorted((w[1], w[3], w[5]) for w in lines) == sorted(expected), done.stdout
-    for w in lines:  # kernel NAME order O silu S spills N shared S wgmma W
-        assert int(w[7]) <= SPILL_BYTES[w[1], w[5]], f"more spills than before: {w}"
-        assert int(w[11]) > 0, f"no wgmma: {w}"
-        assert int(w[9]) <= 227 * 1024, f"over the H100/H200's 227 KiB of shared memory per block: {w}"
+    expected = [(k, dim, o, silu) for k, dim, silu in SPILL_BYTES for o in ("False", "True")]
+    assert sorted((w[1], w[3], w[5], w[7]) for w in lines) == sorted(expected), done.stdout
+    for w in lines:  # kernel NAME dim D order O silu S spills N shared S wgmma W
+        assert int(w[9]) <= SPILL_BYTES[w[1], w[3], w[7]], f"more spills than before: {w}"
+        assert int(w[13]) > 0, f"no wgmma: {w}"
+        assert int(w[11]) <= 227 * 1024, f"over the H100/H200's 227 KiB of shared memory per block: {w}"
 
 
 def test_not_supported_off_hopper_or_off_the_hot_path(monkeypatch) -> None:
@@ -97,27 +102,29 @@ def test_not_supported_off_hopper_or_off_the_hot_path(monkeypatch) -> None:
 # ----------------------------------------------------------------------------------------- GPU
 
 
-def _batch(gen: torch.Generator, lengths: list[int], heads: int, dtype: torch.dtype, device, fused: bool):
+def _batch(gen: torch.Generator, lengths: list[int], heads: int, dtype: torch.dtype, device, fused: bool,
+           dim: int = 128):  # fmt: skip
     total = sum(lengths)
     if fused:  # slices of one (T, 3 H D) projection, as the HSTU block makes them
-        qkv = torch.randn(total, 3 * heads * 128, generator=gen).to(device=device, dtype=dtype)
-        q, k, v = (x.view(total, heads, 128) for x in qkv.split(heads * 128, dim=1))
+        qkv = torch.randn(total, 3 * heads * dim, generator=gen).to(device=device, dtype=dtype)
+        q, k, v = (x.view(total, heads, dim) for x in qkv.split(heads * dim, dim=1))
     else:
-        q, k, v = (torch.randn(total, heads, 128, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
+        q, k, v = (torch.randn(total, heads, dim, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
     return q, k, v, offsets_of(lengths).to(device)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("fused", [False, True], ids=["packed", "fused-projection"])
-def test_gpu_gluon_forward_matches_reference_and_triton(hopper, monkeypatch, dtype, fused) -> None:
+@pytest.mark.parametrize("dim", sorted(hstu_gluon.MIN_LEN), ids=lambda d: f"d{d}")
+def test_gpu_gluon_forward_matches_reference_and_triton(hopper, monkeypatch, dtype, fused, dim) -> None:
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     gen = torch.Generator().manual_seed(seed)
-    max_len = int(torch.randint(hstu_gluon.MIN_LEN, 1600, (1,), generator=gen))
+    max_len = int(torch.randint(hstu_gluon.MIN_LEN[dim], hstu_gluon.MIN_LEN[dim] + 600, (1,), generator=gen))
     # pairs of row blocks (hstu_gluon._row_blocks): one block, two, three (the middle one alone), four
     lengths = [max_len, 0, 1, 127, 128, 129, 383, 385, 512] + torch.randint(1, max_len + 1, (6,),
                                                                             generator=gen).tolist()
-    q, k, v, offsets = _batch(gen, lengths, 3, dtype, hopper, fused)
+    q, k, v, offsets = _batch(gen, lengths, 3, dtype, hopper, fused, dim)
     calls = []
     real = hstu_gluon.hstu_forward_gluon
     monkeypatch.setattr(hstu_gluon, "hstu_forward_gluon", lambda *a: calls.append(a[6] is not None) or real(*a))
@@ -137,7 +144,8 @@ def test_gpu_gluon_forward_matches_reference_and_triton(hopper, monkeypatch, dty
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("fused", [False, True], ids=["packed", "fused-projection"])
-def test_gpu_gluon_backward_matches_reference_and_triton(hopper, monkeypatch, dtype, fused) -> None:
+@pytest.mark.parametrize("dim", sorted(hstu_gluon.MIN_LEN), ids=lambda d: f"d{d}")
+def test_gpu_gluon_backward_matches_reference_and_triton(hopper, monkeypatch, dtype, fused, dim) -> None:
     """dQ, dK, dV by the two Gluon backward kernels against float64 and against the Triton backward (the switch off),
     on sequences of 0, 1 and tile-edge lengths; and dQ * 2 / scale in float32 as the compiled step takes it."""
     from recforge.ops.triton import hstu as triton_hstu
@@ -145,10 +153,10 @@ def test_gpu_gluon_backward_matches_reference_and_triton(hopper, monkeypatch, dt
 
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     gen = torch.Generator().manual_seed(seed)
-    max_len = int(torch.randint(hstu_gluon.MIN_LEN, 1600, (1,), generator=gen))
+    max_len = int(torch.randint(hstu_gluon.MIN_LEN[dim], hstu_gluon.MIN_LEN[dim] + 600, (1,), generator=gen))
     lengths = [max_len, 0, 1, 63, 64, 65, 127, 128, 129, 383, 385] + torch.randint(1, max_len + 1, (4,),
                                                                                   generator=gen).tolist()
-    q, k, v, offsets = _batch(gen, lengths, 2, dtype, hopper, fused)
+    q, k, v, offsets = _batch(gen, lengths, 2, dtype, hopper, fused, dim)
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     calls = []
     real = hstu_gluon.hstu_backward_gluon
@@ -199,6 +207,8 @@ def test_gpu_off_the_hot_path_takes_triton(hopper) -> None:
     q, k, v, offsets = _batch(gen, [1100, 900], 2, torch.bfloat16, hopper, fused=False)
     causal = mask_args(AttentionMask(causal=True), offsets)
     assert hstu_gluon.supported(q, k, v, 1100, causal, None, None)
+    assert hstu_gluon.supported(*(x[..., :64].contiguous() for x in (q, k, v)), hstu_gluon.MIN_LEN[64], causal, None,
+                                None)
     pos_w = torch.zeros(4, device=hopper)
     refused = {
         "targets": (q, k, v, 1100, mask_args(AttentionMask(causal=True, num_targets=torch.tensor([3, 2])), offsets),
@@ -207,9 +217,11 @@ def test_gpu_off_the_hot_path_takes_triton(hopper) -> None:
         "full": (q, k, v, 1100, mask_args(AttentionMask(causal=False), offsets), None, None),
         "position bias": (q, k, v, 1100, causal, pos_w, None),
         "time bias": (q, k, v, 1100, causal, None, pos_w),
-        "short batch": (q, k, v, hstu_gluon.MIN_LEN - 1, causal, None, None),
+        "short batch": (q, k, v, hstu_gluon.MIN_LEN[128] - 1, causal, None, None),
         "float32": (q.float(), k.float(), v.float(), 1100, causal, None, None),
-        "head dim 64": (q[..., :64], k[..., :64], v[..., :64], 1100, causal, None, None),
+        "head dim 64, short batch": (*(x[..., :64].contiguous() for x in (q, k, v)), 1100, causal, None, None),
+        "head dim 64, heads not packed": (q[..., :64], k[..., :64], v[..., :64], 5000, causal, None, None),
+        "head dim 96": (*(x[..., :96].contiguous() for x in (q, k, v)), 5000, causal, None, None),
         "heads not packed": (q.transpose(0, 1).contiguous().transpose(0, 1), k, v, 1100, causal, None, None),
     }
     taken = [name for name, args in refused.items() if hstu_gluon.supported(*args)]

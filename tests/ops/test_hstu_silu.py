@@ -130,15 +130,16 @@ def test_cpu_takes_the_two_steps() -> None:
 # ----------------------------------------------------------------------------------------- GPU
 
 
-def _gpu_batch(device, dtype):
+def _gpu_batch(device, dtype, dim: int = 128):
     """(seed, generator, max_len, heads, offsets, pre): a fresh jagged batch with sequences of 0, 1 and tile-edge
-    lengths, a projection of 2 heads of 128 (u | v | q | k)."""
+    lengths, a projection of 256 columns each (u | v | q | k): 2 heads of 128 or 4 of 64."""
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     gen = torch.Generator().manual_seed(seed)
-    max_len = int(torch.randint(hstu_gluon.MIN_LEN, 1600, (1,), generator=gen))
+    shortest = hstu_gluon.MIN_LEN[dim]
+    max_len = int(torch.randint(shortest, shortest + 600, (1,), generator=gen))
     lengths = [max_len, 0, 1, 63, 64, 65, 127, 128, 129] + torch.randint(1, max_len + 1, (4,), generator=gen).tolist()
     pre = (torch.randn(sum(lengths), 2 * 512, generator=gen) * 2).to(device, dtype).requires_grad_()
-    return seed, gen, max_len, 2, offsets_of(lengths).to(device), pre
+    return seed, gen, max_len, 256 // dim, offsets_of(lengths).to(device), pre
 
 
 def _spy_on_fused_backward(monkeypatch) -> list[bool]:
@@ -152,29 +153,30 @@ def _spy_on_fused_backward(monkeypatch) -> list[bool]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gpu_fused_projection_gradient(hopper, monkeypatch, dtype) -> None:
+@pytest.mark.parametrize("dim", sorted(hstu_gluon.MIN_LEN), ids=lambda d: f"d{d}")
+def test_gpu_fused_projection_gradient(hopper, monkeypatch, dtype, dim) -> None:
     """The projection's gradient from the Gluon backward's SiLU'-multiplied stores against float64 and against the
     two-step path (the switch off), on sequences of 0, 1 and tile-edge lengths; the fused path is the one taken."""
-    seed, gen, max_len, heads, offsets, pre = _gpu_batch(hopper, dtype)
+    seed, gen, max_len, heads, offsets, pre = _gpu_batch(hopper, dtype, dim)
     scale = 1.0 / max_len
     fused = _spy_on_fused_backward(monkeypatch)
-    u, a = hstu_silu_attention(pre, heads, 128, 128, offsets, max_len, AttentionMask(), scale=scale, kernel="triton")
+    u, a = hstu_silu_attention(pre, heads, dim, dim, offsets, max_len, AttentionMask(), scale=scale, kernel="triton")
     gu = torch.randn(u.shape, generator=gen).to(hopper, dtype)
     ga = torch.randn(a.shape, generator=gen).to(hopper, dtype)
     got = torch.autograd.grad((u * gu).float().sum() + (a * ga).float().sum(), pre)[0]
     assert fused == [True], "the fused Gluon backward was not taken on a supported call"
     ref_pre = pre.detach().double().cpu().requires_grad_()
-    u_ref, a_ref = _two_steps(ref_pre, heads, 128, 128, offsets.cpu(), max_len, scale)
+    u_ref, a_ref = _two_steps(ref_pre, heads, dim, dim, offsets.cpu(), max_len, scale)
     assert relative_error(a.cpu(), a_ref) < (2e-2 if dtype == torch.bfloat16 else 4e-3), f"seed {seed}"
     want = torch.autograd.grad((u_ref * gu.cpu()).sum() + (a_ref * ga.cpu()).sum(), ref_pre)[0]
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
-    width = heads * 128
+    width = heads * dim
     for name, cols in (("u", slice(0, width)), ("v", slice(width, 2 * width)), ("q", slice(2 * width, 3 * width)),
                        ("k", slice(3 * width, 4 * width))):  # fmt: skip
         err = relative_error(got[:, cols].cpu(), want[:, cols])
         assert err < tol, f"seed {seed}: d{name} relative error {err:.2e} vs float64"
     monkeypatch.setenv("RECFORGE_GLUON_HSTU", "0")
-    u2, a2 = hstu_silu_attention(pre, heads, 128, 128, offsets, max_len, AttentionMask(), scale=scale, kernel="triton")
+    u2, a2 = hstu_silu_attention(pre, heads, dim, dim, offsets, max_len, AttentionMask(), scale=scale, kernel="triton")
     two_step = torch.autograd.grad((u2 * gu).float().sum() + (a2 * ga).float().sum(), pre)[0]
     assert fused == [True], "RECFORGE_GLUON_HSTU=0 did not turn the fused backward off"
     diff = relative_error(got.float().cpu(), two_step.float().cpu())
@@ -198,12 +200,16 @@ def test_gpu_routing(hopper, monkeypatch) -> None:
     hstu_silu_attention(pre, 2, 128, 128, offsets, 1100, AttentionMask(), pos_weights=torch.zeros(8, device=hopper))
     hstu_silu_attention(pre, 2, 128, 128, offsets, 1100, AttentionMask(max_attn_len=64))
     hstu_silu_attention(pre, 2, 128, 128, offsets, 1100, AttentionMask(causal=False))
-    short = hstu_gluon.MIN_LEN - 1
+    short = hstu_gluon.MIN_LEN[128] - 1
     hstu_silu_attention(pre[: 2 * short], 2, 128, 128, offsets_of([short, short]).to(hopper), short, AttentionMask())
     hstu_silu_attention(pre.float(), 2, 128, 128, offsets, 1100, AttentionMask())
-    hstu_silu_attention(pre, 4, 64, 64, offsets, 1100, AttentionMask())
+    hstu_silu_attention(pre, 4, 64, 64, offsets, 1100, AttentionMask())  # head dim 64: from MIN_LEN[64]
     hstu_silu_attention(pre, 2, 128, 128, offsets, 1100, AttentionMask(), kernel="pytorch")
     assert taken == [1100], "a call off the Gluon kernels' path took the one op"
+    long = hstu_gluon.MIN_LEN[64]
+    pre = torch.randn(long + 700, 2 * 512, generator=gen).to(hopper, torch.bfloat16)
+    hstu_silu_attention(pre, 4, 64, 64, offsets_of([long, 700]).to(hopper), long, AttentionMask(), kernel="triton")
+    assert taken == [1100, long], "head dim 64 from its MIN_LEN did not take the one op"
 
 
 @pytest.mark.gpu

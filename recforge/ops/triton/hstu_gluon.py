@@ -17,23 +17,31 @@ lost on pairs (0.96-0.99x: more spills in its consumers) and four pairs were mix
 tile the first warpgroup's rows see only the first 64 keys, so it multiplies by that half alone (``_half_diagonal``:
 the forward 1.06x / 1.03x / 1.03x / 1.02x at L 1024-8192), and it stores its whole 64-row output tiles by TMA from
 shared memory (the buffer the backward's pre-activation tiles use), masked stores only for a sequence's last rows:
-another 1.07x / 1.04x / 1.02x / 1.00x (BENCHMARKS.md, 27th session).
+another 1.07x / 1.04x / 1.02x / 1.00x (BENCHMARKS.md, 27th session). At head dim 128 the forward's two consumers
+issue their tiles' first wgmmas in turns (``_take_turn``: FlashAttention-3's ping-pong, so that one's matmuls queue
+behind the other's): 1.01-1.03x by GPU time at L 1024-8192; the backward kernels lost on it (dK/dV 0.94-0.98x, dQ
+0.95-1.00x), as did the forward at head dim 64 (0.98-1.00x; 28th session).
 
 - Forward (query rows; 128-key K/V tiles): S = Q K^T, P = SiLU(S), O += P V.
 - Backward, dK/dV (key rows; K and V loaded once, 64-row Q/dO tiles streamed): S^T = K Q^T and dP^T = V dO^T
   issued together, P^T and dS^T in registers feed dV += P^T dO and dK += dS^T Q.
 - Backward, dQ (query rows; Q and dO loaded once, 64-key K/V tiles streamed): S = Q K^T and dP = dO V^T issued
-  together, dQ += dS K. The forward and dQ share one row-block program (``_row_blocks``, ``GRAD``). Two kernels instead of one with dQ summed by float32 atomics: each is deterministic, and the
-  atomics variant measured 0.89-0.97x the Triton backward (the atomics' L2 traffic; BENCHMARKS.md, 23rd session).
+  together, dQ += dS K. The forward and dQ share one row-block program (``_row_blocks``, ``GRAD``). Two kernels
+  instead of one with dQ summed by float32 atomics: each is deterministic, and the atomics variant measured
+  0.89-0.97x the Triton backward (the atomics' L2 traffic; BENCHMARKS.md, 23rd session).
 
 On an H200 (head dim 128, jagged 64K-token batches) the Triton forward took 1.06x / 1.13x / 1.20x this forward's time
 at L 2048 / 4096 / 8192 (level at 1,024, hence ``MIN_LEN``; 22nd session), and the Triton backward (its fused-dQ
 variant where faster) 1.05-1.12x these two kernels' (23rd session). At head dim 64 the forward prototype lost to
-Triton (0.57-0.98x), so none is used there. The variants that lost are in BENCHMARKS.md.
+Triton (0.57-0.98x); the kernels here, which take it from any head dim, run at 64 (28th session) level with
+Triton's forward at L 1024-2048 and 1.06x / 1.03x at 4096 / 8192, the backward 0.9x up to 2048 and forward +
+backward 1.02x / 1.07x at 4096 / 8192: hence ``MIN_LEN`` per head dim. At head dim 64 the SiLU's tanh (MUFU) costs
+~20% of the forward's time and the per-tile waits most of the rest: tanh in bf16x2 was slower (the conversions), three
+K/V stages or 128-key dQ tiles level. The variants that lost are in BENCHMARKS.md.
 
-The hot path only (``supported``): CUDA sm_90, bf16/fp16, head dims 128/128, a plain causal mask (no targets,
-contextual tokens, segments, window or timestamps), no relative bias (so no bias gradients), heads packed in each
-row (stride(1) == 128, the layout of ``(T, H, D)`` tensors and of slices of a fused projection).
+The hot path only (``supported``): CUDA sm_90, bf16/fp16, head dims 64 or 128 (q/k and v alike), a plain causal
+mask (no targets, contextual tokens, segments, window or timestamps), no relative bias (so no bias gradients), heads
+packed in each row (stride(1) == D, the layout of ``(T, H, D)`` tensors and of slices of a fused projection).
 ``RECFORGE_GLUON_HSTU=0`` turns both directions off. dS carries the factor 2 / scale of the Triton kernels
 (``recforge.ops.triton.hstu``), taken out once when dK and dQ are stored.
 
@@ -71,8 +79,11 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 BLOCK_ROWS = 64  # rows per consumer warpgroup (two per program); the backward's Q/dO and K/V tiles
 BLOCK_KEYS = 128  # keys per K/V tile of the forward
 STAGES = 2  # K/V ring depth
-HEAD_DIM = 128
-MIN_LEN = 1024  # shorter batches keep the Triton forward (level with it at 1,024 on the H200, faster above)
+# head dim (q/k and v alike) -> the shortest max_seq_len taking these kernels: below it the Triton kernels were level
+# or faster on the H200 (head dim 128: the forward level at 1,024, both faster above; head dim 64: the backward
+# slower up to 2,048, both faster from 4,096; 22nd and 28th sessions)
+MIN_LEN = {128: 1024, 64: 4096}
+PINGPONG_DIMS = (128,)  # head dims whose forward consumers issue in turns (``_take_turn``)
 GROUP = triton.language.constexpr(2)  # pairs of row blocks per program of the forward and dQ kernels (``_items``)
 
 
@@ -82,9 +93,9 @@ def min_len(device: torch.device, dtype: torch.dtype, dqk: int, dv: int) -> int 
     switch included. ``recforge.ops.hstu_attention`` routes the HSTU block's SiLU + attention op by it."""
     if gluon_hstu() is False or not AVAILABLE or device.type != "cuda":  # the switch first: a typo in it raises
         return None  # wherever it runs
-    if (dqk, dv) != (HEAD_DIM, HEAD_DIM) or dtype not in (torch.bfloat16, torch.float16):
+    if dqk != dv or dqk not in MIN_LEN or dtype not in (torch.bfloat16, torch.float16):
         return None
-    return MIN_LEN if torch.cuda.get_device_capability(device) == (9, 0) else None
+    return MIN_LEN[dqk] if torch.cuda.get_device_capability(device) == (9, 0) else None
 
 
 def supported(q: Tensor, k: Tensor, v: Tensor, max_seq_len: int, ma: MaskArgs, pos_w: Tensor | None,
@@ -99,9 +110,9 @@ def supported(q: Tensor, k: Tensor, v: Tensor, max_seq_len: int, ma: MaskArgs, p
 
 
 def tma_ready(x: Tensor, dtype: torch.dtype) -> bool:
-    """``x`` ((T, H, 128)) is a ``dtype`` tensor the kernels' TMA descriptors can read: heads packed in each row
-    (stride(1) == 128, stride(2) == 1) and 16-byte aligned rows and base."""
-    if x.dtype != dtype or x.shape[2] != HEAD_DIM or x.stride(2) != 1 or x.stride(1) != HEAD_DIM:
+    """``x`` ((T, H, D), D in ``MIN_LEN``) is a ``dtype`` tensor the kernels' TMA descriptors can read: heads packed in
+    each row (stride(1) == D, stride(2) == 1) and 16-byte aligned rows and base."""
+    if x.dtype != dtype or x.shape[2] not in MIN_LEN or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         return False
     return x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
 
@@ -120,6 +131,19 @@ if AVAILABLE:
         h = s * 0.5
         t = _tanh(h)
         return gl.fma(h, t, h), dp * ((1.0 + t) * gl.fma(h, 1.0 - t, 1.0))
+
+    @gluon.jit
+    def _take_turn(turn, k, CID: gl.constexpr, PINGPONG: gl.constexpr):
+        """Wait until consumer ``CID`` may issue its ``k``-th tile's first wgmmas: the two consumers issue them in
+        alternation (the first consumer first), so that one's tensor-core work runs while the other's SiLU does."""
+        if PINGPONG:
+            mbarrier.wait(turn.index(CID), (k & 1) ^ (1 - CID))
+
+    @gluon.jit
+    def _pass_turn(turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
+        """The other consumer's turn (after this one issued its wgmmas)."""
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - CID), count=1)
 
     @gluon.jit
     def _causal(t, jb, i_lo, layout: gl.constexpr):
@@ -187,8 +211,17 @@ if AVAILABLE:
         return ready, empty, once
 
     @gluon.jit
+    def _turns():
+        """The consumers' turns to issue (``_take_turn``): one mbarrier each, passed by the other."""
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        fence_async_shared()
+        return turn
+
+    @gluon.jit
     def _store_rows(ptr, stride, start, n, r0, col, acc, factor, x_s, SILU: gl.constexpr):
-        """``acc * factor`` into rows r0 ... of the sequence in a (T, H * 128) output; rows past its end untouched.
+        """``acc * factor`` into rows r0 ... of the sequence in a (T, H * D) output; rows past its end untouched.
         ``SILU``: times SiLU'(x), x the tile of the pre-activation whose SiLU was the kernel's input, prefetched into
         shared memory ``x_s`` by the loader: the gradient of x."""
         layout: gl.constexpr = acc.type.layout
@@ -242,8 +275,8 @@ if AVAILABLE:
                 tma.async_copy_global_to_shared(x_desc, [start + i0 + rows, col], once.index(1), x_s.index(1))
 
     @gluon.jit
-    def _row_consumer(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col,
-                      factor, CID: gl.constexpr, GRAD: gl.constexpr, SILU: gl.constexpr):
+    def _row_consumer(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, turn, OUT, so_t, start, n, p, nbs, per_group,
+                      col, factor, CID: gl.constexpr, GRAD: gl.constexpr, SILU: gl.constexpr, PINGPONG: gl.constexpr):
         """Rows i0 + 64 CID ... of each row block of the program: O += SiLU(Q K^T) V, or (GRAD) dQ += dS K with S = Q K^T
         and dP = dO V^T issued together; stored times ``factor`` (and ``SILU``: SiLU' of ``x_s``, ``_store_rows``)."""
         stages: gl.constexpr = k_s.shape[0]
@@ -263,9 +296,10 @@ if AVAILABLE:
             for jb in range(gl.cdiv(gl.minimum(i0 + 2 * rows, n), BN)):
                 st = g % stages
                 mbarrier.wait(ready.index(st), (g // stages) & 1)
+                _take_turn(turn, g, CID, PINGPONG)
                 if (not GRAD) and (CID == 0) and (jb * BN == i0):
                     # the forward's diagonal tile: the first warpgroup's rows see only its first 64 keys
-                    acc = _half_diagonal(q_c, k_s.index(st), v_s.index(st), acc)
+                    acc = _half_diagonal(q_c, k_s.index(st), v_s.index(st), acc, turn, CID, PINGPONG)
                 else:
                     k_t = k_s.index(st)
                     s_tok = warpgroup_mma(q_c, k_t.permute((1, 0)), gl.zeros((rows, BN), gl.float32, s_layout),
@@ -274,10 +308,12 @@ if AVAILABLE:
                         dp_tok = warpgroup_mma(do_s.index(CID), v_s.index(st).permute((1, 0)),
                                                gl.zeros((rows, BN), gl.float32, s_layout), use_acc=False,
                                                is_async=True)
+                        _pass_turn(turn, CID, PINGPONG)
                         s, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
                         _, t = _silu_grad(s, dp)
                         b = k_t
                     else:
+                        _pass_turn(turn, CID, PINGPONG)
                         s = warpgroup_mma_wait(0, deps=(s_tok, q_c, k_t))[0]
                         t, _ = _silu_grad(s, s)  # SiLU(s); the unused gradient is dropped by the compiler
                         b = v_s.index(st)
@@ -303,7 +339,7 @@ if AVAILABLE:
             tma.store_wait(0)
 
     @gluon.jit
-    def _half_diagonal(q_c, k_t, v_t, acc):
+    def _half_diagonal(q_c, k_t, v_t, acc, turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
         """``acc`` + SiLU(Q K^T) V over the first half of a K/V tile whose keys start at the rows' first: the rest of
         the tile follows every row (half the wgmma work of the full tile)."""
         rows: gl.constexpr = q_c.shape[0]
@@ -315,6 +351,7 @@ if AVAILABLE:
         v_h = v_t.slice(0, half)
         s_tok = warpgroup_mma(q_c, k_h.permute((1, 0)), gl.zeros((rows, half), gl.float32, h_layout), use_acc=False,
                               is_async=True)
+        _pass_turn(turn, CID, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s_tok, q_c, k_h))[0]
         t, _ = _silu_grad(s, s)
         t = _causal(t, 0, 0, h_layout)  # rows and keys from the same token
@@ -322,21 +359,22 @@ if AVAILABLE:
         return warpgroup_mma_wait(0, deps=(acc, v_h))[0]
 
     @gluon.jit
-    def _row_consumer0(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col,
-                       factor, GRAD: gl.constexpr, SILU: gl.constexpr):
-        _row_consumer(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col,
-                      factor, 0, GRAD, SILU)
+    def _row_consumer0(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, turn, OUT, so_t, start, n, p, nbs,
+                       per_group, col, factor, GRAD: gl.constexpr, SILU: gl.constexpr, PINGPONG: gl.constexpr):
+        _row_consumer(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, turn, OUT, so_t, start, n, p, nbs, per_group,
+                      col, factor, 0, GRAD, SILU, PINGPONG)
         return (nbs,)  # Triton 3.6 wants a tuple from the default partition
 
     @gluon.jit
-    def _row_consumer1(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col,
-                       factor, GRAD: gl.constexpr, SILU: gl.constexpr):
-        _row_consumer(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col,
-                      factor, 1, GRAD, SILU)
+    def _row_consumer1(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, turn, OUT, so_t, start, n, p, nbs,
+                       per_group, col, factor, GRAD: gl.constexpr, SILU: gl.constexpr, PINGPONG: gl.constexpr):
+        _row_consumer(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, turn, OUT, so_t, start, n, p, nbs, per_group,
+                      col, factor, 1, GRAD, SILU, PINGPONG)
 
     @gluon.jit
     def _row_blocks(q_desc, do_desc, k_desc, v_desc, x_desc, OUT, so_t, offsets, seq_order, factor, num_heads, len_key,
-                    STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr, GRAD: gl.constexpr, SILU: gl.constexpr):
+                    STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr, GRAD: gl.constexpr, SILU: gl.constexpr,
+                    PINGPONG: gl.constexpr):
         """One program per (``GROUP`` pairs of 128-row blocks, sequence, head), the sequences in ``seq_order`` when
         ``SEQ_ORDER``: blocks nbs - 1 - p and p of the sequence's nbs, then those of pair p + per_group (``_items``,
         ``_row_block``), so every program of a sequence walks about the same number of K/V tiles, and each next block's
@@ -359,21 +397,22 @@ if AVAILABLE:
             k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
             v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
             ready, empty, once = _barriers(STAGES)
+            turn = _turns()
             # the loader's warp and the second consumer's four; registers (setmaxnreg where honoured)
-            gl.warp_specialize([(_row_consumer0, (q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start,
-                                                  n, p, nbs, per_group, col, factor, GRAD, SILU)),
+            gl.warp_specialize([(_row_consumer0, (q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, turn, OUT, so_t,
+                                                  start, n, p, nbs, per_group, col, factor, GRAD, SILU, PINGPONG)),
                                 (_row_loader, (q_desc, do_desc, k_desc, v_desc, x_desc, q_s, do_s, k_s, v_s, x_s, once,
                                                ready, empty, start, n, p, nbs, per_group, col, GRAD, SILU)),
-                                (_row_consumer1, (q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start,
-                                                  n, p, nbs, per_group, col, factor, GRAD, SILU))],
+                                (_row_consumer1, (q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, turn, OUT, so_t,
+                                                  start, n, p, nbs, per_group, col, factor, GRAD, SILU, PINGPONG))],
                                [1, 4], [24, 240])
 
     @gluon.jit
     def _hstu_fwd_gluon(q_desc, k_desc, v_desc, o_desc, O, so_t, offsets, seq_order, scale, num_heads, len_key,
-                        STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr):
+                        STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr, PINGPONG: gl.constexpr):
         """The forward: blocks of 128 query rows (up to ``2 GROUP`` per program), 128-key K/V tiles (``_row_blocks``)."""
         _row_blocks(q_desc, q_desc, k_desc, v_desc, o_desc, O, so_t, offsets, seq_order, scale, num_heads, len_key, STAGES,
-                    SEQ_ORDER, False, False)
+                    SEQ_ORDER, False, False, PINGPONG)
 
     @gluon.jit
     def _hstu_bwd_dq_gluon(q_desc, do_desc, k_desc, v_desc, xq_desc, DQ, sdq_t, offsets, seq_order, dq_scale, num_heads,
@@ -381,7 +420,7 @@ if AVAILABLE:
         """dQ (times ``dq_scale``; ``SILU``: times SiLU' of the pre-activation read by ``xq_desc``): blocks of 128 query
         rows (up to ``2 GROUP`` per program), 64-key K/V tiles (``_row_blocks``)."""
         _row_blocks(q_desc, do_desc, k_desc, v_desc, xq_desc, DQ, sdq_t, offsets, seq_order, dq_scale, num_heads, len_key,
-                    STAGES, SEQ_ORDER, True, SILU)
+                    STAGES, SEQ_ORDER, True, SILU, False)
 
     # ---- backward ---------------------------------------------------------------------------------------------------
 
@@ -509,10 +548,10 @@ def programs(max_seq_len: int, pairs: bool) -> int:
 
 
 def descriptor(x: Tensor, rows: int):
-    """The TMA descriptor of ``x`` ((T, H, 128), ``tma_ready``) as a (T, H * 128) matrix read in (rows, 128) tiles."""
-    layout = gl.NVMMASharedLayout.get_default_for([rows, HEAD_DIM], gl.bfloat16 if x.dtype == torch.bfloat16
-                                                  else gl.float16)
-    return TensorDescriptor(x, [x.shape[0], x.shape[1] * HEAD_DIM], [x.stride(0), 1], [rows, HEAD_DIM], layout)
+    """The TMA descriptor of ``x`` ((T, H, D), ``tma_ready``) as a (T, H * D) matrix read in (rows, D) tiles."""
+    d = x.shape[2]
+    layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16)
+    return TensorDescriptor(x, [x.shape[0], x.shape[1] * d], [x.stride(0), 1], [rows, d], layout)
 
 
 def descriptors(q: Tensor, k: Tensor, v: Tensor) -> tuple:
@@ -522,13 +561,14 @@ def descriptors(q: Tensor, k: Tensor, v: Tensor) -> tuple:
 
 def hstu_forward_gluon(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, scale: float,
                        seq_order: Tensor | None, out: Tensor) -> Tensor:  # fmt: skip
-    """Fill ``out`` ((T, H, 128), contiguous) with the causal HSTU attention of a ``supported`` call."""
+    """Fill ``out`` ((T, H, D), contiguous) with the causal HSTU attention of a ``supported`` call."""
     batch, heads = offsets.numel() - 1, q.shape[1]
     grid = (programs(max_seq_len, True) * batch * heads,)
     order = seq_order if seq_order is not None else offsets  # SEQ_ORDER False: never read
     try:
         _hstu_fwd_gluon[grid](*descriptors(q, k, v), descriptor(out, BLOCK_ROWS), out, out.stride(0), offsets, order,
-                              scale, heads, max_seq_len, STAGES=STAGES, SEQ_ORDER=seq_order is not None, num_warps=4)
+                              scale, heads, max_seq_len, STAGES=STAGES, SEQ_ORDER=seq_order is not None,
+                              PINGPONG=q.shape[2] in PINGPONG_DIMS, num_warps=4)
     except Exception as e:  # a compiler or driver failure: say how to run the Triton forward instead
         raise RuntimeError(f"the Gluon HSTU attention forward failed ({type(e).__name__}: {e}); set "
                            "RECFORGE_GLUON_HSTU=0 to use the Triton forward, and please report it") from e
@@ -538,7 +578,7 @@ def hstu_forward_gluon(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq
 def hstu_backward_gluon(do: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, scale: float,
                         seq_order: Tensor | None, dq: Tensor, dk: Tensor, dv: Tensor, dq_scale: float,
                         pre: tuple[Tensor, Tensor, Tensor] | None = None) -> None:  # fmt: skip
-    """Fill ``dk``, ``dv`` ((T, H, 128), heads packed in each row) with the gradients of a ``supported`` call given
+    """Fill ``dk``, ``dv`` ((T, H, D), heads packed in each row) with the gradients of a ``supported`` call given
     ``do`` (``tma_ready``), and ``dq`` with dQ * 2 / scale times ``dq_scale`` (``scale / 2``: dQ) in its dtype.
 
     ``pre``: (x_q, x_k, x_v) (``tma_ready``), the pre-activations of which q, k, v are the SiLU: then the three are the
