@@ -91,6 +91,8 @@ CASES = {  # name: (model, max_len, tokens per batch (0: users), users per batch
     # 128K-token batches, the same model; attention is most of the FLOPs there
     "xlong-32k-shared-norab": (_NORAB, 32768, 131072, 0, "shared", 8192, 100_000),
     "xlong-100k-shared-norab": (_NORAB, 100_000, 131072, 0, "shared", 8192, 100_000),
+    # the same at head dim 64 (8 heads of 64): the Gluon kernels from max_seq_len 4,096 there (28th session)
+    "long-d64-shared-norab": (dict(_NORAB, num_heads=8, dqk=64, dv=64), 8192, 65536, 0, "shared", 8192, 100_000),
     "medium": (dict(dim=512, num_blocks=8, num_heads=4, dqk=128, dv=128), 1024, 4096, 0, "per_position", 128, 100_000),
     "ml1m": (dict(dim=128, num_blocks=8, num_heads=2, dqk=64, dv=64), 200, 0, 256, "full", 0, 3706),
     "small": (dict(dim=128, num_blocks=2, num_heads=2, dqk=64, dv=64), 512, 2048, 0, "per_position", 128, 20_000),

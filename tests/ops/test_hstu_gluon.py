@@ -45,7 +45,8 @@ COMPILE = textwrap.dedent("""
                          SEQ_ORDER="constexpr", SILU="constexpr", PINGPONG="constexpr")
             sig = {a: types[a] for a in kern.arg_names}
             for order in (False, True):
-                cx = {(kern.arg_names.index("STAGES"),): g.STAGES, (kern.arg_names.index("SEQ_ORDER"),): order}
+                stages = g.STAGES if silu is None else g.BACKWARD_STAGES[dim]
+                cx = {(kern.arg_names.index("STAGES"),): stages, (kern.arg_names.index("SEQ_ORDER"),): order}
                 if silu is not None:
                     cx[(kern.arg_names.index("SILU"),)] = silu
                 else:  # the forward: in turns where the launch asks for them

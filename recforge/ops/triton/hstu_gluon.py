@@ -37,7 +37,8 @@ Triton (0.57-0.98x); the kernels here, which take it from any head dim, run at 6
 Triton's forward at L 1024-2048 and 1.06x / 1.03x at 4096 / 8192, the backward 0.9x up to 2048 and forward +
 backward 1.02x / 1.07x at 4096 / 8192: hence ``MIN_LEN`` per head dim. At head dim 64 the SiLU's tanh (MUFU) costs
 ~20% of the forward's time and the per-tile waits most of the rest: tanh in bf16x2 was slower (the conversions), three
-K/V stages or 128-key dQ tiles level. The variants that lost are in BENCHMARKS.md.
+K/V stages in the forward, 128-key dQ tiles or four pairs of row blocks per program level or slower; the backward
+kernels take three stages there (``BACKWARD_STAGES``). The variants that lost are in BENCHMARKS.md.
 
 The hot path only (``supported``): CUDA sm_90, bf16/fp16, head dims 64 or 128 (q/k and v alike), a plain causal
 mask (no targets, contextual tokens, segments, window or timestamps), no relative bias (so no bias gradients), heads
@@ -78,7 +79,8 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 BLOCK_ROWS = 64  # rows per consumer warpgroup (two per program); the backward's Q/dO and K/V tiles
 BLOCK_KEYS = 128  # keys per K/V tile of the forward
-STAGES = 2  # K/V ring depth
+STAGES = 2  # the forward's K/V ring depth
+BACKWARD_STAGES = {128: 2, 64: 3}  # head dim -> the backward kernels' ring depth (3 at 64: 1.00-1.03x; at 128 level)
 # head dim (q/k and v alike) -> the shortest max_seq_len taking these kernels: below it the Triton kernels were level
 # or faster on the H200 (head dim 128: the forward level at 1,024, both faster above; head dim 64: the backward
 # slower up to 2,048, both faster from 4,096; 22nd and 28th sessions)
@@ -589,7 +591,7 @@ def hstu_backward_gluon(do: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
     tiles = [descriptor(x, BLOCK_ROWS) for x in (q, do, k, v)]
     silu = pre is not None
     x_q, x_k, x_v = [descriptor(x, BLOCK_ROWS) for x in pre] if silu else tiles[:3]  # SILU False: never read
-    common = dict(STAGES=STAGES, SEQ_ORDER=seq_order is not None, SILU=silu, num_warps=4)
+    common = dict(STAGES=BACKWARD_STAGES[q.shape[2]], SEQ_ORDER=seq_order is not None, SILU=silu, num_warps=4)
     try:
         _hstu_bwd_dkdv_gluon[(programs(max_seq_len, False) * batch * heads,)](
             *tiles, x_k, x_v, dk, dv, dk.stride(0), dv.stride(0), offsets, order, scale, heads, max_seq_len, **common)
