@@ -33,8 +33,8 @@ behind the other's): 1.01-1.03x by GPU time at L 1024-8192; the backward kernels
 On an H200 (head dim 128, jagged 64K-token batches) the Triton forward took 1.06x / 1.13x / 1.20x this forward's time
 at L 2048 / 4096 / 8192 (level at 1,024, hence ``MIN_LEN``; 22nd session), and the Triton backward (its fused-dQ
 variant where faster) 1.05-1.12x these two kernels' (23rd session). At head dim 64 the forward prototype lost to
-Triton (0.57-0.98x); the kernels here, which take it from any head dim, run at 64 (28th session) level with
-Triton's forward at L 1024-2048 and 1.06x / 1.03x at 4096 / 8192, the backward 0.9x up to 2048 and forward +
+Triton (0.57-0.98x); the kernels here (their tile shapes come from the TMA descriptors) run at 64 (28th session)
+level with Triton's forward at L 1024-2048 and 1.06x / 1.03x at 4096 / 8192, the backward 0.83-0.94x up to 2048 and forward +
 backward 1.02x / 1.07x at 4096 / 8192: hence ``MIN_LEN`` per head dim. At head dim 64 the SiLU's tanh (MUFU) costs
 ~20% of the forward's time and the per-tile waits most of the rest: tanh in bf16x2 was slower (the conversions), three
 K/V stages in the forward, 128-key dQ tiles or four pairs of row blocks per program level or slower; the backward
@@ -399,7 +399,7 @@ if AVAILABLE:
             k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
             v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
             ready, empty, once = _barriers(STAGES)
-            turn = _turns()
+            turn = _turns()  # read only when PINGPONG (16 bytes and two inits otherwise)
             # the loader's warp and the second consumer's four; registers (setmaxnreg where honoured)
             gl.warp_specialize([(_row_consumer0, (q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, turn, OUT, so_t,
                                                   start, n, p, nbs, per_group, col, factor, GRAD, SILU, PINGPONG)),
