@@ -34,11 +34,12 @@ On an H200 (head dim 128, jagged 64K-token batches) the Triton forward took 1.06
 at L 2048 / 4096 / 8192 (level at 1,024, hence ``MIN_LEN``; 22nd session), and the Triton backward (its fused-dQ
 variant where faster) 1.05-1.12x these two kernels' (23rd session). At head dim 64 the forward prototype lost to
 Triton (0.57-0.98x); the kernels here (their tile shapes come from the TMA descriptors) run at 64 (28th session)
-level with Triton's forward at L 1024-2048 and 1.06x / 1.03x at 4096 / 8192, the backward 0.83-0.94x up to 2048 and forward +
-backward 1.02x / 1.07x at 4096 / 8192: hence ``MIN_LEN`` per head dim. At head dim 64 the SiLU's tanh (MUFU) costs
-~20% of the forward's time and the per-tile waits most of the rest: tanh in bf16x2 was slower (the conversions), three
-K/V stages in the forward, 128-key dQ tiles or four pairs of row blocks per program level or slower; the backward
-kernels take three stages there (``BACKWARD_STAGES``). The variants that lost are in BENCHMARKS.md.
+level with Triton's forward at L 1024-2048 and 1.06x / 1.03x at 4096 / 8192, the backward 0.83-0.94x up to 2048,
+and forward + backward 1.02x / 1.07x at 4096 / 8192: hence ``MIN_LEN`` per head dim. At head dim 64 the SiLU's tanh
+(MUFU) costs ~20% of the forward's time and the per-tile waits most of the rest: tanh in bf16x2 was slower (the
+conversions), three K/V stages in the forward, 128-key dQ tiles or four pairs of row blocks per program level or
+slower; the backward kernels take three stages there (``BACKWARD_STAGES``). The variants that lost are in
+BENCHMARKS.md.
 
 The hot path only (``supported``): CUDA sm_90, bf16/fp16, head dims 64 or 128 (q/k and v alike), a plain causal
 mask (no targets, contextual tokens, segments, window or timestamps), no relative bias (so no bias gradients), heads
