@@ -4,8 +4,9 @@ For each head dim and max length, on a jagged bf16 batch of ~64K tokens (``atten
 Triton forward and backward (``RECFORGE_GLUON_HSTU=0``), and the Gluon kernels of ``recforge.ops.triton.hstu_gluon``
 launched directly with each choice the module makes per head dim: the forward with and without its consumers' turns
 (``PINGPONG``), the dK/dV and dQ kernels with two and three ring stages (``BACKWARD_STAGES``). GPU ms per call by CUDA
-events (20 calls queued behind a GPU sleep, the best of ``--rounds`` rounds of 3 medians, variants alternated), each
-output's relative difference from the Triton kernels', and the choice the module takes marked with ``*``.
+events (``attention.host_and_gpu_ms``: 20 calls queued behind a GPU sleep; the best of ``--rounds`` rounds of 3
+medians, variants alternated), each output's relative difference from the Triton kernels', and the choice the module
+takes marked with ``*``.
 
     PYTHONPATH=. python benchmarks/gluon_variants.py --head-dims 64 128 --seq-lens 2048 4096 8192 \\
         --out benchmarks/results/gluon_variants-h200.json
@@ -15,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 from pathlib import Path
 
 import torch
-from attention import make_lengths
+from attention import host_and_gpu_ms, make_lengths
 
 from recforge.io import atomic_write_json
 from recforge.jagged.index import offsets_from_lengths
@@ -29,24 +29,6 @@ from recforge.ops.triton import hstu_gluon as g
 from recforge.ops.triton._common import mask_args
 
 HEADS = 4
-
-
-def gpu_ms(fn, calls: int = 20, repeats: int = 3) -> float:
-    """Median GPU ms per call of ``calls`` back-to-back calls queued behind a GPU sleep (no host gaps)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(50_000_000)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -62,7 +44,6 @@ def variants(dim: int, max_len: int) -> tuple[dict, dict]:
                    for _ in range(4))  # fmt: skip
     offsets = offsets_from_lengths(torch.tensor(lengths)).cuda()
     ma, order = mask_args(AttentionMask(causal=True), offsets), th.launch_order(offsets, max_len)
-    os.environ["RECFORGE_GLUON_HSTU"] = "0"
     ref_out = th.hstu_forward(q, k, v, offsets, max_len, ma, scale, None, None, None, 0, order)
     ref_dq, ref_dk, ref_dv, _, _ = th.hstu_backward(do, q, k, v, offsets, max_len, ma, scale, None, None, None, 0,
                                                     False, False, seq_order=order)
@@ -106,6 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     if not (torch.cuda.is_available() and g.AVAILABLE and torch.cuda.get_device_capability() == (9, 0)):
         raise SystemExit("the Gluon HSTU kernels need a Hopper (sm_90) GPU and Triton with Gluon")
+    os.environ["RECFORGE_GLUON_HSTU"] = "0"  # the Triton rows; the Gluon variants launch their kernels directly
     rows = []
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; GPU ms per call (* the module's choice)")
     for dim in args.head_dims:
@@ -115,8 +97,7 @@ def main() -> None:
             diffs = {}
             for _ in range(args.rounds):
                 for name, fn in launch.items():
-                    os.environ["RECFORGE_GLUON_HSTU"] = "0"  # the Triton rows; the Gluon ones launch directly
-                    times[name].append(gpu_ms(fn))
+                    times[name].append(host_and_gpu_ms(fn, False, [], repeats=3)["gpu_ms"])
                     if name in check:
                         torch.cuda.synchronize()
                         diffs[name] = relative(*check[name]())
@@ -126,7 +107,6 @@ def main() -> None:
                 rows.append(row)
                 diff = f"  (differs {diffs[name]:.1e})" if name in diffs else ""
                 print(f"D {dim:3d}  L {max_len:5d}  {name:<34} {min(ms):7.3f}{diff}", flush=True)
-    os.environ.pop("RECFORGE_GLUON_HSTU", None)
     if args.out:
         atomic_write_json(Path(args.out), {"benchmark": "gluon_variants", "machine": torch.cuda.get_device_name(),
                                      "torch": torch.__version__, "rows": rows})  # fmt: skip

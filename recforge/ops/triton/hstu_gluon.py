@@ -121,6 +121,7 @@ def tma_ready(x: Tensor, dtype: torch.dtype) -> bool:
 
 
 if AVAILABLE:
+    # ---- shared: the SiLU, masks, the grid, barriers and stores ------------------------------------------------------
 
     @gluon.jit
     def _tanh(x):
@@ -239,7 +240,7 @@ if AVAILABLE:
             val = val * (sig * gl.fma(x, 1.0 - sig, 1.0))
         gl.store(ptr + rows * stride + col + c[None, :], val.to(ptr.dtype.element_ty), mask=keep)
 
-    # ---- row blocks: the forward and the backward's dQ -----------------------------------------------------------
+    # ---- row blocks: the forward and the backward's dQ ---------------------------------------------------------------
 
     @gluon.jit
     def _row_loader(q_desc, do_desc, k_desc, v_desc, x_desc, q_s, do_s, k_s, v_s, x_s, once, ready, empty, start, n, p,
@@ -425,7 +426,7 @@ if AVAILABLE:
         _row_blocks(q_desc, do_desc, k_desc, v_desc, xq_desc, DQ, sdq_t, offsets, seq_order, dq_scale, num_heads, len_key,
                     STAGES, SEQ_ORDER, True, SILU, False)
 
-    # ---- backward ---------------------------------------------------------------------------------------------------
+    # ---- the backward's dK/dV: key rows ------------------------------------------------------------------------------
 
     @gluon.jit
     def _dkdv_loader(q_desc, do_desc, k_desc, v_desc, xk_desc, xv_desc, q_s, do_s, k_s, v_s, xk_s, xv_s, kv_bar, ready,
@@ -542,6 +543,9 @@ if AVAILABLE:
                                                 xk_s, xv_s, kv_bar, ready, empty, start, j0, col, nt, SILU)),
                                 (_dkdv_consumer1, (q_s, do_s, k_s, v_s, xk_s, xv_s, kv_bar, ready, empty, DK, DV, sdk_t,
                                                    sdv_t, start, n, j0, col, nt, scale, SILU))], [1, 4], [24, 240])
+
+
+# ---- launching -------------------------------------------------------------------------------------------------------
 
 
 def programs(max_seq_len: int, pairs: bool) -> int:
