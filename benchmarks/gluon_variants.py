@@ -2,8 +2,9 @@
 
 For each head dim and max length, on a jagged bf16 batch of ~64K tokens (``attention.make_lengths``, 4 heads): the
 Triton forward and backward (``RECFORGE_GLUON_HSTU=0``), and the Gluon kernels of ``recforge.ops.triton.hstu_gluon``
-launched directly with each choice the module makes per head dim: the forward with and without its consumers' turns
-(``PINGPONG``), the dK/dV and dQ kernels with two and three ring stages (``BACKWARD_STAGES``). GPU ms per call by CUDA
+launched directly with each choice the module makes per head dim: the forward's key tile (``FORWARD_KEYS``), ring
+depth and Q buffers, the dK/dV kernel's ring depth (``DKDV_STAGES``), the dQ kernel's ring depth and Q/dO buffers
+(``DQ_STAGES``, ``DQ_QBUF``), those that fit in shared memory. GPU ms per call by CUDA
 events (``attention.host_and_gpu_ms``: 20 calls queued behind a GPU sleep; the best of ``--rounds`` rounds of 3
 medians, variants alternated), each output's relative difference from the Triton kernels', and the choice the module
 takes marked with ``*``.
@@ -44,13 +45,13 @@ def variants(dim: int, max_len: int) -> tuple[dict, dict]:
                    for _ in range(4))  # fmt: skip
     offsets = offsets_from_lengths(torch.tensor(lengths)).cuda()
     ma, order = mask_args(AttentionMask(causal=True), offsets), th.launch_order(offsets, max_len)
+    g_order = order if order is not None else offsets  # SEQ_ORDER False (short batches): never read
     ref_out = th.hstu_forward(q, k, v, offsets, max_len, ma, scale, None, None, None, 0, order)
     ref_dq, ref_dk, ref_dv, _, _ = th.hstu_backward(do, q, k, v, offsets, max_len, ma, scale, None, None, None, 0,
                                                     False, False, seq_order=order)
     out, dk, dv = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
     dq = torch.empty(total, HEADS, dim, device="cuda", dtype=torch.float32)
     rows = [g.descriptor(x, g.BLOCK_ROWS) for x in (q, do, k, v)]
-    keys = [g.descriptor(x, g.BLOCK_KEYS) for x in (k, v)]
     o_desc = g.descriptor(out, g.BLOCK_ROWS)
     row_grid, key_grid = (g.programs(max_len, True) * batch * HEADS,), (g.programs(max_len, False) * batch * HEADS,)
     launch = {
@@ -59,22 +60,32 @@ def variants(dim: int, max_len: int) -> tuple[dict, dict]:
                                                     False, False, seq_order=order),
     }
     check = {}
-    for turns in (False, True):
-        name = f"gluon forward, turns {'on' if turns else 'off'}" + (" *" if (dim in g.PINGPONG_DIMS) == turns else "")
-        launch[name] = lambda turns=turns: g._hstu_fwd_gluon[row_grid](
-            rows[0], *keys, o_desc, out, out.stride(0), offsets, order, scale, HEADS, max_len, STAGES=g.STAGES,
-            SEQ_ORDER=True, PINGPONG=turns, num_warps=4)
+    chosen = (g.FORWARD_KEYS[dim], g.FORWARD_STAGES, g.FORWARD_QBUF)
+    for bn, stages, qbuf in sorted({chosen, (64, 4, 2), (128, 4, 2), (128, 3, 2), (g.FORWARD_KEYS[dim], 4, 1)}):
+        if dim == 128 and bn * stages > 256:  # over the 227 KiB of shared memory
+            continue
+        name = f"gluon forward, {bn}-key tiles, {stages} stages, {qbuf} Q buffers" + (" *" if (bn, stages, qbuf) ==
+                                                                                         chosen else "")  # fmt: skip
+        kv = [g.descriptor(x, bn) for x in (k, v)]
+        launch[name] = lambda stages=stages, qbuf=qbuf, kv=kv: g._hstu_fwd_gluon[row_grid](
+            rows[0], *kv, o_desc, out, out.stride(0), offsets, g_order, scale, HEADS, max_len, STAGES=stages,
+            SEQ_ORDER=order is not None, QBUF=qbuf, num_warps=4)
         check[name] = lambda: (out, ref_out)
     for stages in (2, 3):
-        mark = " *" if g.BACKWARD_STAGES[dim] == stages else ""
-        launch[f"gluon dK/dV, {stages} stages{mark}"] = lambda stages=stages: g._hstu_bwd_dkdv_gluon[key_grid](
-            *rows, rows[2], rows[3], dk, dv, dk.stride(0), dv.stride(0), offsets, order, scale, HEADS, max_len,
-            STAGES=stages, SEQ_ORDER=True, SILU=False, num_warps=4)
-        check[f"gluon dK/dV, {stages} stages{mark}"] = lambda: (torch.cat([dk, dv]), torch.cat([ref_dk, ref_dv]))
-        launch[f"gluon dQ, {stages} stages{mark}"] = lambda stages=stages: g._hstu_bwd_dq_gluon[row_grid](
-            *rows, rows[0], dq, dq.stride(0), offsets, order, 0.5 * scale, HEADS, max_len, STAGES=stages,
-            SEQ_ORDER=True, SILU=False, num_warps=4)
-        check[f"gluon dQ, {stages} stages{mark}"] = lambda: (dq, ref_dq)
+        name = f"gluon dK/dV, {stages} stages" + (" *" if g.DKDV_STAGES[dim] == stages else "")
+        launch[name] = lambda stages=stages: g._hstu_bwd_dkdv_gluon[key_grid](
+            *rows, rows[2], rows[3], dk, dv, dk.stride(0), dv.stride(0), offsets, g_order, scale, HEADS, max_len,
+            STAGES=stages, SEQ_ORDER=order is not None, SILU=False, num_warps=4)
+        check[name] = lambda: (torch.cat([dk, dv]), torch.cat([ref_dk, ref_dv]))
+    chosen = (g.DQ_STAGES[dim], g.DQ_QBUF[dim])
+    for stages, qbuf in sorted({chosen, (3, 1), (4, 1), (3, 2), (4, 2), (5, 2)}):
+        if dim == 128 and qbuf * 64 + stages * 32 > 192:  # over the 227 KiB of shared memory with the SILU tiles
+            continue
+        name = f"gluon dQ, {stages} stages, {qbuf} Q/dO buffers" + (" *" if (stages, qbuf) == chosen else "")
+        launch[name] = lambda stages=stages, qbuf=qbuf: g._hstu_bwd_dq_gluon[row_grid](
+            *rows, rows[0], dq, dq.stride(0), offsets, g_order, 0.5 * scale, HEADS, max_len, STAGES=stages,
+            SEQ_ORDER=order is not None, SILU=False, QBUF=qbuf, num_warps=4)
+        check[name] = lambda: (dq, ref_dq)
     return launch, check
 
 
@@ -106,7 +117,7 @@ def main() -> None:
                        "relative_difference_from_triton": diffs.get(name)}  # fmt: skip
                 rows.append(row)
                 diff = f"  (differs {diffs[name]:.1e})" if name in diffs else ""
-                print(f"D {dim:3d}  L {max_len:5d}  {name:<34} {min(ms):7.3f}{diff}", flush=True)
+                print(f"D {dim:3d}  L {max_len:5d}  {name:<72} {min(ms):7.3f}{diff}", flush=True)
     if args.out:
         atomic_write_json(Path(args.out), {"benchmark": "gluon_variants", "machine": torch.cuda.get_device_name(),
                                      "torch": torch.__version__, "rows": rows})  # fmt: skip

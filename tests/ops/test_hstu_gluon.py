@@ -42,15 +42,16 @@ COMPILE = textwrap.dedent("""
         ]
         for kern, types, silu in kernels:
             types = dict(types, offsets="*i64", seq_order="*i64", num_heads="i32", len_key="i32", STAGES="constexpr",
-                         SEQ_ORDER="constexpr", SILU="constexpr", PINGPONG="constexpr")
+                         SEQ_ORDER="constexpr", SILU="constexpr", QBUF="constexpr")
             sig = {a: types[a] for a in kern.arg_names}
             for order in (False, True):
-                stages = g.STAGES if silu is None else g.BACKWARD_STAGES[dim]
+                stages = g.FORWARD_STAGES if silu is None else (g.DQ_STAGES if "QBUF" in kern.arg_names else
+                                                                 g.DKDV_STAGES)[dim]  # fmt: skip
                 cx = {(kern.arg_names.index("STAGES"),): stages, (kern.arg_names.index("SEQ_ORDER"),): order}
                 if silu is not None:
                     cx[(kern.arg_names.index("SILU"),)] = silu
-                else:  # the forward: in turns where the launch asks for them
-                    cx[(kern.arg_names.index("PINGPONG"),)] = dim in g.PINGPONG_DIMS
+                if "QBUF" in kern.arg_names:  # the row kernels: as the launch asks
+                    cx[(kern.arg_names.index("QBUF"),)] = g.FORWARD_QBUF if silu is None else g.DQ_QBUF[dim]
                 k = triton.compile(GluonASTSource(kern, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
                                    options={"num_warps": 4})
                 ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -67,7 +68,8 @@ COMPILE = textwrap.dedent("""
 # spill stores (bytes) each kernel (head dim, SILU variant) may have: at head dim 128 the dK/dV kernel's two float32
 # (64, 128) accumulators and two (64, 64) tiles per thread leave ptxas a few registers short (8 bytes with Triton
 # 3.7.1, 16 with 3.6.0; with the SiLU' epilogue 20 with either), and the dQ kernel's SiLU' epilogue in a program of
-# two row blocks 16 with 3.7.1, 20 with 3.6.0; none at head dim 64
+# two row blocks 20 with 3.7.1, 8 with 3.6.0 (its consumers overlapping two K/V tiles since the 29th session); none at
+# head dim 64
 SPILL_BYTES = {("_hstu_fwd_gluon", "128", "None"): 0, ("_hstu_bwd_dkdv_gluon", "128", "False"): 16,
                ("_hstu_bwd_dkdv_gluon", "128", "True"): 20, ("_hstu_bwd_dq_gluon", "128", "False"): 0,
                ("_hstu_bwd_dq_gluon", "128", "True"): 20}
@@ -117,14 +119,16 @@ def _batch(gen: torch.Generator, lengths: list[int], heads: int, dtype: torch.dt
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("fused", [False, True], ids=["packed", "fused-projection"])
-@pytest.mark.parametrize("dim", sorted(hstu_gluon.MIN_LEN), ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dim", sorted(hstu_gluon.FORWARD_MIN_LEN), ids=lambda d: f"d{d}")
 def test_gpu_gluon_forward_matches_reference_and_triton(hopper, monkeypatch, dtype, fused, dim) -> None:
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     gen = torch.Generator().manual_seed(seed)
-    max_len = int(torch.randint(hstu_gluon.MIN_LEN[dim], hstu_gluon.MIN_LEN[dim] + 600, (1,), generator=gen))
-    # pairs of row blocks (hstu_gluon._row_blocks): one block, two, three (the middle one alone), four
-    lengths = [max_len, 0, 1, 127, 128, 129, 383, 385, 512] + torch.randint(1, max_len + 1, (6,),
-                                                                            generator=gen).tolist()
+    shortest = hstu_gluon.FORWARD_MIN_LEN[dim]  # + 1: batches up to SEQ_ORDER_MIN_LEN (256) take no sequence order
+    max_len = int(torch.randint(shortest + 1, shortest + 600, (1,), generator=gen))
+    # pairs of row blocks (hstu_gluon._row_blocks): one block, two, three (the middle one alone), four; at head dim 128
+    # the first warpgroup of a block ending within 64 rows of its start drains no K/V tile past its diagonal, one else
+    lengths = [min(n, max_len) for n in (0, 1, 63, 64, 65, 127, 128, 129, 383, 385, 512)]
+    lengths += [max_len] + torch.randint(1, max_len + 1, (6,), generator=gen).tolist()
     q, k, v, offsets = _batch(gen, lengths, 3, dtype, hopper, fused, dim)
     calls = []
     real = hstu_gluon.hstu_forward_gluon
@@ -227,6 +231,15 @@ def test_gpu_off_the_hot_path_takes_triton(hopper) -> None:
     }
     taken = [name for name, args in refused.items() if hstu_gluon.supported(*args)]
     assert not taken, f"the Gluon kernels accepted calls they do not compute: {taken}"
+    # the forward from its own (shorter) thresholds: head dim 64 from 1,024 though its backward from 4,096
+    for dim, shortest in hstu_gluon.FORWARD_MIN_LEN.items():
+        qkv = [x[..., :dim].contiguous() for x in (q, k, v)]
+        assert hstu_gluon.supported(*qkv, shortest, causal, None, None, forward=True), f"head dim {dim}"
+        assert not hstu_gluon.supported(*qkv, shortest - 1, causal, None, None, forward=True), f"head dim {dim}"
+        assert shortest <= hstu_gluon.MIN_LEN[dim]
+    assert hstu_gluon.supported(*(x[..., :64].contiguous() for x in (q, k, v)), 1100, causal, None, None, forward=True)
+    assert not hstu_gluon.supported(q, k, v, 1100, mask_args(AttentionMask(causal=False), offsets), None, None,
+                                    forward=True)  # fmt: skip
     grad = torch.randn(q.shape, generator=gen).to(hopper, torch.bfloat16)
     assert hstu_gluon.tma_ready(grad, torch.bfloat16)
     assert not hstu_gluon.tma_ready(grad.float(), torch.bfloat16), "a float32 gradient of bf16 inputs"

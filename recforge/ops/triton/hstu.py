@@ -449,7 +449,7 @@ def hstu_forward(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: 
     out = torch.empty(total, heads, dv, dtype=q.dtype, device=q.device)
     if total > 0 and batch > 0:
         order = seq_order if seq_order is not None else launch_order(offsets, max_seq_len)
-        if hstu_gluon.supported(q, k, v, max_seq_len, ma, pos_w, time_w):
+        if hstu_gluon.supported(q, k, v, max_seq_len, ma, pos_w, time_w, forward=True):
             return hstu_gluon.hstu_forward_gluon(q, k, v, offsets, max_seq_len, scale, order, out)
         common, scalars, meta = _launch_args(q, v, offsets, max_seq_len, ma, scale, pos_w, ts_bias, time_w, num_buckets,
                                              order)  # fmt: skip

@@ -5,24 +5,28 @@
 Why next to the Triton kernels: Triton's compiler waits on every wgmma right after issuing it, so one warpgroup's
 tensor cores idle through its SiLU, and ``tl.range(warp_specialize=True)`` does nothing on sm_90. Gluon (``triton
 .experimental.gluon``, Triton >= 3.6) states the schedule itself. The kernels run in the block-major grid of the
-Triton kernels (sequences longest first via ``seq_order``): a 1-warp loader streams tiles by TMA into a two-stage ring
+Triton kernels (sequences longest first via ``seq_order``): a 1-warp loader streams tiles by TMA into a ring of stages
 (ready/empty mbarriers) while two 4-warp consumer warpgroups own 64 rows each and walk the same tiles, so one
 warpgroup's SiLU runs while the other's wgmmas do. The dK/dV kernel has one program per (block of 128 keys, sequence,
 head), a group's longest walk first. The forward and dQ kernels have one per (``GROUP`` pairs of 128-row blocks,
 sequence, head): blocks nbs - 1 - p and p of the sequence's nbs (and of pair p + per_group), in one ring, so that
-every program of a sequence walks the same number of tiles (nbs + 1 per pair) and each next block's Q loads and first
-tiles overlap the previous one's stores. On an H200 the forward is 1.10x / 1.09x / 1.08x / 1.04x its one-block
-programs at L 1024 / 2048 / 4096 / 8192 with one pair, dQ ~1.01x, and two pairs add up to 1.02x; the dK/dV kernel
-lost on pairs (0.96-0.99x: more spills in its consumers) and four pairs were mixed. In the forward's diagonal K/V
-tile the first warpgroup's rows see only the first 64 keys, so it multiplies by that half alone (``_half_diagonal``:
-the forward 1.06x / 1.03x / 1.03x / 1.02x at L 1024-8192), and it stores its whole 64-row output tiles by TMA from
-shared memory (the buffer the backward's pre-activation tiles use), masked stores only for a sequence's last rows:
-another 1.07x / 1.04x / 1.02x / 1.00x (BENCHMARKS.md, 27th session). At head dim 128 the forward's two consumers
-issue their tiles' first wgmmas in turns (``_take_turn``: FlashAttention-3's ping-pong, so that one's matmuls queue
-behind the other's): 1.01-1.03x by GPU time at L 1024-8192; the backward kernels lost on it (dK/dV 0.94-0.98x, dQ
-0.95-1.00x), as did the forward at head dim 64 (0.98-1.00x; 28th session).
+every program of a sequence walks the same number of tiles (nbs + 1 per pair); their Q (and dO) tiles have two
+buffers where shared memory allows (``FORWARD_QBUF``, ``DQ_QBUF``), so the next block's load runs during this one's
+loop. Within each consumer of these two kernels a tile's S (and dP) is issued before the previous tile's second
+product (``_rows``: FlashAttention-3's intra-warpgroup overlap; each consumer holds two stages, hence four), and a
+warpgroup stops at its own diagonal tile (with 64-key tiles, the first one's rows skip the block's last tile). The
+forward stores its whole 64-row output tiles by TMA from shared memory (the buffer the backward's pre-activation
+tiles use), masked stores only for a sequence's last rows (27th session).
 
-- Forward (query rows; 128-key K/V tiles): S = Q K^T, P = SiLU(S), O += P V.
+On an H200 (GPU time through the op, jagged 64K-token batches, 29th session) the overlap and the second Q buffer took
+the forward 1.10-1.21x at head dims 64 and 128 (with 64-key tiles there; L 1,024-8,192), and dQ 1.07-1.10x at 128
+(1.11-1.17x at 64 with its second Q/dO buffer). They replaced the forward consumers' ping-pong turns (28th session;
+with the overlap 0.99x at head dim 128, 0.93-0.98x at 64) and its half-width diagonal tile (27th session; at 128 the
+first warpgroup now skips the block's last 64-key tile instead, at 64 it multiplies the whole 128-key diagonal tile).
+The dK/dV kernel lost on the same overlap (0.97-0.99x at head dim 64; 0.70-0.81x at 128, where ptxas spills 300
+bytes).
+
+- Forward (query rows; K/V tiles of ``FORWARD_KEYS``): S = Q K^T, P = SiLU(S), O += P V.
 - Backward, dK/dV (key rows; K and V loaded once, 64-row Q/dO tiles streamed): S^T = K Q^T and dP^T = V dO^T
   issued together, P^T and dS^T in registers feed dV += P^T dO and dK += dS^T Q.
 - Backward, dQ (query rows; Q and dO loaded once, 64-key K/V tiles streamed): S = Q K^T and dP = dO V^T issued
@@ -30,16 +34,10 @@ behind the other's): 1.01-1.03x by GPU time at L 1024-8192; the backward kernels
   instead of one with dQ summed by float32 atomics: each is deterministic, and the atomics variant measured
   0.89-0.97x the Triton backward (the atomics' L2 traffic; BENCHMARKS.md, 23rd session).
 
-On an H200 (head dim 128, jagged 64K-token batches) the Triton forward took 1.06x / 1.13x / 1.20x this forward's time
-at L 2048 / 4096 / 8192 (level at 1,024, hence ``MIN_LEN``; 22nd session), and the Triton backward (its fused-dQ
-variant where faster) 1.05-1.12x these two kernels' (23rd session). At head dim 64 the forward prototype lost to
-Triton (0.57-0.98x); the kernels here (their tile shapes come from the TMA descriptors) run at 64 (28th session)
-level with Triton's forward at L 1024-2048 and 1.06x / 1.03x at 4096 / 8192, the backward 0.83-0.94x up to 2048,
-and forward + backward 1.02x / 1.07x at 4096 / 8192: hence ``MIN_LEN`` per head dim. At head dim 64 the SiLU's tanh
-(MUFU) costs ~20% of the forward's time and the per-tile waits most of the rest: tanh in bf16x2 was slower (the
-conversions), three K/V stages in the forward, 128-key dQ tiles or four pairs of row blocks per program level or
-slower; the backward kernels take three stages there (``BACKWARD_STAGES``). The variants that lost are in
-BENCHMARKS.md.
+Against the Triton kernels (29th session, GPU time): the forward 1.17x at head dim 128 from L 256 and 1.10-1.26x at
+64 from 1,024 (level below: ``FORWARD_MIN_LEN``); the backward faster at 128 from L 512 and at 64 from 4,096 (at 64
+up to 2,048 Triton's is: ``MIN_LEN``). At head dim 64 the SiLU's tanh (MUFU) costs ~20% of the forward's time (28th
+session); tanh in bf16x2 was slower (the conversions). The variants that lost are in BENCHMARKS.md.
 
 The hot path only (``supported``): CUDA sm_90, bf16/fp16, head dims 64 or 128 (q/k and v alike), a plain causal
 mask (no targets, contextual tokens, segments, window or timestamps), no relative bias (so no bias gradients), heads
@@ -79,32 +77,42 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
 
 BLOCK_ROWS = 64  # rows per consumer warpgroup (two per program); the backward's Q/dO and K/V tiles
-BLOCK_KEYS = 128  # keys per K/V tile of the forward
-STAGES = 2  # the forward's K/V ring depth
-BACKWARD_STAGES = {128: 2, 64: 3}  # head dim -> the backward kernels' ring depth (3 at 64: 1.00-1.03x; at 128 level)
-# head dim (q/k and v alike) -> the shortest max_seq_len taking these kernels: below it the Triton kernels were level
-# or faster on the H200 (head dim 128: the forward level at 1,024, both faster above; head dim 64: the backward
-# slower up to 2,048, both faster from 4,096; 22nd and 28th sessions)
-MIN_LEN = {128: 1024, 64: 4096}
-PINGPONG_DIMS = (128,)  # head dims whose forward consumers issue in turns (``_take_turn``)
+FORWARD_KEYS = {128: 64, 64: 128}  # head dim -> keys per K/V tile of the forward (at 64, 64-key tiles: 1.03-1.09x at
+# L 512-1,024, 0.90-0.98x from 2,048; at 128 four 128-key stages do not fit)
+FORWARD_STAGES = 4  # the forward's K/V ring depth (its consumers hold two stages each: ``_rows``; 3 at 64: 0.96x)
+FORWARD_QBUF = 2  # buffers of the forward's Q tiles (``_row_blocks``; 1.03-1.14x over one)
+DKDV_STAGES = {128: 2, 64: 3}  # head dim -> the dK/dV kernel's ring depth (3 at 64: 1.00-1.03x; at 128 level)
+DQ_STAGES = {128: 4, 64: 4}  # head dim -> the dQ kernel's (its consumers hold two stages each, as the forward's)
+DQ_QBUF = {128: 1, 64: 2}  # head dim -> buffers of the dQ kernel's Q and dO tiles (at 128 two would not fit with
+# four stages and the SILU tiles in the 227 KiB of shared memory)
+# head dim (q/k and v alike) -> the shortest max_seq_len whose forward takes these kernels (29th session, H200): at
+# 128 from the shortest measured (1.17x at L 256); at 64 Triton's is level at 512
+FORWARD_MIN_LEN = {128: 256, 64: 1024}
+# head dim -> the same for the backward (and so the HSTU block's SiLU + attention op: ``min_len``): at 128 level with
+# Triton's at L 256, faster from 512; at 64 slower up to 2,048, faster from 4,096 (28th, 29th sessions)
+MIN_LEN = {128: 512, 64: 4096}
 GROUP = triton.language.constexpr(2)  # pairs of row blocks per program of the forward and dQ kernels (``_items``)
 
 
-def min_len(device: torch.device, dtype: torch.dtype, dqk: int, dv: int) -> int | None:
-    """The shortest ``max_seq_len`` from which calls on ``device`` with these dtype and head dims take these kernels
-    (given a plain causal mask, no relative bias and TMA-readable tensors: ``supported``), or None if none do; the
-    switch included. ``recforge.ops.hstu_attention`` routes the HSTU block's SiLU + attention op by it."""
+def min_len(device: torch.device, dtype: torch.dtype, dqk: int, dv: int, forward: bool = False) -> int | None:
+    """The shortest ``max_seq_len`` from which calls on ``device`` with these dtype and head dims take these kernels'
+    backward (``forward``: their forward), given a plain causal mask, no relative bias and TMA-readable tensors
+    (``supported``), or None if none do; the switch included. ``recforge.ops.hstu_attention`` routes the HSTU block's
+    SiLU + attention op by the backward's."""
     if gluon_hstu() is False or not AVAILABLE or device.type != "cuda":  # the switch first: a typo in it raises
         return None  # wherever it runs
     if dqk != dv or dqk not in MIN_LEN or dtype not in (torch.bfloat16, torch.float16):
         return None
-    return MIN_LEN[dqk] if torch.cuda.get_device_capability(device) == (9, 0) else None
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return None
+    return FORWARD_MIN_LEN[dqk] if forward else MIN_LEN[dqk]
 
 
 def supported(q: Tensor, k: Tensor, v: Tensor, max_seq_len: int, ma: MaskArgs, pos_w: Tensor | None,
-              time_w: Tensor | None) -> bool:  # fmt: skip
-    """Whether ``hstu_forward_gluon`` computes this call (see the module docstring), the switch included."""
-    shortest = min_len(q.device, q.dtype, q.shape[2], v.shape[2])
+              time_w: Tensor | None, forward: bool = False) -> bool:  # fmt: skip
+    """Whether ``hstu_backward_gluon`` (``forward``: ``hstu_forward_gluon``) computes this call (see the module
+    docstring), the switch included."""
+    shortest = min_len(q.device, q.dtype, q.shape[2], v.shape[2], forward)
     if shortest is None or max_seq_len < shortest or pos_w is not None or time_w is not None:
         return False
     if not ma.causal or ma.has_targets or ma.has_contextual or ma.has_window or ma.has_ts or ma.num_segments:
@@ -135,19 +143,6 @@ if AVAILABLE:
         h = s * 0.5
         t = _tanh(h)
         return gl.fma(h, t, h), dp * ((1.0 + t) * gl.fma(h, 1.0 - t, 1.0))
-
-    @gluon.jit
-    def _take_turn(turn, k, CID: gl.constexpr, PINGPONG: gl.constexpr):
-        """Wait until consumer ``CID`` may issue its ``k``-th tile's first wgmmas: the two consumers issue them in
-        alternation (the first consumer first), so that one's tensor-core work runs while the other's SiLU does."""
-        if PINGPONG:
-            mbarrier.wait(turn.index(CID), (k & 1) ^ (1 - CID))
-
-    @gluon.jit
-    def _pass_turn(turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
-        """The other consumer's turn (after this one issued its wgmmas)."""
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - CID), count=1)
 
     @gluon.jit
     def _causal(t, jb, i_lo, layout: gl.constexpr):
@@ -196,32 +191,23 @@ if AVAILABLE:
         return nbs - 1 - pp - (it % 2) * (nbs - 1 - 2 * pp)
 
     @gluon.jit
-    def _barriers(STAGES: gl.constexpr):
-        """(ready, empty, once): the ring's mbarriers (both consumers release a stage) and four for the tiles loaded
-        once per block: loaded, those the loop needs (0) and those only the stores need (1: the pre-activation tiles
-        of ``SILU``); released by both consumers, the loop's (2) and the stores' (3), before the next block's (the row
-        kernels' pairs; the dK/dV kernel's programs have one block)."""
+    def _barriers(STAGES: gl.constexpr, QBUF: gl.constexpr):
+        """(ready, empty, once): the ring's mbarriers (both consumers release a stage) and those of the tiles loaded
+        once per block: loaded, those the loop needs (0 ... QBUF - 1: one per buffer of them) and those only the
+        stores need (QBUF: the pre-activation tiles of ``SILU``); released by both consumers, the loop's (QBUF + 1 ...
+        2 QBUF) and the stores' (2 QBUF + 1), before a later block's (the row kernels' pairs; the dK/dV kernel's
+        programs have one block and QBUF 1: 0 loaded, 1 the stores' loaded)."""
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        once = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        once = gl.allocate_shared_memory(gl.int64, [2 * QBUF + 2, 1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES):
             mbarrier.init(ready.index(st), count=1)
             mbarrier.init(empty.index(st), count=2)
-        mbarrier.init(once.index(0), count=1)
-        mbarrier.init(once.index(1), count=1)
-        mbarrier.init(once.index(2), count=2)
-        mbarrier.init(once.index(3), count=2)
+        for b in gl.static_range(QBUF + 1):
+            mbarrier.init(once.index(b), count=1)
+            mbarrier.init(once.index(QBUF + 1 + b), count=2)
         fence_async_shared()
         return ready, empty, once
-
-    @gluon.jit
-    def _turns():
-        """The consumers' turns to issue (``_take_turn``): one mbarrier each, passed by the other."""
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
-        fence_async_shared()
-        return turn
 
     @gluon.jit
     def _store_rows(ptr, stride, start, n, r0, col, acc, factor, x_s, SILU: gl.constexpr):
@@ -251,19 +237,21 @@ if AVAILABLE:
         rows: gl.constexpr = q_desc.block_type.shape[0]
         BN: gl.constexpr = k_desc.block_type.shape[0]
         stages: gl.constexpr = k_s.shape[0]
+        QBUF: gl.constexpr = q_s.shape[0] // 2
         once_bytes: gl.constexpr = (2 + 2 * GRAD) * q_desc.block_type.nbytes
         kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
         g = 0  # K/V tiles issued so far: the ring's position
         for it in range(_items(p, nbs, per_group)):
             i0 = _row_block(p, nbs, it, per_group) * 2 * rows
-            if it > 0:
-                mbarrier.wait(once.index(2), (it - 1) & 1)
-            mbarrier.expect(once.index(0), once_bytes)
-            tma.async_copy_global_to_shared(q_desc, [start + i0, col], once.index(0), q_s.index(0))
-            tma.async_copy_global_to_shared(q_desc, [start + i0 + rows, col], once.index(0), q_s.index(1))
+            b = it % QBUF  # the buffer of the block's Q (and dO) tiles
+            if it >= QBUF:
+                mbarrier.wait(once.index(QBUF + 1 + b), (it // QBUF - 1) & 1)
+            mbarrier.expect(once.index(b), once_bytes)
+            tma.async_copy_global_to_shared(q_desc, [start + i0, col], once.index(b), q_s.index(2 * b))
+            tma.async_copy_global_to_shared(q_desc, [start + i0 + rows, col], once.index(b), q_s.index(2 * b + 1))
             if GRAD:
-                tma.async_copy_global_to_shared(do_desc, [start + i0, col], once.index(0), do_s.index(0))
-                tma.async_copy_global_to_shared(do_desc, [start + i0 + rows, col], once.index(0), do_s.index(1))
+                tma.async_copy_global_to_shared(do_desc, [start + i0, col], once.index(b), do_s.index(2 * b))
+                tma.async_copy_global_to_shared(do_desc, [start + i0 + rows, col], once.index(b), do_s.index(2 * b + 1))
             for jb in range(gl.cdiv(gl.minimum(i0 + 2 * rows, n), BN)):
                 st = g % stages
                 mbarrier.wait(empty.index(st), ((g // stages) & 1) ^ 1)  # a fresh barrier passes parity 1
@@ -273,62 +261,37 @@ if AVAILABLE:
                 g += 1
             if SILU:  # the stores' tiles after the loop's
                 if it > 0:
-                    mbarrier.wait(once.index(3), (it - 1) & 1)
-                mbarrier.expect(once.index(1), 2 * x_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(x_desc, [start + i0, col], once.index(1), x_s.index(0))
-                tma.async_copy_global_to_shared(x_desc, [start + i0 + rows, col], once.index(1), x_s.index(1))
+                    mbarrier.wait(once.index(2 * QBUF + 1), (it - 1) & 1)
+                mbarrier.expect(once.index(QBUF), 2 * x_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [start + i0, col], once.index(QBUF), x_s.index(0))
+                tma.async_copy_global_to_shared(x_desc, [start + i0 + rows, col], once.index(QBUF), x_s.index(1))
 
     @gluon.jit
-    def _row_consumer(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, turn, OUT, so_t, start, n, p, nbs, per_group,
-                      col, factor, CID: gl.constexpr, GRAD: gl.constexpr, SILU: gl.constexpr, PINGPONG: gl.constexpr):
+    def _row_consumer(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col,
+                      factor, CID: gl.constexpr, GRAD: gl.constexpr, SILU: gl.constexpr):
         """Rows i0 + 64 CID ... of each row block of the program: O += SiLU(Q K^T) V, or (GRAD) dQ += dS K with S = Q K^T
-        and dP = dO V^T issued together; stored times ``factor`` (and ``SILU``: SiLU' of ``x_s``, ``_store_rows``)."""
-        stages: gl.constexpr = k_s.shape[0]
+        and dP = dO V^T issued together (``_rows``); stored times ``factor`` (and ``SILU``: SiLU' of ``x_s``,
+        ``_store_rows``)."""
         BN: gl.constexpr = k_s.shape[1]
         D: gl.constexpr = k_s.shape[2]
         rows: gl.constexpr = q_s.shape[1]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        QBUF: gl.constexpr = q_s.shape[0] // 2
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        q_c = q_s.index(CID)
         g = 0  # K/V tiles consumed so far
         for it in range(_items(p, nbs, per_group)):
             i0 = _row_block(p, nbs, it, per_group) * 2 * rows
             i_lo = i0 + CID * rows
-            mbarrier.wait(once.index(0), it & 1)
+            b = it % QBUF
+            q_c = q_s.index(2 * b + CID)
+            mbarrier.wait(once.index(b), (it // QBUF) & 1)
             acc = gl.zeros((rows, D), gl.float32, o_layout)
-            for jb in range(gl.cdiv(gl.minimum(i0 + 2 * rows, n), BN)):
-                st = g % stages
-                mbarrier.wait(ready.index(st), (g // stages) & 1)
-                _take_turn(turn, g, CID, PINGPONG)
-                if (not GRAD) and (CID == 0) and (jb * BN == i0):
-                    # the forward's diagonal tile: the first warpgroup's rows see only its first 64 keys
-                    acc = _half_diagonal(q_c, k_s.index(st), v_s.index(st), acc, turn, CID, PINGPONG)
-                else:
-                    k_t = k_s.index(st)
-                    s_tok = warpgroup_mma(q_c, k_t.permute((1, 0)), gl.zeros((rows, BN), gl.float32, s_layout),
-                                          use_acc=False, is_async=True)
-                    if GRAD:
-                        dp_tok = warpgroup_mma(do_s.index(CID), v_s.index(st).permute((1, 0)),
-                                               gl.zeros((rows, BN), gl.float32, s_layout), use_acc=False,
-                                               is_async=True)
-                        _pass_turn(turn, CID, PINGPONG)
-                        s, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
-                        _, t = _silu_grad(s, dp)
-                        b = k_t
-                    else:
-                        _pass_turn(turn, CID, PINGPONG)
-                        s = warpgroup_mma_wait(0, deps=(s_tok, q_c, k_t))[0]
-                        t, _ = _silu_grad(s, s)  # SiLU(s); the unused gradient is dropped by the compiler
-                        b = v_s.index(st)
-                    t = _causal(t, jb, i_lo, s_layout)
-                    acc = warpgroup_mma(gl.convert_layout(t.to(q_s.dtype), a_layout), b, acc, is_async=True)
-                    acc = warpgroup_mma_wait(0, deps=(acc, b))[0]
-                mbarrier.arrive(empty.index(st), count=1)
-                g += 1
-            mbarrier.arrive(once.index(2), count=1)  # Q (and dO) read: the next block's may load
+            nt = gl.cdiv(gl.minimum(i0 + 2 * rows, n), BN)  # the block's K/V tiles, its last the diagonal's
+            acc = _rows(q_c, do_s.index(2 * b + CID), k_s, v_s, ready, empty, acc, g,
+                        gl.cdiv(gl.minimum(i_lo + rows, n), BN), nt, i_lo, GRAD)
+            g += nt
+            mbarrier.arrive(once.index(QBUF + 1 + b), count=1)  # Q (and dO) read: a later block's may load
             if SILU:
-                mbarrier.wait(once.index(1), it & 1)
+                mbarrier.wait(once.index(QBUF), it & 1)
             if (not GRAD) and (i_lo + rows <= n):  # the forward's whole tiles by TMA (a tile past n would overwrite
                 # the next sequence's rows), from shared memory; the lowering syncs the warpgroup before the copy
                 tma.store_wait(0)  # the last block's store has read the buffer
@@ -338,60 +301,113 @@ if AVAILABLE:
             else:
                 _store_rows(OUT, so_t, start, n, i_lo, col, acc, factor, x_s.index(CID), SILU)
             if SILU:
-                mbarrier.arrive(once.index(3), count=1)
+                mbarrier.arrive(once.index(2 * QBUF + 1), count=1)
         if not GRAD:
             tma.store_wait(0)
 
     @gluon.jit
-    def _half_diagonal(q_c, k_t, v_t, acc, turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
-        """``acc`` + SiLU(Q K^T) V over the first half of a K/V tile whose keys start at the rows' first: the rest of
-        the tile follows every row (half the wgmma work of the full tile)."""
+    def _issue_scores(q_c, do_c, k_s, v_s, ready, st, phase, GRAD: gl.constexpr):
+        """Wait for ring stage ``st``, issue S = Q K^T on its K tile (and, GRAD, dP = dO V^T on its V tile); the
+        second result is the first in the forward."""
+        BN: gl.constexpr = k_s.shape[1]
         rows: gl.constexpr = q_c.shape[0]
-        half: gl.constexpr = k_t.shape[0] // 2
-        gl.static_assert(half == rows, "the diagonal tile is the block's: keys as many as the two warpgroups' rows")
-        h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, half, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
-        k_h = k_t.slice(0, half)
-        v_h = v_t.slice(0, half)
-        s_tok = warpgroup_mma(q_c, k_h.permute((1, 0)), gl.zeros((rows, half), gl.float32, h_layout), use_acc=False,
-                              is_async=True)
-        _pass_turn(turn, CID, PINGPONG)
-        s = warpgroup_mma_wait(0, deps=(s_tok, q_c, k_h))[0]
-        t, _ = _silu_grad(s, s)
-        t = _causal(t, 0, 0, h_layout)  # rows and keys from the same token
-        acc = warpgroup_mma(gl.convert_layout(t.to(q_c.dtype), p_layout), v_h, acc, is_async=True)
-        return warpgroup_mma_wait(0, deps=(acc, v_h))[0]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        mbarrier.wait(ready.index(st), phase)
+        s_tok = warpgroup_mma(q_c, k_s.index(st).permute((1, 0)), gl.zeros((rows, BN), gl.float32, s_layout),
+                              use_acc=False, is_async=True)
+        if GRAD:
+            dp_tok = warpgroup_mma(do_c, v_s.index(st).permute((1, 0)), gl.zeros((rows, BN), gl.float32, s_layout),
+                                   use_acc=False, is_async=True)
+            return s_tok, dp_tok
+        else:
+            return s_tok, s_tok
 
     @gluon.jit
-    def _row_consumer0(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, turn, OUT, so_t, start, n, p, nbs,
-                       per_group, col, factor, GRAD: gl.constexpr, SILU: gl.constexpr, PINGPONG: gl.constexpr):
-        _row_consumer(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, turn, OUT, so_t, start, n, p, nbs, per_group,
-                      col, factor, 0, GRAD, SILU, PINGPONG)
+    def _weights(s_tok, dp_tok, i_lo, jb, s_layout: gl.constexpr, a_layout: gl.constexpr, dtype: gl.constexpr,
+                 PENDING: gl.constexpr, GRAD: gl.constexpr):
+        """Wait for S (and dP) with ``PENDING`` later wgmmas left running, and make the A operand of the tile's second
+        product: SiLU(S) (the forward) or dS (GRAD), causal, in ``dtype``."""
+        if GRAD:
+            s, dp = warpgroup_mma_wait(PENDING, deps=(s_tok, dp_tok))
+            _, t = _silu_grad(s, dp)
+        else:
+            s, _ = warpgroup_mma_wait(PENDING, deps=(s_tok, dp_tok))  # the same token twice (a tuple in Triton 3.6)
+            t, _ = _silu_grad(s, s)  # SiLU(s); the unused gradient is dropped by the compiler
+        return gl.convert_layout(_causal(t, jb, i_lo, s_layout).to(dtype), a_layout)
+
+    @gluon.jit
+    def _rows(q_c, do_c, k_s, v_s, ready, empty, acc, g, nt, nt_ring, i_lo, GRAD: gl.constexpr):
+        """``acc`` + SiLU(Q K^T) V (GRAD: dS K, dS from S = Q K^T and dP = dO V^T) over the first ``nt`` of the block's
+        ``nt_ring`` K/V tiles (from ring position ``g``; those past the rows' diagonal tile are only taken off the
+        ring). Each tile's S (and dP) is issued before the previous tile's second product, so that this warpgroup's
+        SiLU of one tile runs while its product of the one before does (FlashAttention-3's intra-warpgroup overlap;
+        it holds two stages, so the ring has three or more). The product in flight reads ``w``'s registers: the wait
+        that ends it names them, so they stay live until then."""
+        stages: gl.constexpr = k_s.shape[0]
+        BN: gl.constexpr = k_s.shape[1]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+        st = g % stages
+        s_tok, dp_tok = _issue_scores(q_c, do_c, k_s, v_s, ready, st, (g // stages) & 1, GRAD)
+        w = _weights(s_tok, dp_tok, i_lo, 0, s_layout, a_layout, q_c.dtype, 0, GRAD)
+        prev = st
+        for jb in range(1, nt):
+            st = (g + jb) % stages
+            s_tok, dp_tok = _issue_scores(q_c, do_c, k_s, v_s, ready, st, ((g + jb) // stages) & 1, GRAD)
+            if GRAD:
+                b_t = k_s.index(prev)
+            else:
+                b_t = v_s.index(prev)
+            acc = warpgroup_mma(w, b_t, acc, is_async=True)
+            w_next = _weights(s_tok, dp_tok, i_lo, jb, s_layout, a_layout, q_c.dtype, 1, GRAD)  # the product may still run
+            acc = warpgroup_mma_wait(0, deps=(acc, b_t, w))[0]
+            mbarrier.arrive(empty.index(prev), count=1)
+            w = w_next
+            prev = st
+        if GRAD:
+            b_t = k_s.index(prev)
+        else:
+            b_t = v_s.index(prev)
+        acc = warpgroup_mma(w, b_t, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, b_t, w))[0]
+        mbarrier.arrive(empty.index(prev), count=1)
+        for jb in range(nt, nt_ring):  # past the diagonal (the first warpgroup's rows, keys in tiles of 64)
+            st = (g + jb) % stages
+            mbarrier.wait(ready.index(st), ((g + jb) // stages) & 1)
+            mbarrier.arrive(empty.index(st), count=1)
+        return acc
+
+    @gluon.jit
+    def _row_consumer0(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col,
+                       factor, GRAD: gl.constexpr, SILU: gl.constexpr):
+        _row_consumer(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col,
+                      factor, 0, GRAD, SILU)
         return (nbs,)  # Triton 3.6 wants a tuple from the default partition
 
     @gluon.jit
-    def _row_consumer1(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, turn, OUT, so_t, start, n, p, nbs,
-                       per_group, col, factor, GRAD: gl.constexpr, SILU: gl.constexpr, PINGPONG: gl.constexpr):
-        _row_consumer(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, turn, OUT, so_t, start, n, p, nbs, per_group,
-                      col, factor, 1, GRAD, SILU, PINGPONG)
+    def _row_consumer1(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col,
+                       factor, GRAD: gl.constexpr, SILU: gl.constexpr):
+        _row_consumer(q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start, n, p, nbs, per_group, col,
+                      factor, 1, GRAD, SILU)
 
     @gluon.jit
     def _row_blocks(q_desc, do_desc, k_desc, v_desc, x_desc, OUT, so_t, offsets, seq_order, factor, num_heads, len_key,
                     STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr, GRAD: gl.constexpr, SILU: gl.constexpr,
-                    PINGPONG: gl.constexpr):
+                    QBUF: gl.constexpr):
         """One program per (``GROUP`` pairs of 128-row blocks, sequence, head), the sequences in ``seq_order`` when
         ``SEQ_ORDER``: blocks nbs - 1 - p and p of the sequence's nbs, then those of pair p + per_group (``_items``,
         ``_row_block``), so every program of a sequence walks about the same number of K/V tiles, and each next block's
-        loads overlap the last one's stores (the module doc)."""
+        loads overlap the last one's stores (the module doc). ``QBUF``: buffers of the blocks' Q (and dO) tiles (2:
+        the next block's load during this one's loop)."""
         rows: gl.constexpr = q_desc.block_type.shape[0]
         D: gl.constexpr = q_desc.block_type.shape[1]
         BN: gl.constexpr = k_desc.block_type.shape[0]
         p, per_group, start, n, col = _program(offsets, seq_order, num_heads, len_key, 2 * rows, D, SEQ_ORDER, True)
         nbs = gl.cdiv(n, 2 * rows)
         if 2 * p < nbs:  # pairs past the sequence's end exit before any set-up
-            q_s = gl.allocate_shared_memory(q_desc.dtype, [2, rows, D], q_desc.layout)
+            q_s = gl.allocate_shared_memory(q_desc.dtype, [2 * QBUF, rows, D], q_desc.layout)
             if GRAD:
-                do_s = gl.allocate_shared_memory(do_desc.dtype, [2, rows, D], do_desc.layout)
+                do_s = gl.allocate_shared_memory(do_desc.dtype, [2 * QBUF, rows, D], do_desc.layout)
             else:
                 do_s = q_s  # not read
             if SILU or not GRAD:  # the stores' pre-activation tiles, or the forward's output tiles for TMA stores
@@ -400,31 +416,32 @@ if AVAILABLE:
                 x_s = q_s  # not read
             k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
             v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
-            ready, empty, once = _barriers(STAGES)
-            turn = _turns()  # read only when PINGPONG (16 bytes and two inits otherwise)
+            ready, empty, once = _barriers(STAGES, QBUF)
             # the loader's warp and the second consumer's four; registers (setmaxnreg where honoured)
-            gl.warp_specialize([(_row_consumer0, (q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, turn, OUT, so_t,
-                                                  start, n, p, nbs, per_group, col, factor, GRAD, SILU, PINGPONG)),
+            gl.warp_specialize([(_row_consumer0, (q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start,
+                                                  n, p, nbs, per_group, col, factor, GRAD, SILU)),
                                 (_row_loader, (q_desc, do_desc, k_desc, v_desc, x_desc, q_s, do_s, k_s, v_s, x_s, once,
                                                ready, empty, start, n, p, nbs, per_group, col, GRAD, SILU)),
-                                (_row_consumer1, (q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, turn, OUT, so_t,
-                                                  start, n, p, nbs, per_group, col, factor, GRAD, SILU, PINGPONG))],
+                                (_row_consumer1, (q_s, do_s, k_s, v_s, x_s, x_desc, once, ready, empty, OUT, so_t, start,
+                                                  n, p, nbs, per_group, col, factor, GRAD, SILU))],
                                [1, 4], [24, 240])
 
     @gluon.jit
     def _hstu_fwd_gluon(q_desc, k_desc, v_desc, o_desc, O, so_t, offsets, seq_order, scale, num_heads, len_key,
-                        STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr, PINGPONG: gl.constexpr):
-        """The forward: blocks of 128 query rows (up to ``2 GROUP`` per program), 128-key K/V tiles (``_row_blocks``)."""
+                        STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr, QBUF: gl.constexpr):
+        """The forward: blocks of 128 query rows (up to ``2 GROUP`` per program), K/V tiles of ``k_desc``'s rows
+        (``_row_blocks``)."""
         _row_blocks(q_desc, q_desc, k_desc, v_desc, o_desc, O, so_t, offsets, seq_order, scale, num_heads, len_key, STAGES,
-                    SEQ_ORDER, False, False, PINGPONG)
+                    SEQ_ORDER, False, False, QBUF)
 
     @gluon.jit
     def _hstu_bwd_dq_gluon(q_desc, do_desc, k_desc, v_desc, xq_desc, DQ, sdq_t, offsets, seq_order, dq_scale, num_heads,
-                           len_key, STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr, SILU: gl.constexpr):
+                           len_key, STAGES: gl.constexpr, SEQ_ORDER: gl.constexpr, SILU: gl.constexpr,
+                           QBUF: gl.constexpr):
         """dQ (times ``dq_scale``; ``SILU``: times SiLU' of the pre-activation read by ``xq_desc``): blocks of 128 query
         rows (up to ``2 GROUP`` per program), 64-key K/V tiles (``_row_blocks``)."""
         _row_blocks(q_desc, do_desc, k_desc, v_desc, xq_desc, DQ, sdq_t, offsets, seq_order, dq_scale, num_heads, len_key,
-                    STAGES, SEQ_ORDER, True, SILU, False)
+                    STAGES, SEQ_ORDER, True, SILU, QBUF)
 
     # ---- the backward's dK/dV: key rows ------------------------------------------------------------------------------
 
@@ -535,7 +552,7 @@ if AVAILABLE:
             else:
                 xk_s = k_s  # not read
                 xv_s = v_s
-            ready, empty, kv_bar = _barriers(STAGES)
+            ready, empty, kv_bar = _barriers(STAGES, 1)
             # the constexpr written in each tuple: one in a tuple variable reaches the partitions as a runtime value
             gl.warp_specialize([(_dkdv_consumer0, (q_s, do_s, k_s, v_s, xk_s, xv_s, kv_bar, ready, empty, DK, DV, sdk_t,
                                                    sdv_t, start, n, j0, col, nt, scale, SILU)),
@@ -562,8 +579,9 @@ def descriptor(x: Tensor, rows: int):
 
 
 def descriptors(q: Tensor, k: Tensor, v: Tensor) -> tuple:
-    """The forward's TMA descriptors: q in 64-row tiles, k and v in 128-row tiles."""
-    return descriptor(q, BLOCK_ROWS), descriptor(k, BLOCK_KEYS), descriptor(v, BLOCK_KEYS)
+    """The forward's TMA descriptors: q in 64-row tiles, k and v in tiles of ``FORWARD_KEYS`` rows."""
+    keys = FORWARD_KEYS[q.shape[2]]
+    return descriptor(q, BLOCK_ROWS), descriptor(k, keys), descriptor(v, keys)
 
 
 def hstu_forward_gluon(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, scale: float,
@@ -574,8 +592,8 @@ def hstu_forward_gluon(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq
     order = seq_order if seq_order is not None else offsets  # SEQ_ORDER False: never read
     try:
         _hstu_fwd_gluon[grid](*descriptors(q, k, v), descriptor(out, BLOCK_ROWS), out, out.stride(0), offsets, order,
-                              scale, heads, max_seq_len, STAGES=STAGES, SEQ_ORDER=seq_order is not None,
-                              PINGPONG=q.shape[2] in PINGPONG_DIMS, num_warps=4)
+                              scale, heads, max_seq_len, STAGES=FORWARD_STAGES, SEQ_ORDER=seq_order is not None,
+                              QBUF=FORWARD_QBUF, num_warps=4)
     except Exception as e:  # a compiler or driver failure: say how to run the Triton forward instead
         raise RuntimeError(f"the Gluon HSTU attention forward failed ({type(e).__name__}: {e}); set "
                            "RECFORGE_GLUON_HSTU=0 to use the Triton forward, and please report it") from e
@@ -596,12 +614,15 @@ def hstu_backward_gluon(do: Tensor, q: Tensor, k: Tensor, v: Tensor, offsets: Te
     tiles = [descriptor(x, BLOCK_ROWS) for x in (q, do, k, v)]
     silu = pre is not None
     x_q, x_k, x_v = [descriptor(x, BLOCK_ROWS) for x in pre] if silu else tiles[:3]  # SILU False: never read
-    common = dict(STAGES=BACKWARD_STAGES[q.shape[2]], SEQ_ORDER=seq_order is not None, SILU=silu, num_warps=4)
+    d = q.shape[2]
+    common = dict(SEQ_ORDER=seq_order is not None, SILU=silu, num_warps=4)
     try:
         _hstu_bwd_dkdv_gluon[(programs(max_seq_len, False) * batch * heads,)](
-            *tiles, x_k, x_v, dk, dv, dk.stride(0), dv.stride(0), offsets, order, scale, heads, max_seq_len, **common)
+            *tiles, x_k, x_v, dk, dv, dk.stride(0), dv.stride(0), offsets, order, scale, heads, max_seq_len,
+            STAGES=DKDV_STAGES[d], **common)
         _hstu_bwd_dq_gluon[(programs(max_seq_len, True) * batch * heads,)](
-            *tiles, x_q, dq, dq.stride(0), offsets, order, dq_scale, heads, max_seq_len, **common)
+            *tiles, x_q, dq, dq.stride(0), offsets, order, dq_scale, heads, max_seq_len, STAGES=DQ_STAGES[d],
+            QBUF=DQ_QBUF[d], **common)
     except Exception as e:  # a compiler or driver failure: say how to run the Triton backward instead
         raise RuntimeError(f"the Gluon HSTU attention backward failed ({type(e).__name__}: {e}); set "
                            "RECFORGE_GLUON_HSTU=0 to use the Triton kernels, and please report it") from e
