@@ -45,6 +45,12 @@ def call_ms(run, device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def relative_error(got, expected) -> float:
+    """||got - expected|| / ||expected|| of two tensors, in float64."""
+    got, expected = got.detach().double(), expected.detach().double()
+    return float((got - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
 def kernel_header(benchmark: str, device) -> dict:
     """The common fields of a kernel benchmark's JSON: name, UTC date, device (GPU name or the CPU interpreter),
     torch and triton versions, the command line."""

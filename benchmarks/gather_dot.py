@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 import torch
-from _machine import call_ms, kernel_header
+from _machine import call_ms, kernel_header, relative_error
 
 from recforge.io import atomic_write_json
 from recforge.ops.gather_dot import gather_dot_reference
@@ -92,11 +92,6 @@ def variant_fn(variant: str):
 
         return Fused.apply
     return torch.compile(gather_dot_reference, dynamic=False) if variant == "compiled" else gather_dot_reference
-
-
-def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    got, expected = got.detach().double(), expected.detach().double()
-    return float((got - expected).norm() / expected.norm().clamp_min(1e-30))
 
 
 def expected_results(q, table, idx, grad):

@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 import torch
+from _machine import relative_error
 from attention import host_and_gpu_ms, make_lengths
 
 from recforge.io import atomic_write_json
@@ -30,10 +31,6 @@ from recforge.ops.triton import hstu_gluon as g
 from recforge.ops.triton._common import mask_args
 
 HEADS = 4
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def variants(dim: int, max_len: int) -> tuple[dict, dict]:
@@ -111,7 +108,7 @@ def main() -> None:
                     times[name].append(host_and_gpu_ms(fn, False, [], repeats=3)["gpu_ms"])
                     if name in check:
                         torch.cuda.synchronize()
-                        diffs[name] = relative(*check[name]())
+                        diffs[name] = relative_error(*check[name]())
             for name, ms in times.items():
                 row = {"dim": dim, "max_len": max_len, "variant": name, "gpu_ms": min(ms), "rounds_ms": ms,
                        "relative_difference_from_triton": diffs.get(name)}  # fmt: skip

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _machine import call_ms, kernel_header
+from _machine import call_ms, kernel_header, relative_error
 
 from recforge.io import atomic_write_json
 from recforge.ops.norm_gate import norm_gate, norm_gate_reference
@@ -57,11 +57,6 @@ def variant_fn(variant: str, p: float):
         return lambda a, u, w, b: norm_gate(a, u, w, b, eps=EPS, p=p, training=True, kernel="triton")
     chain = lambda a, u, w, b: norm_gate_reference(a, u, w, b, EPS, p, True)  # noqa: E731
     return torch.compile(chain, dynamic=False) if variant == "compiled" else chain
-
-
-def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    got, expected = got.detach().double(), expected.detach().double()
-    return float((got - expected).norm() / expected.norm().clamp_min(1e-30))
 
 
 def check(fn, inputs, width: int, p: float, autocast) -> dict:

@@ -347,6 +347,10 @@ if AVAILABLE:
         BN: gl.constexpr = k_s.shape[1]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+        if GRAD:  # the second product's B tiles: dS K or P V
+            b_s = k_s
+        else:
+            b_s = v_s
         st = g % stages
         s_tok, dp_tok = _issue_scores(q_c, do_c, k_s, v_s, ready, st, (g // stages) & 1, GRAD)
         w = _weights(s_tok, dp_tok, i_lo, 0, s_layout, a_layout, q_c.dtype, 0, GRAD)
@@ -354,20 +358,14 @@ if AVAILABLE:
         for jb in range(1, nt):
             st = (g + jb) % stages
             s_tok, dp_tok = _issue_scores(q_c, do_c, k_s, v_s, ready, st, ((g + jb) // stages) & 1, GRAD)
-            if GRAD:
-                b_t = k_s.index(prev)
-            else:
-                b_t = v_s.index(prev)
+            b_t = b_s.index(prev)
             acc = warpgroup_mma(w, b_t, acc, is_async=True)
             w_next = _weights(s_tok, dp_tok, i_lo, jb, s_layout, a_layout, q_c.dtype, 1, GRAD)  # the product may still run
             acc = warpgroup_mma_wait(0, deps=(acc, b_t, w))[0]
             mbarrier.arrive(empty.index(prev), count=1)
             w = w_next
             prev = st
-        if GRAD:
-            b_t = k_s.index(prev)
-        else:
-            b_t = v_s.index(prev)
+        b_t = b_s.index(prev)
         acc = warpgroup_mma(w, b_t, acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, b_t, w))[0]
         mbarrier.arrive(empty.index(prev), count=1)
